@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Create .venv and install rag into it. Usage: bash install.sh [dev]
+# torch is installed first, as the CPU wheel unless a GPU is present, so that
+# resolving the other requirements never pulls several GB of CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")"
+extra="${1:-}"
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip
+if ! python -c "import torch" 2>/dev/null; then
+  # On this project's machines the pip configuration resolves torch==2.13.0 to
+  # the CPU wheel on disk. Elsewhere set PIP_EXTRA_INDEX_URL to PyTorch's CPU
+  # index before running this script if the machine has no GPU.
+  python -m pip install -q "torch==2.13.0"
+fi
+if [ "$extra" = "dev" ]; then
+  python -m pip install -q -e ".[dev]"
+else
+  python -m pip install -q -e .
+fi
+python - <<'PY'
+import torch
+print(f"rag installed: torch {torch.__version__}, cuda={torch.cuda.is_available()}")
+PY

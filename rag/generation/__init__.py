@@ -1,0 +1,1 @@
+"""Turning retrieved passages into text: context formatting, marginalization, decoding."""

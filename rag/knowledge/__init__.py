@@ -1,0 +1,1 @@
+"""The non-parametric memory: corpora, text encoders, FAISS indexes, knowledge bases, retrievers."""

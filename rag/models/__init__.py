@@ -1,0 +1,1 @@
+"""Retrieval-augmented models built from a retriever and a generator."""

@@ -1,0 +1,1 @@
+"""Lightning modules, data modules and callbacks."""
