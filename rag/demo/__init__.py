@@ -1,0 +1,35 @@
+"""The bundled demo data: a real corpus (the Elements database) and QA pairs over it.
+
+See `rag/demo/README.md` for provenance and licence, and `build_elements.py` for
+how the files were made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rag.knowledge.passages import Passage
+
+DEMO_DIR = Path(__file__).resolve().parent
+CORPUS_PATH = DEMO_DIR / "elements.jsonl"
+SPLITS = ("train", "dev", "test")
+
+
+def qa_path(split: str) -> Path:
+    """Path of the demo QA split (`train`, `dev` or `test`; dev/test are held-out elements)."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown demo split {split!r}; choose one of {', '.join(SPLITS)}")
+    return DEMO_DIR / f"elements_qa_{split}.jsonl"
+
+
+def load_demo_corpus() -> list[Passage]:
+    """The 137 Elements database entries as passages (one per entry, unsplit)."""
+    with open(CORPUS_PATH, encoding="utf-8") as f:
+        return [Passage(**json.loads(line)) for line in f]
+
+
+def load_demo_qa(split: str) -> list[dict]:
+    """QA pairs of one split: dicts with `question`, `answers` (list), `type`, `element`."""
+    with open(qa_path(split), encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
