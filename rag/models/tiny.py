@@ -28,7 +28,7 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int = 1000):
     bpe.train_from_iterator(list(texts), vocab_size=vocab_size, min_frequency=1, special_tokens=BART_SPECIALS)
     vocab = dict(bpe.get_vocab())
     vocab["<mask>"] = len(vocab)
-    merges = [" ".join(m) if isinstance(m, tuple) else m for m in _bpe_merges(bpe)]
+    merges = [tuple(m) if not isinstance(m, str) else tuple(m.split(" ")) for m in _bpe_merges(bpe)]
     return BartTokenizer(vocab=vocab, merges=merges)
 
 
@@ -64,7 +64,9 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 400, w
             pad_id=0, eos_id=1, unk_id=2, bos_id=-1, model_type="unigram",
             hard_vocab_limit=False, minloglevel=2,
         )
-        return T5Tokenizer(vocab_file=str(Path(tmp) / "spm.model"), extra_ids=0, legacy=False)
+        sp = spm.SentencePieceProcessor(model_file=str(Path(tmp) / "spm.model"))
+        vocab = [(sp.id_to_piece(i), sp.get_score(i)) for i in range(sp.get_piece_size())]
+    return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
 def tiny_bart(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
