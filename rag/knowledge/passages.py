@@ -364,13 +364,15 @@ def _delimited_rows(path: Path, fields: _Fields, encoding: str, delimiter: str, 
     _enable_long_csv_fields()
     with _open_text(path, encoding) as f:
         reader = csv.reader(f, delimiter=delimiter)
-        try:
-            header = next(reader, None)
-        except csv.Error as e:
-            raise CorpusError(f"{path}:1: cannot parse the header ({e}); fix the file") from None
-        if header is None:
-            return
-        where0 = f"{path}:1 (header)"
+        header: list[str] = []
+        while not header:  # blank lines before the header are skipped
+            try:
+                header = next(reader)
+            except StopIteration:
+                return
+            except csv.Error as e:
+                raise CorpusError(f"{path}:{reader.line_num}: cannot parse the header ({e}); fix the file") from None
+        where0 = f"{path}:{reader.line_num} (header)"
         if psgs_w100:
             if header != _PSGS_W100_HEADER:
                 raise CorpusError(
