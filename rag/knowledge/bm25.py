@@ -1,0 +1,272 @@
+"""Sparse (BM25) retrieval with the same output type as dense retrieval.
+
+Tokenization (lower-casing, English stop-word removal, Snowball stemming via
+PyStemmer) and BM25 scoring come from the `bm25s` library; this module adds the
+`rag` conventions around it: passages are indexed as ``title + " " + text``,
+results are ``(B, k)`` arrays with a deterministic order (score descending, then
+row ascending, so ties and queries without any known term are reproducible),
+errors are :class:`~rag.errors.RagError` subclasses, and saving is atomic.
+
+BM25 is the sparse baseline of the RAG paper (Lewis et al. 2020, §4.1/Table 6) and
+the retriever of In-Context RALM (Ram et al. 2023, §3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Callable, Optional, Sequence, Union
+
+import numpy as np
+import torch
+
+from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
+from rag.io import atomic_directory, atomic_write_json
+from rag.knowledge.passages import Passage
+from rag.knowledge.retriever import Retrieved
+
+SETTINGS_FILE = "rag_bm25.json"
+BM25S_DIR = "bm25s"
+FORMAT = 1
+
+PassageLookup = Callable[[np.ndarray], "list[list[Passage]]"]
+
+
+def passage_text(p: Passage) -> str:
+    """The text BM25 indexes for a passage: its title, a space, its text."""
+    return f"{p.title} {p.text}" if p.title else p.text
+
+
+def _stemmer(name: Optional[str]):
+    if name is None:
+        return None
+    import Stemmer
+
+    try:
+        return Stemmer.Stemmer(name)
+    except (KeyError, ValueError) as e:
+        raise ConfigError(f"stemmer={name!r} is not a PyStemmer algorithm; choose one of {Stemmer.algorithms()} or None") from e
+
+
+def _check_queries(queries: Sequence[str]) -> list[str]:
+    if isinstance(queries, str):
+        raise RagError("queries must be a sequence of strings, got a single string; wrap it in a list")
+    items = list(queries)
+    for i, q in enumerate(items):
+        if not isinstance(q, str):
+            raise RagError(f"queries[{i}] is a {type(q).__name__}, not a string")
+    return items
+
+
+def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k best of ``(N,)`` scores: ``(k,)`` scores and ``(k,)`` int64 rows, ordered by
+    score descending, ties broken by the lower row. O(N) selection plus O(k log k)."""
+    n = scores.shape[0]
+    if k >= n:
+        cand = np.arange(n)
+    else:
+        threshold = np.partition(scores, n - k)[n - k]  # the k-th largest score
+        above = np.flatnonzero(scores > threshold)
+        ties = np.flatnonzero(scores == threshold)[: k - above.size]
+        cand = np.concatenate([above, ties])
+    order = np.lexsort((cand, -scores[cand]))
+    rows = cand[order].astype(np.int64)
+    return scores[rows].astype(np.float32), rows
+
+
+class BM25Index:
+    """A BM25 index over N passages (rows ``0..N-1`` in corpus order).
+
+    Build with :meth:`build`, query with :meth:`search`, persist with
+    :meth:`save` / :meth:`load`.
+    """
+
+    def __init__(self, bm25, *, k1: float, b: float, stemmer: Optional[str], stopwords: Optional[str], num_docs: int):
+        self._bm25 = bm25
+        self.k1 = float(k1)
+        self.b = float(b)
+        self.stemmer_name = stemmer
+        self.stopwords = stopwords
+        self._num_docs = int(num_docs)
+        self._stemmer = _stemmer(stemmer)
+
+    # ------------------------------------------------------------------ build
+    @classmethod
+    def build(
+        cls,
+        passages: Sequence[Passage],
+        *,
+        k1: float = 0.9,
+        b: float = 0.4,
+        stemmer: str | None = "english",
+        stopwords: str | None = "en",
+        show_progress: bool = True,
+    ) -> "BM25Index":
+        """Index each passage's title and text (see :func:`passage_text`).
+
+        Defaults k1=0.9, b=0.4 are Pyserini's (Anserini's) BM25 settings. `stemmer`
+        is a PyStemmer algorithm name or None; `stopwords` a bm25s stop-word list
+        name ("en", "de", ...) or None.
+        """
+        import bm25s
+
+        passages = list(passages)
+        if not passages:
+            raise CorpusError("cannot build a BM25 index over an empty corpus; give at least one passage")
+        for i, p in enumerate(passages):
+            if not isinstance(p, Passage):
+                raise CorpusError(f"passages[{i}] is a {type(p).__name__}, not a Passage")
+        if not (isinstance(k1, (int, float)) and k1 >= 0 and isinstance(b, (int, float)) and 0 <= b <= 1):
+            raise ConfigError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1!r}, b={b!r}")
+        index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages))
+        tokens = index._tokenize([passage_text(p) for p in passages], show_progress)
+        bm25 = bm25s.BM25(k1=float(k1), b=float(b))
+        bm25.index(tokens, show_progress=show_progress)
+        index._bm25 = bm25
+        return index
+
+    def _tokenize(self, texts: list[str], show_progress: bool = False) -> list[list[str]]:
+        import bm25s
+
+        try:
+            return bm25s.tokenize(
+                texts, stopwords=self.stopwords, stemmer=self._stemmer, return_ids=False, show_progress=show_progress
+            )
+        except ValueError as e:  # unknown stop-word list name
+            raise ConfigError(f"stopwords={self.stopwords!r}: {e}") from e
+
+    def __len__(self) -> int:
+        return self._num_docs
+
+    # ------------------------------------------------------------------ search
+    def search(self, queries: Sequence[str], k: int, *, show_progress: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k passages for each of B queries.
+
+        Returns ``scores`` ``(B, k)`` float32 (best first) and ``rows`` ``(B, k)`` int64.
+        Equal scores are ordered by row; a query with no indexed term scores 0
+        everywhere and gets rows ``0..k-1``.
+        """
+        from tqdm.auto import tqdm
+
+        queries = _check_queries(queries)
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= self._num_docs:
+            raise RagError(f"k must be an integer in [1, {self._num_docs}] (the number of indexed passages), got {k!r}")
+        k = int(k)
+        scores = np.zeros((len(queries), k), dtype=np.float32)
+        rows = np.zeros((len(queries), k), dtype=np.int64)
+        if not queries:
+            return scores, rows
+        tokens = self._tokenize(queries)
+        for i, toks in enumerate(tqdm(tokens, desc="BM25 search", unit="query", disable=not show_progress)):
+            ids = self._bm25.get_tokens_ids(toks)
+            if ids:
+                full = np.asarray(self._bm25.get_scores_from_ids(ids), dtype=np.float32)
+            else:
+                full = np.zeros(self._num_docs, dtype=np.float32)
+            scores[i], rows[i] = top_k(full, k)
+        return scores, rows
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write the index to `directory` atomically (built in a temporary sibling,
+        then renamed). An existing directory is replaced only with `overwrite`."""
+        import bm25s
+
+        with atomic_directory(directory, overwrite=overwrite) as tmp:
+            self._bm25.save(tmp / BM25S_DIR, show_progress=False)
+            atomic_write_json(tmp / SETTINGS_FILE, {
+                "format": FORMAT,
+                "k1": self.k1,
+                "b": self.b,
+                "stemmer": self.stemmer_name,
+                "stopwords": self.stopwords,
+                "num_docs": self._num_docs,
+                "bm25s_version": bm25s.__version__,
+            })
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike, *, mmap: bool = False) -> "BM25Index":
+        """Open an index written by :meth:`save` (`mmap`: memory-map the score arrays)."""
+        import bm25s
+
+        directory = Path(directory)
+        settings_file = directory / SETTINGS_FILE
+        if not settings_file.is_file():
+            raise KnowledgeBaseError(f"{directory} is not a BM25 index directory ({SETTINGS_FILE} missing); build one with BM25Index.build(...).save(...)")
+        try:
+            s = json.loads(settings_file.read_text(encoding="utf-8"))
+            if s.get("format") != FORMAT:
+                raise KnowledgeBaseError(f"{settings_file}: format {s.get('format')!r} is not {FORMAT}; rebuild the index")
+            bm25 = bm25s.BM25.load(directory / BM25S_DIR, mmap=mmap, load_corpus=False, show_progress=False)
+            num_docs = int(s["num_docs"])
+            index = cls(bm25, k1=s["k1"], b=s["b"], stemmer=s["stemmer"], stopwords=s["stopwords"], num_docs=num_docs)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            if isinstance(e, RagError):
+                raise
+            raise KnowledgeBaseError(f"cannot load the BM25 index in {directory}: {e!r}; rebuild it") from e
+        if bm25.scores.get("num_docs") != num_docs:
+            raise KnowledgeBaseError(
+                f"{directory}: {SETTINGS_FILE} says {num_docs} passages but the bm25s index has "
+                f"{bm25.scores.get('num_docs')}; rebuild the index"
+            )
+        return index
+
+
+class BM25Retriever:
+    """Sparse retriever returning :class:`~rag.knowledge.retriever.Retrieved` with
+    ``doc_embeds=None`` (BM25 scores are not differentiable).
+
+    Args:
+        index: the BM25 index.
+        passages: either the passages in index row order (any sequence supporting
+            ``len`` and integer indexing), or a callable mapping a ``(B, K)`` int64
+            row array to B lists of K passages (e.g. a knowledge base's lookup).
+        kb_version: reported in every result's ``kb_version``.
+    """
+
+    def __init__(
+        self,
+        index: BM25Index,
+        passages: Union[PassageLookup, Sequence[Passage]],
+        kb_version: str = "bm25",
+    ) -> None:
+        if not isinstance(index, BM25Index):
+            raise ConfigError(f"index must be a BM25Index, got {type(index).__name__}")
+        self.index = index
+        self.kb_version = str(kb_version)
+        if callable(passages) and not isinstance(passages, Sequence):
+            self._lookup: PassageLookup = passages
+        else:
+            if not hasattr(passages, "__getitem__") or not hasattr(passages, "__len__"):
+                raise ConfigError("passages must be a sequence of Passage or a callable mapping (B, K) rows to passages")
+            if len(passages) != len(index):
+                raise KnowledgeBaseError(
+                    f"{len(passages)} passages given for a BM25 index over {len(index)}; "
+                    "pass the passages the index was built from, in the same order"
+                )
+            seq = passages
+            self._lookup = lambda rows: [[seq[int(r)] for r in row] for row in rows]
+
+    @classmethod
+    def from_passages(cls, passages: Sequence[Passage], *, kb_version: str = "bm25", **build_kw) -> "BM25Retriever":
+        """Build an index over `passages` (keywords as :meth:`BM25Index.build`) and wrap it."""
+        passages = list(passages)
+        return cls(BM25Index.build(passages, **build_kw), passages, kb_version=kb_version)
+
+    def retrieve(self, queries: Sequence[str], k: int) -> Retrieved:
+        """Top-k passages for B queries: rows/scores ``(B, k)``, passages B×k, no embeddings."""
+        scores, rows = self.index.search(queries, k)
+        passages = self._lookup(rows)
+        if len(passages) != rows.shape[0] or any(len(p) != rows.shape[1] for p in passages):
+            raise KnowledgeBaseError(
+                f"the passage lookup returned {[len(p) for p in passages]} passages per query for rows of shape "
+                f"{tuple(rows.shape)}; it must return B lists of K passages"
+            )
+        return Retrieved(
+            rows=torch.from_numpy(rows),
+            scores=torch.from_numpy(scores),
+            passages=[list(p) for p in passages],
+            doc_embeds=None,
+            kb_version=self.kb_version,
+        )

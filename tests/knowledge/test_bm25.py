@@ -1,0 +1,153 @@
+"""BM25Index / BM25Retriever: lexical ranking, parity with bm25s, persistence, edge cases."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
+from rag.knowledge.bm25 import BM25Index, BM25Retriever, passage_text, top_k
+from rag.knowledge.passages import Passage
+from rag.knowledge.retriever import Retrieved
+
+CORPUS = [
+    Passage("p0", "Hydrogen", "The lightest element; stars such as the Sun are made mostly of it."),
+    Passage("p1", "Helium", "A noble gas that fills party balloons and airships because it is lighter than air."),
+    Passage("p2", "Carbon", "Forms diamond and graphite and is the backbone of organic molecules."),
+    Passage("p3", "Oxygen", "Makes up about a fifth of the atmosphere; animals breathe it to live."),
+    Passage("p4", "Iron", "The main component of steel; haemoglobin in blood carries oxygen with it."),
+    Passage("p5", "Gold", "A soft yellow precious metal prized for jewellery and coins."),
+    Passage("p6", "Mercury", "The only metal that is liquid at room temperature, once used in thermometers."),
+    Passage("p7", "Uranium", "A radioactive metal whose nuclei are split in nuclear power stations."),
+    Passage("p8", "Sodium", "Reacts violently with water; with chlorine it forms table salt."),
+    Passage("p9", "Silicon", "The semiconductor from which computer chips and solar panels are manufactured."),
+]
+
+
+@pytest.fixture(scope="module")
+def index() -> BM25Index:
+    return BM25Index.build(CORPUS, show_progress=False)
+
+
+def test_lexical_match_ranks_first(index):
+    queries = [
+        "which metal was used in a thermometer",   # stemming: thermometer ~ thermometers
+        "what are microchips and computer chip made of",
+        "balloons",
+        "table salt and chlorine",
+        "diamonds",
+        "gold",                                      # title only: the title is indexed too
+    ]
+    scores, rows = index.search(queries, k=3)
+    assert scores.shape == rows.shape == (len(queries), 3)
+    assert scores.dtype == np.float32 and rows.dtype == np.int64
+    assert rows[:, 0].tolist() == [6, 9, 1, 8, 2, 5]
+    assert (np.diff(scores, axis=1) <= 0).all()
+    assert (scores[:, 0] > 0).all()
+
+
+def test_scores_match_bm25s_directly(index):
+    import bm25s
+    import Stemmer
+
+    stemmer = Stemmer.Stemmer("english")
+    ref = bm25s.BM25(k1=0.9, b=0.4)
+    ref.index(bm25s.tokenize([passage_text(p) for p in CORPUS], stopwords="en", stemmer=stemmer,
+                             show_progress=False), show_progress=False)
+    queries = ["radioactive metal in power stations", "the gas animals breathe"]
+    q_tok = bm25s.tokenize(queries, stopwords="en", stemmer=stemmer, show_progress=False)
+    ref_rows, ref_scores = ref.retrieve(q_tok, k=4, show_progress=False)
+    scores, rows = index.search(queries, k=4)
+    np.testing.assert_allclose(scores, ref_scores, rtol=1e-6)
+    assert rows[:, 0].tolist() == ref_rows[:, 0].tolist() == [7, 3]
+
+
+def test_save_load_round_trip(index, tmp_path):
+    queries = ["metal coins", "nuclear power", "zzzz unknownword", "oxygen in blood"]
+    before = index.search(queries, k=5)
+    index.save(tmp_path / "bm25")
+    assert [p.name for p in tmp_path.iterdir()] == ["bm25"]  # no temporary directory left behind
+    back = BM25Index.load(tmp_path / "bm25")
+    assert len(back) == len(index) == 10
+    assert (back.k1, back.b, back.stemmer_name, back.stopwords) == (0.9, 0.4, "english", "en")
+    after = back.search(queries, k=5)
+    np.testing.assert_array_equal(before[0], after[0])
+    np.testing.assert_array_equal(before[1], after[1])
+    mm = BM25Index.load(tmp_path / "bm25", mmap=True).search(queries, k=5)
+    np.testing.assert_array_equal(before[1], mm[1])
+    with pytest.raises(FileExistsError):
+        index.save(tmp_path / "bm25")
+    index.save(tmp_path / "bm25", overwrite=True)
+    with pytest.raises(KnowledgeBaseError, match="rag_bm25.json"):
+        BM25Index.load(tmp_path)
+
+
+def test_queries_without_known_terms_return_k_zero_rows(index):
+    scores, rows = index.search(["xylophone quasar", "", "the of and is", "!!!"], k=4)
+    assert scores.shape == (4, 4)
+    assert (scores == 0).all()
+    assert (rows == np.arange(4)).all()  # ties broken by row
+    s, r = index.search([], k=2)
+    assert s.shape == r.shape == (0, 2)
+
+
+def test_ties_are_broken_by_row():
+    dup = [Passage("a", "", "copper wire"), Passage("b", "", "zinc"), Passage("c", "", "copper wire")]
+    scores, rows = BM25Index.build(dup, show_progress=False).search(["copper"], k=3)
+    assert rows[0].tolist() == [0, 2, 1] and scores[0, 0] == scores[0, 1] > scores[0, 2] == 0
+
+
+def test_top_k_against_argsort():
+    rng = np.random.default_rng(0)
+    s = rng.integers(0, 5, size=200).astype(np.float32)  # many ties
+    for k in (1, 7, 200):
+        vals, rows = top_k(s, k)
+        ref = np.lexsort((np.arange(200), -s))[:k]
+        assert rows.tolist() == ref.tolist() and np.array_equal(vals, s[ref])
+
+
+def test_bad_arguments(index):
+    for k in (0, -1, 11, 2.0, True, None):
+        with pytest.raises(RagError, match=r"k must be"):
+            index.search(["gold"], k=k)
+    _, rows = index.search(["gold"], k=10)
+    assert sorted(rows[0].tolist()) == list(range(10))
+    with pytest.raises(RagError, match="single string"):
+        index.search("gold", k=1)
+    with pytest.raises(RagError, match=r"queries\[1\]"):
+        index.search(["gold", 3], k=1)
+    with pytest.raises(CorpusError, match="empty"):
+        BM25Index.build([], show_progress=False)
+    with pytest.raises(ConfigError, match="stemmer"):
+        BM25Index.build(CORPUS, stemmer="klingon", show_progress=False)
+    with pytest.raises(ConfigError, match="stopwords"):
+        BM25Index.build(CORPUS, stopwords="klingon", show_progress=False)
+
+
+def test_retriever_returns_retrieved_with_aligned_passages(index):
+    r = BM25Retriever(index, CORPUS, kb_version="v1")
+    out = r.retrieve(["liquid metal", "solar panels"], k=2)
+    assert isinstance(out, Retrieved)
+    assert out.rows.dtype == torch.int64 and out.scores.dtype == torch.float32
+    assert (out.batch_size, out.k) == (2, 2)
+    assert out.doc_embeds is None and out.kb_version == "v1"
+    assert [[p.id for p in row] for row in out.passages] == [[f"p{int(i)}" for i in row] for row in out.rows]
+    assert out.passages[0][0].title == "Mercury" and out.passages[1][0].title == "Silicon"
+
+
+def test_retriever_with_callable_lookup_and_from_passages(index):
+    seen = []
+
+    def lookup(rows: np.ndarray):
+        seen.append(rows.shape)
+        return [[CORPUS[i] for i in row] for row in rows]
+
+    a = BM25Retriever(index, lookup).retrieve(["steel"], k=3)
+    b = BM25Retriever.from_passages(CORPUS, show_progress=False).retrieve(["steel"], k=3)
+    assert seen == [(1, 3)]
+    assert torch.equal(a.rows, b.rows) and a.passages == b.passages and a.passages[0][0].title == "Iron"
+    with pytest.raises(KnowledgeBaseError, match="same order"):
+        BM25Retriever(index, CORPUS[:5])
+    with pytest.raises(KnowledgeBaseError, match="B lists of K"):
+        BM25Retriever(index, lambda rows: [[CORPUS[0]]]).retrieve(["steel"], k=3)
