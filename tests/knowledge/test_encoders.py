@@ -253,6 +253,10 @@ def test_dpr_question_encoder_returns_pooler_output(tiny_dpr_q_dir):
         expected = ref_model(**batch).pooler_output
     got = enc.encode(TINY_TEXTS, batch_size=3, show_progress=False)
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-5)
+    # without a projection DPR's pooler_output is the [CLS] state, so "cls" pooling agrees
+    assert ref_model.config.projection_dim == 0
+    cls = TextEncoder(tiny_dpr_q_dir, pooling="cls").encode(TINY_TEXTS, show_progress=False)
+    np.testing.assert_allclose(cls, got, atol=1e-5)
 
 
 def test_dpr_role_and_passage_pairs(tmp_path, wordpiece):
