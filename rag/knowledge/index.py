@@ -1,0 +1,557 @@
+"""FAISS index specs for a knowledge base: build, save, load (mmap) and search.
+
+Four kinds of index cover the trade-offs between exactness, speed and memory:
+
+* ``flat``: exact (brute-force) search, 4·D bytes per vector. The reference.
+* ``hnsw``: HNSW graph over the full float32 vectors (Malkov & Yashunin 2018).
+  Approximate, tens of times faster than exact search on large corpora.
+* ``hnsw_sq8``: the same graph over 8-bit scalar-quantised vectors: ~1/3 of the
+  memory of ``hnsw`` at a small cost in recall.
+* ``ivf_pq``: inverted file + product quantisation (Jégou et al. 2011): the smallest
+  index (``pq_m`` bytes per vector), for corpora that do not fit in memory otherwise.
+
+Maximum inner product search (``metric="ip"``, the RAG/DPR retrieval score) uses
+faiss's native inner-product HNSW. The alternative, DPR's reduction to L2 search
+(Bachrach et al. 2014; Karpukhin et al. 2020, §3.1: augment each vector with
+``sqrt(M² - |x|²)`` and queries with 0), was measured and rejected: equal recall on
+normalised embeddings, and far lower recall on unnormalised ones (recall@10 0.71 vs
+0.996 at ef_search=64, N=20k, D=768; benchmarks/README_index.md), because the
+augmented queries lie far off the data manifold the graph was built on.
+
+Indexes are immutable once built (a knowledge-base directory is never modified in
+place): build a new one rather than calling ``index.add`` on a loaded one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Literal, Optional
+
+import faiss
+import numpy as np
+from tqdm.auto import tqdm
+
+from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
+from rag.io import fsync_dir
+
+__all__ = [
+    "IndexSpec",
+    "build_index",
+    "write_index",
+    "read_index",
+    "search_index",
+    "bytes_per_vector",
+    "faiss_threads",
+    "INDEX_KINDS",
+    "METRICS",
+]
+
+INDEX_KINDS = ("flat", "hnsw", "hnsw_sq8", "ivf_pq")
+METRICS = ("ip", "l2")
+
+# Which spec fields mean something for each kind (``parse`` rejects the others).
+_KIND_KEYS = {
+    "flat": ("metric",),
+    "hnsw": ("metric", "m", "ef_construction", "ef_search"),
+    "hnsw_sq8": ("metric", "m", "ef_construction", "ef_search"),
+    "ivf_pq": ("metric", "nlist", "pq_m", "pq_nbits", "nprobe"),
+}
+_NULLABLE = ("nlist", "pq_m")
+
+_ADD_CHUNK = 16_384  # rows per faiss add() call (one progress-bar step)
+_TRAIN_SAMPLE_SQ = 100_000  # rows used to train the 8-bit scalar quantiser
+_TRAIN_POINTS_PER_LIST = 64  # rows per IVF list used to train the coarse k-means
+_MIN_POINTS_PER_LIST = 39  # faiss's k-means warns below this many rows per centroid
+_SEED = 1234
+
+
+@dataclass
+class IndexSpec:
+    """How to index a knowledge base's embeddings.
+
+    ``parse("hnsw_sq8:m=48,ef_search=256")`` reads the compact string form used on
+    the command line; :meth:`to_dict` / :meth:`from_dict` are the form stored in a
+    knowledge base's manifest.
+    """
+
+    kind: Literal["flat", "hnsw", "hnsw_sq8", "ivf_pq"] = "hnsw"
+    """Index type: flat (exact), hnsw, hnsw_sq8 (8-bit vectors) or ivf_pq (compressed)."""
+    metric: Literal["ip", "l2"] = "ip"
+    """Similarity: ip = inner product (RAG/DPR); l2 = Euclidean (scores are -|q-x|²)."""
+    m: int = 32
+    """HNSW graph degree (neighbours per node; level 0 keeps 2·m)."""
+    ef_construction: int = 80
+    """HNSW candidate-list size while building: higher = better graph, slower build."""
+    ef_search: int = 128
+    """HNSW candidate-list size while searching (raised to k when smaller)."""
+    nlist: Optional[int] = None
+    """IVF lists; None = round(4·sqrt(N)) clamped so every list trains on ≥ 39 vectors."""
+    pq_m: Optional[int] = None
+    """PQ sub-quantisers (bytes per vector at 8 bits); must divide D. None = D/8 (or nearest divisor)."""
+    pq_nbits: int = 8
+    """Bits per PQ sub-quantiser code."""
+    nprobe: int = 32
+    """IVF lists visited per query."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError naming the first invalid field and its valid values."""
+        if self.kind not in INDEX_KINDS:
+            raise ConfigError(
+                f"index kind {self.kind!r} is not one of {', '.join(INDEX_KINDS)}"
+            )
+        if self.metric not in METRICS:
+            raise ConfigError(f"index metric {self.metric!r} is not one of {', '.join(METRICS)}")
+        for name, low, high in (
+            ("m", 2, 512),
+            ("ef_construction", 1, 1 << 16),
+            ("ef_search", 1, 1 << 16),
+            ("pq_nbits", 1, 16),
+            ("nprobe", 1, 1 << 20),
+        ):
+            _check_int(name, getattr(self, name), low, high)
+        if self.nlist is not None:
+            _check_int("nlist", self.nlist, 1, 1 << 24)
+        if self.pq_m is not None:
+            _check_int("pq_m", self.pq_m, 1, 1 << 16)
+
+    def to_dict(self) -> dict:
+        """All fields as a JSON-serialisable dict (the manifest form)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "IndexSpec":
+        """Inverse of :meth:`to_dict`; missing keys take defaults, unknown keys raise ConfigError."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"an index spec must be a dict, got {type(d).__name__}")
+        valid = [f.name for f in dataclasses.fields(cls)]
+        for key in d:
+            if key not in valid:
+                raise ConfigError(
+                    f"unknown index spec key {key!r}; valid keys: {', '.join(valid)}"
+                )
+        return cls(**d)
+
+    @classmethod
+    def parse(cls, s: str) -> "IndexSpec":
+        """Read ``"kind[:key=value,...]"``, e.g. ``"hnsw"``, ``"ivf_pq:nlist=1024,pq_m=64"``."""
+        if not isinstance(s, str) or not s.strip():
+            raise ConfigError(
+                f"empty index spec {s!r}; expected kind[:key=value,...] with kind one of "
+                f"{', '.join(INDEX_KINDS)}"
+            )
+        kind, _, rest = s.strip().partition(":")
+        kind = kind.strip()
+        if kind not in INDEX_KINDS:
+            raise ConfigError(
+                f"index spec {s!r}: unknown kind {kind!r}; valid kinds: {', '.join(INDEX_KINDS)}"
+            )
+        allowed = _KIND_KEYS[kind]
+        values: dict[str, Any] = {"kind": kind}
+        for item in filter(None, (p.strip() for p in rest.split(","))):
+            key, eq, raw = (t.strip() for t in item.partition("="))
+            if not eq or not raw:
+                raise ConfigError(f"index spec {s!r}: {item!r} is not of the form key=value")
+            if key not in allowed:
+                raise ConfigError(
+                    f"index spec {s!r}: key {key!r} does not apply to kind {kind!r}; "
+                    f"valid keys: {', '.join(allowed)}"
+                )
+            if key in values:
+                raise ConfigError(f"index spec {s!r}: key {key!r} is given twice")
+            if key == "metric":
+                values[key] = raw
+            elif key in _NULLABLE and raw.lower() in ("none", "auto"):
+                values[key] = None
+            else:
+                try:
+                    values[key] = int(raw)
+                except ValueError:
+                    hint = " (or 'auto')" if key in _NULLABLE else ""
+                    raise ConfigError(
+                        f"index spec {s!r}: {key}={raw!r} is not an integer{hint}"
+                    ) from None
+        return cls(**values)
+
+    def to_string(self) -> str:
+        """The compact form :meth:`parse` reads, listing only the keys that apply to the kind."""
+        keys = [k for k in _KIND_KEYS[self.kind]]
+        parts = []
+        for k in keys:
+            v = getattr(self, k)
+            parts.append(f"{k}={'auto' if v is None else v}")
+        return f"{self.kind}:{','.join(parts)}" if parts else self.kind
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+def _check_int(name: str, value: Any, low: int, high: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise ConfigError(f"index spec field {name}={value!r} must be an integer in [{low}, {high}]")
+    if not low <= value <= high:
+        raise ConfigError(f"index spec field {name}={value} is out of range [{low}, {high}]")
+
+
+# --------------------------------------------------------------------------- threads
+
+
+@contextlib.contextmanager
+def faiss_threads(n: Optional[int]) -> Iterator[None]:
+    """Run the block with faiss (OpenMP) using `n` threads, restoring the previous count.
+
+    ``None`` leaves faiss's setting untouched. OpenMP's thread count is process-wide:
+    do not nest this in concurrently running threads with different values.
+    """
+    if n is None:
+        yield
+        return
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
+        raise ConfigError(f"threads={n!r} must be a positive integer or None (faiss default)")
+    old = faiss.omp_get_max_threads()
+    faiss.omp_set_num_threads(int(n))
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(old)
+
+
+# --------------------------------------------------------------------------- build
+
+
+def _check_matrix(x: Any, what: str, dim: Optional[int] = None) -> np.ndarray:
+    """Validate a (N, D) float32 matrix of finite values; return it C-contiguous."""
+    if not isinstance(x, np.ndarray):
+        raise RagError(f"{what} must be a numpy array of shape (N, D), got {type(x).__name__}")
+    if x.ndim != 2:
+        raise RagError(f"{what} must have shape (N, D), got shape {tuple(x.shape)}")
+    if x.dtype != np.float32:
+        raise RagError(f"{what} must be float32, got {x.dtype}; convert with .astype(np.float32)")
+    if x.shape[1] == 0:
+        raise RagError(f"{what} has dimension 0")
+    if dim is not None and x.shape[1] != dim:
+        raise RagError(f"{what} have dimension {x.shape[1]} but the index has dimension {dim}")
+    for start in range(0, x.shape[0], _ADD_CHUNK):
+        block = x[start : start + _ADD_CHUNK]
+        if not np.isfinite(block).all():
+            bad = start + int(np.argwhere(~np.isfinite(block))[0, 0])
+            raise RagError(f"{what} row {bad} contains NaN or inf; fix or drop that row")
+    return np.ascontiguousarray(x)
+
+
+def _auto_nlist(n: int) -> int:
+    return int(max(1, min(round(4 * np.sqrt(n)), n // _MIN_POINTS_PER_LIST)))
+
+
+def _auto_pq_m(d: int) -> int:
+    """Sub-quantisers of ~8 dimensions each: the divisor of d closest to d/8."""
+    divisors = [m for m in range(1, d + 1) if d % m == 0]
+    return min(divisors, key=lambda m: (abs(d / m - 8), -m))
+
+
+def _faiss_metric(spec: IndexSpec) -> int:
+    return faiss.METRIC_INNER_PRODUCT if spec.metric == "ip" else faiss.METRIC_L2
+
+
+def _sample_rows(n: int, size: int) -> np.ndarray:
+    if size >= n:
+        return np.arange(n)
+    return np.sort(np.random.default_rng(_SEED).choice(n, size=size, replace=False))
+
+
+def _hnsw_core(spec: IndexSpec, d: int, metric: int) -> faiss.Index:
+    if spec.kind == "hnsw":
+        core = faiss.IndexHNSWFlat(d, spec.m, metric)
+    else:
+        core = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_8bit, spec.m, metric)
+    core.hnsw.efConstruction = spec.ef_construction
+    core.hnsw.efSearch = spec.ef_search
+    return core
+
+
+def _add_chunks(index: faiss.Index, x: np.ndarray, transform, desc: str, show: bool) -> None:
+    with tqdm(total=x.shape[0], desc=desc, unit="vec", disable=not show, leave=False) as bar:
+        for start in range(0, x.shape[0], _ADD_CHUNK):
+            block = transform(x[start : start + _ADD_CHUNK])
+            index.add(block)
+            bar.update(block.shape[0])
+
+
+def _build_hnsw(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
+    index = _hnsw_core(spec, x.shape[1], _faiss_metric(spec))
+    if spec.kind == "hnsw_sq8":
+        index.train(_sq_training_rows(x))
+    _add_chunks(index, x, lambda b: b, f"index {spec.kind}", show)
+    return index
+
+
+def _sq_training_rows(x: np.ndarray) -> np.ndarray:
+    """A random sample plus, per dimension, the rows holding its min and max.
+
+    The 8-bit quantiser learns a [min, max] range per dimension from its training
+    rows and clips values outside it; including the extreme rows makes the range
+    cover every vector of the corpus.
+    """
+    n = x.shape[0]
+    lo_rows, hi_rows, lo, hi = [], [], None, None
+    lo_idx = hi_idx = None
+    for s in range(0, n, _ADD_CHUNK):
+        block = x[s : s + _ADD_CHUNK]
+        bmin, bmax = block.min(axis=0), block.max(axis=0)
+        amin, amax = block.argmin(axis=0) + s, block.argmax(axis=0) + s
+        if lo is None:
+            lo, hi, lo_idx, hi_idx = bmin, bmax, amin, amax
+        else:
+            take_lo, take_hi = bmin < lo, bmax > hi
+            lo = np.where(take_lo, bmin, lo)
+            hi = np.where(take_hi, bmax, hi)
+            lo_idx = np.where(take_lo, amin, lo_idx)
+            hi_idx = np.where(take_hi, amax, hi_idx)
+    rows = np.union1d(_sample_rows(n, _TRAIN_SAMPLE_SQ), np.concatenate([lo_idx, hi_idx]))
+    return np.ascontiguousarray(x[rows])
+
+
+def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
+    n, d = x.shape
+    nlist = spec.nlist if spec.nlist is not None else _auto_nlist(n)
+    pq_m = spec.pq_m if spec.pq_m is not None else _auto_pq_m(d)
+    if d % pq_m:
+        raise ConfigError(
+            f"ivf_pq: pq_m={pq_m} does not divide the dimension {d}; choose a divisor of {d} "
+            f"(e.g. pq_m={_auto_pq_m(d)}) or pq_m=auto"
+        )
+    need = max(nlist, 1 << spec.pq_nbits)
+    if n < need:
+        raise RagError(
+            f"ivf_pq cannot train on {n} vectors: nlist={nlist} lists and pq_nbits={spec.pq_nbits} "
+            f"({1 << spec.pq_nbits} centroids per sub-quantiser) need at least {need}. "
+            f"Use a smaller nlist/pq_nbits (e.g. 'ivf_pq:nlist={max(1, n // _MIN_POINTS_PER_LIST)}"
+            f",pq_nbits={max(1, int(np.log2(max(n, 2))))}') or, for a corpus this small, "
+            f"kind 'flat' or 'hnsw'"
+        )
+    metric = _faiss_metric(spec)
+    quantizer = faiss.IndexFlatIP(d) if spec.metric == "ip" else faiss.IndexFlatL2(d)
+    index = faiss.IndexIVFPQ(quantizer, d, nlist, pq_m, spec.pq_nbits, metric)
+    index.cp.seed = _SEED
+    index.pq.cp.seed = _SEED
+    index.nprobe = min(spec.nprobe, nlist)
+    train = x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, 64 << spec.pq_nbits))]
+    index.train(np.ascontiguousarray(train))
+    del train
+    _add_chunks(index, x, lambda b: b, "index ivf_pq", show)
+    return index
+
+
+def build_index(
+    vectors: np.ndarray,
+    spec: IndexSpec,
+    *,
+    threads: Optional[int] = None,
+    show_progress: bool = True,
+) -> faiss.Index:
+    """Build an index over `vectors` ``(N, D)`` float32; row i of `vectors` is id i.
+
+    Trains the quantisers where the kind needs it (hnsw_sq8, ivf_pq), then adds the
+    vectors in chunks with a progress bar. `threads` bounds faiss's OpenMP threads
+    for the build (None = faiss default). The result's ``d`` is D for every kind.
+    """
+    if not isinstance(spec, IndexSpec):
+        raise ConfigError(f"spec must be an IndexSpec, got {type(spec).__name__}")
+    spec.validate()
+    x = _check_matrix(vectors, "vectors")
+    if x.shape[0] == 0:
+        raise RagError("cannot build an index over 0 vectors; the corpus is empty")
+    with faiss_threads(threads):
+        if spec.kind == "flat":
+            index = faiss.IndexFlatIP(x.shape[1]) if spec.metric == "ip" else faiss.IndexFlatL2(x.shape[1])
+            _add_chunks(index, x, lambda b: b, "index flat", show_progress)
+        elif spec.kind in ("hnsw", "hnsw_sq8"):
+            index = _build_hnsw(x, spec, show_progress)
+        else:
+            index = _build_ivf_pq(x, spec, show_progress)
+    return index
+
+
+# --------------------------------------------------------------------------- IO
+
+
+def write_index(index: faiss.Index, path: str | os.PathLike) -> None:
+    """Write `index` to `path` atomically (temporary file in the same directory, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        faiss.write_index(index, tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def read_index(path: str | os.PathLike, *, mmap: bool = True) -> faiss.Index:
+    """Load an index written by :func:`write_index`.
+
+    With ``mmap=True`` the vector/code arrays are memory-mapped read-only (faiss
+    ``IO_FLAG_MMAP_IFC | IO_FLAG_READ_ONLY``) instead of copied: loading is instant
+    and processes share the page cache. The file must then not be modified in place
+    while the index is in use (atomic replacement, as write_index does, is safe).
+    A truncated or corrupt file raises IntegrityError naming the path.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise KnowledgeBaseError(f"index file {path} does not exist; rebuild the knowledge base index")
+    flags = (faiss.IO_FLAG_MMAP_IFC | faiss.IO_FLAG_READ_ONLY) if mmap else 0
+    try:
+        index = faiss.read_index(str(path), flags)
+    except (RuntimeError, MemoryError, ValueError, TypeError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise IntegrityError(
+            f"index file {path} is truncated or corrupt ({first[:200]}); rebuild the index"
+        ) from None
+    problem = _structural_problem(index)
+    if problem:
+        raise IntegrityError(f"index file {path} is corrupt ({problem}); rebuild the index")
+    return index
+
+
+def _structural_problem(index: faiss.Index) -> Optional[str]:
+    """Cheap consistency checks that keep a corrupt (but parseable) file from crashing search."""
+    n = index.ntotal
+    if n < 0 or index.d <= 0:
+        return f"ntotal={n}, d={index.d}"
+    core = index
+    if isinstance(core, faiss.IndexHNSW):
+        hnsw = core.hnsw
+        if core.storage is None or core.storage.ntotal != n or core.storage.d != core.d:
+            return "HNSW storage does not match the graph"
+        if hnsw.levels.size() != n or hnsw.offsets.size() != n + 1:
+            return "HNSW level table has the wrong size"
+        if n:
+            nb = faiss.rev_swig_ptr(hnsw.neighbors.data(), hnsw.neighbors.size())
+            off = faiss.rev_swig_ptr(hnsw.offsets.data(), n + 1)
+            if int(off[-1]) != nb.size or nb.size and (int(nb.min()) < -1 or int(nb.max()) >= n):
+                return "HNSW neighbour lists point outside the index"
+            if not 0 <= hnsw.entry_point < n:
+                return "HNSW entry point is outside the index"
+    elif isinstance(core, faiss.IndexIVF):
+        lists = core.invlists
+        if lists is None or lists.nlist != core.nlist:
+            return "IVF inverted lists are missing"
+        if sum(lists.list_size(i) for i in range(lists.nlist)) != n:
+            return "IVF list sizes do not add up to ntotal"
+    return None
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _index_kind_metric(index: faiss.Index) -> tuple[str, str]:
+    """(kind, metric) of an index built by :func:`build_index`."""
+    if isinstance(index, faiss.IndexHNSWSQ):
+        kind = "hnsw_sq8"
+    elif isinstance(index, faiss.IndexHNSWFlat):
+        kind = "hnsw"
+    elif isinstance(index, faiss.IndexIVFPQ):
+        kind = "ivf_pq"
+    elif isinstance(index, faiss.IndexFlat):
+        kind = "flat"
+    else:
+        raise ConfigError(f"unsupported faiss index type {type(index).__name__}; build it with build_index")
+    if index.metric_type == faiss.METRIC_INNER_PRODUCT:
+        return kind, "ip"
+    if index.metric_type == faiss.METRIC_L2:
+        return kind, "l2"
+    raise ConfigError(f"unsupported faiss metric type {index.metric_type}; use metric ip or l2")
+
+
+def _search(index: faiss.Index, q: np.ndarray, k: int, spec: IndexSpec, width: Optional[int] = None):
+    """One faiss search with per-call parameters: ef_search (HNSW) or nprobe (IVF), or `width`."""
+    if isinstance(index, faiss.IndexHNSW):
+        params = faiss.SearchParametersHNSW(efSearch=max(width or spec.ef_search, k))
+    elif isinstance(index, faiss.IndexIVF):
+        params = faiss.SearchParametersIVF(nprobe=min(width or spec.nprobe, index.nlist))
+    else:
+        return index.search(q, k)
+    return index.search(q, k, params=params)
+
+
+def _exhaustive_search(index: faiss.Index, q: np.ndarray, k: int, spec: IndexSpec):
+    """Search every stored vector: the fallback when an approximate search yields < k results."""
+    if isinstance(index, faiss.IndexHNSW):
+        return faiss.downcast_index(index.storage).search(q, k)  # brute force over the stored codes
+    if isinstance(index, faiss.IndexIVF):
+        return _search(index, q, k, spec, width=index.nlist)
+    return index.search(q, k)
+
+
+def search_index(
+    index: faiss.Index, queries: np.ndarray, k: int, spec: IndexSpec
+) -> tuple[np.ndarray, np.ndarray]:
+    """Top-k rows for each query: ``queries (B, D)`` float32 -> ``(scores (B, k) float32, rows (B, k) int64)``.
+
+    Scores are best first: inner products ``q·x`` for metric "ip" (exact for flat
+    and hnsw; computed on the quantised vectors for hnsw_sq8 / ivf_pq) and ``-|q-x|²``
+    for metric "l2", so that higher is always better. ef_search / nprobe come from
+    `spec` through per-call search parameters (the index is never mutated, so
+    concurrent searches are safe). Every returned row is valid: when a graph search
+    finds fewer than k results it is retried with a larger ef, then exhaustively.
+    """
+    if not isinstance(spec, IndexSpec):
+        raise ConfigError(f"spec must be an IndexSpec, got {type(spec).__name__}")
+    spec.validate()
+    kind, metric = _index_kind_metric(index)
+    if (kind, metric) != (spec.kind, spec.metric):
+        raise ConfigError(
+            f"the index is kind={kind}, metric={metric} but the spec says kind={spec.kind}, "
+            f"metric={spec.metric}; pass the spec the index was built with"
+        )
+    n = int(index.ntotal)
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+        raise RagError(f"k={k!r} must be an integer between 1 and the corpus size ({n} vectors)")
+    k = int(k)
+    q = _check_matrix(queries, "queries", dim=index.d)
+    if q.shape[0] == 0:
+        return np.zeros((0, k), np.float32), np.zeros((0, k), np.int64)
+    dist, rows = _search(index, q, k, spec)
+    missing = (rows < 0).any(axis=1)
+    if missing.any():  # tiny or badly connected graph: widen the beam, then go exhaustive
+        sub = q[missing]
+        d2, r2 = _search(index, sub, k, spec, width=4 * max(spec.ef_search, spec.nprobe, k))
+        still = (r2 < 0).any(axis=1)
+        if still.any():
+            d3, r3 = _exhaustive_search(index, sub[still], k, spec)
+            d2[still], r2[still] = d3, r3
+        dist[missing], rows[missing] = d2, r2
+    if (rows < 0).any():  # cannot happen for k <= ntotal; never hand -1 rows to callers
+        raise RagError(f"the index returned fewer than k={k} results for a corpus of {n} vectors")
+    scores = dist if metric == "ip" else -dist
+    return np.ascontiguousarray(scores, dtype=np.float32), np.ascontiguousarray(rows, dtype=np.int64)
+
+
+def bytes_per_vector(index: faiss.Index) -> float:
+    """Serialized size of `index` divided by its number of vectors (counted without writing)."""
+    if index.ntotal <= 0:
+        raise RagError("bytes_per_vector: the index is empty")
+    total = 0
+
+    def count(chunk: bytes) -> int:
+        nonlocal total
+        total += len(chunk)
+        return len(chunk)
+
+    writer = faiss.PyCallbackIOWriter(count)
+    faiss.write_index(index, writer)
+    del writer
+    return total / index.ntotal
