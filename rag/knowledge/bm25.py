@@ -249,6 +249,13 @@ class BM25Retriever:
             self._lookup = lambda rows: [[seq[int(r)] for r in row] for row in rows]
 
     @classmethod
+    def from_knowledge_base(cls, kb, **build_kw) -> "BM25Retriever":
+        """Sparse retrieval over a knowledge base's passages: its stored BM25 index if it was
+        built with one (`rag index build --bm25`), else one built in memory now."""
+        index = kb.bm25 if kb.bm25 is not None else BM25Index.build(kb.all_passages(), **build_kw)
+        return cls(index, kb.get_passages, kb_version=kb.version)
+
+    @classmethod
     def from_passages(cls, passages: Sequence[Passage], *, kb_version: str = "bm25", **build_kw) -> "BM25Retriever":
         """Build an index over `passages` (keywords as :meth:`BM25Index.build`) and wrap it."""
         passages = list(passages)

@@ -1,0 +1,432 @@
+"""A knowledge base: passages + their embeddings + a FAISS index, as one immutable directory.
+
+Layout of a knowledge-base directory::
+
+    manifest.json     format version, version id, encoder identity, dim, metric, count,
+                      index spec, build parameters, per-file SHA-256 checksums
+    passages/         the passages (id, title, text) as Arrow via `datasets`, memory-mapped
+    embeddings.npy    (N, D) stored passage embeddings, memory-mapped; RAG recomputes its
+                      doc scores from these so the query encoder gets gradients
+    index.faiss       the FAISS index over the embeddings
+    bm25/             optional sparse index over the same passages
+
+A directory is built in a hidden temporary sibling and renamed into place, so a
+killed build leaves nothing that :meth:`KnowledgeBase.open` accepts. A written
+knowledge base is never modified: :meth:`KnowledgeBase.add` writes a new version
+whose manifest names its parent.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Sequence
+
+import numpy as np
+import torch
+
+from rag.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.io import atomic_directory, atomic_write_json, sha256_file
+from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, read_index, search_index, write_index
+from rag.knowledge.passages import Passage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.knowledge.encoders import TextEncoder
+
+logger = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PASSAGES = "passages"
+EMBEDDINGS = "embeddings.npy"
+INDEX = "index.faiss"
+BM25_DIR = "bm25"
+
+Verify = Literal["full", "size", "none"]
+
+
+@dataclass
+class Manifest:
+    """What `manifest.json` records about a knowledge base (see module docstring)."""
+
+    format_version: int
+    version: str
+    created: str
+    count: int
+    dim: int
+    metric: str
+    encoder: dict
+    index: dict
+    files: dict
+    parent: Optional[str] = None
+    query_encoder: Optional[dict] = None
+    build: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, path: Path) -> "Manifest":
+        known = set(cls.__dataclass_fields__)
+        missing = [k for k in ("format_version", "version", "count", "dim", "metric", "encoder", "index", "files") if k not in d]
+        if missing:
+            raise IntegrityError(f"{path}: manifest is missing field(s) {missing}; the directory is not a complete knowledge base — rebuild it with `rag index build`")
+        if d["format_version"] > FORMAT_VERSION:
+            raise KnowledgeBaseError(
+                f"{path}: format_version {d['format_version']} is newer than this rag ({FORMAT_VERSION}); upgrade rag to open it"
+            )
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def _content_version(passage_digest: str, emb_digest: str, spec: dict, encoder: dict) -> str:
+    """Content-addressed version id: the same passages, embeddings, index spec and encoder give the same id."""
+    h = hashlib.sha256()
+    for part in (passage_digest, emb_digest, json.dumps(spec, sort_keys=True), encoder.get("fingerprint", "")):
+        h.update(part.encode())
+        h.update(b"\0")
+    return "kb-" + h.hexdigest()[:12]
+
+
+def _passages_digest(passages: Sequence[Passage]) -> str:
+    h = hashlib.sha256()
+    for p in passages:
+        h.update(f"{p.id}\x1f{p.title}\x1f{p.text}\x1e".encode("utf-8"))
+    return h.hexdigest()
+
+
+def _check_passages(passages: Sequence[Passage], where: str) -> None:
+    if len(passages) == 0:
+        raise CorpusError(f"{where}: the corpus is empty (0 passages); give a file or dataset with at least one title/text record")
+    seen: dict[str, int] = {}
+    for i, p in enumerate(passages):
+        if not isinstance(p, Passage):
+            raise CorpusError(f"{where}: item {i} is {type(p).__name__}, not a Passage; build passages with rag.knowledge.passages.load_corpus")
+        if p.id in seen:
+            raise CorpusError(f"{where}: duplicate passage id {p.id!r} at positions {seen[p.id]} and {i}; ids must be unique (drop the id field to derive ids from content)")
+        seen[p.id] = i
+
+
+class KnowledgeBase:
+    """An opened, verified knowledge-base directory. Thread-safe for concurrent reads.
+
+    Build one with :meth:`build` (passages + encoder) or :meth:`from_embeddings`
+    (precomputed vectors); open one with :meth:`open`.
+    """
+
+    def __init__(self, path: Path, manifest: Manifest, passages, embeddings: np.ndarray, index, bm25=None):
+        self.path = path
+        self.manifest = manifest
+        self._passages = passages
+        self._embeddings = embeddings
+        self._index = index
+        self._bm25 = bm25
+        self._spec = IndexSpec.from_dict(manifest.index)
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def version(self) -> str:
+        return self.manifest.version
+
+    @property
+    def dim(self) -> int:
+        return self.manifest.dim
+
+    @property
+    def metric(self) -> str:
+        return self.manifest.metric
+
+    @property
+    def encoder(self) -> dict:
+        """Identity of the document encoder that produced the embeddings (name, fingerprint, pooling, …)."""
+        return self.manifest.encoder
+
+    @property
+    def index_spec(self) -> IndexSpec:
+        return self._spec
+
+    @property
+    def bm25(self):
+        """The BM25 index stored with this knowledge base, or None."""
+        return self._bm25
+
+    def __len__(self) -> int:
+        return self.manifest.count
+
+    def __repr__(self) -> str:
+        return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind})"
+
+    # ------------------------------------------------------------------ building
+    @classmethod
+    def build(
+        cls,
+        passages: Sequence[Passage],
+        encoder: "TextEncoder",
+        out: str | os.PathLike,
+        *,
+        index: IndexSpec | str = "hnsw",
+        batch_size: int = 64,
+        device: str | torch.device | None = None,
+        dtype: torch.dtype | None = None,
+        query_encoder: Optional[str] = None,
+        bm25: bool = False,
+        show_progress: bool = True,
+        overwrite: bool = False,
+        build_info: Optional[dict] = None,
+    ) -> "KnowledgeBase":
+        """Encode `passages` with `encoder`, index them, and write a knowledge base to `out`.
+
+        `query_encoder` optionally names the encoder that queries should use by
+        default (DPR pairs a question encoder with the context encoder that built
+        the index); without it queries use `encoder` itself.
+        """
+        passages = list(passages)
+        _check_passages(passages, str(out))
+        t0 = time.perf_counter()
+        vectors = encoder.encode_passages(passages, batch_size=batch_size, show_progress=show_progress, device=device, dtype=dtype)
+        info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
+        qenc = {"name": query_encoder} if query_encoder else None
+        return cls.from_embeddings(
+            passages, vectors, encoder.identity(), out, index=index, query_encoder=qenc, bm25=bm25,
+            show_progress=show_progress, overwrite=overwrite, build_info=info,
+        )
+
+    @classmethod
+    def from_embeddings(
+        cls,
+        passages: Sequence[Passage],
+        embeddings: np.ndarray,
+        encoder: dict,
+        out: str | os.PathLike,
+        *,
+        index: IndexSpec | str = "hnsw",
+        query_encoder: Optional[dict] = None,
+        parent: Optional[str] = None,
+        bm25: bool = False,
+        show_progress: bool = True,
+        overwrite: bool = False,
+        build_info: Optional[dict] = None,
+    ) -> "KnowledgeBase":
+        """Write a knowledge base from passages and their precomputed `(N, D)` embeddings.
+
+        `encoder` is the identity dict of the encoder that produced `embeddings`
+        (:meth:`TextEncoder.identity`). Used by :meth:`build`, :meth:`add`, and the
+        training-time index refresh, which re-encodes with a fine-tuned encoder.
+        """
+        import datasets
+
+        out = Path(out)
+        passages = list(passages)
+        _check_passages(passages, str(out))
+        spec = IndexSpec.parse(index) if isinstance(index, str) else index
+        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
+        if embeddings.ndim != 2 or embeddings.shape[0] != len(passages):
+            raise RagError(f"embeddings have shape {tuple(embeddings.shape)}; expected ({len(passages)}, dim) — one row per passage")
+        if "dim" in encoder and int(encoder["dim"]) != embeddings.shape[1]:
+            raise RagError(f"encoder identity says dim={encoder['dim']} but embeddings have dim {embeddings.shape[1]}")
+        if not np.isfinite(embeddings).all():
+            bad = int(np.flatnonzero(~np.isfinite(embeddings).all(axis=1))[0])
+            raise RagError(f"embedding of passage {passages[bad].id!r} (row {bad}) contains NaN or inf; check the encoder (fp16 overflow?)")
+
+        t0 = time.perf_counter()
+        faiss_index = build_index(embeddings, spec, show_progress=show_progress)
+        index_seconds = time.perf_counter() - t0
+
+        with atomic_directory(out, overwrite=overwrite) as tmp:
+            datasets.Dataset.from_dict(
+                {"id": [p.id for p in passages], "title": [p.title for p in passages], "text": [p.text for p in passages]}
+            ).save_to_disk(str(tmp / PASSAGES), num_shards=max(1, len(passages) // 2_000_000))
+            np.save(tmp / EMBEDDINGS, embeddings)
+            write_index(faiss_index, tmp / INDEX)
+            if bm25:
+                from rag.knowledge.bm25 import BM25Index
+
+                BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
+            files = {
+                str(f.relative_to(tmp)): {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+                for f in sorted(tmp.rglob("*"))
+                if f.is_file()
+            }
+            import faiss
+
+            import rag
+
+            manifest = Manifest(
+                format_version=FORMAT_VERSION,
+                version=_content_version(_passages_digest(passages), files[EMBEDDINGS]["sha256"], spec.to_dict(), encoder),
+                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                count=len(passages),
+                dim=int(embeddings.shape[1]),
+                metric=spec.metric,
+                encoder=dict(encoder),
+                index=spec.to_dict(),
+                files=files,
+                parent=parent,
+                query_encoder=query_encoder,
+                build={
+                    "index_seconds": round(index_seconds, 3),
+                    "bytes_per_vector": round(bytes_per_vector(faiss_index), 2),
+                    "rag_version": rag.__version__,
+                    "faiss_version": faiss.__version__,
+                    **(build_info or {}),
+                },
+            )
+            atomic_write_json(tmp / MANIFEST, manifest.to_dict())
+        logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, len(passages))
+        return cls.open(out, verify="none")
+
+    def add(
+        self,
+        passages: Sequence[Passage],
+        encoder: "TextEncoder",
+        out: str | os.PathLike,
+        *,
+        batch_size: int = 64,
+        show_progress: bool = True,
+        overwrite: bool = False,
+    ) -> "KnowledgeBase":
+        """Write a NEW knowledge base at `out`: this one's passages plus `passages`.
+
+        This knowledge base is left untouched. `encoder` must be the one that built
+        it (same weights fingerprint), otherwise old and new vectors would live in
+        different spaces: rebuild with :meth:`build` instead.
+        """
+        ident = encoder.identity()
+        if ident.get("fingerprint") != self.encoder.get("fingerprint"):
+            raise KnowledgeBaseError(
+                f"{self.path}: the encoder given to add() ({ident.get('name')}, fingerprint {ident.get('fingerprint', '?')[:12]}) "
+                f"is not the one that built this knowledge base ({self.encoder.get('name')}, fingerprint "
+                f"{self.encoder.get('fingerprint', '?')[:12]}); use that encoder, or rebuild everything with KnowledgeBase.build"
+            )
+        new = list(passages)
+        old_ids = set(self._passages["id"])
+        clash = [p.id for p in new if p.id in old_ids]
+        if clash:
+            raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new passages unique ids")
+        vectors = encoder.encode_passages(new, batch_size=batch_size, show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
+        return KnowledgeBase.from_embeddings(
+            self.all_passages() + new,
+            np.concatenate([np.asarray(self._embeddings), vectors]),
+            self.encoder,
+            out,
+            index=self._spec,
+            query_encoder=self.manifest.query_encoder,
+            parent=self.version,
+            bm25=self._bm25 is not None,
+            show_progress=show_progress,
+            overwrite=overwrite,
+            build_info={"added": len(new)},
+        )
+
+    # ------------------------------------------------------------------ opening
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, verify: Verify = "full", mmap: bool = True) -> "KnowledgeBase":
+        """Open and verify a knowledge-base directory.
+
+        `verify="full"` checks every file's SHA-256 against the manifest (reads every
+        byte once); `"size"` checks presence and sizes only (instant, for very large
+        knowledge bases); `"none"` trusts the directory.
+        """
+        import datasets
+
+        path = Path(path)
+        if not path.is_dir():
+            raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
+        mpath = path / MANIFEST
+        if not mpath.is_file():
+            raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
+        try:
+            manifest = Manifest.from_dict(json.loads(mpath.read_text(encoding="utf-8")), mpath)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+            raise IntegrityError(f"{mpath}: not valid JSON ({e}); the file is damaged — rebuild the knowledge base") from e
+        cls._verify_files(path, manifest, verify)
+        try:
+            passages = datasets.load_from_disk(str(path / PASSAGES), keep_in_memory=not mmap)
+        except Exception as e:  # datasets raises several types for damaged dirs
+            raise IntegrityError(f"{path / PASSAGES}: cannot be read ({e}); rebuild the knowledge base") from e
+        try:
+            embeddings = np.load(path / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
+        except (ValueError, OSError, EOFError) as e:
+            raise IntegrityError(f"{path / EMBEDDINGS}: cannot be read ({e}); rebuild the knowledge base") from e
+        index = read_index(path / INDEX, mmap=mmap)
+        n = manifest.count
+        if len(passages) != n or embeddings.shape != (n, manifest.dim) or index.ntotal != n or index.d < manifest.dim:
+            raise IntegrityError(
+                f"{path}: sizes disagree (manifest count={n}, dim={manifest.dim}; passages={len(passages)}, "
+                f"embeddings={tuple(embeddings.shape)}, index ntotal={index.ntotal}); rebuild the knowledge base"
+            )
+        bm25 = None
+        if (path / BM25_DIR).is_dir():
+            from rag.knowledge.bm25 import BM25Index
+
+            bm25 = BM25Index.load(path / BM25_DIR)
+        return cls(path, manifest, passages, embeddings, index, bm25)
+
+    @staticmethod
+    def _verify_files(path: Path, manifest: Manifest, verify: Verify) -> None:
+        if verify not in ("full", "size", "none"):
+            raise RagError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
+        if verify == "none":
+            return
+        for rel, meta in manifest.files.items():
+            f = path / rel
+            if not f.is_file():
+                raise IntegrityError(f"{f}: listed in {path / MANIFEST} but missing; the knowledge base is incomplete — rebuild it")
+            size = f.stat().st_size
+            if size != meta["bytes"]:
+                raise IntegrityError(f"{f}: {size} bytes, manifest says {meta['bytes']} (truncated or altered); rebuild the knowledge base")
+            if verify == "full" and sha256_file(f) != meta["sha256"]:
+                raise IntegrityError(f"{f}: SHA-256 does not match {path / MANIFEST} (the file was altered or damaged); rebuild the knowledge base")
+
+    # ------------------------------------------------------------------ reading
+    def search(self, query_embeds: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-k search: `(B, D)` query vectors -> scores `(B, k)` float32, rows `(B, k)` int64."""
+        if isinstance(query_embeds, torch.Tensor):
+            query_embeds = query_embeds.detach().to("cpu", torch.float32).numpy()
+        q = np.ascontiguousarray(query_embeds, dtype=np.float32)
+        if q.ndim != 2 or q.shape[1] != self.dim:
+            raise KnowledgeBaseError(
+                f"{self.path}: query vectors have shape {tuple(q.shape)} but this knowledge base holds dim={self.dim} vectors "
+                f"from {self.encoder.get('name')}; use a query encoder of dimension {self.dim}"
+            )
+        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= len(self):
+            raise RagError(f"k={k!r} must be an integer between 1 and the number of passages in {self.path} ({len(self)})")
+        return search_index(self._index, q, int(k), self._spec)
+
+    def get_embeddings(self, rows: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Stored embeddings of `rows` (any shape S) as a float32 tensor of shape `(*S, D)`."""
+        r = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        flat = r.reshape(-1).astype(np.int64)
+        order = np.argsort(flat, kind="stable")  # sorted reads are kinder to a memory map
+        out = np.empty((flat.size, self.dim), dtype=np.float32)
+        out[order] = self._embeddings[flat[order]]
+        return torch.from_numpy(out).view(*r.shape, self.dim)
+
+    def get_passages(self, rows: torch.Tensor | np.ndarray) -> list[list[Passage]]:
+        """Passages of a `(B, K)` row array, as B lists of K."""
+        r = rows.cpu().numpy() if isinstance(rows, torch.Tensor) else np.asarray(rows)
+        if r.ndim != 2:
+            raise RagError(f"rows must be a (batch, k) array, got shape {r.shape}")
+        flat = r.reshape(-1).tolist()
+        cols = self._passages[flat] if flat else {"id": [], "title": [], "text": []}
+        ps = [Passage(i, t, x) for i, t, x in zip(cols["id"], cols["title"], cols["text"])]
+        k = r.shape[1]
+        return [ps[b * k : (b + 1) * k] for b in range(r.shape[0])]
+
+    def all_passages(self) -> list[Passage]:
+        """Every passage, in row order (loads all text into memory)."""
+        cols = self._passages[:]
+        return [Passage(i, t, x) for i, t, x in zip(cols["id"], cols["title"], cols["text"])]
+
+    def embeddings(self) -> np.ndarray:
+        """The `(N, D)` stored embeddings (a read-only memory map)."""
+        return self._embeddings
+
+    def describe(self) -> dict[str, Any]:
+        """The manifest plus the path, for `rag index info`."""
+        return {"path": str(self.path.resolve()), **self.manifest.to_dict()}

