@@ -1,0 +1,220 @@
+"""Import checkpoints written by transformers' RAG classes into a :class:`~rag.models.rag_model.RagModel`.
+
+A directory saved by ``RagSequenceForGeneration`` / ``RagTokenForGeneration`` (the layout of
+``facebook/rag-sequence-nq`` and ``facebook/rag-token-nq``)::
+
+    config.json                    model_type "rag": RagConfig with `question_encoder` and `generator` sub-configs
+    model.safetensors              one weight file (or sharded + index, or a legacy pytorch_model.bin) holding
+                                   ``rag.question_encoder.*`` and ``rag.generator.*``
+    question_encoder_tokenizer/    the DPR question tokenizer (RagTokenizer.save_pretrained)
+    generator_tokenizer/           the generator (BART) tokenizer
+
+is split into a DPR question encoder and a seq2seq generator, each loaded through its own
+``from_pretrained`` (so tied weights and legacy key names are handled by transformers), and
+assembled with a knowledge base into a RagModel with ``hf_compat=True``: contexts are built exactly
+as ``RagRetriever`` builds them (including the question's round trip through the question
+tokenizer and right truncation at ``max_combined_length``) and the loss is transformers'
+``get_nll``, quirks included (see :mod:`rag.generation.marginalize`).
+
+Separate DPR and BART checkpoints need no importer: use ``RagModel.from_components``.
+
+transformers' RAG checkpoints do not contain our knowledge base (theirs is ``wiki_dpr``), so one
+must be given: a knowledge base built with the matching DPR context encoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Optional, Union
+
+from rag.errors import ConfigError, IntegrityError
+
+__all__ = ["is_hf_rag_checkpoint", "rag_config_from_hf", "split_hf_rag", "load_hf_rag", "convert_hf_rag"]
+
+_ARCHITECTURES = {"RagSequenceForGeneration": "sequence", "RagTokenForGeneration": "token"}
+_QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
+_GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
+
+
+def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """True if `path` is a local directory whose ``config.json`` has ``model_type == "rag"``."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overrides):
+    """The :class:`RagModelConfig` that reproduces a transformers ``RagConfig``.
+
+    `marginalization` defaults to the one the config's ``architectures`` imply
+    (RagSequenceForGeneration -> "sequence", RagTokenForGeneration -> "token").
+    ``reduce_loss`` is a per-call choice in transformers (its fine-tuning script passes
+    ``reduce_loss=True``), so imports default to a scalar loss (summed, as transformers sums);
+    pass ``reduce_loss=False`` for per-example losses.
+    """
+    from rag.models.rag_model import RagModelConfig, _check_overrides
+
+    if marginalization is None:
+        archs = [a for a in (getattr(hf_config, "architectures", None) or []) if a in _ARCHITECTURES]
+        if not archs:
+            raise ConfigError(
+                f"the RAG config names architectures {getattr(hf_config, 'architectures', None)}, neither "
+                "RagSequenceForGeneration nor RagTokenForGeneration; pass marginalization='sequence' or 'token'"
+            )
+        marginalization = _ARCHITECTURES[archs[0]]
+    qcfg = hf_config.question_encoder
+    fields = dict(
+        n_docs=int(hf_config.n_docs),
+        marginalization=marginalization,
+        label_smoothing=float(hf_config.label_smoothing or 0.0),
+        exclude_bos_score=bool(hf_config.exclude_bos_score),
+        reduce_loss=True,
+        freeze_query_encoder=False,
+        retrieval="dense",
+        max_context_length=int(hf_config.max_combined_length),
+        # transformers' RagTokenizer does not truncate questions; the encoder's positions are the limit.
+        max_question_length=int(getattr(qcfg, "max_position_embeddings", 512) or 512),
+        truncation="hf",
+        hf_compat=True,
+        title_sep=hf_config.title_sep,
+        doc_sep=hf_config.doc_sep,
+    )
+    fields.update(_check_overrides(overrides))
+    return RagModelConfig(**fields)
+
+
+def _load_state_dict(root: Path) -> dict:
+    """All tensors of a transformers checkpoint directory (safetensors, sharded safetensors, or .bin)."""
+    import torch
+    from safetensors.torch import load_file
+
+    single = root / "model.safetensors"
+    index = root / "model.safetensors.index.json"
+    legacy = root / "pytorch_model.bin"
+    try:
+        if single.is_file():
+            return load_file(single)
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            out: dict = {}
+            for shard in shards:
+                out.update(load_file(root / shard))
+            return out
+        if legacy.is_file():
+            return torch.load(legacy, map_location="cpu", weights_only=True)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:
+        raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the checkpoint again") from e
+    raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the checkpoint is incomplete")
+
+
+def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike]) -> tuple[Path, Path]:
+    """Split a transformers RAG directory into ``out_dir/question_encoder`` and ``out_dir/generator``,
+    ordinary ``save_pretrained`` checkpoints (config + safetensors + tokenizer) of a
+    ``DPRQuestionEncoder`` and an ``AutoModelForSeq2SeqLM``. Returns the two paths.
+    """
+    from safetensors.torch import save_file
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DPRQuestionEncoder, RagConfig
+
+    root = Path(src)
+    if not is_hf_rag_checkpoint(root):
+        raise ConfigError(f"{root}: not a transformers RAG checkpoint (needs config.json with model_type 'rag')")
+    hf_config = RagConfig.from_pretrained(root)
+    if getattr(hf_config.question_encoder, "model_type", None) != "dpr":
+        raise ConfigError(
+            f"{root}: the question encoder is a {hf_config.question_encoder.model_type!r} model; only DPR question encoders "
+            "are supported (transformers uses their pooler output as the query vector)"
+        )
+    state = _load_state_dict(root)
+    out = Path(out_dir)
+    paths = {}
+    for part, tok_dir in (("question_encoder", _QUESTION_TOKENIZER_DIR), ("generator", _GENERATOR_TOKENIZER_DIR)):
+        sub = {}
+        for key, tensor in state.items():
+            name = key.removeprefix("rag.")
+            if name.startswith(part + "."):
+                # clone: legacy .bin files share storage between tied weights, which safetensors refuses
+                sub[name[len(part) + 1:]] = tensor.detach().clone().contiguous()
+        if not sub:
+            raise IntegrityError(f"{root}: the weights hold no '{part}.*' tensors; the checkpoint is incomplete or not a RAG model")
+        tmp = out / f"{part}.raw"
+        tmp.mkdir(parents=True, exist_ok=True)
+        getattr(hf_config, part).save_pretrained(tmp)
+        save_file(sub, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        loader = DPRQuestionEncoder if part == "question_encoder" else AutoModelForSeq2SeqLM
+        model, info = loader.from_pretrained(tmp, output_loading_info=True)
+        problems = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys") and v}
+        if problems:
+            raise IntegrityError(f"{root}: the {part} weights do not fit its config: {problems}")
+        if (root / tok_dir).is_dir():
+            tokenizer = AutoTokenizer.from_pretrained(root / tok_dir)
+        else:
+            raise ConfigError(
+                f"{root / tok_dir}: missing; save the tokenizers with RagTokenizer.save_pretrained({str(root)!r}) "
+                "(question_encoder_tokenizer/ and generator_tokenizer/)"
+            )
+        final = out / part
+        model.save_pretrained(final, safe_serialization=True)
+        tokenizer.save_pretrained(final)
+        for f in tmp.iterdir():
+            f.unlink()
+        tmp.rmdir()
+        paths[part] = final
+    return paths["question_encoder"], paths["generator"]
+
+
+def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[str], overrides: dict):
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, RagConfig
+
+    from rag.knowledge.encoders import TextEncoder
+    from rag.models.rag_model import RagModel, _open_knowledge_base
+
+    hf_config = RagConfig.from_pretrained(src)
+    config = rag_config_from_hf(hf_config, marginalization, **overrides)
+    qdir, gdir = split_hf_rag(src, work)
+    kb = _open_knowledge_base(knowledge_base)
+    qenc = TextEncoder(str(qdir), role="question")
+    qenc.name_or_path = f"{src}:question_encoder"
+    gen = AutoModelForSeq2SeqLM.from_pretrained(gdir)
+    gen.config._name_or_path = f"{src}:generator"
+    tok = AutoTokenizer.from_pretrained(gdir)
+    return RagModel(qenc, gen, tok, kb, config)
+
+
+def load_hf_rag(src: Union[str, os.PathLike], knowledge_base, *, marginalization: Optional[str] = None, **config_overrides):
+    """Load a transformers RAG checkpoint (local directory, or hub id where a hub is reachable) as a
+    RagModel with ``hf_compat=True`` over `knowledge_base` (a directory or KnowledgeBase).
+
+    `config_overrides` replace RagModelConfig fields (e.g. ``n_docs=10``). Returns the model in eval mode.
+    """
+    from rag.models.rag_model import _resolve_checkpoint_dir
+
+    root = _resolve_checkpoint_dir(src, "transformers RAG checkpoint")
+    with tempfile.TemporaryDirectory(prefix="rag-hf-import-") as work:
+        model = _assemble(root, Path(work), knowledge_base, marginalization, config_overrides)
+    return model.eval()
+
+
+def convert_hf_rag(
+    src: Union[str, os.PathLike],
+    dst: Union[str, os.PathLike],
+    knowledge_base,
+    *,
+    marginalization: Optional[str] = None,
+    overwrite: bool = False,
+    **config_overrides,
+) -> Path:
+    """Convert a transformers RAG checkpoint into a RagModel checkpoint directory `dst`
+    (``RagModel.save_pretrained`` layout, checksummed), referencing `knowledge_base`."""
+    model = load_hf_rag(src, knowledge_base, marginalization=marginalization, **config_overrides)
+    dst = Path(dst)
+    if dst.exists() and any(dst.iterdir()) and not overwrite:
+        raise FileExistsError(f"{dst} exists and is not empty; choose another directory or pass overwrite=True")
+    model.save_pretrained(dst, overwrite=overwrite)
+    return dst
