@@ -39,10 +39,11 @@ these ways, the first two of which are defects:
 
 1. **Target convention / single-token targets.** transformers feeds ``labels`` to the
    decoder unshifted and scores ``labels[:, 1:]``, so ``labels[:, 0]`` is never scored
-   and must be the decoder start token. A label sequence of one token (a bare class
-   token ``[y]``, or T5-style labels without a start token lose their first token)
-   leaves nothing to score: the RAG-Token loss is exactly 0 and the RAG-Sequence loss
-   exactly ``-log K`` (0 for K = 1, negative otherwise), with no gradient at all.
+   and must be the decoder start token. Labels that do not begin with it (e.g. a T5
+   tokenizer's ``[y_1, ..., </s>]``) silently lose their first real token, and labels
+   of a single token (``[y]``, a class label) leave nothing to score: the RAG-Token
+   loss is exactly 0 and the RAG-Sequence loss exactly ``-log K`` (0 for K = 1,
+   negative otherwise), with no gradient at all.
    Default here: the decoder gets ``shift_right(labels, decoder_start_token_id)`` and
    the target is ``labels`` itself, so every label token, including a single one, is
    scored.
