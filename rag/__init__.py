@@ -8,6 +8,8 @@ Public API (everything else is internal and may change):
 - :class:`~rag.knowledge.knowledge_base.KnowledgeBase`
 - :class:`~rag.knowledge.retriever.DenseRetriever`, :class:`~rag.knowledge.bm25.BM25Retriever`,
   :class:`~rag.knowledge.retriever.Retrieved`
+- :class:`~rag.models.rag_model.RagModel`, :class:`~rag.models.rag_model.RagModelConfig`
+- :func:`~rag.pipeline.load`, :class:`~rag.pipeline.RagPipeline`, :class:`~rag.pipeline.Answer`
 """
 
 from __future__ import annotations
@@ -24,6 +26,11 @@ _LAZY = {
     "Retrieved": "rag.knowledge.retriever",
     "BM25Retriever": "rag.knowledge.bm25",
     "RagError": "rag.errors",
+    "RagModel": "rag.models.rag_model",
+    "RagModelConfig": "rag.models.rag_model",
+    "RagPipeline": "rag.pipeline",
+    "Answer": "rag.pipeline",
+    "load": "rag.pipeline",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -1,0 +1,265 @@
+"""The Python generation API: questions in, answers with provenance out.
+
+    import rag
+    pipe = rag.load("demo")                      # or a checkpoint directory
+    [answer] = pipe.generate(["what is the atomic number of argon?"], num_beams=4)
+    answer.text, answer.kb_version, answer.passages[0].posterior
+
+Each answer carries the passages it was generated from with their prior p(z|x) and
+posterior p(z|x,y), the version of the knowledge base that answered, and for
+RAG-Token the per-token document posterior (the paper's Figure 2), which
+:func:`plot_token_posterior` draws as a heatmap.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal, Optional, Sequence
+
+import torch
+
+from rag.errors import ConfigError, RagError
+
+DEMO_NAMES = ("demo",)
+
+
+@dataclass
+class PassageProvenance:
+    """One retrieved passage and how much the answer relied on it."""
+
+    id: str
+    title: str
+    text: str
+    score: float
+    """Retrieval score (q · d for dense retrieval, BM25 score for sparse)."""
+    prior: float
+    """p(z|x): softmax of the scores over the K retrieved passages."""
+    posterior: Optional[float] = None
+    """p(z|x,y) for the generated answer y (None when only retrieving)."""
+
+
+@dataclass
+class Answer:
+    """A generated answer with its provenance."""
+
+    question: str
+    text: str
+    score: float
+    """log p(y|x) under the model's marginalization (and decoding approximation)."""
+    kb_version: str
+    """Version id of the knowledge base every passage below came from."""
+    passages: list[PassageProvenance]
+    tokens: Optional[list[str]] = None
+    """The answer's tokens (generator vocabulary), aligned with `token_doc_posterior`."""
+    token_doc_posterior: Optional[list[list[float]]] = None
+    """(T, K) p(z | x, y_<t, y_t) ∝ p(z|x) p(y_t|x,z,y_<t) per generated token (RAG-Token only)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_questions(questions) -> list[str]:
+    if isinstance(questions, str):
+        raise RagError("questions must be a list of strings, not a single string; wrap it: [question]")
+    questions = list(questions)
+    if not questions:
+        raise RagError("questions is empty; give at least one question")
+    for i, q in enumerate(questions):
+        if not isinstance(q, str):
+            raise RagError(f"questions[{i}] is {type(q).__name__}, not a string")
+        if not q.strip():
+            raise RagError(f"questions[{i}] is empty; every question needs text")
+    return questions
+
+
+class RagPipeline:
+    """A :class:`~rag.models.rag_model.RagModel` ready to answer questions.
+
+    Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
+    reference once (inside retrieval) and builds every answer from that one version.
+    """
+
+    def __init__(self, model):
+        self.model = model.eval()
+
+    # ------------------------------------------------------------------ knowledge base
+    @property
+    def knowledge_base(self):
+        return self.model.knowledge_base
+
+    @property
+    def kb_version(self) -> str:
+        return self.knowledge_base.version
+
+    # ------------------------------------------------------------------ retrieval
+    @torch.no_grad()
+    def retrieve(self, questions: Sequence[str], k: int = 5) -> list[list[PassageProvenance]]:
+        """Top-k passages per question with their scores and priors (no generation)."""
+        questions = _check_questions(questions)
+        retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
+        prior = torch.softmax(doc_scores.float(), dim=1)
+        return [
+            [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)]
+            for ps, srow, prow in zip(retrieved.passages, doc_scores.tolist(), prior.tolist())
+        ]
+
+    def _check_k(self, k, name: str) -> int:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise RagError(f"{name} must be a positive integer, got {k!r}")
+        n = len(self.knowledge_base)
+        if k > n:
+            raise RagError(f"{name}={k} exceeds the {n} passages of knowledge base {self.knowledge_base.path}; use {name} <= {n}")
+        return k
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self,
+        questions: Sequence[str],
+        *,
+        n_docs: Optional[int] = None,
+        num_beams: int = 1,
+        marginalization: Optional[Literal["sequence", "token"]] = None,
+        decoding: Literal["thorough", "fast"] = "thorough",
+        max_new_tokens: int = 32,
+        num_return_sequences: int = 1,
+        **generation_kw,
+    ) -> list[Answer]:
+        """Answer B questions; returns B * `num_return_sequences` answers, best first per question.
+
+        marginalization: "sequence" (RAG-Sequence: beam search per passage, then Thorough or Fast
+            decoding, §2.5) or "token" (RAG-Token: beam search over the marginal transition); default
+            the model's own. decoding: RAG-Sequence only. Further keywords go to
+            :class:`~rag.generation.decoding.GenerationConfig` (min_length, length_penalty,
+            no_repeat_ngram_size, early_stopping, ...).
+        """
+        from rag.generation.decoding import GenerationConfig, encode_contexts, rag_sequence_generate, rag_token_generate
+
+        questions = _check_questions(questions)
+        k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
+        marg = marginalization or self.model.config.marginalization
+        if marg not in ("sequence", "token"):
+            raise ConfigError(f"marginalization={marg!r}; choose 'sequence' or 'token'")
+        if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
+            raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
+        config = GenerationConfig(max_new_tokens=max_new_tokens, num_beams=num_beams,
+                                  num_return_sequences=num_return_sequences, **generation_kw)
+        inputs = self.model.prepare_inputs(questions, n_docs=k)
+        generator = self.model.generator
+        contexts = encode_contexts(generator, inputs.context_input_ids, inputs.context_attention_mask)
+        if marg == "token":
+            out = rag_token_generate(generator, contexts, inputs.doc_scores, config)
+        else:
+            out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding)
+        return self._answers(questions, inputs, contexts, out, num_return_sequences, marg)
+
+    def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
+        from rag.generation.decoding import teacher_forced_logprobs
+
+        tok = self.model.generator_tokenizer
+        batch, k = inputs.doc_scores.shape
+        log_prior = torch.log_softmax(inputs.doc_scores.float(), dim=1)
+        prior = log_prior.exp()
+        seqs = out.sequences
+        rows = torch.arange(batch, device=seqs.device).repeat_interleave(n_ret)
+        # Per-token, per-passage log p(y_t|x,z,y_<t) of every returned answer: one teacher-forced pass
+        # on the stored encoder states (no re-encoding). Gives RAG-Token's Figure-2 posteriors and,
+        # for RAG-Token answers, the sequence-level posterior p(z|x,y) ∝ p(z|x) Π_t p(y_t|x,z,y_<t).
+        token_lp = None
+        if seqs.shape[1] >= 2 and (marg == "token" or out.doc_posteriors is None):
+            ctx = rows[:, None] * k + torch.arange(k, device=seqs.device)
+            token_lp = teacher_forced_logprobs(self.model.generator, contexts, seqs, ctx)  # (R, K, T-1)
+        special = set(tok.all_special_ids)
+        answers = []
+        for r in range(seqs.shape[0]):
+            b = int(rows[r])
+            ids = seqs[r, 1:].tolist()
+            keep = [t for t in range(len(ids)) if ids[t] not in special]
+            text = tok.decode([ids[t] for t in keep], skip_special_tokens=True).strip()
+            tokens = token_post = None
+            if out.doc_posteriors is not None:
+                post = out.doc_posteriors[r].tolist()
+            elif token_lp is not None:
+                real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
+                seq_terms = log_prior[b] + token_lp[r][:, real].sum(-1)
+                post = torch.softmax(seq_terms, 0).tolist()
+            else:
+                post = [float("nan")] * k
+            if marg == "token" and token_lp is not None and keep:
+                real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
+                per_tok = log_prior[b][:, None] + token_lp[r][:, real]  # (K, T)
+                token_post = torch.softmax(per_tok, dim=0).T.tolist()  # (T, K)
+                tokens = tok.convert_ids_to_tokens([ids[t] for t in keep])
+            score = float(out.log_likelihood[r])
+            passages = [
+                PassageProvenance(p.id, p.title, p.text, float(s), float(pr), None if math.isnan(po) else float(po))
+                for p, s, pr, po in zip(inputs.retrieved.passages[b], inputs.doc_scores[b].tolist(), prior[b].tolist(), post)
+            ]
+            answers.append(Answer(questions[b], text, score, inputs.retrieved.kb_version, passages, tokens, token_post))
+        return answers
+
+
+def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: int = 40) -> Path:
+    """Draw a RAG-Token answer's per-token document posterior (paper Fig. 2) as a heatmap PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not answer.token_doc_posterior or not answer.tokens:
+        raise RagError("this answer has no per-token document posterior; generate with marginalization='token'")
+    import numpy as np
+
+    grid = np.asarray(answer.token_doc_posterior).T  # (K, T)
+    labels = [p.title[:max_title] or p.id for p in answer.passages]
+    tokens = [t.replace("Ġ", " ").replace("▁", " ") for t in answer.tokens]
+    fig, ax = plt.subplots(figsize=(max(4, 0.6 * len(tokens) + 2), max(2, 0.45 * len(labels) + 1.2)))
+    im = ax.imshow(grid, aspect="auto", cmap="Blues", vmin=0, vmax=1)
+    ax.set_xticks(range(len(tokens)), tokens, rotation=45, ha="right")
+    ax.set_yticks(range(len(labels)), [f"{i + 1}. {t}" for i, t in enumerate(labels)])
+    ax.set_title(f"p(z | x, y_t): {answer.question[:60]}", fontsize=9)
+    fig.colorbar(im, ax=ax, fraction=0.03)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | None = None, *,
+         device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
+    """Load a RAG model as a :class:`RagPipeline`.
+
+    `path_or_name`: a checkpoint directory written by `RagModel.save_pretrained`, a transformers
+    RAG checkpoint directory (imported with exact transformers behaviour), a hub id where a hub
+    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use).
+    `knowledge_base` overrides the knowledge base the checkpoint references.
+    """
+    from rag.models.rag_model import RagModel
+
+    name = str(path_or_name)
+    if name in DEMO_NAMES:
+        from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
+
+        path_or_name = demo_checkpoint_dir()
+        if knowledge_base is None:
+            knowledge_base = ensure_demo_kb_for_model()
+    path = Path(path_or_name)
+    if path.is_dir() and not (path / "rag_config.json").is_file():
+        from rag.models.hf_compat import is_hf_rag_checkpoint, load_hf_rag
+
+        if is_hf_rag_checkpoint(path):
+            if knowledge_base is None:
+                raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
+            model = load_hf_rag(path, knowledge_base)
+            return RagPipeline(model.to(device) if device else model)
+    if not path.exists() and (os.sep in name or name.startswith(".")):
+        raise RagError(f"{name}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")
+    model = RagModel.from_pretrained(path_or_name, knowledge_base=knowledge_base, **config_overrides)
+    if device is not None:
+        model = model.to(device)
+    return RagPipeline(model)
