@@ -112,7 +112,7 @@ def cmd_info(args) -> int:
     return 0
 
 
-def _read_queries(args) -> Iterator[str]:
+def read_queries(args) -> Iterator[str]:
     if args.queries:
         yield from args.queries
         return
@@ -137,7 +137,7 @@ def cmd_search(args) -> int:
     else:
         retriever = DenseRetriever(kb, default_query_encoder(kb, args.query_encoder))
     batch: list[str] = []
-    for query in _read_queries(args):
+    for query in read_queries(args):
         batch.append(query)
         if len(batch) == args.batch_size:
             _print_results(batch, retriever.retrieve(batch, args.k), args.json)

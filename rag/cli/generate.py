@@ -1,0 +1,69 @@
+"""`rag generate`: answer questions with a RAG model, with provenance."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+from rag.cli.index import read_queries
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="answer questions (arguments, --file, or one per line on stdin) with a RAG model",
+                       description="Answer questions with a RAG model. Default model: the bundled demo.")
+    p.add_argument("questions", nargs="*", help="questions; none = read --file or stdin")
+    p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, or 'demo' (default)")
+    p.add_argument("--kb", default=None, help="knowledge-base directory (default: the one the checkpoint references)")
+    p.add_argument("--file", default=None, help="read questions from this file, one per line")
+    p.add_argument("--n-docs", type=int, default=None, help="passages to retrieve per question (default: the model's)")
+    p.add_argument("--num-beams", type=int, default=1)
+    p.add_argument("--marginalization", choices=["sequence", "token"], default=None, help="default: the model's")
+    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough", help="RAG-Sequence decoding (§2.5)")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
+    p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
+    p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> int:
+    from pathlib import Path
+
+    from rag.pipeline import load, plot_token_posterior
+
+    pipe = load(args.model, knowledge_base=args.kb)
+    n_written = 0
+
+    def run(batch: list[str]) -> None:
+        nonlocal n_written
+        answers = pipe.generate(batch, n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization,
+                                decoding=args.decoding, max_new_tokens=args.max_new_tokens)
+        for a in answers:
+            if args.heatmap_dir and a.token_doc_posterior:
+                n_written += 1
+                a_path = plot_token_posterior(a, Path(args.heatmap_dir) / f"answer_{n_written:04d}.png")
+            if args.json:
+                print(json.dumps(a.to_dict(), ensure_ascii=False))
+                continue
+            print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
+            ranked = sorted(a.passages, key=lambda p: -(p.posterior if p.posterior is not None else p.prior))
+            for p in ranked[: args.show_passages]:
+                post = f"{p.posterior:.3f}" if p.posterior is not None else "  -  "
+                print(f"   posterior {post}  prior {p.prior:.3f}  {p.title} [{p.id}]")
+                body = p.text if len(p.text) <= 160 else p.text[:157] + "..."
+                print(textwrap.fill(body, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+            if args.heatmap_dir and a.token_doc_posterior:
+                print(f"   heatmap: {a_path}")
+        sys.stdout.flush()
+
+    batch: list[str] = []
+    for q in read_queries(args):
+        batch.append(q)
+        if len(batch) == args.batch_size:
+            run(batch)
+            batch = []
+    if batch:
+        run(batch)
+    return 0
