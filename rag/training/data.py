@@ -420,10 +420,9 @@ class QADataModule(pl.LightningDataModule):
         sources = {"train": train, "val": val, "test": test}
         if data_dir is not None:
             d = Path(data_dir)
-            if not d.is_dir():
-                raise ConfigError(f"data.data_dir={data_dir!r} is not a directory")
             for split in sources:
-                if sources[split] is None and (d / f"{split}.source").is_file():
+                # A missing directory is reported when data is read, not at config-parse time.
+                if sources[split] is None and (not d.is_dir() or (d / f"{split}.source").is_file()):
                     sources[split] = str(d / f"{split}.source")
         self.sources = {**sources, "predict": predict}
         self.batch_size = batch_size
@@ -434,6 +433,8 @@ class QADataModule(pl.LightningDataModule):
 
     def _read(self, split: str) -> list[QAExample]:
         src = self.sources[split]
+        if self.hparams.data_dir is not None and not Path(self.hparams.data_dir).is_dir():
+            raise ConfigError(f"data.data_dir={self.hparams.data_dir!r} is not a directory")
         if src is None:
             raise ConfigError(f"no {split} data configured; set data.{split} (or data.data_dir) in the config")
         return read_qa(

@@ -1,0 +1,430 @@
+"""LightningModules for training retrieval-augmented models.
+
+:class:`RagModule` fine-tunes a :class:`~rag.models.rag_model.RagModel` end to end
+(Lewis et al. 2020, §2.4): the query encoder and the generator are trained jointly
+on the marginal negative log-likelihood; the document encoder and the index stay
+fixed. Validation/test generate answers and report exact match and token F1
+(SQuAD normalisation) and retrieval recall@k.
+
+Construction is lazy: ``__init__`` only records the (typed, YAML-configurable)
+arguments, so a config parses and instantiates without touching a model hub or the
+disk; the model itself is built in :meth:`RagModule.configure_model`, which
+Lightning calls before the first step and before restoring a checkpoint. A knowledge
+base / query-encoder dimension mismatch therefore surfaces at setup, never mid-epoch.
+
+Special generator value ``tiny:bart`` / ``tiny:t5``: a randomly initialised small
+generator (sizes in ``tiny``) with a tokenizer trained on the knowledge base's own
+passages — no hub needed. It is cached under ``$RAG_CACHE/tiny`` (default
+``~/.cache/rag/tiny``) keyed by its spec and the knowledge-base version, so resuming
+a run reuses the exact same tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+
+from rag.errors import ConfigError
+from rag.eval.metrics import ExactMatch, RetrievalRecall, TokenF1
+from rag.models.rag_model import RagModelConfig
+
+logger = logging.getLogger(__name__)
+
+TINY_PREFIX = "tiny:"
+TINY_KINDS = ("bart", "t5")
+TINY_TOKENIZER_TEXTS = 20_000  # passages used to train a tiny tokenizer on a large knowledge base
+
+
+@dataclass
+class TinyGenerator:
+    """Size of the random generator built for ``generator: tiny:bart`` / ``tiny:t5``."""
+
+    d_model: int = 128
+    """Hidden size."""
+    layers: int = 2
+    """Encoder and decoder layers (each)."""
+    heads: int = 4
+    """Attention heads."""
+    ffn: int = 256
+    """Feed-forward size."""
+    vocab_size: int = 1500
+    """Tokenizer vocabulary, trained on the knowledge base's passages."""
+    seed: int = 0
+    """Initialisation seed."""
+
+
+# ---------------------------------------------------------------------------- schedules
+
+
+def warmup_linear_decay(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Learning-rate multiplier at optimizer step `step` (0-based): linear warm-up from 0
+    to 1 over `warmup_steps`, then linear decay to 0 at `total_steps` (the schedule of
+    BERT/BART fine-tuning and the transformers RAG example)."""
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+
+def warmup_constant(step: int, warmup_steps: int, total_steps: int) -> float:
+    """Linear warm-up to 1, then constant."""
+    return min(1.0, step / max(1, warmup_steps)) if warmup_steps else 1.0
+
+
+SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
+
+
+# ---------------------------------------------------------------------------- tiny generators
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()
+
+
+def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,
+                          cache_dir: Optional[str | os.PathLike] = None) -> str:
+    """Directory of a random tiny `kind` (``bart``/``t5``) generator whose tokenizer is trained
+    on the passages of `knowledge_base`; built once, then reused (keyed by spec + KB version)."""
+    from rag.io import atomic_directory
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models import tiny
+
+    if kind not in TINY_KINDS:
+        raise ConfigError(f"generator 'tiny:{kind}' is unknown; choose one of {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
+    kb = KnowledgeBase.open(knowledge_base, verify="none")
+    key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
+    out = Path(cache_dir) if cache_dir is not None else _cache_root() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / "config.json").is_file():
+        return str(out)
+    passages = kb.get_passages(torch.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).view(1, -1))[0]
+    texts = [f"{p.title} {p.text}" for p in passages]
+    if kind == "bart":
+        tok = tiny.train_bpe_tokenizer(texts, vocab_size=spec.vocab_size)
+        model = tiny.tiny_bart(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
+    else:
+        tok = tiny.train_sentencepiece_tokenizer(texts, vocab_size=spec.vocab_size)
+        model = tiny.tiny_t5(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
+    logger.info("built tiny %s generator (%d parameters) at %s", kind, sum(p.numel() for p in model.parameters()), out)
+    try:
+        with atomic_directory(out) as tmp:
+            tiny.save(model, tok, tmp)
+    except FileExistsError:  # built concurrently by another process: use theirs
+        pass
+    return str(out)
+
+
+# ---------------------------------------------------------------------------- decoding
+
+
+def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max_new_tokens: int = 20,
+                     sequence_decoding: Literal["fast", "thorough"] = "fast"):
+    """Answer strings for B questions, plus the :class:`Retrieved` passages used.
+
+    Uses ``RagModel.generate`` when the model has one; otherwise decodes with
+    :mod:`rag.generation.decoding` on ``RagModel.prepare_inputs`` (RAG-Token:
+    greedy/beam over the marginal; RAG-Sequence: per-passage search + fast or
+    thorough rescoring, Lewis et al. 2020 §2.5).
+    """
+    from rag.generation import decoding as D
+
+    inputs = model.prepare_inputs(list(questions))
+    contexts = D.encode_contexts(model.generator, inputs.context_input_ids, inputs.context_attention_mask)
+    cfg = D.GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens)
+    if model.config.marginalization == "token":
+        out = D.rag_token_generate(model.generator, contexts, inputs.doc_scores, cfg)
+    else:
+        out = D.rag_sequence_generate(model.generator, contexts, inputs.doc_scores, cfg, decoding=sequence_decoding)
+    texts = model.generator_tokenizer.batch_decode(out.sequences, skip_special_tokens=True)
+    return [t.strip() for t in texts], inputs.retrieved, inputs.n_truncated
+
+
+# ---------------------------------------------------------------------------- the module
+
+
+class RagModule(pl.LightningModule):
+    """End-to-end RAG fine-tuning (query encoder + generator) with QA evaluation.
+
+    Args:
+        generator: seq2seq generator: a local ``save_pretrained`` directory, a hub id
+            (``facebook/bart-large``, ``t5-base``), or ``tiny:bart`` / ``tiny:t5`` for a
+            random small model (sizes in `tiny`).
+        question_encoder: query encoder (DPR question encoder dir/hub id, ``minilm``), or
+            None to use the one the knowledge base's manifest names.
+        knowledge_base: knowledge-base directory (``rag index build``).
+        build_knowledge_base_from: if `knowledge_base` does not exist, build it first
+            from this corpus: ``demo`` (the bundled Elements corpus) or a corpus path.
+        knowledge_base_encoder: document encoder for that build (default: the question
+            encoder, right for shared encoders such as MiniLM; DPR needs its context encoder).
+        knowledge_base_index: FAISS index spec for that build (``flat``, ``hnsw``, ...).
+        rag: RAG options (n_docs, marginalization, label smoothing, truncation lengths, ...).
+        tiny: sizes of the ``tiny:*`` generator.
+        query_encoder_lr: learning rate of the query encoder.
+        generator_lr: learning rate of the generator.
+        weight_decay: AdamW weight decay (not applied to biases and norm weights).
+        adam_epsilon: AdamW epsilon.
+        warmup_steps: optimizer steps of linear warm-up.
+        warmup_ratio: warm-up as a fraction of all optimizer steps (instead of `warmup_steps`).
+        schedule: after warm-up, ``linear`` decay to 0 at the last step, or ``constant``.
+        num_beams: beam width for validation/test/predict generation (1 = greedy).
+        max_new_tokens: most generated answer tokens.
+        sequence_decoding: RAG-Sequence decoding for evaluation: ``fast`` or ``thorough`` (§2.5).
+        recall_at: the k of retrieval recall@k reported on validation/test.
+        generate_on_validation: generate and score EM/F1 during validation (off: loss + recall only).
+    """
+
+    def __init__(
+        self,
+        generator: str = "facebook/bart-large",
+        question_encoder: Optional[str] = "facebook/dpr-question_encoder-single-nq-base",
+        knowledge_base: str = "kb",
+        build_knowledge_base_from: Optional[str] = None,
+        knowledge_base_encoder: Optional[str] = None,
+        knowledge_base_index: str = "flat",
+        rag: Optional[RagModelConfig] = None,
+        tiny: Optional[TinyGenerator] = None,
+        query_encoder_lr: float = 1e-5,
+        generator_lr: float = 3e-5,
+        weight_decay: float = 0.0,
+        adam_epsilon: float = 1e-8,
+        warmup_steps: int = 0,
+        warmup_ratio: Optional[float] = None,
+        schedule: Literal["linear", "constant"] = "linear",
+        num_beams: int = 1,
+        max_new_tokens: int = 20,
+        sequence_decoding: Literal["fast", "thorough"] = "fast",
+        recall_at: Sequence[int] = (1, 5),
+        generate_on_validation: bool = True,
+    ) -> None:
+        super().__init__()
+        # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
+        # torch.load(weights_only=True) (Lightning's default when resuming).
+        rag = _as_dict(rag, RagModelConfig, "rag")
+        tiny = _as_dict(tiny, TinyGenerator, "tiny")
+        recall_at = [int(k) for k in recall_at]
+        for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr)):
+            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
+                raise ConfigError(f"model.{name} must be a number >= 0, got {lr!r}")
+        if warmup_ratio is not None and (not 0.0 <= warmup_ratio < 1.0):
+            raise ConfigError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
+        if warmup_ratio is not None and warmup_steps:
+            raise ConfigError("set model.warmup_steps or model.warmup_ratio, not both")
+        if not isinstance(warmup_steps, int) or warmup_steps < 0:
+            raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
+        if schedule not in SCHEDULES:
+            raise ConfigError(f"model.schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+        if generator.startswith(TINY_PREFIX) and generator[len(TINY_PREFIX):] not in TINY_KINDS:
+            raise ConfigError(f"model.generator={generator!r}; tiny generators are {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
+        self.rag_config = RagModelConfig(**rag)  # validates the RAG options now, at parse time
+        self.tiny_spec = TinyGenerator(**tiny)
+        self.save_hyperparameters()
+        self.model = None  # built in configure_model()
+        self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
+        self.test_em, self.test_f1, self.test_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
+        self._truncated = {"train": 0, "val": 0, "test": 0}
+        self._samples: list[tuple[str, str, list[str]]] = []
+
+    # ------------------------------------------------------------------ model construction
+    def prepare_data(self) -> None:
+        """Build the knowledge base / tiny generator once (rank 0) before setup on every rank."""
+        self._ensure_artifacts()
+
+    def _ensure_artifacts(self) -> tuple[str, str]:
+        from rag.training.data import ensure_knowledge_base
+
+        h = self.hparams
+        kb = h.knowledge_base
+        if h.build_knowledge_base_from is not None:
+            enc = h.knowledge_base_encoder or h.question_encoder
+            if enc is None:
+                raise ConfigError("model.build_knowledge_base_from needs model.knowledge_base_encoder or model.question_encoder")
+            ensure_knowledge_base(kb, h.build_knowledge_base_from, enc, index=h.knowledge_base_index,
+                                  query_encoder=h.question_encoder if h.knowledge_base_encoder else None)
+        gen = h.generator
+        if gen.startswith(TINY_PREFIX):
+            gen = ensure_tiny_generator(gen[len(TINY_PREFIX):], self.tiny_spec, kb)
+        return kb, gen
+
+    def configure_model(self) -> None:
+        """Build the :class:`RagModel` (called by Lightning before training/eval and before a
+        checkpoint is restored). Raises a clear error for a KB / query-encoder dimension mismatch."""
+        if self.model is not None:
+            return
+        from rag.models.rag_model import RagModel
+
+        kb, gen = self._ensure_artifacts()
+        model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config)
+        # from_pretrained returns modules in eval mode; Lightning keeps module modes as they are,
+        # so switch to train mode here (dropout on; a frozen query encoder stays in eval).
+        self.model = model.train(self.training)
+
+    def _require_model(self):
+        if self.model is None:
+            self.configure_model()
+        return self.model
+
+    # ------------------------------------------------------------------ steps
+    def forward(self, questions: Sequence[str], targets: Sequence[str]):
+        return self._require_model()(list(questions), list(targets))
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        out = self(batch["questions"], batch["targets"])
+        self._truncated["train"] += int(out.n_truncated)
+        self.log("train/loss", out.loss, prog_bar=True, batch_size=len(batch["questions"]))
+        return out.loss
+
+    def _eval_step(self, batch: dict, stage: str) -> None:
+        questions, answers = batch["questions"], batch["answers"]
+        bs = len(questions)
+        out = self(questions, batch["targets"])
+        self.log(f"{stage}/loss", out.loss, prog_bar=stage == "val", batch_size=bs, sync_dist=True)
+        self._truncated[stage] += int(out.n_truncated)
+        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1, self.test_recall)
+        retrieved = out.retrieved
+        if stage == "test" or self.hparams.generate_on_validation:
+            preds, retrieved, _ = self._generate(questions)
+            em.update(preds, answers)
+            f1.update(preds, answers)
+            if len(self._samples) < 3:
+                self._samples.extend(zip(questions, preds, answers))
+        recall.update(self._recall_passages(questions, retrieved), answers)
+
+    def _recall_passages(self, questions, retrieved) -> list[list]:
+        """Ranked passages for recall@k: those already retrieved, or a deeper search if max k > n_docs."""
+        want = max(self.hparams.recall_at)
+        if retrieved.k >= want:
+            return retrieved.passages
+        kb = self.model.knowledge_base
+        k = min(want, len(kb)) if kb is not None else want
+        with torch.no_grad():
+            deeper, _ = self.model.retrieve(list(questions), n_docs=k)
+        return deeper.passages
+
+    def _generate(self, questions: Sequence[str]):
+        h = self.hparams
+        with torch.no_grad():
+            return generate_answers(self._require_model(), questions, num_beams=h.num_beams,
+                                    max_new_tokens=h.max_new_tokens, sequence_decoding=h.sequence_decoding)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        preds, retrieved, _ = self._generate(batch["questions"])
+        return [
+            {"question": q, "answer": a, "passages": [p.id for p in ps]}
+            for q, a, ps in zip(batch["questions"], preds, retrieved.passages)
+        ]
+
+    # ------------------------------------------------------------------ epoch ends
+    def _log_eval(self, stage: str) -> None:
+        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1, self.test_recall)
+        if int(em.count) > 0 or stage == "test":
+            self.log(f"{stage}/em", em.compute(), prog_bar=True)
+            self.log(f"{stage}/f1", f1.compute())
+        for name, value in recall.compute().items():
+            self.log(f"{stage}/{name}", value)
+        for m in (em, f1, recall):
+            m.reset()
+        for q, p, a in self._samples:
+            logger.info("%s sample: Q: %s | predicted: %r | gold: %s", stage, q, p, a)
+        self._samples.clear()
+        self._report_truncation(stage)
+
+    def _report_truncation(self, stage: str) -> None:
+        n = self._truncated[stage]
+        if n and not self.trainer.sanity_checking:
+            logger.warning(
+                "%s: %d generator context(s) this epoch were longer than rag.max_context_length=%d tokens and were "
+                "truncated (the question is kept); raise model.rag.max_context_length if passages are cut too much",
+                stage, n, self.rag_config.max_context_length,
+            )
+        if not self.trainer.sanity_checking:
+            self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum")
+        self._truncated[stage] = 0
+
+    def on_train_epoch_end(self) -> None:
+        self._report_truncation("train")
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    # ------------------------------------------------------------------ optimisation
+    def configure_optimizers(self) -> dict:
+        """AdamW with one learning rate per component (``RagModel.parameter_groups()``) and a
+        warm-up + linear-decay (or constant) schedule stepped every optimizer step."""
+        h = self.hparams
+        groups = self._require_model().parameter_groups()
+        lrs = {"query_encoder": h.query_encoder_lr, "generator": h.generator_lr}
+        unknown = sorted(set(groups) - set(lrs))
+        if unknown:
+            raise ConfigError(f"RagModel.parameter_groups() returned unknown group(s) {unknown}; expected {sorted(lrs)}")
+        param_groups = []
+        for name, lr in lrs.items():
+            params = [p for p in groups.get(name, []) if p.requires_grad]
+            if not params:
+                continue
+            if h.weight_decay > 0:
+                decay = [p for p in params if p.ndim >= 2]
+                plain = [p for p in params if p.ndim < 2]  # biases and LayerNorm weights
+                param_groups.append({"params": decay, "lr": lr, "weight_decay": h.weight_decay, "name": name})
+                if plain:
+                    param_groups.append({"params": plain, "lr": lr, "weight_decay": 0.0, "name": f"{name}_no_decay"})
+            else:
+                param_groups.append({"params": params, "lr": lr, "weight_decay": 0.0, "name": name})
+        if not param_groups:
+            raise ConfigError("nothing to train: the query encoder is frozen and the generator has no trainable parameters")
+        optimizer = torch.optim.AdamW(param_groups, eps=h.adam_epsilon)
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
+        total = int(total)
+        warmup = int(round(h.warmup_ratio * total)) if h.warmup_ratio is not None else h.warmup_steps
+        fn = functools.partial(SCHEDULES[h.schedule], warmup_steps=warmup, total_steps=total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+
+    # ------------------------------------------------------------------ checkpoints
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        kb = self.model.knowledge_base if self.model is not None else None
+        checkpoint["rag"] = {"kb_version": getattr(kb, "version", None), "kb_path": str(getattr(kb, "path", ""))}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        saved = checkpoint.get("rag", {}).get("kb_version")
+        kb = self.model.knowledge_base if self.model is not None else None
+        if saved and kb is not None and kb.version != saved:
+            logger.warning("checkpoint was trained against knowledge base %s, now using %s (%s)", saved, kb.version, kb.path)
+
+    def save_rag_model(self, path: str | os.PathLike) -> None:
+        """Write the trained :class:`RagModel` with ``save_pretrained`` (safetensors)."""
+        self._require_model().save_pretrained(path)
+
+
+def _as_dict(value: Any, cls: type, name: str) -> dict:
+    """A dataclass instance, a dict (from a YAML config or checkpoint) or None -> plain dict."""
+    if value is None:
+        return {}
+    if isinstance(value, cls):
+        return dataclasses.asdict(value)
+    if isinstance(value, dict):
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ConfigError(f"model.{name}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        return dict(value)
+    raise ConfigError(f"model.{name} must be a {cls.__name__} or a mapping, got {type(value).__name__}")
