@@ -1,9 +1,9 @@
 """Decoding for RAG (Lewis et al. 2020, §2.5): RAG-Token beam search / greedy, RAG-Sequence thorough and fast.
 
 Everything here works on a seq2seq generator (`transformers` BART / T5, or any module with the same
-`get_encoder()` / `forward(encoder_outputs=..., decoder_input_ids=..., past_key_values=...)` interface) and
-on already-tokenized contexts: row `b * n_docs + k` of the context tensors is question `b` joined with its
-`k`-th retrieved passage, and `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
+`get_encoder()` / `forward(encoder_outputs=..., decoder_input_ids=..., past_key_values=...)` interface; put
+it in eval mode first, nothing here changes its mode) and on already-tokenized contexts: row
+`b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
 Efficiency by design (ARCHITECTURE invariant 2):
 
@@ -95,19 +95,21 @@ class GenerationConfig:
             if not ok:
                 raise ConfigError(f"GenerationConfig.{field}: {msg}")
 
-        need(isinstance(self.num_beams, int) and self.num_beams >= 1, "num_beams", f"must be an int >= 1, got {self.num_beams!r}")
+        need(isinstance(self.num_beams, int) and self.num_beams >= 1, "num_beams",
+             f"must be an int >= 1, got {self.num_beams!r}")
         need(isinstance(self.num_return_sequences, int) and self.num_return_sequences >= 1, "num_return_sequences",
              f"must be an int >= 1, got {self.num_return_sequences!r}")
         need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
              f"must be an int >= 1, got {self.max_new_tokens!r}")
         need(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 2), "max_length",
              f"must be None or an int >= 2 (it counts the decoder start token), got {self.max_length!r}")
-        need(isinstance(self.min_length, int) and self.min_length >= 0, "min_length", f"must be an int >= 0, got {self.min_length!r}")
+        need(isinstance(self.min_length, int) and self.min_length >= 0, "min_length",
+             f"must be an int >= 0, got {self.min_length!r}")
         need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
              f"must be an int >= 0, got {self.min_new_tokens!r}")
         need(isinstance(self.no_repeat_ngram_size, int) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
              f"must be an int >= 0, got {self.no_repeat_ngram_size!r}")
-        need(self.early_stopping in (True, False, "never"), "early_stopping",
+        need(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never", "early_stopping",
              f"must be True, False or 'never', got {self.early_stopping!r}")
         need(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty), "length_penalty",
              f"must be a finite number, got {self.length_penalty!r}")
@@ -478,7 +480,8 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
 
 
 @torch.no_grad()
-def generate_per_document(generator, contexts: EncodedContexts, config: GenerationConfig = GenerationConfig()) -> DocumentHypotheses:
+def generate_per_document(generator, contexts: EncodedContexts,
+                          config: GenerationConfig = GenerationConfig()) -> DocumentHypotheses:
     """Search each context on its own, `p(y|x, z)` without the document prior (RAG-Sequence's first stage).
 
     All `N = batch * n_docs` contexts are searched in one batched call (`N * num_beams` decoder rows, KV

@@ -414,6 +414,11 @@ def test_handmade_thorough_and_fast_pick_different_known_answers():
     assert confident.sequences[0].tolist() == answer[B_]
     assert gen.encoder_rows == 3
 
+    # More requested than candidates: the missing rows are all padding with score -inf (transformers raises).
+    extra = rag_sequence_generate(gen, contexts, uniform, GenerationConfig(max_length=5, num_return_sequences=4))
+    assert extra.sequences[3].tolist() == [PAD] * 3 and extra.scores[3] == -math.inf
+    assert extra.doc_posteriors[3].sum() == 0 and extra.sequences[:3].tolist() == thorough.sequences.tolist()
+
 
 def test_handmade_rag_token_combines_passages():
     # doc0 is sure about the first word (A) and doc1 about the second (B); each alone says something else.
@@ -449,7 +454,8 @@ def test_handmade_rag_token_combines_passages():
 
 def test_invalid_configuration_and_shapes_raise(tiny):
     tok, gen, _ = tiny
-    for bad in (dict(num_beams=0), dict(max_length=1), dict(early_stopping="sometimes"), dict(no_repeat_ngram_size=-1),
+    for bad in (dict(num_beams=0), dict(max_length=1), dict(early_stopping="sometimes"), dict(early_stopping=1),
+                dict(no_repeat_ngram_size=-1),
                 dict(length_penalty=float("nan"))):
         with pytest.raises(ConfigError):
             GenerationConfig(**bad)
