@@ -641,7 +641,11 @@ class RagModel(nn.Module):
         return model.eval()
 
     # ------------------------------------------------------------------ loss
-    def _tokenize_targets(self, targets: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    def tokenize_targets(self, targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Generator target ids ``(B, T)`` (padded to the longest, truncated to max_target_length,
+        special tokens as the tokenizer adds them: ``<s> … </s>`` for BART, ``… </s>`` for T5) and
+        their mask ``(B, T)`` bool. Every one of these tokens is scored (see :func:`marginalize.shift_right`)."""
+        targets = _check_strings(targets, "targets")
         enc = self.generator_tokenizer(
             targets, padding=True, truncation=True, max_length=self.config.max_target_length, return_tensors="pt"
         )
@@ -665,16 +669,20 @@ class RagModel(nn.Module):
             raise RagError(f"got {len(questions)} questions but {len(targets)} targets; give exactly one target per question")
         k = self._n_docs(n_docs)
         inputs = self._prepare(questions, k)
-        labels, label_mask = self._tokenize_targets(targets)
-        loss = self._loss(inputs, labels, label_mask, k)
+        labels, label_mask = self.tokenize_targets(targets)
+        logits = self.generator_logits(inputs, labels)  # (B, K, T, V)
+        loss = self.loss_from_logits(logits, labels, label_mask, inputs.doc_scores)
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
-    def _loss(self, inputs: RagInputs, labels: torch.Tensor, label_mask: torch.Tensor, k: int) -> torch.Tensor:
-        from rag.generation import marginalize as M
+    def generator_logits(self, inputs: RagInputs, labels: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced generator logits ``(B, K, T, V)``: every context row ``b*K + k`` decodes the
+        targets ``labels`` ``(B, T)`` (decoder input = labels shifted right after the start token).
+        One generator call over all B·K contexts: the encoder runs once per (question, passage)."""
+        from rag.generation.marginalize import shift_right
 
-        cfg = self.config
         b, t = labels.shape
-        decoder_input_ids = M.shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)
+        k = inputs.doc_scores.shape[1]
+        decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)
         out = self.generator(
             input_ids=inputs.context_input_ids,
             attention_mask=inputs.context_attention_mask,
@@ -682,30 +690,41 @@ class RagModel(nn.Module):
             use_cache=False,
             return_dict=True,
         )
-        logits = out.logits.view(b, k, t, -1)  # (B, K, T, V)
-        prior = M.doc_log_prior(inputs.doc_scores)  # (B, K)
+        return out.logits.view(b, k, t, -1)
+
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, doc_scores: torch.Tensor) -> torch.Tensor:
+        """The configured RAG loss from generator logits ``(B, K, T, V)``, targets ``labels`` ``(B, T)``
+        with ``label_mask`` ``(B, T)`` (True on real tokens) and ``doc_scores`` ``(B, K)``.
+
+        Without label smoothing (and outside hf_compat) only the target tokens' log-probabilities
+        are computed — ``logit[y] - logsumexp(logits)`` — instead of a ``(B, K, T, V)`` log-softmax;
+        smoothing needs the whole distribution. The math is :mod:`rag.generation.marginalize`'s.
+        """
+        from rag.generation import marginalize as M
+
+        cfg = self.config
+        b, k, t, _ = logits.shape
+        prior = M.doc_log_prior(doc_scores)  # (B, K) log p(z|x)
         reduce = ("sum" if cfg.hf_compat else "mean") if cfg.reduce_loss else "none"
-        nll_fn = M.rag_sequence_nll if cfg.marginalization == "sequence" else M.rag_token_nll
 
         if cfg.label_smoothing == 0.0 and not cfg.hf_compat:
-            # Only the target tokens' log-probabilities are needed: gather the logits and subtract
-            # the log-normaliser instead of materialising a (B, K, T, V) log-softmax.
             index = labels.unsqueeze(1).expand(b, k, t).unsqueeze(-1)
-            target_lp = logits.gather(-1, index).squeeze(-1).float() - torch.logsumexp(logits.float(), dim=-1)
-            mask = label_mask
+            target_lp = logits.gather(-1, index).squeeze(-1).float() - torch.logsumexp(logits.float(), dim=-1)  # (B, K, T)
+            mask = label_mask.bool()
             if cfg.exclude_bos_score and self.bos_token_id is not None:
-                first_is_bos = labels[:, 0].eq(self.bos_token_id)
+                # per row, as marginalize's default exclude_bos_score
                 mask = mask.clone()
-                mask[:, 0] &= ~first_is_bos
+                mask[:, 0] &= labels[:, 0].ne(self.bos_token_id)
             ll_fn = M.rag_sequence_log_likelihood if cfg.marginalization == "sequence" else M.rag_token_log_likelihood
             loss = -ll_fn(target_lp, prior, mask=mask)  # (B,)
             return loss.mean() if reduce == "mean" else loss.sum() if reduce == "sum" else loss
 
+        nll_fn = M.rag_sequence_nll if cfg.marginalization == "sequence" else M.rag_token_nll
         token_lp = torch.log_softmax(logits.float(), dim=-1)
-        # hf_compat: transformers masks by `target != pad`, which for right-padded targets is our mask.
+        # hf_compat: transformers masks `target == pad`, which for right-padded targets is label_mask.
         return nll_fn(
             token_lp, labels, prior,
-            mask=None if cfg.hf_compat else label_mask,
+            mask=None if cfg.hf_compat else label_mask.bool(),
             pad_token_id=self.pad_token_id,
             epsilon=cfg.label_smoothing,
             reduce=reduce,
