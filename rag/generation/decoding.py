@@ -3,7 +3,8 @@
 Everything here works on a seq2seq generator (`transformers` BART / T5, or any module with the same
 `get_encoder()` / `forward(encoder_outputs=..., decoder_input_ids=..., past_key_values=...)` interface; put
 it in eval mode first, nothing here changes its mode) and on already-tokenized contexts: row
-`b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
+`b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and
+`doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
 Efficiency by design (ARCHITECTURE invariant 2):
 
