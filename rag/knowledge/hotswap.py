@@ -1,0 +1,326 @@
+"""Index hot-swapping: replace a live model's knowledge base without a restart (Lewis et al. 2020, §4.5).
+
+RAG's non-parametric memory can be updated at test time by swapping the index: the
+paper answers questions about world leaders from a December 2016 and a December 2018
+Wikipedia index with the same model. :class:`KnowledgeBaseSlot` does this for a model
+that is serving requests:
+
+1. The new knowledge base is opened and verified (SHA-256 of every file by default)
+   and checked against the retriever (dimension, metric, document-encoder identity)
+   *before* the swap lock is taken, on the caller's thread — never on the request
+   path. A request running meanwhile is not blocked by anything.
+2. Under the lock, one reference changes (``retriever.set_knowledge_base``). The lock
+   only serialises swaps against each other; requests never take it.
+3. A request that started on the old knowledge base finishes on it: retrievers read
+   their knowledge-base reference once per call, and everything downstream (contexts,
+   doc scores, decoding, provenance) uses the :class:`~rag.knowledge.retriever.Retrieved`
+   that call returned. The old knowledge base stays alive while such a call holds it.
+4. A failed swap (missing directory, checksum mismatch, other dimension, metric or
+   encoder) raises with the reason and leaves the old knowledge base serving.
+
+:meth:`KnowledgeBaseSlot.swap_back` undoes the last swap in one call. The slot keeps a
+short history; only the most recent ``keep_loaded`` previous knowledge bases stay
+open in memory (so the undo is instant), older entries are re-opened and re-verified
+from their directory when swapped back to.
+"""
+
+from __future__ import annotations
+
+import collections
+import datetime as _dt
+import logging
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from rag.errors import ConfigError, KnowledgeBaseError, RagError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KnowledgeBaseSlot", "SwapResult", "HistoryEntry", "SwapConflictError"]
+
+
+class SwapConflictError(KnowledgeBaseError):
+    """swap_back could not complete because other swaps kept changing the history meanwhile."""
+
+
+@dataclass(frozen=True)
+class SwapResult:
+    """What one swap did. Times are wall-clock seconds."""
+
+    old_version: Optional[str]
+    """Version that served before the swap (None if the retriever had no knowledge base)."""
+    new_version: str
+    """Version that serves now."""
+    seconds: float
+    """Whole swap: open + verify + validate + commit."""
+    load_seconds: float
+    """Opening and verifying the new knowledge base (0 when it was already open), off the request path."""
+    commit_seconds: float
+    """Time the swap lock was held (validation + one reference assignment)."""
+    path: Optional[str]
+    """Directory of the new knowledge base."""
+    old_path: Optional[str]
+    kind: str
+    """"swap" or "swap_back"."""
+    seq: int
+    """Commit order: the slot's n-th successful swap (results sorted by seq form a chain old -> new)."""
+    at: str
+    """UTC time of the commit (ISO 8601)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class HistoryEntry:
+    """A knowledge base that served before the current one. `kb` is None once unloaded."""
+
+    version: str
+    path: Optional[str]
+    replaced_at: str
+    kb: Any = None
+
+    def describe(self) -> dict:
+        return {"version": self.version, "path": self.path, "replaced_at": self.replaced_at, "loaded": self.kb is not None}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
+def _path_of(kb) -> Optional[str]:
+    p = getattr(kb, "path", None)
+    return None if p is None else str(p)
+
+
+class KnowledgeBaseSlot:
+    """The knowledge base a retriever serves from, swappable while requests run.
+
+    Args:
+        retriever: anything with a ``knowledge_base`` attribute and
+            ``set_knowledge_base(kb, allow_encoder_change=...)`` that validates and assigns one
+            reference (:class:`~rag.knowledge.retriever.DenseRetriever`). Use :meth:`for_model`
+            for a :class:`~rag.models.rag_model.RagModel` or a pipeline.
+        history: how many previous versions :attr:`history` remembers (>= 1).
+        keep_loaded: how many of those stay open in memory for an instant :meth:`swap_back`
+            (0..history). Each open knowledge base holds its index in memory.
+
+    Raises:
+        ConfigError: `retriever` cannot be swapped (e.g. a BM25 retriever, which has no
+            ``set_knowledge_base``).
+    """
+
+    def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1):
+        if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
+            raise ConfigError(
+                f"{type(retriever).__name__} cannot hot-swap its knowledge base (it needs a `knowledge_base` attribute and "
+                "`set_knowledge_base(kb, allow_encoder_change=...)`); dense retrievers support it — BM25 retrieval does not yet"
+            )
+        if not isinstance(history, int) or isinstance(history, bool) or history < 1:
+            raise ConfigError(f"history must be a positive integer, got {history!r}")
+        if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
+            raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
+        self.retriever = retriever
+        self._lock = threading.Lock()  # serialises commits (swaps against swaps); requests never take it
+        self._history: collections.deque[HistoryEntry] = collections.deque(maxlen=history)
+        self._keep_loaded = keep_loaded
+        self._swaps = 0
+
+    @classmethod
+    def for_model(cls, model, **kw) -> "KnowledgeBaseSlot":
+        """A slot over the retriever of a RagModel, or of a pipeline's ``.model``."""
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "retriever"):
+            model = inner
+        retriever = getattr(model, "retriever", None)
+        if retriever is None:
+            raise ConfigError(f"{type(model).__name__} has no retriever; pass a RagModel, a RagPipeline or a retriever")
+        return cls(retriever, **kw)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def current(self):
+        """The knowledge base serving now."""
+        return self.retriever.knowledge_base
+
+    @property
+    def version(self) -> Optional[str]:
+        kb = self.current
+        return None if kb is None else kb.version
+
+    @property
+    def history(self) -> list[dict]:
+        """Previous versions, most recent first (what :meth:`swap_back` would return to, in order)."""
+        with self._lock:
+            return [e.describe() for e in reversed(self._history)]
+
+    @property
+    def swap_count(self) -> int:
+        """Number of successful swaps and swap-backs so far."""
+        return self._swaps
+
+    # ------------------------------------------------------------------ swapping
+    def swap(
+        self,
+        path_or_kb: Union[str, os.PathLike, Any],
+        *,
+        allow_encoder_change: bool = False,
+        allow_metric_change: bool = False,
+        verify: str = "full",
+    ) -> SwapResult:
+        """Serve from `path_or_kb` (a knowledge-base directory or an open KnowledgeBase) from now on.
+
+        The directory is opened and verified (`verify`: "full" checks every file's SHA-256,
+        "size" only sizes) and checked for compatibility before the swap lock is taken; then
+        the retriever's reference changes in one assignment. Calls already running finish on
+        the old knowledge base.
+
+        Raises:
+            KnowledgeBaseError / IntegrityError: the directory is missing or damaged, or its
+                dimension, metric or encoder does not fit; the old knowledge base keeps serving.
+        """
+        t0 = time.perf_counter()
+        new = self._open(path_or_kb, verify)
+        load_seconds = time.perf_counter() - t0
+        self._precheck(new, allow_encoder_change, allow_metric_change)  # fail fast, still off the lock
+        with self._lock:
+            tc = time.perf_counter()
+            old = self.current
+            self._commit(new, allow_encoder_change, allow_metric_change)
+            if old is not None:
+                self._push(HistoryEntry(old.version, _path_of(old), _now(), old))
+            commit_seconds = time.perf_counter() - tc
+            self._swaps += 1
+            seq = self._swaps
+        return self._result(old, new, t0, load_seconds, commit_seconds, "swap", seq)
+
+    def swap_back(self, *, allow_encoder_change: bool = True, verify: str = "full", _retries: int = 3) -> SwapResult:
+        """Undo the last swap: serve the previous version again (and drop it from the history).
+
+        Repeated calls walk further back. The previous knowledge base is still open when it is
+        among the last ``keep_loaded``; otherwise it is re-opened and verified from its
+        directory first (off the lock). `allow_encoder_change` defaults to True because the
+        version being returned to already served this retriever (e.g. before a deliberate
+        encoder change); its dimension and metric are still checked.
+
+        Raises:
+            KnowledgeBaseError: there is no previous version, or it can no longer be opened;
+                the current knowledge base keeps serving.
+        """
+        t0 = time.perf_counter()
+        for _ in range(max(1, _retries)):
+            with self._lock:
+                if not self._history:
+                    raise KnowledgeBaseError(
+                        f"no previous knowledge base to swap back to; still serving {self.version} — swap to a directory instead"
+                    )
+                entry = self._history[-1]
+                target = entry.kb
+            load_seconds = 0.0
+            if target is None:
+                if entry.path is None:
+                    raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; swap to a directory instead")
+                tl = time.perf_counter()
+                target = self._open(entry.path, verify)
+                load_seconds = time.perf_counter() - tl
+                if target.version != entry.version:
+                    raise KnowledgeBaseError(
+                        f"{entry.path}: now holds version {target.version}, not {entry.version} which served from there; "
+                        f"swap to it explicitly if that is intended (still serving {self.version})"
+                    )
+            self._precheck(target, allow_encoder_change, False)
+            with self._lock:
+                if not self._history or self._history[-1] is not entry:
+                    continue  # another swap changed the history while we were loading; look again
+                tc = time.perf_counter()
+                old = self.current
+                self._commit(target, allow_encoder_change, False)
+                self._history.pop()
+                commit_seconds = time.perf_counter() - tc
+                self._swaps += 1
+                seq = self._swaps
+                self._unload_old()
+            return self._result(old, target, t0, load_seconds, commit_seconds, "swap_back", seq)
+        raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
+
+    # ------------------------------------------------------------------ internals
+    def _open(self, path_or_kb, verify: str):
+        """Open and verify off the lock; any failure becomes a KnowledgeBaseError naming what still serves."""
+        from rag.knowledge.knowledge_base import KnowledgeBase
+
+        if verify not in ("full", "size", "none"):
+            raise ConfigError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
+        if isinstance(path_or_kb, (str, os.PathLike)):
+            where = os.fspath(path_or_kb)
+            try:
+                return KnowledgeBase.open(Path(where), verify=verify)
+            except RagError as e:
+                raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
+            except Exception as e:  # faiss/datasets/numpy errors on damaged files opened with verify='none'
+                raise KnowledgeBaseError(
+                    f"swap refused, still serving {self.version}: {where} cannot be opened ({type(e).__name__}: {e}); rebuild it"
+                ) from e
+        if all(hasattr(path_or_kb, a) for a in ("version", "dim", "encoder", "search")):
+            return path_or_kb
+        raise ConfigError(f"swap() takes a knowledge-base directory or an open KnowledgeBase, got {type(path_or_kb).__name__}")
+
+    def _precheck(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
+        """Dimension / encoder (rag.knowledge.retriever.check_compatible) and metric, before the lock."""
+        from rag.knowledge.retriever import check_compatible
+
+        current = self.current
+        try:
+            qenc = getattr(self.retriever, "query_encoder", None)
+            if qenc is not None:
+                check_compatible(new, qenc.dim, getattr(self.retriever, "space", None), allow_encoder_change=allow_encoder_change)
+            if current is not None and not allow_metric_change and getattr(new, "metric", None) != getattr(current, "metric", None):
+                raise KnowledgeBaseError(
+                    f"{_path_of(new)}: indexed with metric={new.metric!r} but the serving knowledge base uses "
+                    f"{current.metric!r}, so the model would rank passages differently from how it was trained; rebuild it "
+                    f"with metric={current.metric} or pass allow_metric_change=True"
+                )
+        except RagError as e:
+            raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
+
+    def _commit(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
+        """Under the lock: re-check against what serves now (no I/O), then the one reference assignment
+        (the retriever validates again; a failure assigns nothing)."""
+        self._precheck(new, allow_encoder_change, allow_metric_change)
+        try:
+            self.retriever.set_knowledge_base(new, allow_encoder_change=allow_encoder_change)
+        except RagError as e:
+            raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
+
+    def _push(self, entry: HistoryEntry) -> None:
+        self._history.append(entry)
+        self._unload_old()
+
+    def _unload_old(self) -> None:
+        """Drop references to all but the newest `keep_loaded` previous knowledge bases."""
+        for i, e in enumerate(reversed(self._history)):
+            if i >= self._keep_loaded:
+                e.kb = None
+
+    def _result(self, old, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
+        res = SwapResult(
+            old_version=None if old is None else old.version,
+            new_version=new.version,
+            seconds=time.perf_counter() - t0,
+            load_seconds=load_s,
+            commit_seconds=commit_s,
+            path=_path_of(new),
+            old_path=None if old is None else _path_of(old),
+            kind=kind,
+            seq=seq,
+            at=_now(),
+        )
+        logger.info("%s: %s -> %s in %.3f s (load %.3f s, lock held %.6f s)", kind, res.old_version, res.new_version,
+                    res.seconds, load_s, commit_s)
+        return res
+
+    def __repr__(self) -> str:
+        return f"KnowledgeBaseSlot(version={self.version}, history={len(self._history)}, swaps={self._swaps})"

@@ -1,0 +1,315 @@
+"""KnowledgeBaseSlot: validated, atomic hot swaps under concurrent generate/retrieve calls.
+
+Two knowledge bases hold the same passage ids and titles but texts tagged "[A]" / "[B]", so
+every returned passage says which version it came from; each answer must agree with its
+`kb_version` (a result is never assembled from two versions).
+"""
+
+from __future__ import annotations
+
+import shutil
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError
+from rag.knowledge.hotswap import KnowledgeBaseSlot
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.passages import Passage
+
+N_PASSAGES = 16
+QUESTIONS = ["what is the atomic number of iron?", "who discovered oxygen?", "which element has symbol Na?"]
+
+
+def _tagged(passages, tag: str) -> list[Passage]:
+    return [Passage(p.id, p.title, f"[{tag}] {p.text}") for p in passages]
+
+
+def tag_of(passage) -> str:
+    return passage.text[1]
+
+
+@pytest.fixture(scope="module")
+def kbs(tmp_path_factory, demo_passages, tiny_dpr_context_dir):
+    """Knowledge bases A and B (same encoder, tagged texts) and faulty variants, as directories."""
+    from rag.knowledge.encoders import TextEncoder
+
+    root = tmp_path_factory.mktemp("hotswap_kbs")
+    enc = TextEncoder(tiny_dpr_context_dir)
+    base = demo_passages[:N_PASSAGES]
+    a = KnowledgeBase.build(_tagged(base, "A"), enc, root / "kb_a", index="flat", show_progress=False)
+    b = KnowledgeBase.build(_tagged(base, "B"), enc, root / "kb_b", index="flat", show_progress=False)
+    rng = np.random.default_rng(0)
+    KnowledgeBase.from_embeddings(_tagged(base, "D"), rng.standard_normal((N_PASSAGES, 16)).astype(np.float32),
+                                  {"name": "other", "dim": 16, "fingerprint": "other16"}, root / "kb_dim16",
+                                  index="flat", show_progress=False)
+    KnowledgeBase.from_embeddings(_tagged(base, "E"), rng.standard_normal((N_PASSAGES, a.dim)).astype(np.float32),
+                                  {"name": "other", "dim": a.dim, "fingerprint": "otherenc"}, root / "kb_other_encoder",
+                                  index="flat", show_progress=False)
+    KnowledgeBase.from_embeddings(_tagged(base, "L"), np.asarray(a.embeddings()), a.encoder, root / "kb_l2",
+                                  index="flat:metric=l2", show_progress=False)
+    corrupt = root / "kb_corrupt"
+    shutil.copytree(root / "kb_b", corrupt)
+    emb = corrupt / "embeddings.npy"
+    data = bytearray(emb.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the vectors; the size is unchanged
+    emb.write_bytes(bytes(data))
+    return {name: str(root / name) for name in ("kb_a", "kb_b", "kb_dim16", "kb_other_encoder", "kb_l2", "kb_corrupt")} | {
+        "versions": {a.version: "A", b.version: "B"}
+    }
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, kbs, tiny_dpr_question_dir, tiny_bart_dir):
+    from rag.models.rag_model import RagModel
+
+    out = tmp_path_factory.mktemp("hotswap_model") / "model"
+    RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kbs["kb_a"], n_docs=3).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture()
+def pipe(model_dir):
+    """A fresh pipeline serving knowledge base A."""
+    import rag.pipeline
+
+    return rag.pipeline.load(model_dir)
+
+
+def _assert_one_version(answer, versions) -> str:
+    tags = {tag_of(p) for p in answer.passages}
+    assert tags == {versions[answer.kb_version]}, (answer.kb_version, tags)
+    return answer.kb_version
+
+
+# ---------------------------------------------------------------------------- swap / swap_back
+
+
+def test_swap_and_swap_back(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    va = slot.version
+    assert kbs["versions"][va] == "A"
+    res = slot.swap(kbs["kb_b"])
+    assert res.old_version == va and res.new_version == pipe.kb_version and kbs["versions"][res.new_version] == "B"
+    assert res.kind == "swap" and res.load_seconds <= res.seconds and res.commit_seconds <= res.seconds
+    assert {tag_of(p) for ps in pipe.model.retrieve(QUESTIONS, n_docs=3)[0].passages for p in ps} == {"B"}
+    [ans] = pipe.generate(QUESTIONS[:1], max_new_tokens=4)
+    assert _assert_one_version(ans, kbs["versions"]) == res.new_version
+    assert [h["version"] for h in slot.history] == [va]
+
+    back = slot.swap_back()
+    assert (back.old_version, back.new_version, back.kind) == (res.new_version, va, "swap_back")
+    assert back.load_seconds == 0.0  # the previous version was still open
+    assert pipe.kb_version == va and slot.history == []
+    with pytest.raises(KnowledgeBaseError, match="no previous knowledge base"):
+        slot.swap_back()
+    assert pipe.kb_version == va
+
+
+def test_swap_back_walks_history_and_reopens_unloaded(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe, keep_loaded=0)
+    va = slot.version
+    vb = slot.swap(kbs["kb_b"]).new_version
+    slot.swap(kbs["kb_a"])
+    assert [h["version"] for h in slot.history] == [vb, va]
+    assert not any(h["loaded"] for h in slot.history)  # keep_loaded=0: only paths remembered
+    r1 = slot.swap_back()
+    assert r1.new_version == vb and r1.load_seconds > 0  # re-opened (and re-verified) from its directory
+    r2 = slot.swap_back()
+    assert r2.new_version == va and pipe.kb_version == va
+
+
+def test_history_is_bounded(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe, history=2)
+    for path in ("kb_b", "kb_a", "kb_b", "kb_a"):
+        slot.swap(kbs[path])
+    assert len(slot.history) == 2 and slot.swap_count == 4
+
+
+# ---------------------------------------------------------------------------- failed swaps
+
+
+@pytest.mark.parametrize(
+    "name, error, match",
+    [
+        ("kb_corrupt", IntegrityError, "SHA-256"),
+        ("kb_dim16", KnowledgeBaseError, "dim=16"),
+        ("kb_other_encoder", KnowledgeBaseError, "allow_encoder_change"),
+        ("kb_l2", KnowledgeBaseError, "metric"),
+        ("missing", KnowledgeBaseError, "no such knowledge-base directory"),
+    ],
+)
+def test_failed_swap_keeps_old_version_serving(pipe, kbs, name, error, match, tmp_path):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    before = pipe.knowledge_base
+    path = kbs.get(name, str(tmp_path / "does_not_exist"))
+    with pytest.raises(error, match=match) as info:
+        slot.swap(path)
+    assert f"still serving {before.version}" in str(info.value)
+    assert pipe.knowledge_base is before and slot.history == [] and slot.swap_count == 0
+    [ans] = pipe.generate(QUESTIONS[:1], max_new_tokens=3)
+    assert kbs["versions"][_assert_one_version(ans, kbs["versions"])] == "A"
+
+
+def test_overrides_accept_deliberate_changes(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    assert slot.swap(kbs["kb_other_encoder"], allow_encoder_change=True).new_version == pipe.kb_version
+    slot.swap_back()
+    assert slot.swap(kbs["kb_l2"], allow_metric_change=True).new_version == pipe.kb_version
+    with pytest.raises(KnowledgeBaseError, match="dim=16"):  # a dimension change is never allowed
+        slot.swap(kbs["kb_dim16"], allow_encoder_change=True, allow_metric_change=True)
+
+
+def test_size_verification_misses_flipped_byte_but_full_catches_it(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    with pytest.raises(IntegrityError):
+        slot.swap(kbs["kb_corrupt"], verify="full")
+    # verify="size" trusts same-size files: documented trade-off for very large knowledge bases.
+    assert slot.swap(kbs["kb_corrupt"], verify="size").new_version == KnowledgeBase.open(kbs["kb_b"], verify="none").version
+
+
+def test_unswappable_targets_are_refused(kbs):
+    from rag.knowledge.bm25 import BM25Retriever
+
+    with pytest.raises(ConfigError, match="cannot hot-swap"):
+        KnowledgeBaseSlot(BM25Retriever.from_passages([Passage("1", "t", "some text here")]))
+    with pytest.raises(ConfigError, match="no retriever"):
+        KnowledgeBaseSlot.for_model(object())
+
+
+def test_bad_arguments(pipe):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    with pytest.raises(ConfigError, match="verify"):
+        slot.swap("x", verify="sometimes")
+    with pytest.raises(ConfigError, match="directory or an open KnowledgeBase"):
+        slot.swap(42)
+    with pytest.raises(ConfigError):
+        KnowledgeBaseSlot.for_model(pipe, keep_loaded=5, history=2)
+
+
+# ---------------------------------------------------------------------------- in-flight calls
+
+
+class _GatedKB:
+    """A knowledge base that pauses inside `get_passages` (after its search) until released."""
+
+    def __init__(self, kb):
+        self._kb = kb
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._kb, name)
+
+    def __len__(self):
+        return len(self._kb)
+
+    def get_passages(self, rows):
+        self.entered.set()
+        if not self.release.wait(timeout=60):
+            raise RuntimeError("test gate never released")
+        return self._kb.get_passages(rows)
+
+
+def test_call_started_on_old_kb_finishes_on_it(pipe, kbs):
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    gated = _GatedKB(pipe.knowledge_base)
+    slot.swap(gated)
+    out: dict = {}
+    t = threading.Thread(target=lambda: out.update(ans=pipe.generate(QUESTIONS[:2], max_new_tokens=3)))
+    t.start()
+    try:
+        assert gated.entered.wait(timeout=60)
+        # The swap completes while the call is parked inside the old knowledge base: requests hold no lock.
+        res = slot.swap(kbs["kb_b"])
+        assert pipe.kb_version == res.new_version
+    finally:
+        gated.release.set()
+        t.join(timeout=60)
+    assert not t.is_alive()
+    assert all(kbs["versions"][_assert_one_version(a, kbs["versions"])] == "A" for a in out["ans"])
+    [after] = pipe.generate(QUESTIONS[:1], max_new_tokens=3)
+    assert kbs["versions"][_assert_one_version(after, kbs["versions"])] == "B"
+
+
+# ---------------------------------------------------------------------------- concurrency
+
+
+def test_concurrent_requests_while_swapping(pipe, kbs):
+    """Workers call generate/retrieve while a swapper flips A<->B; every result is from one version."""
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    errors: list[BaseException] = []
+    results: list = []
+    done = threading.Event()
+    lock = threading.Lock()
+
+    def worker(i: int) -> None:
+        try:
+            for j in range(6):
+                if (i + j) % 2:
+                    answers = pipe.generate(QUESTIONS, n_docs=3, max_new_tokens=3)
+                    with lock:
+                        results.extend(answers)
+                else:
+                    retrieved, _ = pipe.model.retrieve(QUESTIONS, n_docs=4)
+                    tags = {tag_of(p) for ps in retrieved.passages for p in ps}
+                    with lock:
+                        results.append((retrieved.kb_version, tags))
+        except BaseException as e:  # noqa: BLE001 - the test reports every failure
+            errors.append(e)
+
+    def swapper() -> None:
+        try:
+            for _ in range(500):
+                if done.is_set():
+                    break
+                slot.swap(kbs["kb_b"])
+                slot.swap_back()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    s = threading.Thread(target=swapper)
+    s.start()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(timeout=120)
+    done.set()
+    s.join(timeout=60)
+    assert not errors, errors
+    assert slot.swap_count >= 2 and len(results) == 4 * 3 * 3 + 4 * 3
+    for r in results:
+        if isinstance(r, tuple):
+            assert r[1] == {kbs["versions"][r[0]]}
+        else:
+            _assert_one_version(r, kbs["versions"])
+    assert kbs["versions"][pipe.kb_version] == "A"  # every swap was undone
+
+
+def test_concurrent_swaps_are_serialised(pipe, kbs, tmp_path):
+    slot = KnowledgeBaseSlot.for_model(pipe, history=64)
+    paths = [kbs["kb_a"], kbs["kb_b"]]
+    results, errors = [], []
+
+    def swapper(i: int) -> None:
+        try:
+            for j in range(8):
+                results.append(slot.swap(paths[(i + j) % 2], verify="size"))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=swapper, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    results.sort(key=lambda r: r.seq)
+    assert [r.seq for r in results] == list(range(1, 25))
+    for prev, cur in zip(results, results[1:]):
+        assert cur.old_version == prev.new_version  # commits form one chain: none lost or interleaved
+    assert pipe.kb_version == results[-1].new_version
+    assert [h["version"] for h in slot.history][:3] == [r.old_version for r in results[::-1][:3]]
