@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from rag.errors import ConfigError, RagError
+from rag.generation.marginalize import doc_log_prior, token_marginal_logprobs
 
 __all__ = [
     "GenerationConfig",
@@ -426,14 +427,6 @@ def _crop(beams: _Beams, keep: int) -> tuple[Tensor, Tensor, Tensor]:
 # RAG-Token
 
 
-def _token_marginal_step(doc_logprobs: Tensor, doc_log_prior: Tensor) -> Tensor:
-    """RAG-Token transition (Eq. 2 at one step): `log Σ_z p(z|x) p(y_i|x,z,y_<i)`.
-
-    `doc_logprobs` `(rows, n_docs, vocab)`, `doc_log_prior` `(rows, n_docs)` -> `(rows, vocab)`.
-    """
-    return torch.logsumexp(doc_logprobs + doc_log_prior[:, :, None], dim=1)
-
-
 @torch.no_grad()
 def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
                        config: GenerationConfig = GenerationConfig()) -> GenerationOutput:
@@ -456,12 +449,12 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
     # Decoder rows are (question, beam, doc): row -> context question * n_docs + doc.
     context_of_row = (torch.arange(batch, device=device)[:, None, None] * n_docs + docs).expand(batch, beams, n_docs)
     decoder = _IncrementalDecoder(generator, contexts, context_of_row.reshape(-1))
-    log_prior = torch.log_softmax(doc_scores.float(), dim=1).repeat_interleave(beams, dim=0)  # (batch*beams, n_docs)
+    log_prior = doc_log_prior(doc_scores.float()).repeat_interleave(beams, dim=0)  # (batch*beams, n_docs)
 
     def step(tokens: Tensor) -> Tensor:
         logits = decoder.step(tokens.repeat_interleave(n_docs))
         doc_logprobs = torch.log_softmax(logits, -1).view(batch * beams, n_docs, -1)
-        return _token_marginal_step(doc_logprobs, log_prior)
+        return token_marginal_logprobs(doc_logprobs, log_prior)  # Eq. 2, one step: (batch*beams, vocab)
 
     if beams == 1:
         seqs, loglik = _greedy(step, batch, spec, device)
@@ -606,7 +599,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     batch, n_docs = _check_contexts(contexts, doc_scores)
     spec = _resolve(config, generator)
     device = doc_scores.device
-    log_prior = torch.log_softmax(doc_scores.float(), dim=1)  # (batch, n_docs)
+    log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
     hyps = generate_per_document(generator, contexts, config)
     beams, width = config.num_beams, hyps.sequences.shape[-1]
     per_q = n_docs * beams
