@@ -238,39 +238,50 @@ def test_call_started_on_old_kb_finishes_on_it(pipe, kbs):
 
 
 def test_concurrent_requests_while_swapping(pipe, kbs):
-    """Workers call generate/retrieve while a swapper flips A<->B; every result is from one version."""
+    """Workers call generate/retrieve while a swapper flips A<->B; every result is from one version.
+
+    After each swap the swapper waits for N_WORKERS + 1 more completed calls: at most N_WORKERS were
+    in flight at the swap, so at least one of them started after it — both versions get served.
+    """
+    n_workers, calls = 4, 8
     slot = KnowledgeBaseSlot.for_model(pipe)
     errors: list[BaseException] = []
     results: list = []
     done = threading.Event()
-    lock = threading.Lock()
+    progress = threading.Condition()
 
     def worker(i: int) -> None:
         try:
-            for j in range(6):
+            for j in range(calls):
                 if (i + j) % 2:
-                    answers = pipe.generate(QUESTIONS, n_docs=3, max_new_tokens=3)
-                    with lock:
-                        results.extend(answers)
+                    out = pipe.generate(QUESTIONS, n_docs=3, max_new_tokens=3)
                 else:
                     retrieved, _ = pipe.model.retrieve(QUESTIONS, n_docs=4)
-                    tags = {tag_of(p) for ps in retrieved.passages for p in ps}
-                    with lock:
-                        results.append((retrieved.kb_version, tags))
+                    out = [(retrieved.kb_version, {tag_of(p) for ps in retrieved.passages for p in ps})]
+                with progress:
+                    results.extend(out)
+                    progress.notify_all()
         except BaseException as e:  # noqa: BLE001 - the test reports every failure
             errors.append(e)
+            with progress:
+                progress.notify_all()
+
+    def settle() -> None:
+        with progress:
+            start = len(results)
+            progress.wait_for(lambda: done.is_set() or errors or len(results) >= start + n_workers + 1, timeout=60)
 
     def swapper() -> None:
         try:
-            for _ in range(500):
-                if done.is_set():
-                    break
+            while not done.is_set():
                 slot.swap(kbs["kb_b"])
+                settle()
                 slot.swap_back()
+                settle()
         except BaseException as e:  # noqa: BLE001
             errors.append(e)
 
-    workers = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    workers = [threading.Thread(target=worker, args=(i,)) for i in range(n_workers)]
     s = threading.Thread(target=swapper)
     s.start()
     for w in workers:
@@ -278,15 +289,21 @@ def test_concurrent_requests_while_swapping(pipe, kbs):
     for w in workers:
         w.join(timeout=120)
     done.set()
+    with progress:
+        progress.notify_all()
     s.join(timeout=60)
     assert not errors, errors
-    assert slot.swap_count >= 2 and len(results) == 4 * 3 * 3 + 4 * 3
+    n_generate = sum((i + j) % 2 for i in range(n_workers) for j in range(calls))
+    assert len(results) == n_generate * len(QUESTIONS) + (n_workers * calls - n_generate)
+    seen = set()
     for r in results:
         if isinstance(r, tuple):
             assert r[1] == {kbs["versions"][r[0]]}
+            seen.add(r[0])
         else:
-            _assert_one_version(r, kbs["versions"])
-    assert kbs["versions"][pipe.kb_version] == "A"  # every swap was undone
+            seen.add(_assert_one_version(r, kbs["versions"]))
+    assert {kbs["versions"][v] for v in seen} == {"A", "B"}
+    assert slot.swap_count >= 2 and kbs["versions"][pipe.kb_version] == "A"  # every swap was undone
 
 
 def test_concurrent_swaps_are_serialised(pipe, kbs, tmp_path):
