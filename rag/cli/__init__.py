@@ -20,7 +20,7 @@ from rag.errors import RagError
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
-COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index"}
+COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,53 @@
+"""`rag serve`: an HTTP server for a RAG model with a hot-swappable knowledge base (rag.serve)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+logger = logging.getLogger(__name__)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)",
+        description="Serve POST /generate, POST /retrieve, GET /health, and the token-protected POST /admin/swap and "
+                    "POST /admin/swap_back, which replace the knowledge base without a restart (requests keep flowing). "
+                    "One process; put a TLS proxy in front of it when it is reachable from other machines.",
+    )
+    p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, or 'demo' (default)")
+    p.add_argument("--kb", default=None, help="knowledge base to start with (default: the one the checkpoint references)")
+    p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--admin-token-env", default="RAG_ADMIN_TOKEN", metavar="VAR",
+                   help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin endpoints disabled")
+    p.add_argument("--kb-root", action="append", default=[], metavar="DIR",
+                   help="directory /admin/swap may open knowledge bases from (repeatable; none = swaps disabled)")
+    p.add_argument("--max-concurrency", type=int, default=1, help="model calls running at once (default: 1)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default: 1 MiB)")
+    p.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the checkpoint loads)")
+    p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    from rag.errors import ConfigError
+    from rag.pipeline import load
+    from rag.serve import create_app, serve
+
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
+    token = os.environ.get(args.admin_token_env) or None
+    if token is None:
+        print(f"rag serve: ${args.admin_token_env} is not set: admin endpoints (swap) are disabled", file=sys.stderr)
+    elif len(token) < 16:
+        raise ConfigError(f"${args.admin_token_env} is only {len(token)} characters; use a random token of at least 16 "
+                          "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    pipe = load(args.model, knowledge_base=args.kb, device=args.device)
+    app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
+                     max_body_bytes=args.max_body_bytes)
+    print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); http://{args.host}:{args.port}", file=sys.stderr)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,412 @@
+"""An HTTP server for a RAG model whose knowledge base can be hot-swapped while it serves.
+
+Endpoints (JSON in, JSON out)::
+
+    POST /generate         {"questions": [...], "n_docs"?, "num_beams"?, "marginalization"?, "decoding"?,
+                            "max_new_tokens"?, "num_return_sequences"?, ...}
+                           -> {"kb_version", "answers": [Answer.to_dict(), ...]}
+    POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
+    GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
+    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?, "verify"?}   (Bearer token)
+    POST /admin/swap_back  {}                                                                      (Bearer token)
+
+Design:
+
+* **One model per process.** Model calls run in worker threads (``anyio.to_thread``) behind a
+  capacity limiter (`max_concurrency`), so the event loop stays free: health checks, swaps and
+  queued requests interleave with running model calls. Use one uvicorn worker: a swap changes the
+  knowledge base of the model in *this* process.
+* **Swaps never block requests.** ``/admin/swap`` opens and verifies the new knowledge base on its
+  own thread and then changes one reference (:class:`~rag.knowledge.hotswap.KnowledgeBaseSlot`);
+  a request already running finishes on the version it started with and reports it in
+  ``kb_version``. A failed swap answers 400 with the reason and the old version keeps serving.
+* **Admin endpoints** need ``Authorization: Bearer <token>`` (401 when missing, 403 when wrong;
+  compared in constant time). Without a configured token they are disabled (403).
+* **Knowledge-base paths are confined** to the configured roots: the path (relative paths are
+  taken relative to the first root) is resolved with symlinks and ``..`` before the check, so
+  neither can escape (403). Existence is only reported for paths inside a root.
+* **Bad requests get a 4xx with the reason, never a 500**: pydantic validation (types, ranges,
+  unknown fields, malformed JSON) -> 422; a :class:`~rag.errors.RagError` from the model (e.g. `k`
+  larger than the knowledge base) -> 400; bodies over `max_body_bytes` -> 413.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hmac
+import logging
+import math
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Annotated, Any, Iterator, Literal, Optional, Sequence, Union
+
+from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from rag.errors import ConfigError, RagError
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "create_app",
+    "serve",
+    "background_server",
+    "resolve_kb_path",
+    "PathRejected",
+    "GenerateRequest",
+    "RetrieveRequest",
+    "SwapRequest",
+    "MAX_QUESTIONS",
+    "MAX_QUESTION_CHARS",
+]
+
+MAX_QUESTIONS = 64
+"""Most questions per request."""
+MAX_QUESTION_CHARS = 4096
+"""Longest question accepted (characters; the tokenizer truncates further)."""
+MAX_PATH_CHARS = 4096
+
+Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False)]
+
+
+# ---------------------------------------------------------------------------- request bodies
+
+
+class _Body(BaseModel):
+    # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored.
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class GenerateRequest(_Body):
+    """Body of ``POST /generate`` (see :meth:`rag.pipeline.RagPipeline.generate`)."""
+
+    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    n_docs: Optional[int] = Field(None, ge=1, le=100)
+    num_beams: int = Field(1, ge=1, le=16)
+    marginalization: Optional[Literal["sequence", "token"]] = None
+    decoding: Literal["thorough", "fast"] = "thorough"
+    max_new_tokens: int = Field(32, ge=1, le=256)
+    num_return_sequences: int = Field(1, ge=1, le=16)
+    min_new_tokens: int = Field(0, ge=0, le=256)
+    length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
+    no_repeat_ngram_size: int = Field(0, ge=0, le=16)
+    early_stopping: Union[bool, Literal["never"]] = False
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "GenerateRequest":
+        if self.num_return_sequences > self.num_beams:
+            raise ValueError(f"num_return_sequences ({self.num_return_sequences}) must not exceed num_beams ({self.num_beams})")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed max_new_tokens ({self.max_new_tokens})")
+        return self
+
+
+class RetrieveRequest(_Body):
+    """Body of ``POST /retrieve``."""
+
+    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    k: int = Field(5, ge=1, le=100)
+
+
+class SwapRequest(_Body):
+    """Body of ``POST /admin/swap``: a knowledge-base directory inside a configured root."""
+
+    path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS)]
+    allow_encoder_change: bool = False
+    allow_metric_change: bool = False
+    verify: Literal["full", "size"] = "full"
+
+
+class SwapBackRequest(_Body):
+    """Body of ``POST /admin/swap_back`` (may be omitted)."""
+
+    verify: Literal["full", "size"] = "full"
+
+
+# ---------------------------------------------------------------------------- paths
+
+
+class PathRejected(RagError):
+    """A knowledge-base path the server will not open; `status` is the HTTP status to answer."""
+
+    def __init__(self, message: str, status: int = 403):
+        super().__init__(message)
+        self.status = status
+
+
+def _real_roots(roots: Sequence[Union[str, os.PathLike]]) -> list[Path]:
+    out = []
+    for r in roots:
+        real = Path(os.path.realpath(os.fspath(r)))
+        if not real.is_dir():
+            raise ConfigError(f"--kb-root {r}: not a directory; create it or give an existing knowledge-base root")
+        out.append(real)
+    return out
+
+
+def resolve_kb_path(raw: str, roots: Sequence[Path]) -> Path:
+    """The real path of `raw` if it lies inside one of the (already real) `roots`.
+
+    Relative paths are taken relative to the first root. Symlinks and ``..`` are resolved
+    *before* the containment check, so neither can leave a root.
+
+    Raises:
+        PathRejected: 403 no roots / outside every root, 400 unusable string, 404 no such directory.
+    """
+    if not roots:
+        raise PathRejected("knowledge-base swaps are disabled: the server was started without --kb-root", 403)
+    if "\x00" in raw:
+        raise PathRejected("path contains a NUL byte", 400)
+    p = Path(raw)
+    if not p.is_absolute():
+        p = roots[0] / p
+    real = Path(os.path.realpath(p))
+    if not any(real == root or real.is_relative_to(root) for root in roots):
+        raise PathRejected(f"{raw!r} is outside the configured knowledge-base roots", 403)
+    if not real.is_dir():
+        raise PathRejected(f"{raw!r}: no such knowledge-base directory under the configured roots", 404)
+    return real
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _finite(obj: Any) -> Any:
+    """JSON-safe copy: NaN/inf floats (e.g. an impossible answer's -inf score) become None."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+def _retrieve(pipeline, questions: list[str], k: int) -> dict:
+    """Top-k passages with scores and priors, plus the one knowledge-base version they came from."""
+    import torch
+
+    from rag.pipeline import PassageProvenance
+
+    with torch.no_grad():
+        retrieved, doc_scores = pipeline.model.retrieve(questions, n_docs=k)
+    prior = torch.softmax(doc_scores.float(), dim=1)
+    results = [
+        [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)).__dict__ for p, s, pr in zip(ps, srow, prow)]
+        for ps, srow, prow in zip(retrieved.passages, doc_scores.tolist(), prior.tolist())
+    ]
+    return {"kb_version": retrieved.kb_version, "results": results}
+
+
+class _BodyLimit:
+    """ASGI middleware: answer 413 to request bodies over `limit` bytes (declared or streamed)."""
+
+    def __init__(self, app, limit: int):
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            return await self._reject(send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            size += len(body)
+            if size > self.limit:
+                return await self._reject(send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replay = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        sent = False
+
+        async def replay_receive():
+            nonlocal sent
+            if not sent:
+                sent = True
+                return replay
+            return await receive()
+
+        return await self.app(scope, replay_receive, send)
+
+    async def _reject(self, send):
+        body = b'{"detail":"request body too large (limit %d bytes)"}' % self.limit
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+# ---------------------------------------------------------------------------- the app
+
+
+def create_app(
+    pipeline,
+    *,
+    kb_roots: Sequence[Union[str, os.PathLike]] = (),
+    admin_token: Optional[str] = None,
+    max_concurrency: int = 1,
+    max_body_bytes: int = 1 << 20,
+    slot=None,
+):
+    """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.RagPipeline`).
+
+    Args:
+        kb_roots: directories that ``/admin/swap`` may open knowledge bases from (none: swaps disabled).
+        admin_token: the Bearer token of the admin endpoints (None or empty: admin disabled).
+        max_concurrency: model calls running at once, each on its own thread. The default 1 is
+            the safe choice for models/tokenizers not audited for concurrent calls and costs little
+            on CPU, where one call already uses every core; requests beyond it wait their turn
+            without blocking the event loop (or swaps).
+        max_body_bytes: larger request bodies are refused with 413.
+        slot: the :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` to swap (default: one over
+            the pipeline's model).
+    """
+    import anyio
+
+    from rag.knowledge.hotswap import KnowledgeBaseSlot
+
+    if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
+        raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+    roots = _real_roots(kb_roots)
+    slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
+    token = (admin_token or "").encode("utf-8")
+    model_limiter = anyio.CapacityLimiter(max_concurrency)
+    swap_limiter = anyio.CapacityLimiter(1)
+
+    import rag
+
+    app = FastAPI(title="rag", version=rag.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.pipeline = pipeline
+    app.state.slot = slot
+    app.state.counters = {"requests": 0, "errors": 0}
+
+    @app.exception_handler(RagError)
+    async def _rag_error(request: Request, exc: RagError):
+        status = getattr(exc, "status", 400)
+        return JSONResponse({"detail": str(exc)}, status_code=status)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):  # a bug, not the client's fault; the worker lives on
+        logger.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
+
+    def admin(request: Request) -> None:
+        if not token:
+            raise HTTPException(403, "admin endpoints are disabled: start the server with an admin token (--admin-token-env)")
+        header = request.headers.get("authorization")
+        if not header:
+            raise HTTPException(401, "missing 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not given.strip():
+            raise HTTPException(401, "the Authorization header must be 'Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
+        if not hmac.compare_digest(given.strip().encode("utf-8"), token):
+            raise HTTPException(403, "invalid admin token")
+
+    async def in_model_thread(fn, *args, **kw):
+        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kw), limiter=model_limiter)
+
+    @app.get("/health")
+    async def health() -> dict:
+        kb = slot.current
+        return {"status": "ok", "kb_version": kb.version, "kb_passages": len(kb), "swaps": slot.swap_count,
+                "history": [h["version"] for h in slot.history]}
+
+    @app.post("/generate")
+    async def generate(req: GenerateRequest) -> JSONResponse:
+        kw = req.model_dump(exclude={"questions"})
+        answers = await in_model_thread(pipeline.generate, req.questions, **kw)
+        # One call reads the knowledge base once, so every answer shares its version.
+        return JSONResponse(_finite({"kb_version": answers[0].kb_version if answers else slot.version,
+                                     "answers": [a.to_dict() for a in answers]}))
+
+    @app.post("/retrieve")
+    async def retrieve(req: RetrieveRequest) -> JSONResponse:
+        return JSONResponse(_finite(await in_model_thread(_retrieve, pipeline, req.questions, req.k)))
+
+    @app.post("/admin/swap", dependencies=[Depends(admin)])
+    async def swap(req: SwapRequest) -> dict:
+        path = resolve_kb_path(req.path, roots)
+        res = await anyio.to_thread.run_sync(
+            functools.partial(slot.swap, path, allow_encoder_change=req.allow_encoder_change,
+                              allow_metric_change=req.allow_metric_change, verify=req.verify),
+            limiter=swap_limiter,
+        )
+        logger.warning("knowledge base swapped: %s -> %s (%s)", res.old_version, res.new_version, res.path)
+        return res.to_dict()
+
+    @app.post("/admin/swap_back", dependencies=[Depends(admin)])
+    async def swap_back(req: Optional[SwapBackRequest] = None) -> dict:
+        verify = req.verify if req is not None else "full"
+        res = await anyio.to_thread.run_sync(functools.partial(slot.swap_back, verify=verify), limiter=swap_limiter)
+        logger.warning("knowledge base swapped back: %s -> %s", res.old_version, res.new_version)
+        return res.to_dict()
+
+    wrapped = _BodyLimit(app, max_body_bytes)
+    wrapped.state = app.state  # convenient access for callers holding the wrapped app
+    wrapped.fastapi = app
+    return wrapped
+
+
+# ---------------------------------------------------------------------------- running it
+
+
+def _is_loopback(host: str) -> bool:
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Run `app` with uvicorn in this process (one worker; see module docstring) until interrupted."""
+    import uvicorn
+
+    if not _is_loopback(host):
+        logger.warning("serving on %s: reachable from other machines; put TLS in front of it", host)
+    uvicorn.run(app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=30)
+
+
+@contextlib.contextmanager
+def background_server(app, *, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                      startup_timeout: float = 30.0) -> Iterator[str]:
+    """Run `app` on a background thread; yields its base URL (``port=0``: an ephemeral port).
+
+    For tests and notebooks. The server stops (finishing in-flight requests) when the block exits.
+    """
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    bound_port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=10))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="rag-serve", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            sock.close()
+            raise RuntimeError(f"the server did not start on {host}:{bound_port}")
+        time.sleep(0.01)
+    try:
+        yield f"http://{host if ':' not in host else f'[{host}]'}:{bound_port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
