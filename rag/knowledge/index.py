@@ -65,7 +65,8 @@ _NULLABLE = ("nlist", "pq_m")
 
 _ADD_CHUNK = 16_384  # rows per faiss add() call (one progress-bar step)
 _TRAIN_SAMPLE_SQ = 100_000  # rows used to train the 8-bit scalar quantiser
-_TRAIN_POINTS_PER_LIST = 64  # rows per IVF list used to train the coarse k-means
+_TRAIN_POINTS_PER_LIST = 50  # rows per IVF list used to train the coarse k-means
+_TRAIN_POINTS_PER_CODE = 40  # rows per PQ centroid used to train each sub-quantiser
 _MIN_POINTS_PER_LIST = 39  # faiss's k-means warns below this many rows per centroid
 _SEED = 1234
 
@@ -266,29 +267,24 @@ def _sample_rows(n: int, size: int) -> np.ndarray:
     return np.sort(np.random.default_rng(_SEED).choice(n, size=size, replace=False))
 
 
-def _hnsw_core(spec: IndexSpec, d: int, metric: int) -> faiss.Index:
-    if spec.kind == "hnsw":
-        core = faiss.IndexHNSWFlat(d, spec.m, metric)
-    else:
-        core = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_8bit, spec.m, metric)
-    core.hnsw.efConstruction = spec.ef_construction
-    core.hnsw.efSearch = spec.ef_search
-    return core
-
-
-def _add_chunks(index: faiss.Index, x: np.ndarray, transform, desc: str, show: bool) -> None:
+def _add_chunks(index: faiss.Index, x: np.ndarray, desc: str, show: bool) -> None:
     with tqdm(total=x.shape[0], desc=desc, unit="vec", disable=not show, leave=False) as bar:
         for start in range(0, x.shape[0], _ADD_CHUNK):
-            block = transform(x[start : start + _ADD_CHUNK])
+            block = x[start : start + _ADD_CHUNK]
             index.add(block)
             bar.update(block.shape[0])
 
 
 def _build_hnsw(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
-    index = _hnsw_core(spec, x.shape[1], _faiss_metric(spec))
-    if spec.kind == "hnsw_sq8":
+    d, metric = x.shape[1], _faiss_metric(spec)
+    if spec.kind == "hnsw":
+        index = faiss.IndexHNSWFlat(d, spec.m, metric)
+    else:
+        index = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_8bit, spec.m, metric)
         index.train(_sq_training_rows(x))
-    _add_chunks(index, x, lambda b: b, f"index {spec.kind}", show)
+    index.hnsw.efConstruction = spec.ef_construction
+    index.hnsw.efSearch = spec.ef_search  # only a default: search_index passes its own
+    _add_chunks(index, x, f"index {spec.kind}", show)
     return index
 
 
@@ -300,8 +296,7 @@ def _sq_training_rows(x: np.ndarray) -> np.ndarray:
     cover every vector of the corpus.
     """
     n = x.shape[0]
-    lo_rows, hi_rows, lo, hi = [], [], None, None
-    lo_idx = hi_idx = None
+    lo = hi = lo_idx = hi_idx = None
     for s in range(0, n, _ADD_CHUNK):
         block = x[s : s + _ADD_CHUNK]
         bmin, bmax = block.min(axis=0), block.max(axis=0)
@@ -342,10 +337,10 @@ def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
     index.cp.seed = _SEED
     index.pq.cp.seed = _SEED
     index.nprobe = min(spec.nprobe, nlist)
-    train = x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, 64 << spec.pq_nbits))]
+    train = x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << spec.pq_nbits))]
     index.train(np.ascontiguousarray(train))
     del train
-    _add_chunks(index, x, lambda b: b, "index ivf_pq", show)
+    _add_chunks(index, x, "index ivf_pq", show)
     return index
 
 
@@ -371,7 +366,7 @@ def build_index(
     with faiss_threads(threads):
         if spec.kind == "flat":
             index = faiss.IndexFlatIP(x.shape[1]) if spec.metric == "ip" else faiss.IndexFlatL2(x.shape[1])
-            _add_chunks(index, x, lambda b: b, "index flat", show_progress)
+            _add_chunks(index, x, "index flat", show_progress)
         elif spec.kind in ("hnsw", "hnsw_sq8"):
             index = _build_hnsw(x, spec, show_progress)
         else:
