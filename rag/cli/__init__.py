@@ -20,7 +20,7 @@ from rag.errors import RagError
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
-COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve"}
+COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve", "hotswap-eval": "rag.cli.hotswap_eval"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -164,6 +164,16 @@ class KnowledgeBaseSlot:
         return self._swaps
 
     # ------------------------------------------------------------------ swapping
+    def check(self, path_or_kb, *, allow_encoder_change: bool = False, allow_metric_change: bool = False,
+              verify: str = "full"):
+        """Open and validate `path_or_kb` exactly as :meth:`swap` would, without swapping (a dry run).
+
+        Returns the opened knowledge base; raises the error :meth:`swap` would raise.
+        """
+        kb = self._open(path_or_kb, verify)
+        self._precheck(kb, allow_encoder_change, allow_metric_change)
+        return kb
+
     def swap(
         self,
         path_or_kb: Union[str, os.PathLike, Any],
