@@ -471,12 +471,12 @@ def _index_kind_metric(index: faiss.Index) -> tuple[str, str]:
     raise ConfigError(f"unsupported faiss metric type {index.metric_type}; use metric ip or l2")
 
 
-def _search(index: faiss.Index, q: np.ndarray, k: int, spec: IndexSpec, width: Optional[int] = None):
-    """One faiss search with per-call parameters: ef_search (HNSW) or nprobe (IVF), or `width`."""
+def _search(index: faiss.Index, q: np.ndarray, k: int, spec: IndexSpec, widen: int = 1):
+    """One faiss search with per-call parameters: `widen` × ef_search (HNSW) or × nprobe (IVF)."""
     if isinstance(index, faiss.IndexHNSW):
-        params = faiss.SearchParametersHNSW(efSearch=max(width or spec.ef_search, k))
+        params = faiss.SearchParametersHNSW(efSearch=widen * max(spec.ef_search, k))
     elif isinstance(index, faiss.IndexIVF):
-        params = faiss.SearchParametersIVF(nprobe=min(width or spec.nprobe, index.nlist))
+        params = faiss.SearchParametersIVF(nprobe=min(widen * spec.nprobe, index.nlist))
     else:
         return index.search(q, k)
     return index.search(q, k, params=params)
@@ -487,7 +487,7 @@ def _exhaustive_search(index: faiss.Index, q: np.ndarray, k: int, spec: IndexSpe
     if isinstance(index, faiss.IndexHNSW):
         return faiss.downcast_index(index.storage).search(q, k)  # brute force over the stored codes
     if isinstance(index, faiss.IndexIVF):
-        return _search(index, q, k, spec, width=index.nlist)
+        return _search(index, q, k, spec, widen=index.nlist)
     return index.search(q, k)
 
 
@@ -523,7 +523,7 @@ def search_index(
     missing = (rows < 0).any(axis=1)
     if missing.any():  # tiny or badly connected graph: widen the beam, then go exhaustive
         sub = q[missing]
-        d2, r2 = _search(index, sub, k, spec, width=4 * max(spec.ef_search, spec.nprobe, k))
+        d2, r2 = _search(index, sub, k, spec, widen=4)
         still = (r2 < 0).any(axis=1)
         if still.any():
             d3, r3 = _exhaustive_search(index, sub[still], k, spec)

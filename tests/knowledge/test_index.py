@@ -322,3 +322,14 @@ def test_threads_scope_restores_faiss_setting(corpus):
     assert faiss.omp_get_max_threads() == before
     with pytest.raises(ConfigError, match="threads=0"):
         build_index(x[:200], IndexSpec(kind="flat"), threads=0)
+
+
+def test_ivf_with_too_few_probed_vectors_still_returns_k_valid_rows(corpus):
+    x, q = corpus
+    spec = IndexSpec.parse("ivf_pq:nlist=16,pq_m=8,pq_nbits=4,nprobe=1")
+    index = build_index(x[:1000], spec, show_progress=False)
+    raw = index.search(q, 200, params=faiss.SearchParametersIVF(nprobe=1))[1]
+    assert (raw < 0).any(), "precondition: one list holds fewer than k vectors"
+    scores, rows = search_index(index, q, 200, spec)
+    assert (rows >= 0).all() and all(len(set(r)) == 200 for r in rows.tolist())
+    assert (np.diff(scores, axis=1) <= 1e-5).all()
