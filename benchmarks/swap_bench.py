@@ -1,0 +1,300 @@
+"""Benchmark knowledge-base hot swaps under concurrent retrieval load.
+
+Two knowledge bases A and B of `--n` synthetic passages (the same ids; texts tagged "[A]" /
+"[B]") with clustered, text-embedding-like vectors (benchmarks/index_bench.py's
+``clustered_embeddings``) are built once with ``KnowledgeBase.from_embeddings``. Then:
+
+1. ``--workers`` threads send retrieval requests (``DenseRetriever.search``: a batch of query
+   vectors -> top-k rows, stored embeddings and passages, i.e. everything RAG reads from the
+   knowledge base per request) for ``--baseline`` seconds without swaps;
+2. the same load continues while an admin thread performs ``--swaps`` swaps B, A, B, ... through
+   :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` — each one opens the other directory,
+   verifies every file's SHA-256 (``--verify full``), validates it and changes the reference —
+   pausing ``--gap`` seconds between swaps.
+
+Measured:
+
+* **pause**: the extra latency an in-flight request sees because of a swap = its latency minus
+  the baseline median, maximised over requests that overlap a swap (loading + commit), and
+  separately over requests in flight at the reference change itself. Target < 50 ms.
+* **heartbeat stall**: the longest a thread sleeping 1 ms at a time overslept (GIL / scheduler
+  stalls), baseline vs during swaps.
+* **lost requests**: requests that raised, never finished, or returned passages from a version
+  other than their ``kb_version`` (mixed results). Target 0.
+* swap timings (load+verify, lock held) and peak RSS.
+
+The machine's CPU may be shared with other work: load averages are recorded, and latency
+percentiles are reported next to the baseline so contention shows up in both.
+
+Examples::
+
+    .venv/bin/python benchmarks/swap_bench.py --n 20000                        # quick
+    nohup .venv/bin/python benchmarks/swap_bench.py --n 500000 > swap.log 2>&1 &  # the README run
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import platform
+import resource
+import shutil
+import statistics
+import sys
+import threading
+import time
+import types
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+from index_bench import clustered_embeddings  # noqa: E402
+
+from rag.io import atomic_write_json  # noqa: E402
+from rag.knowledge.hotswap import KnowledgeBaseSlot  # noqa: E402
+from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
+from rag.knowledge.passages import Passage  # noqa: E402
+from rag.knowledge.retriever import DenseRetriever  # noqa: E402
+
+ENCODER = "synthetic-clustered"
+WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
+         "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+
+
+def passages(n: int, tag: str) -> list[Passage]:
+    """`n` synthetic passages of ~40 words; ids and titles shared by A and B, texts tagged [A]/[B]."""
+    out = []
+    for i in range(n):
+        words = " ".join(WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(40))
+        out.append(Passage(f"p{i}", f"Title {i}", f"[{tag}] passage {i}: {words}"))
+    return out
+
+
+def build(out_dir: Path, n: int, dim: int, index: str, rebuild: bool) -> dict[str, Path]:
+    paths = {tag: out_dir / f"kb_{tag}_{n}_{dim}" for tag in "AB"}
+    if not rebuild and all((p / "manifest.json").is_file() for p in paths.values()):
+        print(f"reusing {', '.join(map(str, paths.values()))}")
+        return paths
+    t0 = time.perf_counter()
+    emb = clustered_embeddings(n, dim, seed=0, stream=0)
+    print(f"embeddings ({n}, {dim}) in {time.perf_counter() - t0:.1f} s")
+    identity = {"name": ENCODER, "dim": dim, "fingerprint": f"{ENCODER}-{dim}"}
+    for tag, path in paths.items():
+        t0 = time.perf_counter()
+        KnowledgeBase.from_embeddings(passages(n, tag), emb, identity, path, index=index, overwrite=True,
+                                      build_info={"benchmark": "swap_bench"})
+        print(f"built {path} ({index}) in {time.perf_counter() - t0:.1f} s")
+        gc.collect()
+    del emb
+    return paths
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q / 100 * (len(xs) - 1))))]
+
+
+def rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB -> GB
+
+
+def run(args) -> dict:
+    out_dir = Path(args.out_dir)
+    paths = build(out_dir, args.n, args.dim, args.index, args.rebuild)
+    torch.set_num_threads(1)
+    tags = {}
+    for tag, p in paths.items():
+        tags[KnowledgeBase.open(p, verify="none").version] = tag
+    kb_a = KnowledgeBase.open(paths["A"], verify=args.verify)
+    retriever = DenseRetriever(kb_a, types.SimpleNamespace(dim=args.dim))
+    slot = KnowledgeBaseSlot(retriever, keep_loaded=1)
+    queries = torch.from_numpy(clustered_embeddings(4096, args.dim, seed=0, stream=1))
+
+    records: list[tuple[float, float, str]] = []  # (start, end, version) of every completed request
+    failures: list[str] = []
+    started = [0]
+    stop = threading.Event()
+    lock = threading.Lock()
+
+    def worker(w: int) -> None:
+        rng = np.random.default_rng(w)
+        while not stop.is_set():
+            q = queries[rng.integers(0, len(queries), args.batch)]
+            with lock:
+                started[0] += 1
+            t0 = time.perf_counter()
+            try:
+                r = retriever.search(q, args.k)
+                got = {p.text[1] for ps in r.passages for p in ps}
+                if got != {tags.get(r.kb_version, "?")} or r.doc_embeds.shape != (args.batch, args.k, args.dim):
+                    raise RuntimeError(f"mixed result: kb_version {r.kb_version} with passage tags {sorted(got)}")
+                with lock:
+                    records.append((t0, time.perf_counter(), r.kb_version))
+            except Exception as e:  # noqa: BLE001 - every failure is counted
+                with lock:
+                    failures.append(f"{type(e).__name__}: {e}")
+
+    beats: list[tuple[float, float]] = []  # (time, overslept seconds)
+
+    def heartbeat() -> None:
+        last = time.perf_counter()
+        while not stop.is_set():
+            time.sleep(0.001)
+            now = time.perf_counter()
+            beats.append((now, now - last - 0.001))
+            last = now
+
+    threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(args.workers)]
+    hb = threading.Thread(target=heartbeat, daemon=True)
+    load0 = os.getloadavg()
+    for t in threads + [hb]:
+        t.start()
+    time.sleep(args.warmup)
+    t_base0 = time.perf_counter()
+    time.sleep(args.baseline)
+    t_base1 = time.perf_counter()
+
+    swaps = []
+    for i in range(args.swaps):
+        target = paths["B"] if i % 2 == 0 else paths["A"]
+        ts = time.perf_counter()
+        res = slot.swap(target, verify=args.verify)
+        te = time.perf_counter()
+        # The commit happened at the end of the swap: [te - commit_seconds, te] held the lock.
+        swaps.append({"start": ts, "end": te, "commit_at": te - res.commit_seconds, **res.to_dict()})
+        print(f"swap {i + 1}/{args.swaps}: {res.old_version} -> {res.new_version}  load+verify {res.load_seconds:.2f} s, "
+              f"lock held {1e6 * res.commit_seconds:.0f} µs", flush=True)
+        time.sleep(args.gap)
+    t_swap1 = time.perf_counter()
+    stop.set()
+    for t in threads + [hb]:
+        t.join(timeout=60)
+    unfinished = sum(t.is_alive() for t in threads)
+    load1 = os.getloadavg()
+
+    lat = lambda rs: [1e3 * (e - s) for s, e, _ in rs]  # noqa: E731
+    base = [r for r in records if t_base0 <= r[0] and r[1] <= t_base1]
+    base_lat = lat(base)
+    base_p50 = pct(base_lat, 50)
+    windows = [(s["start"], s["end"]) for s in swaps]
+    during = [r for r in records if any(r[0] < e and r[1] > s for s, e in windows)]
+    at_commit = [r for r in records if any(r[0] <= s["commit_at"] <= r[1] for s in swaps)]
+    after_swaps = [r for r in records if r[0] >= t_base1]
+    hb_base = [g for t, g in beats if t_base0 <= t <= t_base1]
+    hb_swap = [g for t, g in beats if any(s <= t <= e for s, e in windows)]
+    n_started = started[0]
+    n_done = len(records)
+    lost = n_started - n_done  # raised (incl. mixed results) or never finished
+
+    result = {
+        "config": {k: v for k, v in vars(args).items()},
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
+                    "loadavg_before": load0, "loadavg_after": load1, "shared_cpu": True},
+        "requests": {
+            "started": n_started, "completed": n_done, "failed": len(failures), "unfinished": unfinished, "lost": lost,
+            "during_swap_phase": len(after_swaps), "by_version": {tags.get(v, v): sum(1 for r in after_swaps if r[2] == v) for v in tags},
+            "failures_sample": failures[:5],
+        },
+        "latency_ms": {
+            "baseline": {"n": len(base_lat), "p50": base_p50, "p99": pct(base_lat, 99), "max": max(base_lat, default=float("nan"))},
+            "overlapping_a_swap": {"n": len(during), "p50": pct(lat(during), 50), "p99": pct(lat(during), 99),
+                                   "max": max(lat(during), default=float("nan"))},
+            "in_flight_at_commit": {"n": len(at_commit), "max": max(lat(at_commit), default=float("nan"))},
+        },
+        "pause_ms": {
+            "max_extra_latency_overlapping_swap": max(lat(during), default=base_p50) - base_p50,
+            "max_extra_latency_at_commit": max(lat(at_commit), default=base_p50) - base_p50,
+            "baseline_max_extra_latency": max(base_lat, default=base_p50) - base_p50,
+            "heartbeat_max_stall_baseline": 1e3 * max(hb_base, default=0.0),
+            "heartbeat_max_stall_during_swaps": 1e3 * max(hb_swap, default=0.0),
+            "target": 50.0,
+        },
+        "swaps": {
+            "n": len(swaps),
+            "load_verify_s_mean": statistics.mean(s["load_seconds"] for s in swaps) if swaps else None,
+            "load_verify_s_max": max((s["load_seconds"] for s in swaps), default=None),
+            "lock_held_us_max": 1e6 * max((s["commit_seconds"] for s in swaps), default=0.0),
+            "total_s_max": max((s["seconds"] for s in swaps), default=None),
+            "each": [{k: s[k] for k in ("old_version", "new_version", "seconds", "load_seconds", "commit_seconds")} for s in swaps],
+        },
+        "kb": {"n": args.n, "dim": args.dim, "index": args.index, "verify": args.verify,
+               "bytes_on_disk": sum(f.stat().st_size for f in paths["A"].rglob("*") if f.is_file())},
+        "peak_rss_gb": round(rss_gb(), 3),
+        "seconds": round(t_swap1 - t_base0, 1),
+        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
+    return result
+
+
+def print_table(r: dict) -> None:
+    L, P, R, S = r["latency_ms"], r["pause_ms"], r["requests"], r["swaps"]
+    print()
+    print(f"knowledge bases: {r['kb']['n']:,} passages, dim {r['kb']['dim']}, index {r['kb']['index']}, "
+          f"{r['kb']['bytes_on_disk'] / 1e9:.2f} GB each, verify={r['kb']['verify']}; "
+          f"{r['config']['workers']} request threads x batch {r['config']['batch']}, k={r['config']['k']}")
+    print(f"load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
+          f"on {r['machine']['cpus']} CPUs (shared machine)")
+    rows = [
+        ("swaps performed", f"{S['n']}", ""),
+        ("load + verify per swap (off the request path)", f"{S['load_verify_s_mean']:.2f} s mean, {S['load_verify_s_max']:.2f} s max", ""),
+        ("swap lock held (one reference change)", f"{S['lock_held_us_max']:.0f} µs max", ""),
+        ("request latency, baseline", f"p50 {L['baseline']['p50']:.1f} ms, p99 {L['baseline']['p99']:.1f}, max {L['baseline']['max']:.1f}", ""),
+        ("request latency, overlapping a swap", f"p50 {L['overlapping_a_swap']['p50']:.1f} ms, p99 {L['overlapping_a_swap']['p99']:.1f}, "
+                                                f"max {L['overlapping_a_swap']['max']:.1f}", ""),
+        ("longest pause of an in-flight request (max - baseline p50)", f"{P['max_extra_latency_overlapping_swap']:.1f} ms",
+         "target < 50 ms: " + ("met" if P["max_extra_latency_overlapping_swap"] < 50 else "MISSED")),
+        ("  same, requests in flight at the reference change", f"{P['max_extra_latency_at_commit']:.1f} ms", ""),
+        ("  same, baseline without swaps (noise floor)", f"{P['baseline_max_extra_latency']:.1f} ms", ""),
+        ("heartbeat stall baseline / during swaps", f"{P['heartbeat_max_stall_baseline']:.1f} / {P['heartbeat_max_stall_during_swaps']:.1f} ms", ""),
+        ("requests started / completed", f"{R['started']} / {R['completed']}", ""),
+        ("requests lost (failed, unfinished or mixed)", f"{R['lost']}", "target 0: " + ("met" if R["lost"] == 0 else "MISSED")),
+        ("served during swap phase, by version", ", ".join(f"{k}: {v}" for k, v in R["by_version"].items()), ""),
+        ("peak RSS", f"{r['peak_rss_gb']:.2f} GB", ""),
+    ]
+    w0 = max(len(a) for a, _, _ in rows)
+    w1 = max(len(b) for _, b, _ in rows)
+    for a, b, c in rows:
+        print(f"{a.ljust(w0)}  {b.ljust(w1)}  {c}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=500_000, help="passages per knowledge base (default: 500000)")
+    p.add_argument("--dim", type=int, default=768, help="embedding dimension (default: 768, as DPR)")
+    p.add_argument("--index", default="hnsw:m=16,ef_construction=40",
+                   help="index spec (default: HNSW with a cheaper graph than the library default m=32, ef_construction=80, "
+                        "to halve build time; the swap path does not depend on it)")
+    p.add_argument("--out-dir", default=str(HERE / ".cache" / "swap_bench"), help="where the two knowledge bases are built")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the knowledge bases even if present")
+    p.add_argument("--verify", default="full", choices=["full", "size", "none"])
+    p.add_argument("--workers", type=int, default=2, help="request threads")
+    p.add_argument("--batch", type=int, default=4, help="queries per request")
+    p.add_argument("-k", type=int, default=10)
+    p.add_argument("--swaps", type=int, default=10)
+    p.add_argument("--gap", type=float, default=1.0, help="seconds between swaps")
+    p.add_argument("--warmup", type=float, default=3.0)
+    p.add_argument("--baseline", type=float, default=10.0, help="seconds of load without swaps")
+    p.add_argument("--json", default=None, help="write the results here (default: benchmarks/results/swap_bench_N.json)")
+    p.add_argument("--cleanup", action="store_true", help="delete the knowledge bases afterwards")
+    args = p.parse_args(argv)
+    result = run(args)
+    print_table(result)
+    out = Path(args.json) if args.json else HERE / "results" / f"swap_bench_{args.n}.json"
+    atomic_write_json(out, result)
+    print(f"\nwrote {out}")
+    if args.cleanup:
+        shutil.rmtree(args.out_dir, ignore_errors=True)
+    return 0 if result["requests"]["lost"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
