@@ -316,13 +316,19 @@ def plot(rows: list[dict], path: Path, title: str, t: int) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
     groups: dict[str, list[dict]] = {}
     for r in rows:
         groups.setdefault(r["build_spec"], []).append(r)
     for name, rs in groups.items():
         rs = sorted(rs, key=lambda r: r["recall@10"])
-        ax.plot([r["recall@10"] for r in rs], [r[f"qps_batch_t{t}"] for r in rs], marker="o", label=name)
+        knob = {"hnsw": "ef_search", "hnsw_sq8": "ef_search", "ivf_pq": "nprobe"}.get(rs[0]["kind"])
+        label = re.sub(r",?(ef_search|nprobe)=\d+", "", name).replace("metric=ip,", "").replace(":metric=ip", "")
+        xs, ys = [r["recall@10"] for r in rs], [r[f"qps_batch_t{t}"] for r in rs]
+        ax.plot(xs, ys, marker="*" if knob is None else "o", markersize=12 if knob is None else 5, label=label)
+        if knob:
+            for r, xv, yv in zip(rs, xs, ys):
+                ax.annotate(str(r["params"][knob]), (xv, yv), fontsize=6, xytext=(3, 3), textcoords="offset points")
     ax.set_yscale("log")
     ax.set_xlabel("recall@10 vs exact search")
     ax.set_ylabel(f"queries/s (batched, {t} threads)")
@@ -390,7 +396,8 @@ def main(argv: list[str] | None = None) -> dict:
         bpv = bytes_per_vector(index)
         for s in sweep_values(spec, args):
             m = measure(index, s, q, truth, args, exact=spec.kind == "flat")
-            r = {"spec": s.to_string(), "build_spec": spec.to_string(), "kind": s.kind, "bytes_per_vector": bpv,
+            r = {"spec": s.to_string(), "build_spec": spec.to_string(), "kind": s.kind, "params": s.to_dict(),
+                 "bytes_per_vector": bpv,
                  "build_s": build_s, "default": s == spec, **m}
             rows.append(r)
             if s == spec:
