@@ -308,3 +308,46 @@ def test_chunked_body_over_limit_is_refused(client):
     r = client.post("/generate", content=chunks(), headers={"content-type": "application/json"})
     assert r.status_code == 413
     assert client.get("/health").status_code == 200
+
+
+class _GatedKB:
+    """A knowledge base that parks every call inside `get_passages` until released."""
+
+    def __init__(self, kb):
+        self._kb = kb
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def __getattr__(self, name):
+        return getattr(self._kb, name)
+
+    def __len__(self):
+        return len(self._kb)
+
+    def get_passages(self, rows):
+        self.entered.set()
+        if not self.release.wait(timeout=60):
+            raise RuntimeError("test gate never released")
+        return self._kb.get_passages(rows)
+
+
+def test_request_parked_in_old_kb_does_not_block_health_or_swap(server, layout):
+    client, app = server
+    slot = app.state.slot
+    real = slot.current
+    gated = _GatedKB(real)
+    slot.swap(gated)
+    out = {}
+    t = threading.Thread(target=lambda: out.update(r=client.post("/generate", json={"questions": QUESTIONS, "max_new_tokens": 3})))
+    t.start()
+    try:
+        assert gated.entered.wait(timeout=60)
+        # The event loop and the swap path are free while a model call is parked in the old knowledge base.
+        assert client.get("/health").status_code == 200
+        r = client.post("/admin/swap", json={"path": "kb_b"}, headers=AUTH)
+        assert r.status_code == 200 and layout["versions"][client.get("/health").json()["kb_version"]] == "B"
+    finally:
+        gated.release.set()
+        t.join(timeout=60)
+        slot.swap(real)
+    assert layout["versions"][_check_generate(out["r"], layout["versions"])] == "A"  # finished on the old version
