@@ -213,9 +213,9 @@ class KnowledgeBaseSlot:
 
         Repeated calls walk further back. The previous knowledge base is still open when it is
         among the last ``keep_loaded``; otherwise it is re-opened and verified from its
-        directory first (off the lock). `allow_encoder_change` defaults to True because the
-        version being returned to already served this retriever (e.g. before a deliberate
-        encoder change); its dimension and metric are still checked.
+        directory first (off the lock). `allow_encoder_change` defaults to True, and a metric
+        change is accepted, because the version being returned to already served this retriever
+        (e.g. before a deliberate encoder or metric change); its dimension is still checked.
 
         Raises:
             KnowledgeBaseError: there is no previous version, or it can no longer be opened;
@@ -242,13 +242,13 @@ class KnowledgeBaseSlot:
                         f"{entry.path}: now holds version {target.version}, not {entry.version} which served from there; "
                         f"swap to it explicitly if that is intended (still serving {self.version})"
                     )
-            self._precheck(target, allow_encoder_change, False)
+            self._precheck(target, allow_encoder_change, True)
             with self._lock:
                 if not self._history or self._history[-1] is not entry:
                     continue  # another swap changed the history while we were loading; look again
                 tc = time.perf_counter()
                 old = self.current
-                self._commit(target, allow_encoder_change, False)
+                self._commit(target, allow_encoder_change, True)
                 self._history.pop()
                 commit_seconds = time.perf_counter() - tc
                 self._swaps += 1

@@ -157,7 +157,9 @@ def test_overrides_accept_deliberate_changes(pipe, kbs):
     slot = KnowledgeBaseSlot.for_model(pipe)
     assert slot.swap(kbs["kb_other_encoder"], allow_encoder_change=True).new_version == pipe.kb_version
     slot.swap_back()
+    va = pipe.kb_version
     assert slot.swap(kbs["kb_l2"], allow_metric_change=True).new_version == pipe.kb_version
+    assert slot.swap_back().new_version == va  # returning to a version that already served needs no override
     with pytest.raises(KnowledgeBaseError, match="dim=16"):  # a dimension change is never allowed
         slot.swap(kbs["kb_dim16"], allow_encoder_change=True, allow_metric_change=True)
 
