@@ -341,3 +341,24 @@ def test_label_smoothing_changes_loss_and_keeps_gradients(make_model):
     assert torch.isfinite(b.loss) and not torch.allclose(a, b.loss)
     b.loss.backward()
     assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in smooth.question_encoder.parameters())
+
+
+def test_t5_generator_works_and_has_no_bos_to_exclude(tmp_path, demo_texts, kb_dir, dirs):
+    from rag.models.tiny import save, tiny_t5, train_sentencepiece_tokenizer
+
+    sp = train_sentencepiece_tokenizer(demo_texts, vocab_size=300, workdir=tmp_path)
+    t5_dir = save(tiny_t5(sp), sp, tmp_path / "t5")
+    m = RagModel.from_components(dirs["question"], t5_dir, kb_dir, n_docs=2).train()
+    labels, mask = m.tokenize_targets(ANSWERS[:2])
+    assert m.bos_token_id is None and labels[0, mask[0]].tolist()[-1] == sp.eos_token_id
+    out = m(QUESTIONS[:2], ANSWERS[:2])
+    out.loss.backward()
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in m.question_encoder.parameters())
+    with torch.no_grad():
+        m.eval()
+        assert torch.equal(m(QUESTIONS[:2], ANSWERS[:2]).loss, _with(m, exclude_bos_score=True)(QUESTIONS[:2], ANSWERS[:2]).loss)
+
+
+def test_from_pretrained_of_a_missing_directory_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="no such RagModel checkpoint directory"):
+        RagModel.from_pretrained(tmp_path / "nowhere")

@@ -1,0 +1,280 @@
+"""Importing transformers RAG checkpoints, and parity of RagModel with transformers' RAG classes.
+
+transformers' RagSequenceForGeneration / RagTokenForGeneration run their whole forward here
+(question encoding, doc scores, context strings, loss); only the index lookup is replaced by
+the passages our model retrieved, through their own `RagRetriever` (which builds the contexts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from rag.errors import ConfigError
+from rag.models.hf_compat import convert_hf_rag, is_hf_rag_checkpoint, load_hf_rag, split_hf_rag
+from rag.models.rag_model import CHECKPOINT_CONFIG, RagModel
+
+# Mixed case and punctuation: the question's round trip through the uncased DPR tokenizer shows.
+QUESTIONS = ["What's the atomic Number of IRON?", "Who discovered  oxygen, and when?", "Which element has symbol Na?"]
+ANSWERS = ["26", "Joseph Priestley in 1774", "Sodium"]
+K = 3
+MAX_COMBINED = 48  # short enough that long passages are truncated (transformers cuts from the right)
+
+
+def sharpen(src: str, out, kind: str, std: float, seed: int) -> str:
+    """Copy a tiny random model with matrices re-drawn at a larger `std`, so that doc scores and
+    per-passage likelihoods differ visibly (the conftest init, std 0.02, makes them nearly equal)."""
+    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DPRContextEncoder, DPRQuestionEncoder
+
+    cls = {"question": DPRQuestionEncoder, "context": DPRContextEncoder, "generator": AutoModelForSeq2SeqLM}[kind]
+    model = cls.from_pretrained(src)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, p in sorted(model.named_parameters()):
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(src).save_pretrained(out)
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, demo_passages, tiny_dpr_question_dir, tiny_dpr_context_dir, tiny_bart_dir):
+    """Sharpened tiny DPR + BART, a KB over 30 demo passages, and transformers RAG checkpoints
+    (sequence and token) saved with RagTokenizer's layout."""
+    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DPRQuestionEncoder, RagConfig,
+                              RagSequenceForGeneration, RagTokenForGeneration, RagTokenizer)
+
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    root = tmp_path_factory.mktemp("hf_compat")
+    q_dir = sharpen(tiny_dpr_question_dir, root / "q", "question", 0.2, 1)
+    c_dir = sharpen(tiny_dpr_context_dir, root / "c", "context", 0.2, 2)
+    g_dir = sharpen(tiny_bart_dir, root / "g", "generator", 0.3, 3)
+    kb = root / "kb"
+    KnowledgeBase.build(demo_passages[:30], TextEncoder(c_dir), kb, index="flat", show_progress=False)
+    qtok, gtok = AutoTokenizer.from_pretrained(q_dir), AutoTokenizer.from_pretrained(g_dir)
+    hf_dirs = {}
+    for name, cls in (("sequence", RagSequenceForGeneration), ("token", RagTokenForGeneration)):
+        qenc, gen = DPRQuestionEncoder.from_pretrained(q_dir), AutoModelForSeq2SeqLM.from_pretrained(g_dir)
+        config = RagConfig.from_question_encoder_generator_configs(
+            qenc.config, gen.config, n_docs=K, max_combined_length=MAX_COMBINED, retrieval_vector_size=32
+        )
+        hf = cls(config=config, question_encoder=qenc, generator=gen)
+        hf_dirs[name] = root / f"hf_rag_{name}"
+        hf.save_pretrained(hf_dirs[name])
+        RagTokenizer(qtok, gtok).save_pretrained(hf_dirs[name])
+    return {"kb": str(kb), "hf": hf_dirs, "qtok": qtok, "gtok": gtok, "root": root}
+
+
+@pytest.fixture(scope="module")
+def imported(setup):
+    return {name: load_hf_rag(path, setup["kb"]) for name, path in setup["hf"].items()}
+
+
+@pytest.fixture(scope="module")
+def references(setup):
+    from transformers import RagSequenceForGeneration, RagTokenForGeneration
+
+    return {
+        "sequence": RagSequenceForGeneration.from_pretrained(setup["hf"]["sequence"]).eval(),
+        "token": RagTokenForGeneration.from_pretrained(setup["hf"]["token"]).eval(),
+    }
+
+
+def hf_labels(gtok, decoder_start: int, answers) -> torch.Tensor:
+    """transformers' RAG convention: labels are also the decoder input, so they begin with the start token."""
+    ids = gtok(list(answers), padding=True, return_tensors="pt")["input_ids"]
+    return torch.cat([torch.full((ids.shape[0], 1), decoder_start), ids], dim=1)
+
+
+def attach_retriever(hf, model: RagModel, setup, questions) -> dict:
+    """Give `hf` a real RagRetriever whose index lookup returns the passages `model` retrieves;
+    returns a dict that collects the context strings transformers tokenizes and its query vectors."""
+    from transformers import RagRetriever
+
+    retrieved, _ = model.retrieve(questions)
+    seen: dict = {}
+
+    class Capture:  # the generator tokenizer, recording the strings it is given
+        def __init__(self, tok):
+            self.tok = tok
+
+        def __call__(self, *args, **kwargs):
+            seen["strings"] = list(args[0])
+            return self.tok(*args, **kwargs)
+
+    retriever = RagRetriever(hf.config, question_encoder_tokenizer=setup["qtok"], generator_tokenizer=Capture(setup["gtok"]),
+                             index=object(), init_retrieval=False)
+
+    def lookup(question_hidden_states, n_docs):
+        seen["query_vectors"] = question_hidden_states
+        docs = [{"title": [p.title for p in row], "text": [p.text for p in row]} for row in retrieved.passages]
+        return retrieved.doc_embeds.numpy(), retrieved.rows.numpy(), docs
+
+    retriever.retrieve = lookup
+    hf.set_retriever(retriever)
+    return seen
+
+
+def hf_loss(hf, model, setup, questions, answers, *, epsilon=0.0, exclude_bos=False, reduce=False):
+    seen = attach_retriever(hf, model, setup, questions)
+    q = setup["qtok"](list(questions), padding=True, return_tensors="pt")
+    labels = hf_labels(setup["gtok"], hf.config.generator.decoder_start_token_id, answers)
+    hf.config.label_smoothing = epsilon
+    kwargs = {"exclude_bos_score": exclude_bos} if hf.__class__.__name__.startswith("RagSequence") else {}
+    out = hf(input_ids=q["input_ids"], attention_mask=q["attention_mask"], labels=labels, reduce_loss=reduce, **kwargs)
+    return out, seen
+
+
+def assert_grads_close(ours: dict, theirs, what: str) -> int:
+    """Gradients of named parameters equal up to float32 rounding, measured against the whole
+    gradient's scale (transformers pads contexts to max_combined_length and we do not, so matmul
+    shapes and summation orders differ; gradients that are zero in exact arithmetic, e.g. of
+    attention key biases, are pure rounding noise). Returns how many tensors have nonzero grads."""
+    pairs = [(name, ours[name].grad, p.grad) for name, p in theirs if p.grad is not None]
+    assert pairs, f"{what}: transformers computed no gradients"
+    flat_ours = torch.cat([a.reshape(-1) for _, a, _ in pairs])
+    flat_theirs = torch.cat([b.reshape(-1) for _, _, b in pairs])
+    scale = flat_theirs.abs().max().item()
+    assert scale > 0
+    assert (flat_ours - flat_theirs).abs().max().item() <= 1e-5 * scale, what
+    assert (flat_ours - flat_theirs).norm().item() <= 1e-5 * flat_theirs.norm().item(), what
+    return sum(int(b.abs().sum() > 0) for _, _, b in pairs)
+
+
+def configured(model: RagModel, **changes) -> RagModel:
+    model.config = dataclasses.replace(model.config, **changes)
+    return model
+
+
+# --------------------------------------------------------------------------- import
+
+
+def test_import_maps_config_and_weights(setup, imported, references):
+    for name in ("sequence", "token"):
+        m, hf = imported[name], references[name]
+        assert m.config.hf_compat and m.config.effective_truncation == "hf"
+        assert m.config.marginalization == name
+        assert (m.config.n_docs, m.config.max_context_length) == (K, MAX_COMBINED)
+        assert (m.config.title_sep, m.config.doc_sep) == (" / ", " // ")
+        ours = m.generator.state_dict()
+        for key, value in hf.generator.state_dict().items():
+            assert torch.equal(ours[key], value), key
+        ours_q = m.question_encoder.model.state_dict()
+        for key, value in hf.question_encoder.state_dict().items():
+            assert torch.equal(ours_q[key], value), key
+    assert is_hf_rag_checkpoint(setup["hf"]["sequence"]) and not is_hf_rag_checkpoint(setup["root"] / "g")
+
+
+def test_generator_inputs_identical_to_transformers(setup, imported, references):
+    m, hf = imported["sequence"], references["sequence"]
+    with torch.no_grad():
+        inputs = m.prepare_inputs(QUESTIONS)
+        out, seen = hf_loss(hf, m, setup, QUESTIONS, ANSWERS)
+    assert [str(s) for s in inputs.context_strings] == seen["strings"]
+    assert "what ' s the atomic number of iron?" in seen["strings"][0]  # the round trip happened
+    ours = inputs.context_input_ids
+    # transformers pads to max_combined_length; we pad to the longest context only.
+    ref = setup["gtok"](seen["strings"], max_length=MAX_COMBINED, padding="max_length", truncation=True, return_tensors="pt")
+    width = ours.shape[1]
+    assert torch.equal(ref["input_ids"][:, :width], ours)
+    assert (ref["attention_mask"][:, width:] == 0).all()
+    assert inputs.n_truncated > 0  # some contexts were cut (from the right, like transformers)
+    query_vectors = torch.from_numpy(m.question_encoder.encode(QUESTIONS, show_progress=False))
+    torch.testing.assert_close(torch.from_numpy(seen["query_vectors"]), query_vectors, atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(out.loss).all()
+
+
+@pytest.mark.parametrize("name", ["sequence", "token"])
+@pytest.mark.parametrize("epsilon", [0.0, 0.1])
+@pytest.mark.parametrize("exclude_bos", [False, True])
+def test_loss_parity_with_transformers(setup, imported, references, name, epsilon, exclude_bos):
+    m = configured(imported[name], label_smoothing=epsilon, exclude_bos_score=exclude_bos, reduce_loss=False)
+    with torch.no_grad():
+        ours = m(QUESTIONS, ANSWERS)
+        theirs, _ = hf_loss(references[name], m, setup, QUESTIONS, ANSWERS, epsilon=epsilon, exclude_bos=exclude_bos)
+    assert ours.loss.shape == (len(QUESTIONS),)
+    torch.testing.assert_close(ours.doc_scores, theirs.doc_scores, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+
+
+def test_reduced_loss_and_gradients_match_transformers(setup, imported, references):
+    m = configured(imported["sequence"], label_smoothing=0.1, exclude_bos_score=False, reduce_loss=True)
+    hf = references["sequence"]
+    m.zero_grad()
+    hf.zero_grad()
+    ours = m(QUESTIONS, ANSWERS)
+    theirs, _ = hf_loss(hf, m, setup, QUESTIONS, ANSWERS, epsilon=0.1, reduce=True)
+    torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)  # both sum over the batch
+    ours.loss.backward()
+    theirs.loss.backward()
+    # the query encoder learns, identically, in both
+    assert assert_grads_close(dict(m.question_encoder.model.named_parameters()), hf.question_encoder.named_parameters(), "query encoder") > 0
+    assert assert_grads_close(dict(m.generator.named_parameters()), hf.generator.named_parameters(), "generator") > 0
+
+
+@pytest.mark.parametrize("name", ["sequence", "token"])
+def test_default_mode_matches_transformers_on_the_same_contexts(setup, imported, references, name):
+    """The default (non-hf_compat) loss equals transformers' given the same contexts and doc scores,
+    wherever transformers' quirks do not apply (multi-token targets)."""
+    m = configured(imported[name], hf_compat=False, truncation="keep_question", reduce_loss=False, exclude_bos_score=False)
+    hf = references[name]
+    hf.set_retriever(None)
+    try:
+        labels = hf_labels(setup["gtok"], hf.config.generator.decoder_start_token_id, ANSWERS)
+        for epsilon in (0.0, 0.1):
+            configured(m, label_smoothing=epsilon)
+            hf.config.label_smoothing = epsilon
+            with torch.no_grad():
+                ours = m(QUESTIONS, ANSWERS)
+                inputs = m.prepare_inputs(QUESTIONS)
+                assert str(inputs.context_strings[0]).endswith(QUESTIONS[0])  # raw question, not round-tripped
+                theirs = hf(context_input_ids=inputs.context_input_ids, context_attention_mask=inputs.context_attention_mask,
+                            doc_scores=inputs.doc_scores, labels=labels, reduce_loss=False, n_docs=K)
+            torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+        if name == "sequence":  # exclude_bos_score agrees too without smoothing (every BART target starts with <s>)
+            configured(m, label_smoothing=0.0, exclude_bos_score=True)
+            hf.config.label_smoothing = 0.0
+            with torch.no_grad():
+                ours = m(QUESTIONS, ANSWERS)
+                theirs = hf(context_input_ids=inputs.context_input_ids, context_attention_mask=inputs.context_attention_mask,
+                            doc_scores=inputs.doc_scores, labels=labels, reduce_loss=False, n_docs=K, exclude_bos_score=True)
+            torch.testing.assert_close(ours.loss, theirs.loss, atol=1e-5, rtol=1e-5)
+    finally:
+        configured(m, hf_compat=True, truncation="hf", label_smoothing=0.0, exclude_bos_score=False, reduce_loss=True)
+
+
+# --------------------------------------------------------------------------- conversion and errors
+
+
+def test_convert_then_load_gives_the_same_loss(setup, imported, tmp_path):
+    m = configured(imported["token"], label_smoothing=0.0, exclude_bos_score=False, reduce_loss=True)
+    dst = convert_hf_rag(setup["hf"]["token"], tmp_path / "converted", setup["kb"])
+    meta = json.loads((dst / CHECKPOINT_CONFIG).read_text())
+    assert meta["config"]["hf_compat"] is True and meta["config"]["marginalization"] == "token"
+    loaded = RagModel.from_pretrained(dst)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(QUESTIONS, ANSWERS).loss, m(QUESTIONS, ANSWERS).loss, atol=0, rtol=0)
+    with pytest.raises(FileExistsError):
+        convert_hf_rag(setup["hf"]["token"], dst, setup["kb"])
+
+
+def test_import_errors_are_clear(setup, tmp_path):
+    import shutil
+
+    with pytest.raises(ConfigError, match="not a transformers RAG checkpoint"):
+        split_hf_rag(setup["root"] / "g", tmp_path / "split")
+    broken = tmp_path / "no_tokenizers"
+    shutil.copytree(setup["hf"]["sequence"], broken)
+    shutil.rmtree(broken / "generator_tokenizer")
+    with pytest.raises(ConfigError, match="generator_tokenizer.*RagTokenizer.save_pretrained"):
+        load_hf_rag(broken, setup["kb"])
+    with pytest.raises(ConfigError, match="load_hf_rag"):
+        RagModel.from_pretrained(setup["hf"]["sequence"])
+    with pytest.raises(ConfigError, match="unknown RagModelConfig field"):
+        load_hf_rag(setup["hf"]["sequence"], setup["kb"], ndocs=2)
