@@ -27,6 +27,10 @@ Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``R
   log p(z|x) enters each document's sequence score exactly once (Eq. 1). transformers attaches the
   prior to the second target position, so for one-token targets the prior (and every retriever
   gradient) silently vanishes; see :mod:`rag.generation.marginalize` for the full list.
+* **Targets**: ``forward`` takes target strings; they are tokenized by the generator tokenizer
+  (BART: ``<s> … </s>``, T5: ``… </s>``), every token is scored, and the decoder reads them shifted
+  right after ``decoder_start_token_id``. transformers instead expects ``labels`` that already begin
+  with the start token (its fine-tuning script prepends it); the scored tokens are the same.
 * **Reduction**: ``reduce_loss=True`` averages over the batch (independent of batch size);
   transformers sums, and so does ``hf_compat``.
 * **Padding**: contexts are padded to the longest in the batch, not to a fixed 300 tokens.
@@ -38,7 +42,6 @@ import dataclasses
 import json
 import logging
 import os
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Optional, Sequence, Union
@@ -385,9 +388,7 @@ class RagModel(nn.Module):
         return cls(qenc, gen, tok, kb, config)
 
     def _check_generator_tokens(self) -> None:
-        gcfg = self.generator.config
-        tok = self.generator_tokenizer
-        if getattr(tok, "pad_token_id", None) is None:
+        if getattr(self.generator_tokenizer, "pad_token_id", None) is None:
             raise ConfigError("the generator tokenizer has no pad token; set one (tokenizer.pad_token = ...) and save it again")
         if self.decoder_start_token_id is None:
             raise ConfigError("the generator config has no decoder_start_token_id; set generator.config.decoder_start_token_id")
