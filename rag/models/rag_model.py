@@ -529,7 +529,8 @@ class RagModel(nn.Module):
         return enc["input_ids"], enc["attention_mask"], int(enc["truncated"].sum())
 
     # ------------------------------------------------------------------ checkpoints
-    def save_pretrained(self, path: Union[str, os.PathLike], overwrite: bool = False) -> None:
+    def save_pretrained(self, path: Union[str, os.PathLike], overwrite: bool = False, *,
+                        reference_query_encoder: bool = False) -> None:
         """Write a checkpoint directory, atomically::
 
             rag_config.json     RagModelConfig, component identities, the knowledge base's path and
@@ -537,8 +538,19 @@ class RagModel(nn.Module):
             question_encoder/   TextEncoder.save_pretrained (safetensors + tokenizer + pooling settings)
             generator/          generator.save_pretrained (safetensors) + its tokenizer
 
+        ``reference_query_encoder=True`` writes no ``question_encoder/``: the checkpoint records the
+        encoder's name (e.g. ``minilm``), its pooling settings and its weights fingerprint
+        (:func:`~rag.knowledge.encoders.weights_fingerprint`), and :meth:`from_pretrained` loads it by
+        that name and checks the fingerprint. For a query encoder that training left unchanged
+        (RAG-Frozen), this keeps a checkpoint small (all-MiniLM-L6-v2 alone is ~90 MB in fp32). It is
+        refused unless loading the encoder by its name now gives exactly the current weights.
+
         An existing directory is replaced only if it is empty, holds an earlier RagModel
         checkpoint, or `overwrite` is true.
+
+        Raises:
+            RagError: `path` is unsuitable, or the query encoder cannot be referenced (its weights
+                differ from those its name loads, e.g. after end-to-end training).
         """
         path = Path(path)
         if path.exists():
@@ -556,15 +568,19 @@ class RagModel(nn.Module):
                 "encoder": kb.encoder,
                 "space": getattr(self.retriever, "space", kb.encoder.get("fingerprint")),
             }
+        qenc_meta = self._referenced_query_encoder() if reference_query_encoder else None
         with atomic_directory(path, overwrite=True) as tmp:
-            self.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
+            if qenc_meta is None:
+                self.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
+                qenc_meta = {"dir": QUESTION_ENCODER_DIR, **self.question_encoder.identity()}
             gdir = tmp / GENERATOR_DIR
             self.generator.save_pretrained(gdir, safe_serialization=True)
             self.generator_tokenizer.save_pretrained(gdir)
+            saved_dirs = [GENERATOR_DIR] if "dir" not in qenc_meta else [QUESTION_ENCODER_DIR, GENERATOR_DIR]
             meta = {
                 "format": CHECKPOINT_FORMAT,
                 "config": self.config.to_dict(),
-                "question_encoder": {"dir": QUESTION_ENCODER_DIR, **self.question_encoder.identity()},
+                "question_encoder": qenc_meta,
                 "generator": {
                     "dir": GENERATOR_DIR,
                     "class": type(self.generator).__name__,
@@ -572,9 +588,32 @@ class RagModel(nn.Module):
                     "name": getattr(self.generator.config, "_name_or_path", None) or None,
                 },
                 "knowledge_base": kb_ref,
-                "files": _file_checksums(tmp, [QUESTION_ENCODER_DIR, GENERATOR_DIR]),
+                "files": _file_checksums(tmp, saved_dirs),
             }
             atomic_write_json(tmp / CHECKPOINT_CONFIG, meta)
+
+    def _referenced_query_encoder(self) -> dict:
+        """The ``rag_config.json`` entry that references the query encoder by name instead of
+        copying it; RagError unless loading that name reproduces the current weights exactly."""
+        from rag.knowledge.encoders import TextEncoder
+
+        qenc = self.question_encoder
+        identity = qenc.identity()
+        try:
+            fresh = TextEncoder(qenc.name_or_path, pooling=qenc.pooling, normalize=qenc.normalize, max_length=qenc.max_length)
+        except RagError as e:
+            raise RagError(
+                f"reference_query_encoder=True, but the query encoder's name {qenc.name_or_path!r} cannot be loaded ({e}); "
+                "save its weights instead (reference_query_encoder=False)"
+            ) from e
+        fresh_fingerprint = fresh.identity()["fingerprint"]
+        if fresh_fingerprint != identity["fingerprint"]:
+            raise RagError(
+                f"reference_query_encoder=True, but the query encoder's weights differ from those {qenc.name_or_path!r} loads "
+                f"(fingerprint {identity['fingerprint'][:12]}… vs {fresh_fingerprint[:12]}…), e.g. after end-to-end training; "
+                "save its weights instead (reference_query_encoder=False), or train with freeze_query_encoder=True"
+            )
+        return {"reference": True, **identity}
 
     @classmethod
     def from_pretrained(
@@ -589,13 +628,16 @@ class RagModel(nn.Module):
         """Load a directory written by :meth:`save_pretrained` (or a hub id, where a hub is reachable).
 
         Every component file is checked against the recorded SHA-256 first (`verify="size"`: sizes
-        only; `"none"`: trust). `knowledge_base` (a directory or KnowledgeBase) overrides the
+        only; `"none"`: trust). A query encoder saved by reference (``reference_query_encoder=True``)
+        is loaded by its recorded name and its weights fingerprint checked (skipped by `"none"`). `knowledge_base` (a directory or KnowledgeBase) overrides the
         recorded path; a knowledge base embedded by a different document encoder than the one the
         model was trained against is refused unless `allow_encoder_change=True`. `config_overrides`
         replace config fields (e.g. ``n_docs=10``). The model is returned in eval mode.
 
         Raises:
-            IntegrityError: a component file is missing or altered (names the file).
+            IntegrityError: a component file is missing or altered (names the file), or a referenced
+                query encoder loads with other weights than the model was saved with.
+            ConfigError: a referenced query encoder cannot be loaded by its name.
             KnowledgeBaseError: the knowledge base is missing or incompatible.
         """
         from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
@@ -630,7 +672,7 @@ class RagModel(nn.Module):
         if kb_ref.get("version") and kb.version != kb_ref["version"]:
             logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
 
-        qenc = TextEncoder.from_pretrained(root / meta["question_encoder"].get("dir", QUESTION_ENCODER_DIR))
+        qenc = _load_query_encoder(root, meta.get("question_encoder") or {}, verify)
         if config.retrieval == "dense":
             check_compatible(kb, qenc.dim, kb_ref.get("space"), allow_encoder_change=allow_encoder_change)
         gdir = root / meta["generator"].get("dir", GENERATOR_DIR)
@@ -733,6 +775,36 @@ class RagModel(nn.Module):
             bos_token_id=self.bos_token_id,
             hf_compat=cfg.hf_compat,
         )
+
+
+def _load_query_encoder(root: Path, entry: dict, verify: str):
+    """The checkpoint's query encoder: its saved copy, or the encoder it references by name, whose
+    weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
+    from rag.knowledge.encoders import TextEncoder
+
+    if not entry.get("reference"):
+        return TextEncoder.from_pretrained(root / entry.get("dir", QUESTION_ENCODER_DIR))
+    cfg_file = root / CHECKPOINT_CONFIG
+    missing = [k for k in ("name", "fingerprint", "pooling", "normalize", "max_length") if k not in entry]
+    if missing:
+        raise IntegrityError(f"{cfg_file}: the referenced query encoder lacks field(s) {missing}; save the model again")
+    name = entry["name"]
+    try:
+        qenc = TextEncoder(name, pooling=entry["pooling"], normalize=entry["normalize"], max_length=entry["max_length"])
+    except RagError as e:
+        raise ConfigError(
+            f"{cfg_file}: references the query encoder {name!r} by name (its weights are not in the checkpoint), "
+            f"and it cannot be loaded here: {e}"
+        ) from e
+    if verify != "none":
+        found = qenc.identity()["fingerprint"]
+        if found != entry["fingerprint"]:
+            raise IntegrityError(
+                f"{cfg_file}: references the query encoder {name!r} with weights fingerprint {entry['fingerprint'][:16]}…, "
+                f"but {name!r} loads here with fingerprint {found[:16]}… (a different version of the encoder); install the "
+                "version the model was saved with, or load with verify='none' to accept it unchecked"
+            )
+    return qenc
 
 
 def _check_overrides(overrides: dict) -> dict:

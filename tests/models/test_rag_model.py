@@ -362,3 +362,43 @@ def test_t5_generator_works_and_has_no_bos_to_exclude(tmp_path, demo_texts, kb_d
 def test_from_pretrained_of_a_missing_directory_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="no such RagModel checkpoint directory"):
         RagModel.from_pretrained(tmp_path / "nowhere")
+
+
+def test_unchanged_query_encoder_is_saved_by_reference_and_verified_on_load(tmp_path, kb_dir, dirs):
+    import shutil
+
+    from rag.knowledge.encoders import TextEncoder
+
+    qdir = tmp_path / "qenc"  # a private copy: the test alters it below
+    shutil.copytree(dirs["question"], qdir)
+    m = RagModel.from_components(str(qdir), dirs["generator"], kb_dir, n_docs=K, freeze_query_encoder=True).eval()
+    m.save_pretrained(tmp_path / "ckpt", reference_query_encoder=True)
+    meta = json.loads((tmp_path / "ckpt" / CHECKPOINT_CONFIG).read_text())
+    entry = meta["question_encoder"]
+    assert entry["reference"] is True and entry["name"] == str(qdir) and "dir" not in entry
+    assert entry["fingerprint"] == m.question_encoder.identity()["fingerprint"]
+    assert not (tmp_path / "ckpt" / "question_encoder").exists()
+    assert meta["files"] and all(f.startswith("generator/") for f in meta["files"])
+    loaded = RagModel.from_pretrained(tmp_path / "ckpt")
+    with torch.no_grad():
+        assert torch.equal(loaded(QUESTIONS, ANSWERS).loss, m(QUESTIONS, ANSWERS).loss)
+
+    # Weights changed in memory (as end-to-end training would): referencing is refused.
+    changed = RagModel.from_components(str(qdir), dirs["generator"], kb_dir, n_docs=K)
+    with torch.no_grad():
+        next(changed.question_encoder.parameters()).add_(0.01)
+    with pytest.raises(RagError, match="weights differ"):
+        changed.save_pretrained(tmp_path / "ckpt2", reference_query_encoder=True)
+    assert not (tmp_path / "ckpt2").exists()
+
+    # The referenced encoder changes on disk: loading names it and refuses, unless told to trust it.
+    altered = TextEncoder(str(qdir))
+    with torch.no_grad():
+        next(altered.model.parameters()).mul_(1.5)
+    altered.save_pretrained(qdir, overwrite=True)
+    with pytest.raises(IntegrityError, match="fingerprint"):
+        RagModel.from_pretrained(tmp_path / "ckpt")
+    assert RagModel.from_pretrained(tmp_path / "ckpt", verify="none").question_encoder.identity()["fingerprint"] != entry["fingerprint"]
+    shutil.rmtree(qdir)
+    with pytest.raises(ConfigError, match="references the query encoder"):
+        RagModel.from_pretrained(tmp_path / "ckpt")
