@@ -107,6 +107,21 @@ def rss_gb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB -> GB
 
 
+def memory() -> dict[str, float]:
+    """Resident memory now, GB: anonymous (heap) and file-backed (memory-mapped knowledge-base files,
+    reclaimable page cache) separately (Linux /proc/self/status)."""
+    out = {}
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                key = line.split(":")[0]
+                if key in ("RssAnon", "RssFile", "VmRSS"):
+                    out[key] = int(line.split()[1]) / 1e6
+    except OSError:
+        pass
+    return out
+
+
 def run(args) -> dict:
     out_dir = Path(args.out_dir)
     paths = build(out_dir, args.n, args.dim, args.index, args.rebuild)
@@ -144,15 +159,24 @@ def run(args) -> dict:
                     failures.append(f"{type(e).__name__}: {e}")
 
     beats: list[tuple[float, float]] = []  # (time, overslept seconds)
+    mem_peak = {"RssAnon": 0.0, "RssFile": 0.0, "VmRSS": 0.0}
 
     def heartbeat() -> None:
         last = time.perf_counter()
+        n = 0
         while not stop.is_set():
             time.sleep(0.001)
             now = time.perf_counter()
             beats.append((now, now - last - 0.001))
             last = now
+            n += 1
+            if n % 100 == 0:
+                for k, v in memory().items():
+                    mem_peak[k] = max(mem_peak[k], v)
 
+    if args.gc_freeze:  # what `rag serve` does before serving (rag.serve.serve)
+        gc.collect()
+        gc.freeze()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(args.workers)]
     hb = threading.Thread(target=heartbeat, daemon=True)
     load0 = os.getloadavg()
@@ -229,6 +253,8 @@ def run(args) -> dict:
         "kb": {"n": args.n, "dim": args.dim, "index": args.index, "verify": args.verify,
                "bytes_on_disk": sum(f.stat().st_size for f in paths["A"].rglob("*") if f.is_file())},
         "peak_rss_gb": round(rss_gb(), 3),
+        "peak_memory_during_load_gb": {k: round(v, 3) for k, v in mem_peak.items()},
+        "gc_freeze": args.gc_freeze,
         "seconds": round(t_swap1 - t_base0, 1),
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
@@ -241,7 +267,7 @@ def print_table(r: dict) -> None:
     print(f"knowledge bases: {r['kb']['n']:,} passages, dim {r['kb']['dim']}, index {r['kb']['index']}, "
           f"{r['kb']['bytes_on_disk'] / 1e9:.2f} GB each, verify={r['kb']['verify']}; "
           f"{r['config']['workers']} request threads x batch {r['config']['batch']}, k={r['config']['k']}")
-    print(f"load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
+    print(f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
           f"on {r['machine']['cpus']} CPUs (shared machine)")
     rows = [
         ("swaps performed", f"{S['n']}", ""),
@@ -258,7 +284,10 @@ def print_table(r: dict) -> None:
         ("requests started / completed", f"{R['started']} / {R['completed']}", ""),
         ("requests lost (failed, unfinished or mixed)", f"{R['lost']}", "target 0: " + ("met" if R["lost"] == 0 else "MISSED")),
         ("served during swap phase, by version", ", ".join(f"{k}: {v}" for k, v in R["by_version"].items()), ""),
-        ("peak RSS", f"{r['peak_rss_gb']:.2f} GB", ""),
+        ("peak RSS of the process (incl. building)", f"{r['peak_rss_gb']:.2f} GB", ""),
+        ("peak during the load phase: heap / mapped files", f"{r['peak_memory_during_load_gb'].get('RssAnon', 0):.2f} / "
+                                                            f"{r['peak_memory_during_load_gb'].get('RssFile', 0):.2f} GB",
+         "mapped KB pages are reclaimable page cache"),
     ]
     w0 = max(len(a) for a, _, _ in rows)
     w1 = max(len(b) for _, b, _ in rows)
@@ -283,6 +312,8 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=1.0, help="seconds between swaps")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--baseline", type=float, default=10.0, help="seconds of load without swaps")
+    p.add_argument("--gc-freeze", default=True, action=argparse.BooleanOptionalAction,
+                   help="gc.freeze() after loading, as `rag serve` does (default: on)")
     p.add_argument("--json", default=None, help="write the results here (default: benchmarks/results/swap_bench_N.json)")
     p.add_argument("--cleanup", action="store_true", help="delete the knowledge bases afterwards")
     args = p.parse_args(argv)

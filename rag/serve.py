@@ -372,12 +372,25 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Run `app` with uvicorn in this process (one worker; see module docstring) until interrupted."""
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", freeze_gc: bool = True) -> None:
+    """Run `app` with uvicorn in this process (one worker; see module docstring) until interrupted.
+
+    `freeze_gc`: move every object alive now (the libraries and the loaded model, ~10^5-10^6
+    objects) out of the cyclic garbage collector's view (``gc.freeze``) before serving. A full
+    collection over them holds the GIL for 50-300 ms on a CPU, which every in-flight request
+    would feel — and a knowledge-base swap allocates enough to trigger one
+    (benchmarks/swap_bench.py measures it). Knowledge bases are freed by reference counting,
+    so swapped-out ones are still released.
+    """
+    import gc
+
     import uvicorn
 
     if not _is_loopback(host):
         logger.warning("serving on %s: reachable from other machines; put TLS in front of it", host)
+    if freeze_gc:
+        gc.collect()
+        gc.freeze()
     uvicorn.run(app, host=host, port=port, workers=1, log_level=log_level, timeout_graceful_shutdown=30)
 
 

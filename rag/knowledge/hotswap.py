@@ -201,11 +201,16 @@ class KnowledgeBaseSlot:
             tc = time.perf_counter()
             old = self.current
             self._commit(new, allow_encoder_change, allow_metric_change)
+            unloaded = []
             if old is not None:
-                self._push(HistoryEntry(old.version, _path_of(old), _now(), old))
+                if len(self._history) == self._history.maxlen:
+                    unloaded.append(self._history.popleft())  # the oldest entry falls off the history
+                self._history.append(HistoryEntry(old.version, _path_of(old), _now(), old))
+            unloaded += self._unload_old()
             commit_seconds = time.perf_counter() - tc
             self._swaps += 1
             seq = self._swaps
+        del unloaded  # unmapping an old index happens here, outside the lock
         return self._result(old, new, t0, load_seconds, commit_seconds, "swap", seq)
 
     def swap_back(self, *, allow_encoder_change: bool = True, verify: str = "full", _retries: int = 3) -> SwapResult:
@@ -250,10 +255,11 @@ class KnowledgeBaseSlot:
                 old = self.current
                 self._commit(target, allow_encoder_change, True)
                 self._history.pop()
+                unloaded = self._unload_old()
                 commit_seconds = time.perf_counter() - tc
                 self._swaps += 1
                 seq = self._swaps
-                self._unload_old()
+            del unloaded
             return self._result(old, target, t0, load_seconds, commit_seconds, "swap_back", seq)
         raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
 
@@ -305,15 +311,15 @@ class KnowledgeBaseSlot:
         except RagError as e:
             raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
 
-    def _push(self, entry: HistoryEntry) -> None:
-        self._history.append(entry)
-        self._unload_old()
-
-    def _unload_old(self) -> None:
-        """Drop references to all but the newest `keep_loaded` previous knowledge bases."""
+    def _unload_old(self) -> list:
+        """Detach all but the newest `keep_loaded` previous knowledge bases (and any that fell off the
+        bounded history); returns them so the caller releases them after leaving the lock."""
+        dropped = []
         for i, e in enumerate(reversed(self._history)):
-            if i >= self._keep_loaded:
+            if i >= self._keep_loaded and e.kb is not None:
+                dropped.append(e.kb)
                 e.kb = None
+        return dropped
 
     def _result(self, old, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
         res = SwapResult(

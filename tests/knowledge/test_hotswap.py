@@ -332,3 +332,18 @@ def test_concurrent_swaps_are_serialised(pipe, kbs, tmp_path):
         assert cur.old_version == prev.new_version  # commits form one chain: none lost or interleaved
     assert pipe.kb_version == results[-1].new_version
     assert [h["version"] for h in slot.history][:3] == [r.old_version for r in results[::-1][:3]]
+
+
+def test_only_keep_loaded_previous_versions_stay_in_memory(pipe, kbs):
+    import gc
+    import weakref
+
+    slot = KnowledgeBaseSlot.for_model(pipe, history=2, keep_loaded=1)
+    first = weakref.ref(pipe.knowledge_base)
+    slot.swap(kbs["kb_b"])
+    second = weakref.ref(pipe.knowledge_base)
+    slot.swap(kbs["kb_a"])
+    slot.swap(kbs["kb_b"])  # history: [kb_a (loaded), kb_b (unloaded)]; the first kb_a fell off the history
+    assert [h["loaded"] for h in slot.history] == [True, False]
+    gc.collect()
+    assert first() is None and second() is None  # released, not leaked
