@@ -289,7 +289,6 @@ def create_app(
     app = FastAPI(title="rag", version=rag.__version__, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.pipeline = pipeline
     app.state.slot = slot
-    app.state.counters = {"requests": 0, "errors": 0}
 
     @app.exception_handler(RagError)
     async def _rag_error(request: Request, exc: RagError):

@@ -347,3 +347,22 @@ def test_only_keep_loaded_previous_versions_stay_in_memory(pipe, kbs):
     assert [h["loaded"] for h in slot.history] == [True, False]
     gc.collect()
     assert first() is None and second() is None  # released, not leaked
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="madvise pre-release is Linux-only")
+def test_released_pages_leave_a_still_used_knowledge_base_correct(kbs):
+    """Swapped-out knowledge bases drop their mapped pages before being freed (so faiss's destructor,
+    which holds the GIL, has little to unmap); a call still holding one must keep getting right answers."""
+    from rag.knowledge.hotswap import _drop_mapped_pages, _mapped_addresses
+
+    for name in ("kb_a", "kb_l2"):
+        kb = KnowledgeBase.open(kbs[name])
+        q = np.asarray(kb.embeddings()[:3]) + 0.01
+        scores, rows = kb.search(q, 4)
+        emb, ps = kb.get_embeddings(rows).clone(), kb.get_passages(rows)
+        # embeddings + one address per Arrow column + the index codes
+        assert len(_mapped_addresses(kb)) == 1 + 3 * 2 + 1
+        _drop_mapped_pages(kb)
+        scores2, rows2 = kb.search(q, 4)
+        assert np.array_equal(rows, rows2) and np.array_equal(scores, scores2)
+        assert kb.get_passages(rows2) == ps and bool((kb.get_embeddings(rows2) == emb).all())
