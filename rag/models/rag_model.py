@@ -8,9 +8,15 @@ Data flow of :meth:`RagModel.forward` (one call, one batch of B questions and K 
     contexts "title / text // question" (B·K, padded to the longest) ──► generator ──► logits (B·K, T, V)
     per-document target log-probs (B, K, T) + log p(z|x) ──► RAG-Sequence (Eq. 1) | RAG-Token (Eq. 2) ──► NLL
 
-The document encoder and the index stay frozen (§2.4): the knowledge base only supplies stored
-vectors. RAG-BM25 (Table 6) uses BM25 scores as the retrieval logits; RAG-Frozen keeps the query
-encoder fixed. The marginalization math lives in :mod:`rag.generation.marginalize` and the context
+By default the document encoder and the index stay frozen (§2.4): the knowledge base only supplies
+stored vectors. ``train_doc_encoder=True`` trains the document encoder too (REALM/REPLUG-style):
+the K retrieved passages are re-embedded *with gradients* by the model's current document
+encoder and ``doc_scores = q · d_fresh``; the stored vectors then only serve the search, and an
+:class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus and hot-swaps the
+index every N steps (REPLUG §4.4). ``rerank_candidates=L`` searches L passages in the (stale)
+index, re-embeds them with the current document encoder and keeps the best ``n_docs``. RAG-BM25
+(Table 6) uses BM25 scores as the retrieval logits; RAG-Frozen keeps the query encoder fixed. The
+marginalization math lives in :mod:`rag.generation.marginalize` and the context
 strings in :mod:`rag.generation.contexts`; this module wires them together.
 
 Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``RagTokenForGeneration``
@@ -61,6 +67,7 @@ CHECKPOINT_CONFIG = "rag_config.json"
 CHECKPOINT_FORMAT = 1
 QUESTION_ENCODER_DIR = "question_encoder"
 GENERATOR_DIR = "generator"
+DOC_ENCODER_DIR = "doc_encoder"
 
 _MARGINALIZATIONS = ("sequence", "token")
 _RETRIEVALS = ("dense", "bm25")
@@ -102,6 +109,13 @@ class RagModelConfig:
     """Separator between a passage's title and its text in the generator input."""
     doc_sep: str = " // "
     """Separator between the passage and the question in the generator input."""
+    train_doc_encoder: bool = False
+    """Train the document encoder end to end: re-embed the retrieved passages with gradients and score them
+    with those fresh vectors (doc_scores = q · d_fresh); pair with the IndexRefresh callback so the index
+    follows the encoder. Dense retrieval only."""
+    rerank_candidates: Optional[int] = None
+    """Stale-index re-ranking: search this many candidates (>= n_docs) in the index, re-embed them with the
+    current document encoder and keep the n_docs best by fresh score. None: no re-ranking. Dense retrieval only."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -120,12 +134,30 @@ class RagModelConfig:
         if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"RagModelConfig.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
         self.label_smoothing = float(self.label_smoothing)
-        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat"):
+        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "train_doc_encoder"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("title_sep", "doc_sep"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if self.rerank_candidates is not None:
+            positive_int("rerank_candidates")
+            if self.rerank_candidates < self.n_docs:
+                raise ConfigError(
+                    f"RagModelConfig.rerank_candidates={self.rerank_candidates} is smaller than n_docs={self.n_docs}; "
+                    "re-ranking keeps the best n_docs of rerank_candidates, so give at least n_docs (or null to disable)"
+                )
+        if self.retrieval == "bm25" and self.uses_doc_encoder:
+            raise ConfigError(
+                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (document vectors); "
+                "BM25 has no document encoder — set retrieval: dense or disable them"
+            )
+
+    @property
+    def uses_doc_encoder(self) -> bool:
+        """True when the model re-embeds retrieved passages with its own document encoder
+        (``train_doc_encoder`` or ``rerank_candidates``)."""
+        return self.train_doc_encoder or self.rerank_candidates is not None
 
     @property
     def effective_truncation(self) -> str:
@@ -297,13 +329,18 @@ class RagModel(nn.Module):
             :class:`~rag.knowledge.bm25.BM25Retriever`, or a ``KnowledgeBase`` (wrapped in the
             retriever ``config.retrieval`` names).
         config: :class:`RagModelConfig` (defaults if None).
+        doc_encoder: the document encoder (a ``TextEncoder``) that ``train_doc_encoder`` trains and
+            ``rerank_candidates`` re-embeds with. None: when the config needs one, the encoder that built
+            the knowledge base is loaded from its manifest (and its weights fingerprint checked).
 
     Raises:
         KnowledgeBaseError: the knowledge base's dimension differs from the query encoder's, or
-            BM25 retrieval was asked of a knowledge base without a BM25 index.
+            BM25 retrieval was asked of a knowledge base without a BM25 index, or the document
+            encoder named by the manifest no longer has the weights the index was built with.
     """
 
-    def __init__(self, question_encoder, generator, generator_tokenizer, retriever, config: Optional[RagModelConfig] = None):
+    def __init__(self, question_encoder, generator, generator_tokenizer, retriever, config: Optional[RagModelConfig] = None,
+                 doc_encoder=None):
         super().__init__()
         from rag.knowledge.bm25 import BM25Retriever
         from rag.knowledge.encoders import TextEncoder
@@ -348,6 +385,30 @@ class RagModel(nn.Module):
         if self.query_encoder_frozen:
             self.question_encoder.requires_grad_(False)
             self.question_encoder.eval()
+        self.doc_encoder = self._setup_doc_encoder(doc_encoder)
+
+    def _setup_doc_encoder(self, doc_encoder):
+        """The document encoder module (or None): given, or loaded from the knowledge base's manifest when the
+        config re-embeds passages; frozen and in eval mode unless ``train_doc_encoder``."""
+        from rag.knowledge.encoders import TextEncoder
+
+        if doc_encoder is None and self.config.uses_doc_encoder:
+            from rag.knowledge.refresh import load_document_encoder
+
+            doc_encoder = load_document_encoder(self.retriever.knowledge_base)
+        if doc_encoder is None:
+            return None
+        if not isinstance(doc_encoder, TextEncoder):
+            raise ConfigError(f"doc_encoder must be a rag.knowledge.encoders.TextEncoder, got {type(doc_encoder).__name__}")
+        if doc_encoder.dim != self.question_encoder.dim:
+            raise ConfigError(
+                f"the document encoder {doc_encoder.name_or_path!r} outputs dim={doc_encoder.dim} but the query encoder "
+                f"outputs dim={self.question_encoder.dim}; pair encoders of the same dimension"
+            )
+        if not self.config.train_doc_encoder:
+            doc_encoder.requires_grad_(False)
+            doc_encoder.eval()
+        return doc_encoder
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -357,12 +418,16 @@ class RagModel(nn.Module):
         generator: str,
         knowledge_base,
         config: Optional[RagModelConfig] = None,
+        *,
+        document_encoder: Optional[str] = None,
         **config_overrides,
     ) -> "RagModel":
         """Build a model from separate checkpoints (local dirs or hub ids) and a knowledge-base directory.
 
         `question_encoder` None uses the query encoder the knowledge base's manifest names (else its
         document encoder, e.g. a shared MiniLM) with the pooling/normalisation it was built with.
+        `document_encoder` (a name, path or TextEncoder) is the document encoder to train / re-rank with
+        when the config asks for one (default: the one the manifest names, weights fingerprint checked).
         `config_overrides` replace fields of `config` (e.g. ``n_docs=10``). The knowledge base's
         dimension is checked against the query encoder here, not mid-epoch.
         """
@@ -385,7 +450,12 @@ class RagModel(nn.Module):
             tok = AutoTokenizer.from_pretrained(gen_path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the generator {generator!r} as a seq2seq model and tokenizer: {e}") from e
-        return cls(qenc, gen, tok, kb, config)
+        denc = None
+        if document_encoder is not None and config.uses_doc_encoder:
+            from rag.knowledge.refresh import load_document_encoder
+
+            denc = load_document_encoder(kb, document_encoder)
+        return cls(qenc, gen, tok, kb, config, doc_encoder=denc)
 
     def _check_generator_tokens(self) -> None:
         if getattr(self.generator_tokenizer, "pad_token_id", None) is None:
@@ -430,15 +500,21 @@ class RagModel(nn.Module):
         super().train(mode)
         if self.query_encoder_frozen:
             self.question_encoder.eval()
+        if getattr(self, "doc_encoder", None) is not None and not self.config.train_doc_encoder:
+            self.doc_encoder.eval()
         return self
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
         """Trainable parameters by component, for separate learning rates:
-        ``{"query_encoder": [...], "generator": [...]}`` (query_encoder empty when frozen / BM25)."""
-        return {
+        ``{"query_encoder": [...], "generator": [...]}`` (query_encoder empty when frozen / BM25), plus
+        ``"doc_encoder"`` with ``train_doc_encoder``."""
+        groups = {
             "query_encoder": [p for p in self.question_encoder.parameters() if p.requires_grad],
             "generator": [p for p in self.generator.parameters() if p.requires_grad],
         }
+        if self.config.train_doc_encoder and self.doc_encoder is not None:
+            groups["doc_encoder"] = [p for p in self.doc_encoder.parameters() if p.requires_grad]
+        return groups
 
     # ------------------------------------------------------------------ retrieval
     def _n_docs(self, n_docs: Optional[int]) -> int:
@@ -464,13 +540,49 @@ class RagModel(nn.Module):
         grad = torch.is_grad_enabled() and not self.query_encoder_frozen
         with torch.set_grad_enabled(grad):
             q = self.question_encoder(**question_inputs)  # (B, D)
-        retrieved = self.retriever.search(q.detach(), k)  # index search: no gradient
-        if retrieved.doc_embeds is None:
-            raise KnowledgeBaseError("the dense retriever returned no doc_embeds; cannot compute differentiable doc scores")
-        doc_embeds = retrieved.doc_embeds.to(device=q.device, dtype=q.dtype)  # (B, K, D), frozen
+        if self.doc_encoder is not None and self.config.uses_doc_encoder:
+            n_search = k
+            if self.config.rerank_candidates is not None:
+                n_search = max(k, min(self.config.rerank_candidates, len(self.retriever.knowledge_base)))
+            retrieved = self.retriever.search(q.detach(), n_search)  # index search: no gradient
+            retrieved, doc_embeds = self._fresh_doc_embeds(q, retrieved, k)  # (B, K, D) current doc encoder
+        else:
+            retrieved = self.retriever.search(q.detach(), k)  # index search: no gradient
+            if retrieved.doc_embeds is None:
+                raise KnowledgeBaseError("the dense retriever returned no doc_embeds; cannot compute differentiable doc scores")
+            doc_embeds = retrieved.doc_embeds.to(device=q.device, dtype=q.dtype)  # (B, K, D), frozen
         # The only path by which gradients reach the query encoder (§2.2, p_η(z|x) ∝ exp(d(z)ᵀ q(x))).
         doc_scores = torch.bmm(q.unsqueeze(1), doc_embeds.transpose(1, 2)).squeeze(1)  # (B, K)
         return retrieved, doc_scores
+
+    def _fresh_doc_embeds(self, q: torch.Tensor, retrieved: Retrieved, k: int) -> tuple[Retrieved, torch.Tensor]:
+        """Re-embed the ``(B, L)`` retrieved passages with the current document encoder -> ``(B, L, D)``
+        (with gradients under ``train_doc_encoder``), and keep the k best by ``q · d_fresh`` when L > k.
+
+        Passages are encoded as DPR title/text pairs, exactly as :meth:`TextEncoder.encode_passages` built
+        the index. Returns the Retrieved for the kept passages — its ``doc_embeds`` are the fresh vectors
+        (detached), its ``scores`` the fresh scores when re-ranked (else the index's) — and the fresh
+        ``(B, K, D)`` embeddings that doc_scores are computed from.
+        """
+        b, n = retrieved.rows.shape
+        flat = [p for ps in retrieved.passages for p in ps]
+        grad = torch.is_grad_enabled() and self.config.train_doc_encoder
+        with torch.set_grad_enabled(grad):
+            batch = self.doc_encoder.tokenize([p.title for p in flat], [p.text for p in flat])
+            d = self.doc_encoder(**batch).view(b, n, -1).to(device=q.device, dtype=q.dtype)  # (B, L, D)
+        rows, scores, passages = retrieved.rows, retrieved.scores, retrieved.passages
+        if n > k:  # stale-index re-ranking: the k best of L by fresh score
+            with torch.no_grad():
+                fresh = torch.bmm(q.detach().unsqueeze(1), d.detach().transpose(1, 2)).squeeze(1)  # (B, L)
+                top_scores, top = fresh.topk(k, dim=1)  # (B, K), best first
+            d = d.gather(1, top.unsqueeze(-1).expand(-1, -1, d.shape[-1]))  # (B, K, D)
+            top_cpu = top.cpu()
+            rows = rows.gather(1, top_cpu)
+            scores = top_scores.detach().to("cpu", torch.float32)
+            passages = [[passages[i][j] for j in top_cpu[i].tolist()] for i in range(b)]
+        kept = Retrieved(rows=rows, scores=scores, passages=passages, doc_embeds=d.detach().to("cpu", torch.float32),
+                         kb_version=retrieved.kb_version)
+        return kept, d
 
     def retrieve(self, questions: Sequence[str], n_docs: Optional[int] = None) -> tuple[Retrieved, torch.Tensor]:
         """Top-k passages for B questions and their ``(B, K)`` doc scores.
@@ -537,6 +649,7 @@ class RagModel(nn.Module):
                                 version (referenced, not copied) and SHA-256 of every component file
             question_encoder/   TextEncoder.save_pretrained (safetensors + tokenizer + pooling settings)
             generator/          generator.save_pretrained (safetensors) + its tokenizer
+            doc_encoder/        the trained document encoder (only with ``train_doc_encoder``)
 
         ``reference_query_encoder=True`` writes no ``question_encoder/``: the checkpoint records the
         encoder's name (e.g. ``minilm``), its pooling settings and its weights fingerprint
@@ -577,6 +690,11 @@ class RagModel(nn.Module):
             self.generator.save_pretrained(gdir, safe_serialization=True)
             self.generator_tokenizer.save_pretrained(gdir)
             saved_dirs = [GENERATOR_DIR] if "dir" not in qenc_meta else [QUESTION_ENCODER_DIR, GENERATOR_DIR]
+            denc_meta = None
+            if self.doc_encoder is not None and self.config.train_doc_encoder:  # trained weights: keep them
+                self.doc_encoder.save_pretrained(tmp / DOC_ENCODER_DIR)
+                denc_meta = {"dir": DOC_ENCODER_DIR, **self.doc_encoder.identity()}
+                saved_dirs.append(DOC_ENCODER_DIR)
             meta = {
                 "format": CHECKPOINT_FORMAT,
                 "config": self.config.to_dict(),
@@ -588,6 +706,7 @@ class RagModel(nn.Module):
                     "name": getattr(self.generator.config, "_name_or_path", None) or None,
                 },
                 "knowledge_base": kb_ref,
+                "doc_encoder": denc_meta,
                 "files": _file_checksums(tmp, saved_dirs),
             }
             atomic_write_json(tmp / CHECKPOINT_CONFIG, meta)
@@ -678,7 +797,9 @@ class RagModel(nn.Module):
         gdir = root / meta["generator"].get("dir", GENERATOR_DIR)
         gen = AutoModelForSeq2SeqLM.from_pretrained(gdir)
         tok = AutoTokenizer.from_pretrained(gdir)
-        model = cls(qenc, gen, tok, kb, config)
+        denc_meta = meta.get("doc_encoder")
+        denc = TextEncoder.from_pretrained(root / denc_meta.get("dir", DOC_ENCODER_DIR)) if denc_meta and config.uses_doc_encoder else None
+        model = cls(qenc, gen, tok, kb, config, doc_encoder=denc)
         if config.retrieval == "dense":
             model.retriever.allow_encoder_change = allow_encoder_change
         return model.eval()

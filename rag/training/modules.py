@@ -3,8 +3,10 @@
 :class:`RagModule` fine-tunes a :class:`~rag.models.rag_model.RagModel` end to end
 (Lewis et al. 2020, §2.4): the query encoder and the generator are trained jointly
 on the marginal negative log-likelihood; the document encoder and the index stay
-fixed. Validation/test generate answers and report exact match and token F1
-(SQuAD normalisation) and retrieval recall@k.
+fixed unless ``rag.train_doc_encoder`` trains the document encoder too (then pair it
+with the :class:`~rag.training.callbacks.IndexRefresh` callback, which re-encodes
+the corpus and hot-swaps the index on a schedule). Validation/test generate answers
+and report exact match and token F1 (SQuAD normalisation) and retrieval recall@k.
 
 Construction is lazy: ``__init__`` only records the (typed, YAML-configurable)
 arguments, so a config parses and instantiates without touching a model hub or the
@@ -168,6 +170,9 @@ class RagModule(pl.LightningModule):
         knowledge_base_index: FAISS index spec for that build (``flat``, ``hnsw``, ...).
         rag: RAG options (n_docs, marginalization, label smoothing, truncation lengths, ...).
         tiny: sizes of the ``tiny:*`` generator.
+        document_encoder: document encoder trained by ``rag.train_doc_encoder`` / used by
+            ``rag.rerank_candidates`` (default: the one that built the knowledge base, from its manifest).
+        doc_encoder_lr: learning rate of the document encoder (``rag.train_doc_encoder``).
         query_encoder_lr: learning rate of the query encoder.
         generator_lr: learning rate of the generator.
         weight_decay: AdamW weight decay (not applied to biases and norm weights).
@@ -192,6 +197,8 @@ class RagModule(pl.LightningModule):
         knowledge_base_index: str = "flat",
         rag: Optional[RagModelConfig] = None,
         tiny: Optional[TinyGenerator] = None,
+        document_encoder: Optional[str] = None,
+        doc_encoder_lr: float = 1e-5,
         query_encoder_lr: float = 1e-5,
         generator_lr: float = 3e-5,
         weight_decay: float = 0.0,
@@ -211,7 +218,7 @@ class RagModule(pl.LightningModule):
         rag = _as_dict(rag, RagModelConfig, "rag")
         tiny = _as_dict(tiny, TinyGenerator, "tiny")
         recall_at = [int(k) for k in recall_at]
-        for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr)):
+        for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr), ("doc_encoder_lr", doc_encoder_lr)):
             if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
                 raise ConfigError(f"model.{name} must be a number >= 0, got {lr!r}")
         if warmup_ratio is not None and (not 0.0 <= warmup_ratio < 1.0):
@@ -262,7 +269,8 @@ class RagModule(pl.LightningModule):
         from rag.models.rag_model import RagModel
 
         kb, gen = self._ensure_artifacts()
-        model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config)
+        model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config,
+                                         document_encoder=self.hparams.get("document_encoder"))
         # from_pretrained returns modules in eval mode; Lightning keeps module modes as they are,
         # so switch to train mode here (dropout on; a frozen query encoder stays in eval).
         self.model = model.train(self.training)
@@ -370,7 +378,7 @@ class RagModule(pl.LightningModule):
         warm-up + linear-decay (or constant) schedule stepped every optimizer step."""
         h = self.hparams
         groups = self._require_model().parameter_groups()
-        lrs = {"query_encoder": h.query_encoder_lr, "generator": h.generator_lr}
+        lrs = {"query_encoder": h.query_encoder_lr, "generator": h.generator_lr, "doc_encoder": h.get("doc_encoder_lr", 1e-5)}
         unknown = sorted(set(groups) - set(lrs))
         if unknown:
             raise ConfigError(f"RagModel.parameter_groups() returned unknown group(s) {unknown}; expected {sorted(lrs)}")
