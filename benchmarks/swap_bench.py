@@ -219,6 +219,12 @@ def run(args) -> dict:
     n_done = len(records)
     lost = n_started - n_done  # raised (incl. mixed results) or never finished
 
+    def where(r) -> dict:  # locate a slow request within the swap it overlapped
+        sw = next(s for s in swaps if r[0] < s["end"] and r[1] > s["start"])
+        return {"latency_ms": round(1e3 * (r[1] - r[0]), 1), "started_after_swap_start_s": round(r[0] - sw["start"], 3),
+                "ended_before_swap_end_s": round(sw["end"] - r[1], 3), "swap_seconds": round(sw["end"] - sw["start"], 3)}
+
+    worst = [where(r) for r in sorted(during, key=lambda r: r[0] - r[1])[:5]]
     result = {
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
@@ -233,6 +239,7 @@ def run(args) -> dict:
             "overlapping_a_swap": {"n": len(during), "p50": pct(lat(during), 50), "p99": pct(lat(during), 99),
                                    "max": max(lat(during), default=float("nan"))},
             "in_flight_at_commit": {"n": len(at_commit), "max": max(lat(at_commit), default=float("nan"))},
+            "slowest_overlapping_a_swap": worst,
         },
         "pause_ms": {
             "max_extra_latency_overlapping_swap": max(lat(during), default=base_p50) - base_p50,

@@ -89,7 +89,9 @@ class HistoryEntry:
 
 
 _MADV_DONTNEED = 4
-_MADVISE_CHUNK = 64 << 20  # bytes per madvise call: each call is short, so page faults elsewhere interleave
+_MADVISE_CHUNK = 64 << 20  # bytes per madvise call when releasing inline
+_GENTLE_CHUNK = 8 << 20  # ... and on the background thread, which sleeps _GENTLE_PAUSE between calls
+_GENTLE_PAUSE = 0.001
 
 
 def _mapped_addresses(kb) -> list[int]:
@@ -125,7 +127,7 @@ def _mapped_addresses(kb) -> list[int]:
     return out
 
 
-def _drop_mapped_pages(kb) -> None:
+def _drop_mapped_pages(kb, chunk: int = _MADVISE_CHUNK, pause: float = 0.0) -> None:
     """madvise(MADV_DONTNEED) the read-only file mappings containing `_mapped_addresses(kb)`.
 
     The caller holds `kb`, so those mappings stay alive during the calls. Safe for read-only
@@ -155,8 +157,10 @@ def _drop_mapped_pages(kb) -> None:
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         madvise.restype = ctypes.c_int
         for start, end in regions:
-            for a in range(start, end, _MADVISE_CHUNK):
-                madvise(a, min(_MADVISE_CHUNK, end - a), _MADV_DONTNEED)
+            for a in range(start, end, chunk):
+                madvise(a, min(chunk, end - a), _MADV_DONTNEED)
+                if pause:
+                    time.sleep(pause)
     except Exception as e:  # noqa: BLE001 - purely an optimisation
         logger.debug("could not pre-release knowledge-base pages: %s", e)
 
@@ -181,13 +185,15 @@ class KnowledgeBaseSlot:
         history: how many previous versions :attr:`history` remembers (>= 1).
         keep_loaded: how many of those stay open in memory for an instant :meth:`swap_back`
             (0..history). Each open knowledge base holds its index in memory.
+        background_release: free swapped-out knowledge bases on a background thread, a few
+            megabytes at a time (see :meth:`_release`), instead of inside the swap call.
 
     Raises:
         ConfigError: `retriever` cannot be swapped (e.g. a BM25 retriever, which has no
             ``set_knowledge_base``).
     """
 
-    def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1):
+    def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
                 f"{type(retriever).__name__} cannot hot-swap its knowledge base (it needs a `knowledge_base` attribute and "
@@ -202,6 +208,10 @@ class KnowledgeBaseSlot:
         self._history: collections.deque[HistoryEntry] = collections.deque(maxlen=history)
         self._keep_loaded = keep_loaded
         self._swaps = 0
+        self._background_release = bool(background_release)
+        self._release_lock = threading.Lock()
+        self._release_queue: collections.deque = collections.deque()
+        self._release_thread: Optional[threading.Thread] = None
 
     @classmethod
     def for_model(cls, model, **kw) -> "KnowledgeBaseSlot":
@@ -400,20 +410,53 @@ class KnowledgeBaseSlot:
         """Let go of swapped-out knowledge bases without stalling requests.
 
         Freeing a large memory-mapped index tears down its page-table entries, and faiss does so
-        in its destructor while holding the GIL (measured: ~110-180 ms for a 500k x 768 HNSW
+        in its destructor while holding the GIL (measured: 100-300 ms for a 500k x 768 HNSW
         index, during which every request thread waits). Dropping the mapped pages first with
-        ``madvise(MADV_DONTNEED)`` — a ctypes call, so the GIL is released — leaves the
-        destructor almost nothing to do. Only read-only file-backed mappings owned by the
+        ``madvise(MADV_DONTNEED)`` — ctypes calls, which release the GIL — a few megabytes at a
+        time with short sleeps in between, leaves the destructor almost nothing to do and never
+        takes the CPU from requests for long. Only read-only file-backed mappings owned by the
         knowledge base being released are touched; a call still running on it merely re-reads
-        its pages from the page cache. Linux only; elsewhere (or on any surprise) the
-        knowledge base is simply dropped.
+        its pages from the page cache. Linux only; elsewhere the knowledge base is simply dropped.
+        With ``background_release`` this runs on a short-lived daemon thread, so the swap call
+        returns right after the commit (:meth:`wait_released` waits for it).
         """
         with self._lock:
             keep = {id(self.current)} | {id(e.kb) for e in self._history if e.kb is not None}
-        for kb in kbs:
-            if id(kb) not in keep:
-                _drop_mapped_pages(kb)
+        todo = [kb for kb in kbs if id(kb) not in keep]
         kbs.clear()
+        if not todo:
+            return
+        if not self._background_release:
+            for kb in todo:
+                _drop_mapped_pages(kb)
+            return
+        with self._release_lock:
+            self._release_queue.extend(todo)
+            if self._release_thread is None:
+                self._release_thread = threading.Thread(target=self._release_worker, name="rag-kb-release", daemon=True)
+                self._release_thread.start()
+
+    def _release_worker(self) -> None:
+        while True:
+            with self._release_lock:
+                if not self._release_queue:
+                    self._release_thread = None
+                    return
+                kb = self._release_queue.popleft()
+            _drop_mapped_pages(kb, chunk=_GENTLE_CHUNK, pause=_GENTLE_PAUSE)
+            del kb  # the last reference, unless a call is still running on it
+
+    def wait_released(self, timeout: Optional[float] = None) -> bool:
+        """Wait until swapped-out knowledge bases queued for release have been let go; False on timeout."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._release_lock:
+                t = self._release_thread
+            if t is None:
+                return True
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            if t.is_alive():
+                return False
 
     def _result(self, old, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
         res = SwapResult(

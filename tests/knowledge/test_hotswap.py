@@ -334,17 +334,19 @@ def test_concurrent_swaps_are_serialised(pipe, kbs, tmp_path):
     assert [h["version"] for h in slot.history][:3] == [r.old_version for r in results[::-1][:3]]
 
 
-def test_only_keep_loaded_previous_versions_stay_in_memory(pipe, kbs):
+@pytest.mark.parametrize("background", [True, False])
+def test_only_keep_loaded_previous_versions_stay_in_memory(pipe, kbs, background):
     import gc
     import weakref
 
-    slot = KnowledgeBaseSlot.for_model(pipe, history=2, keep_loaded=1)
+    slot = KnowledgeBaseSlot.for_model(pipe, history=2, keep_loaded=1, background_release=background)
     first = weakref.ref(pipe.knowledge_base)
     slot.swap(kbs["kb_b"])
     second = weakref.ref(pipe.knowledge_base)
     slot.swap(kbs["kb_a"])
     slot.swap(kbs["kb_b"])  # history: [kb_a (loaded), kb_b (unloaded)]; the first kb_a fell off the history
     assert [h["loaded"] for h in slot.history] == [True, False]
+    assert slot.wait_released(timeout=60)  # swapped-out versions are let go on a background thread
     gc.collect()
     assert first() is None and second() is None  # released, not leaked
 
