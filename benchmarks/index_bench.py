@@ -354,6 +354,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dim", type=int, default=768, help="dimension for synthetic data (a)")
     p.add_argument("--intrinsic-dim", type=int, default=48, help="latent subspace dimension of data (a)")
     p.add_argument("--clusters", type=int, default=2000, help="mixture components of data (a)")
+    p.add_argument("--spread", type=float, default=0.6, help="within-cluster std (latent units) of data (a)")
+    p.add_argument("--noise", type=float, default=0.1, help="isotropic noise std (per coordinate) of data (a)")
     p.add_argument("--queries", type=int, default=1000, help="held-out queries")
     p.add_argument("--single", type=int, default=200, help="queries timed one at a time")
     p.add_argument("--exact-timing-queries", type=int, default=200,
@@ -382,7 +384,8 @@ def main(argv: list[str] | None = None) -> dict:
         x, q, data_info = real_embeddings(args.queries, args.encoder, args.cache, args.seed)
         name = args.name or "index_real"
     else:
-        kw = dict(intrinsic_dim=args.intrinsic_dim, n_clusters=args.clusters, seed=args.seed)
+        kw = dict(intrinsic_dim=args.intrinsic_dim, n_clusters=args.clusters, spread=args.spread, noise=args.noise,
+                  seed=args.seed)
         x = clustered_embeddings(args.n, args.dim, stream=0, **kw)
         q = clustered_embeddings(args.queries, args.dim, stream=1, **kw)
         data_info = {"corpus": "synthetic clustered (see clustered_embeddings)", **kw}
