@@ -26,6 +26,17 @@ Measured:
 The machine's CPU may be shared with other work: load averages are recorded, and latency
 percentiles are reported next to the baseline so contention shows up in both.
 
+Measured (500k x 768, HNSW m=16/ef_construction=40, 3.3 GB per knowledge base, 2 request threads, 10 swaps,
+on 2 CPU cores shared with other jobs at load average 11-18; results/swap_bench_500000*.json):
+0 requests lost of ~15k; swap lock held <= 0.26 ms; requests in flight at the reference change
++33-43 ms over the baseline median (the noise floor, baseline max - median, was 35-39 ms); the
+longest extra latency of any request overlapping a swap was 138 ms with verify=full (SHA-256 of
+3.3 GB per swap competing for the two cores; the slowest requests fall mid-verification) and
+78 ms with verify=size. Before two fixes it was 264 ms, 159 ms at the reference change: a full
+garbage collection (~300 ms with the GIL held; `rag serve` now calls gc.freeze()) and faiss's
+index destructor unmapping the old index with the GIL held (100-300 ms; the slot now drops the
+mapped pages with madvise first, on a background thread).
+
 Examples::
 
     .venv/bin/python benchmarks/swap_bench.py --n 20000                        # quick
