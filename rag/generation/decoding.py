@@ -6,15 +6,23 @@ it in eval mode first, nothing here changes its mode) and on already-tokenized c
 `b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and
 `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
-Efficiency by design (ARCHITECTURE invariant 2):
+Efficiency by design (ARCHITECTURE invariant 2; measured in `benchmarks/README_decode.md`):
 
 * `encode_contexts` runs the generator encoder once per (question, passage); every search and the
   RAG-Sequence rescoring below reuse those states (index-selected, never re-encoded). transformers'
   `RagSequenceForGeneration.generate` re-encodes every context once per candidate instead.
+* Cross-attention keys/values are projected once per context: the first decoder step (every row feeds the
+  decoder start token) runs once per context and its cache is copied to the context's rows (beams; for
+  RAG-Token every beam of the question). transformers runs that step on every row, recomputing the same
+  keys/values `num_beams` times, and copies them again at every beam reorder.
 * Beam search and greedy search decode incrementally with the decoder KV cache. Beam reordering moves
   only the self-attention cache: cross-attention keys/values are identical for every beam of a row group.
-* Thorough decoding scores every (candidate, passage) pair in one batched teacher-forced decoder pass
-  (chunked by `rescore_batch_size` rows to bound the `(rows, T, vocab)` logits memory).
+  RAG-Sequence searches all questions' passages in one batched search (transformers: one per question).
+* Thorough decoding scores every (candidate, passage) pair in one teacher-forced decoder pass on the
+  keys/values the search already computed, stopping each candidate at its EOS. For BART the rows of one
+  passage are folded into one cross-attention query sequence, so the passage's keys/values are used in place
+  (no per-row copies); chunks bound the `(rows, T, vocab)` logits memory (`rescore_batch_size`).
+* Large gathers use advanced indexing, not `index_select` (many times slower on CPU with several threads).
 
 The search itself follows the semantics of `transformers`' (v5) vectorized beam search exactly — candidate
 pool of `2 * num_beams` continuations, length penalty `sum_logprob / generated_len ** length_penalty` with
@@ -238,19 +246,96 @@ def encode_contexts(generator, context_input_ids: Tensor, context_attention_mask
     return EncodedContexts(last_hidden_state=out.last_hidden_state, attention_mask=context_attention_mask)
 
 
-class _IncrementalDecoder:
-    """Decoder rows that each attend to one encoded context, decoded one token at a time with a KV cache."""
+def _rows(t: Tensor, index: Tensor) -> Tensor:
+    """`t[index]` along dim 0. Advanced indexing, not `index_select`: on CPU with several threads the latter
+    is many times slower for the large `(rows, heads, src_len, head_dim)` tensors copied here."""
+    return t[index]
 
-    def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor):
+
+def _shared_cross_attention(cache) -> list[tuple[Tensor, Tensor]] | None:
+    """The per-layer cross-attention `(keys, values)` of a transformers `EncoderDecoderCache`, if it holds them."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    if not isinstance(cache, EncoderDecoderCache) or not isinstance(cache.cross_attention_cache, DynamicCache):
+        return None
+    layers = cache.cross_attention_cache.layers
+    if not layers or not all(cache.is_updated.get(i) for i in range(len(layers))):
+        return None
+    return [(layer.keys, layer.values) for layer in layers]
+
+
+def _context_step(generator, contexts: EncodedContexts, token: int) -> tuple[Tensor, object]:
+    """One decoder step of `token` on every context, each context once: logits `(N, vocab)` float32 and the cache.
+
+    The cache then holds each context's cross-attention keys/values, computed here once per context.
+    """
+    from transformers.modeling_outputs import BaseModelOutput
+
+    n = len(contexts)
+    tokens = torch.full((n, 1), int(token), dtype=torch.long, device=contexts.last_hidden_state.device)
+    out = generator(encoder_outputs=BaseModelOutput(last_hidden_state=contexts.last_hidden_state),
+                    attention_mask=contexts.attention_mask, decoder_input_ids=tokens, use_cache=True, return_dict=True)
+    return out.logits[:, -1, :].float(), out.past_key_values
+
+
+def _dynamic_cache(kv: list[tuple[Tensor, Tensor]]):
+    """A transformers `DynamicCache` holding the given per-layer `(keys, values)` as they are (no copy)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache([(None, None)] * len(kv))  # one empty layer per decoder layer
+    for layer, (k, v) in zip(cache.layers, kv):
+        layer.lazy_initialization(k, v)
+        layer.keys, layer.values = k, v
+    return cache
+
+
+def _gathered_cache(self_kv: list[tuple[Tensor, Tensor]] | None, cross_kv: list[tuple[Tensor, Tensor]], rows: Tensor):
+    """An `EncoderDecoderCache` for decoder rows `rows` (indices into the per-context `self_kv` / `cross_kv`)."""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    self_cache = DynamicCache() if self_kv is None else _dynamic_cache([(_rows(k, rows), _rows(v, rows)) for k, v in self_kv])
+    return EncoderDecoderCache(self_cache, _dynamic_cache([(_rows(k, rows), _rows(v, rows)) for k, v in cross_kv]))
+
+
+class _IncrementalDecoder:
+    """Decoder rows that each attend to one encoded context, decoded one token at a time with a KV cache.
+
+    The first step (every row feeds the decoder start token) runs once per *context*, not per row: its logits
+    and cache — the cross-attention keys/values included, the expensive part — are then copied to the rows
+    of that context (beams, and for RAG-Token the beams of every question). transformers instead runs it on
+    every row, recomputing the same cross-attention keys/values `num_beams` times.
+    """
+
+    def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, keep_cross_kv: bool = False):
         from transformers.modeling_outputs import BaseModelOutput
 
+        self.keep_cross_kv = keep_cross_kv
         self.generator = generator
-        self.encoder_outputs = BaseModelOutput(last_hidden_state=contexts.last_hidden_state.index_select(0, context_of_row))
-        self.mask = contexts.attention_mask.index_select(0, context_of_row)
+        self.contexts = contexts
+        self.context_of_row = context_of_row
+        self.identity = identity = context_of_row.shape[0] == len(contexts) and bool(
+            (context_of_row == torch.arange(len(contexts), device=context_of_row.device)).all())
+        states = contexts.last_hidden_state if identity else _rows(contexts.last_hidden_state, context_of_row)
+        self.encoder_outputs = BaseModelOutput(last_hidden_state=states)
+        self.mask = contexts.attention_mask if identity else _rows(contexts.attention_mask, context_of_row)
         self.cache = None
+        self.cross_kv: list[tuple[Tensor, Tensor]] | None = None
+        """Per-context (not per-row) cross-attention keys/values after the first step, kept for reuse (rescoring)
+        when `keep_cross_kv`."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
+        if self.cache is None and bool((tokens == tokens[0]).all()):
+            logits, cache = _context_step(self.generator, self.contexts, int(tokens[0]))
+            cross_kv = _shared_cross_attention(cache)
+            if cross_kv is not None:
+                self.cross_kv = cross_kv if self.keep_cross_kv else None
+                if self.identity:
+                    self.cache = cache
+                    return logits
+                self_kv = [(layer.keys, layer.values) for layer in cache.self_attention_cache.layers]
+                self.cache = _gathered_cache(self_kv, cross_kv, self.context_of_row)  # a gather, no compute
+                return _rows(logits, self.context_of_row)
         out = self.generator(encoder_outputs=self.encoder_outputs, attention_mask=self.mask,
                              decoder_input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True,
                              return_dict=True)
@@ -481,46 +566,191 @@ def generate_per_document(generator, contexts: EncodedContexts,
     All `N = batch * n_docs` contexts are searched in one batched call (`N * num_beams` decoder rows, KV
     cache); `num_beams=1` is greedy search. Returns every context's `num_beams` hypotheses, best first.
     """
+    return _per_document(generator, contexts, config)[0]
+
+
+def _per_document(generator, contexts: EncodedContexts, config: GenerationConfig, keep_cross_kv: bool = False):
+    """`generate_per_document`, plus (with `keep_cross_kv`) the per-context cross-attention keys/values it
+    computed, or None."""
     spec = _resolve(config, generator)
     device = contexts.last_hidden_state.device
     items, beams = len(contexts), config.num_beams
-    decoder = _IncrementalDecoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams))
+    decoder = _IncrementalDecoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
+                                  keep_cross_kv=keep_cross_kv)
     if beams == 1:
         seqs, loglik = _greedy(decoder.step, items, spec, device)
-        return DocumentHypotheses(sequences=seqs[:, None], scores=loglik[:, None], log_likelihood=loglik[:, None])
+        hyps = DocumentHypotheses(sequences=seqs[:, None], scores=loglik[:, None], log_likelihood=loglik[:, None])
+        return hyps, decoder.cross_kv
     found = _beam_search(decoder.step, decoder.reorder, items, spec, device)
     seqs, scores, loglik = _crop(found, beams)
-    return DocumentHypotheses(sequences=seqs, scores=scores, log_likelihood=loglik)
+    return DocumentHypotheses(sequences=seqs, scores=scores, log_likelihood=loglik), decoder.cross_kv
 
 
 @torch.no_grad()
 def teacher_forced_logprobs(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
-                            batch_size: int = 64) -> Tensor:
+                            batch_size: int | None = None) -> Tensor:
     """`log p(y_t | x, z, y_<t)` of every sequence under each of its contexts, reusing the encoder states.
 
     sequences `(C, T)` start with the decoder start token; context_index `(C, K)` holds rows of `contexts`.
     Returns `(C, K, T - 1)`: entry `t` scores `sequences[:, t + 1]`. One teacher-forced decoder pass over
-    the `C * K` (sequence, context) rows, `batch_size` rows at a time to bound logits memory.
+    the `C * K` (sequence, context) rows, at most `batch_size` rows at a time to bound memory (None: automatic,
+    ~256 MiB of logits for BART, else 64 rows; BART takes at least all rows of one context per pass). Each context's cross-attention keys/values are computed once,
+    not per row: BART generators fold the rows of one context into one cross-attention query sequence (no
+    per-row copies at all); other generators get them copied to each row.
+    """
+    return _teacher_forced(generator, contexts, sequences, context_index, batch_size, cross_kv=None)
+
+
+def _teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
+                    max_rows: int | None, cross_kv: list[tuple[Tensor, Tensor]] | None, eos: int | None = None) -> Tensor:
+    """`teacher_forced_logprobs`; `cross_kv`: per-context cross-attention keys/values already computed, if any.
+
+    With `eos`, positions after a sequence's first `eos` target are not computed (left 0), and each chunk runs
+    only up to its longest row (generic path: rows sorted by that length), so padding costs little decoder
+    work. (Causal attention makes the kept positions independent of the dropped ones.)
     """
     from transformers.modeling_outputs import BaseModelOutput
 
-    if batch_size < 1:
-        raise ConfigError(f"rescore batch_size must be >= 1, got {batch_size}")
+    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
+        raise ConfigError(f"rescore batch_size must be None (automatic) or an int >= 1, got {max_rows!r}")
     n_cand, n_docs = context_index.shape
     if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
         raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
     rows = context_index.reshape(-1)
-    dec_in = sequences[:, :-1].repeat_interleave(n_docs, dim=0)
-    target = sequences[:, 1:].repeat_interleave(n_docs, dim=0)
-    out = torch.empty(target.shape, dtype=torch.float32, device=sequences.device)
+    if cross_kv is None and rows.numel() > 0:
+        used, rows = torch.unique(rows, return_inverse=True)  # compute K/V only for the contexts scored here
+        if used.numel() < len(contexts):
+            contexts = EncodedContexts(_rows(contexts.last_hidden_state, used), _rows(contexts.attention_mask, used))
+        _, cache = _context_step(generator, contexts, int(sequences[0, 0]))
+        cross_kv = _shared_cross_attention(cache)
+        del cache
+    width = sequences.shape[1] - 1
+    if cross_kv is not None and _is_bart(generator):
+        if eos is None:
+            length = torch.full((n_cand,), width, dtype=torch.long, device=sequences.device)
+        else:
+            is_eos = (sequences[:, 1:] == eos).long()
+            length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)
+        return _rescore_folded(generator, contexts, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
+    batch_size = 64 if max_rows is None else max_rows
+    if eos is None:
+        order = torch.arange(n_cand * n_docs, device=sequences.device)
+        lengths = torch.full((n_cand * n_docs,), width, dtype=torch.long, device=sequences.device)
+    else:
+        is_eos = (sequences[:, 1:] == eos).long()
+        length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
+        lengths = length.repeat_interleave(n_docs)
+        lengths, order = torch.sort(lengths, descending=True, stable=True)
+    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
     for lo in range(0, rows.shape[0], batch_size):
-        sl = slice(lo, lo + batch_size)
-        ctx = rows[sl]
-        logits = generator(encoder_outputs=BaseModelOutput(last_hidden_state=contexts.last_hidden_state.index_select(0, ctx)),
-                           attention_mask=contexts.attention_mask.index_select(0, ctx), decoder_input_ids=dec_in[sl],
-                           use_cache=False, return_dict=True).logits
-        out[sl] = torch.log_softmax(logits.float(), -1).gather(-1, target[sl, :, None]).squeeze(-1)
+        pick = order[lo:lo + batch_size]  # flat (candidate, doc) rows of this chunk
+        n = int(lengths[lo:lo + batch_size].max())
+        cand = pick // n_docs
+        ctx = rows[pick]
+        past = None if cross_kv is None else _gathered_cache(None, cross_kv, ctx)
+        logits = generator(encoder_outputs=BaseModelOutput(last_hidden_state=_rows(contexts.last_hidden_state, ctx)),
+                           attention_mask=_rows(contexts.attention_mask, ctx), decoder_input_ids=sequences[cand, :n],
+                           past_key_values=past, use_cache=past is not None, return_dict=True).logits
+        del past
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, sequences[cand, 1:n + 1, None]).squeeze(-1)
+        if eos is not None:
+            lp = lp.masked_fill(torch.arange(n, device=lp.device) >= lengths[lo:lo + batch_size, None], 0.0)
+        out[pick, :n] = lp
     return out.view(n_cand, n_docs, -1)
+
+
+def _is_bart(generator) -> bool:
+    """Whether the folded rescoring pass below reproduces `generator`'s decoder (transformers BART, eval mode)."""
+    try:
+        from transformers import BartForConditionalGeneration
+        from transformers.models.bart.modeling_bart import BartDecoderLayer
+    except ImportError:  # pragma: no cover - transformers without BART
+        return False
+    return (type(generator) is BartForConditionalGeneration and not generator.training
+            and all(type(layer) is BartDecoderLayer for layer in generator.model.decoder.layers))
+
+
+def _attend(attn, hidden: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
+    """BART attention `attn` (its q/out projections and scaling) of `hidden` `(n, q_len, d)` over `key`/`value`
+    `(n, heads, kv_len, head_dim)`; `mask` `(n, 1, 1, kv_len)` bool (True = attend) or None."""
+    n, q_len, _ = hidden.shape
+    query = attn.q_proj(hidden).view(n, q_len, -1, attn.head_dim).transpose(1, 2)
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
+                                                           scale=attn.scaling)
+    return attn.out_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+
+
+def _bart_folded_logprobs(generator, ids: Tensor, targets: Tensor, cross_kv: list[tuple[Tensor, Tensor]],
+                          context_mask: Tensor, per_context: int) -> Tensor:
+    """Teacher-forced `log p(target_t | ...)` `(G * m, T)` of BART decoder rows grouped by context.
+
+    ids/targets `(G * m, T)`: rows `g * m .. g * m + m - 1` all attend to context `g`, whose cross-attention
+    keys/values are `cross_kv[layer]` `(G, heads, src_len, head_dim)`. Self-attention runs per row; the
+    cross-attention folds a context's `m` rows into one query sequence `(G, m * T)`, so the context's keys and
+    values are used as they are instead of being copied to every row (the same math as BART's decoder).
+    """
+    dec = generator.model.decoder
+    rows, width = ids.shape
+    groups = rows // per_context
+    positions = torch.arange(width, device=ids.device)
+    hidden = dec.layernorm_embedding(dec.embed_tokens(ids) + dec.embed_positions(ids, 0, position_ids=positions))
+    mask = None if bool(context_mask.all()) else context_mask.bool()[:, None, None, :]
+    for layer, (key, value) in zip(dec.layers, cross_kv):
+        sa = layer.self_attn
+        k = sa.k_proj(hidden).view(rows, width, -1, sa.head_dim).transpose(1, 2)
+        v = sa.v_proj(hidden).view(rows, width, -1, sa.head_dim).transpose(1, 2)
+        hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, None, causal=width > 1))
+        folded = hidden.reshape(groups, per_context * width, -1)
+        cross = _attend(layer.encoder_attn, folded, key, value, mask, causal=False).view(rows, width, -1)
+        hidden = layer.encoder_attn_layer_norm(hidden + cross)
+        hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
+    logits = generator.lm_head(hidden) + generator.final_logits_bias
+    return torch.log_softmax(logits.float(), -1).gather(-1, targets[:, :, None]).squeeze(-1)
+
+
+def _rescore_folded(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
+                    cross_kv: list[tuple[Tensor, Tensor]], lengths: Tensor, max_rows: int | None) -> Tensor:
+    """`_teacher_forced` for BART: (sequence, context) pairs grouped by context, cross-attention folded.
+
+    lengths `(C,)`: targets to score per sequence (later ones are left 0). Returns `(C, K, T - 1)`.
+    """
+    n_cand, n_docs = context_index.shape
+    width = sequences.shape[1] - 1
+    device = sequences.device
+    flat_ctx = context_index.reshape(-1)
+    order = torch.sort(flat_ctx, stable=True).indices  # (candidate, doc) pairs grouped by context
+    ctx_of, counts = torch.unique_consecutive(flat_ctx[order], return_counts=True)
+    per_context = int(counts.max())
+    starts = torch.cumsum(counts, 0) - counts
+    slot = torch.arange(order.numel(), device=device) - starts.repeat_interleave(counts)
+    grid = torch.full((ctx_of.numel(), per_context), -1, dtype=torch.long, device=device)
+    grid[torch.arange(ctx_of.numel(), device=device).repeat_interleave(counts), slot] = order  # pair or -1 (padding)
+    valid = grid >= 0
+    pair = grid.clamp(min=0)
+    cand = pair // n_docs
+    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=device)
+    vocab = generator.config.vocab_size
+    if max_rows is None:  # bound the (rows, T, vocab) float32 logits to ~256 MiB
+        max_rows = max(per_context, (256 << 20) // max(1, 4 * vocab * max(1, int(lengths.max()))))
+    groups_per_chunk = max(1, max_rows // per_context)
+    for lo in range(0, ctx_of.numel(), groups_per_chunk):
+        sel = slice(lo, lo + groups_per_chunk)
+        c = ctx_of[sel]
+        n = int(lengths[cand[sel]][valid[sel]].max())
+        span = int(c[0]), int(c[-1]) + 1
+        if span[1] - span[0] == c.numel():  # consecutive contexts: views, no copy
+            kv = [(k[span[0]:span[1]], v[span[0]:span[1]]) for k, v in cross_kv]
+            mask = contexts.attention_mask[span[0]:span[1]]
+        else:
+            kv = [(_rows(k, c), _rows(v, c)) for k, v in cross_kv]
+            mask = _rows(contexts.attention_mask, c)
+        rows_cand = cand[sel].reshape(-1)
+        lp = _bart_folded_logprobs(generator, sequences[rows_cand, :n], sequences[rows_cand, 1:n + 1], kv, mask,
+                                   per_context)
+        lp = lp.masked_fill(torch.arange(n, device=device) >= lengths[rows_cand][:, None], 0.0)
+        keep = valid[sel].reshape(-1)
+        out[pair[sel].reshape(-1)[keep], :n] = lp[keep]
+    return out.view(n_cand, n_docs, width)
 
 
 def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, question: Tensor, spec: _Spec,
@@ -557,7 +787,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
                           config: GenerationConfig = GenerationConfig(),
                           decoding: Literal["thorough", "fast"] = "thorough", dedup: bool = True,
                           convention: Literal["transformers", "paper"] = "transformers",
-                          rescore_batch_size: int = 64) -> GenerationOutput:
+                          rescore_batch_size: int | None = None) -> GenerationOutput:
     """RAG-Sequence decoding (§2.5): search every passage, pool the hypotheses, rank by `p(y|x)` (Eq. 1).
 
     1. `generate_per_document`: `num_beams` hypotheses per (question, passage), scored by `p(y|x, z)` alone
@@ -567,8 +797,10 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
        `dedup` identical token sequences are kept once (first occurrence), else duplicates stay and tie.
     3. Ranking, `decoding=`:
        * "thorough": `p(y|x) = Σ_z p(z|x) p(y|x, z)` over all passages, `p(y|x, z)` from ONE batched
-         teacher-forced decoder pass over every (candidate, passage) pair on the stored encoder states.
-         (The paper runs the extra pass only for passages whose beam lacks `y`; same value.)
+         teacher-forced decoder pass over every (candidate, passage) pair on the stored encoder states and the
+         search's cross-attention keys/values, `rescore_batch_size` rows at a time (None: automatic, see
+         `teacher_forced_logprobs`). (The paper runs the extra pass only for passages whose beam lacks `y`;
+         same value.)
        * "fast": the paper's approximation `p(y|x, z) ≈ 0` unless `y` is in passage `z`'s beam: score =
          logsumexp over the passages that produced `y` of `log p(z|x) + log p(y|x, z)` (beam log-likelihoods,
          unpenalised), no extra decoder pass. transformers has no fast decoding.
@@ -600,7 +832,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     spec = _resolve(config, generator)
     device = doc_scores.device
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
-    hyps = generate_per_document(generator, contexts, config)
+    hyps, cross_kv = _per_document(generator, contexts, config, keep_cross_kv=decoding == "thorough")
     beams, width = config.num_beams, hyps.sequences.shape[-1]
     per_q = n_docs * beams
     flat_seqs = hyps.sequences.reshape(batch, per_q, width)
@@ -635,8 +867,8 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
 
     if decoding == "thorough":
         docs = torch.arange(n_docs, device=device)
-        token_lp = teacher_forced_logprobs(generator, contexts, cands, question[:, None] * n_docs + docs,
-                                           batch_size=rescore_batch_size)
+        token_lp = _teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
+                                   max_rows=rescore_batch_size, cross_kv=cross_kv, eos=spec.eos)
         terms = _per_doc_terms(token_lp, cands[:, 1:], cand_prior, question, spec, convention)
     else:
         own = torch.full((len(cand_q), n_docs), -math.inf, dtype=torch.float32, device=device)

@@ -320,6 +320,58 @@ def test_encoder_runs_once_per_question_passage_pair(tiny):
     assert rows == [batch * n_docs]
 
 
+def _count_cross_attention_rows(gen):
+    """Hooks on every decoder layer's cross-attention key projection: rows of encoder states projected."""
+    seen = []
+    handles = [layer.encoder_attn.k_proj.register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[0]))
+               for layer in gen.model.decoder.layers]
+    return seen, handles
+
+
+def test_cross_attention_keys_values_computed_once_per_context(tiny):
+    """Cross-attention K/V are projected once per (question, passage), never per beam, step or rescored row."""
+    tok, gen, _ = tiny
+    batch, n_docs, layers = 2, 3, len(gen.model.decoder.layers)
+    ids, mask, scores = _contexts(tok, batch, n_docs, padded=True)
+    contexts = encode_contexts(gen, ids, mask)
+    config = GenerationConfig(max_length=10, num_beams=4, num_return_sequences=2)
+    seen, handles = _count_cross_attention_rows(gen)
+    try:
+        calls = [
+            lambda: rag_token_generate(gen, contexts, scores, config),
+            lambda: rag_token_generate(gen, contexts, scores, GenerationConfig(max_length=10)),
+            lambda: rag_sequence_generate(gen, contexts, scores, config, rescore_batch_size=4),
+            lambda: generate_per_document(gen, contexts, config),
+        ]
+        for call in calls:
+            seen.clear()
+            out = call()
+            assert seen == [batch * n_docs] * layers
+        seqs = out.sequences.reshape(batch * n_docs * 4, -1)[:5]
+        seen.clear()
+        teacher_forced_logprobs(gen, contexts, seqs, torch.tensor([[0, 2], [2, 4], [4, 0], [0, 2], [2, 2]]), batch_size=3)
+        assert seen == [3] * layers  # only the three contexts used, once each
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def test_rescoring_stops_at_eos_and_matches_full_pass(tiny):
+    """The internal rescoring pass (length-sorted chunks cropped at EOS) equals the full pass up to each EOS."""
+    from rag.generation.decoding import _teacher_forced
+
+    tok, gen, _ = tiny
+    ids, mask, _ = _contexts(tok, 1, 3, padded=True)
+    contexts = encode_contexts(gen, ids, mask)
+    seqs = torch.tensor([[EOS, 40, EOS, PAD, PAD, PAD], [EOS, 50, 51, 52, 53, 54], [EOS, 60, 61, EOS, PAD, PAD]])
+    index = torch.tensor([[0, 1, 2], [2, 0, 1], [1, 1, 0]])
+    full = teacher_forced_logprobs(gen, contexts, seqs, index, batch_size=4)
+    cropped = _teacher_forced(gen, contexts, seqs, index, 2, cross_kv=None, eos=EOS)
+    for c, n in enumerate([2, 5, 3]):  # targets up to and including the first EOS (or all)
+        assert torch.allclose(cropped[c, :, :n], full[c, :, :n], atol=1e-5)
+        assert (cropped[c, :, n:] == 0).all() and (full[c, :, n:] != 0).all()
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Hand-made generator: answers are known exactly
 
@@ -470,3 +522,31 @@ def test_invalid_configuration_and_shapes_raise(tiny):
     with pytest.raises(RagError):
         encode_contexts(gen, ids, mask[:, :-1])
     assert isinstance(contexts, EncodedContexts) and len(contexts) == 6
+
+
+def test_t5_teacher_forced_logprobs_match_full_forward():
+    """The generic (non-BART) rescoring path: per-context cross-attention K/V copied to rows, chunked."""
+    from rag.models.tiny import tiny_t5
+
+    class _Vocab:
+        def __init__(self, n):
+            self.n, self.pad_token_id, self.eos_token_id = n, 0, 1
+
+        def __len__(self):
+            return self.n
+
+    gen = tiny_t5(_Vocab(60), seed=0).eval()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(2, 60, (4, 7), generator=g)
+    mask = torch.ones_like(ids)
+    mask[2, 5:] = 0
+    seqs = torch.tensor([[0, 5, 6, 1, 0], [0, 7, 8, 9, 10]])
+    index = torch.tensor([[0, 2, 3], [3, 1, 2]])
+    lp = teacher_forced_logprobs(gen, encode_contexts(gen, ids, mask), seqs, index, batch_size=4)
+    with torch.no_grad():
+        for c in range(2):
+            for k in range(3):
+                r = int(index[c, k])
+                ref = torch.log_softmax(gen(input_ids=ids[r:r + 1], attention_mask=mask[r:r + 1],
+                                            decoder_input_ids=seqs[c:c + 1, :-1]).logits[0], -1)
+                assert torch.allclose(lp[c, k], ref.gather(1, seqs[c, 1:, None])[:, 0], atol=1e-5)
