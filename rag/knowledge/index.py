@@ -10,12 +10,13 @@ Four kinds of index cover the trade-offs between exactness, speed and memory:
 * ``ivf_pq``: inverted file + product quantisation (Jégou et al. 2011): the smallest
   index (``pq_m`` bytes per vector), for corpora that do not fit in memory otherwise.
 
-Maximum inner product search (``metric="ip"``, the RAG/DPR retrieval score) uses
-faiss's native inner-product HNSW. The alternative, DPR's reduction to L2 search
-(Bachrach et al. 2014; Karpukhin et al. 2020, §3.1: augment each vector with
+Maximum inner product search (``metric="ip"``: top-k of ``d(z)·q(x)``, Lewis et al.
+2020 §2.2; RAG searches it with a FAISS HNSW index, §3) uses faiss's native
+inner-product HNSW. The alternative, the reduction to L2 search of Bachrach et al.
+(2014) used by DPR's released HNSW indexer (augment each vector with
 ``sqrt(M² - |x|²)`` and queries with 0), was measured and rejected: equal recall on
-normalised embeddings, and far lower recall on unnormalised ones (recall@10 0.71 vs
-0.996 at ef_search=64, N=20k, D=768; benchmarks/README_index.md), because the
+normalised embeddings, and far lower recall on unnormalised ones (recall@10 0.70 vs
+0.995 at ef_search=64, N=20k, D=768; benchmarks/README_index.md), because the
 augmented queries lie far off the data manifold the graph was built on.
 
 Indexes are immutable once built (a knowledge-base directory is never modified in
