@@ -30,7 +30,7 @@ from __future__ import annotations
 import argparse
 import gc
 import gzip
-import json
+import io
 import os
 import platform
 import re
@@ -41,7 +41,6 @@ from pathlib import Path
 
 import faiss
 import numpy as np
-from tqdm.auto import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -174,8 +173,6 @@ def real_embeddings(n_queries: int, encoder: str, cache: Path, seed: int) -> tup
         if not path.exists():
             print(f"encoding {len(texts)} texts with {encoder} -> {path}", flush=True)
             emb = enc.encode(texts, batch_size=64, show_progress=True).astype(np.float32)
-            import io
-
             buf = io.BytesIO()
             np.save(buf, emb)
             atomic_write_bytes(path, buf.getvalue())

@@ -434,10 +434,9 @@ def _structural_problem(index: faiss.Index) -> Optional[str]:
     n = index.ntotal
     if n < 0 or index.d <= 0:
         return f"ntotal={n}, d={index.d}"
-    core = index
-    if isinstance(core, faiss.IndexHNSW):
-        hnsw = core.hnsw
-        if core.storage is None or core.storage.ntotal != n or core.storage.d != core.d:
+    if isinstance(index, faiss.IndexHNSW):
+        hnsw = index.hnsw
+        if index.storage is None or index.storage.ntotal != n or index.storage.d != index.d:
             return "HNSW storage does not match the graph"
         if hnsw.levels.size() != n or hnsw.offsets.size() != n + 1:
             return "HNSW level table has the wrong size"
@@ -448,9 +447,9 @@ def _structural_problem(index: faiss.Index) -> Optional[str]:
                 return "HNSW neighbour lists point outside the index"
             if not 0 <= hnsw.entry_point < n:
                 return "HNSW entry point is outside the index"
-    elif isinstance(core, faiss.IndexIVF):
-        lists = core.invlists
-        if lists is None or lists.nlist != core.nlist:
+    elif isinstance(index, faiss.IndexIVF):
+        lists = index.invlists
+        if lists is None or lists.nlist != index.nlist:
             return "IVF inverted lists are missing"
         if sum(lists.list_size(i) for i in range(lists.nlist)) != n:
             return "IVF list sizes do not add up to ntotal"
