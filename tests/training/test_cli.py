@@ -36,7 +36,7 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     assert cli.model.hparams.generator == init["generator"]
     assert cli.model.hparams.rag["n_docs"] == init["rag"]["n_docs"]
     assert cli.model.rag_config.marginalization == init["rag"].get("marginalization", "sequence")
-    if path.name == "tiny_cpu.yaml":  # needs no hub: random tiny generator, bundled MiniLM, demo data
+    if path.name.startswith("tiny_cpu"):  # needs no hub: random tiny generator, bundled MiniLM, demo data
         assert init["generator"].startswith("tiny:") and init["question_encoder"] == "minilm"
         assert init["build_knowledge_base_from"] == "demo"
         assert cfg["data"]["init_args"]["train"].startswith("demo:")
