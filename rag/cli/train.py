@@ -54,7 +54,9 @@ def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
         seed_everything_default=DEFAULT_SEED,
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,  # RagModule sets per-component learning rates itself
-        parser_kwargs={sub: {"default_env": False} for sub in SUBCOMMANDS} if run else {"default_env": False},
+        # `rag fit --help` etc. name the real command (not __main__.py); every subcommand
+        # parser has its own --config, so `rag validate --config X.yaml --ckpt_path ...` works too.
+        parser_kwargs={"prog": "rag"},
     )
 
 

@@ -237,7 +237,8 @@ class RagModule(pl.LightningModule):
         self.model = None  # built in configure_model()
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
         self.test_em, self.test_f1, self.test_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
-        self._truncated = {"train": 0, "val": 0, "test": 0}
+        self._truncated = {"train": 0, "val": 0, "test": 0}  # contexts truncated this epoch
+        self._contexts = {"train": 0, "val": 0, "test": 0}  # contexts built this epoch
         self._samples: list[tuple[str, str, list[str]]] = []
 
     # ------------------------------------------------------------------ model construction
@@ -286,7 +287,7 @@ class RagModule(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self(batch["questions"], batch["targets"])
-        self._truncated["train"] += int(out.n_truncated)
+        self._count_contexts("train", out)
         self.log("train/loss", out.loss, prog_bar=True, batch_size=len(batch["questions"]))
         return out.loss
 
@@ -295,7 +296,7 @@ class RagModule(pl.LightningModule):
         bs = len(questions)
         out = self(questions, batch["targets"])
         self.log(f"{stage}/loss", out.loss, prog_bar=stage == "val", batch_size=bs, sync_dist=True)
-        self._truncated[stage] += int(out.n_truncated)
+        self._count_contexts(stage, out)
         em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1, self.test_recall)
         retrieved = out.retrieved
         if stage == "test" or self.hparams.generate_on_validation:
@@ -351,17 +352,22 @@ class RagModule(pl.LightningModule):
         self._samples.clear()
         self._report_truncation(stage)
 
+    def _count_contexts(self, stage: str, out) -> None:
+        self._truncated[stage] += int(out.n_truncated)
+        self._contexts[stage] += int(out.retrieved.batch_size * out.retrieved.k)
+
     def _report_truncation(self, stage: str) -> None:
-        n = self._truncated[stage]
+        """Once per epoch: how many (question, passage) contexts RagModel had to truncate."""
+        n, total = self._truncated[stage], self._contexts[stage]
         if n and not self.trainer.sanity_checking:
             logger.warning(
-                "%s: %d generator context(s) this epoch were longer than rag.max_context_length=%d tokens and were "
-                "truncated (the question is kept); raise model.rag.max_context_length if passages are cut too much",
-                stage, n, self.rag_config.max_context_length,
+                "%s: %d of %d generator contexts this epoch were longer than rag.max_context_length=%d tokens and "
+                "were truncated (the question is kept); raise model.rag.max_context_length if passages are cut too much",
+                stage, n, total, self.rag_config.max_context_length,
             )
         if not self.trainer.sanity_checking:
             self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum")
-        self._truncated[stage] = 0
+        self._truncated[stage] = self._contexts[stage] = 0
 
     def on_train_epoch_end(self) -> None:
         self._report_truncation("train")

@@ -52,3 +52,15 @@ def trainer_kw(tmp_path):
     """Quiet single-CPU Trainer options writing under tmp_path."""
     return dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
                 default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny models gain nothing from intra-op parallelism, and on a shared, busy CPU
+    OpenMP spin-waiting multiplies their CPU time; restore the setting afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
