@@ -560,26 +560,33 @@ class RagModel(nn.Module):
         (with gradients under ``train_doc_encoder``), and keep the k best by ``q · d_fresh`` when L > k.
 
         Passages are encoded as DPR title/text pairs, exactly as :meth:`TextEncoder.encode_passages` built
-        the index. Returns the Retrieved for the kept passages — its ``doc_embeds`` are the fresh vectors
-        (detached), its ``scores`` the fresh scores when re-ranked (else the index's) — and the fresh
-        ``(B, K, D)`` embeddings that doc_scores are computed from.
+        the index. Re-ranking scores all L candidates without gradients (eval mode, batched), then only the
+        k kept passages are re-encoded with gradients, so memory grows with k, not L. Returns the Retrieved
+        for the kept passages — its ``doc_embeds`` are the fresh vectors (detached), its ``scores`` the
+        fresh scores when re-ranked (else the index's) — and the fresh ``(B, K, D)`` embeddings that
+        doc_scores are computed from.
         """
         b, n = retrieved.rows.shape
-        flat = [p for ps in retrieved.passages for p in ps]
-        grad = torch.is_grad_enabled() and self.config.train_doc_encoder
-        with torch.set_grad_enabled(grad):
-            batch = self.doc_encoder.tokenize([p.title for p in flat], [p.text for p in flat])
-            d = self.doc_encoder(**batch).view(b, n, -1).to(device=q.device, dtype=q.dtype)  # (B, L, D)
         rows, scores, passages = retrieved.rows, retrieved.scores, retrieved.passages
+        grad = torch.is_grad_enabled() and self.config.train_doc_encoder
+        d = None
         if n > k:  # stale-index re-ranking: the k best of L by fresh score
+            cand = torch.from_numpy(self.doc_encoder.encode_passages([p for ps in passages for p in ps], show_progress=False))
+            cand = cand.view(b, n, -1).to(device=q.device, dtype=q.dtype)  # (B, L, D), no gradient
             with torch.no_grad():
-                fresh = torch.bmm(q.detach().unsqueeze(1), d.detach().transpose(1, 2)).squeeze(1)  # (B, L)
+                fresh = torch.bmm(q.detach().unsqueeze(1), cand.transpose(1, 2)).squeeze(1)  # (B, L)
                 top_scores, top = fresh.topk(k, dim=1)  # (B, K), best first
-            d = d.gather(1, top.unsqueeze(-1).expand(-1, -1, d.shape[-1]))  # (B, K, D)
             top_cpu = top.cpu()
             rows = rows.gather(1, top_cpu)
-            scores = top_scores.detach().to("cpu", torch.float32)
+            scores = top_scores.to("cpu", torch.float32)
             passages = [[passages[i][j] for j in top_cpu[i].tolist()] for i in range(b)]
+            if not grad:
+                d = cand.gather(1, top.unsqueeze(-1).expand(-1, -1, cand.shape[-1]))  # (B, K, D)
+        if d is None:
+            flat = [p for ps in passages for p in ps]
+            with torch.set_grad_enabled(grad):
+                batch = self.doc_encoder.tokenize([p.title for p in flat], [p.text for p in flat])
+                d = self.doc_encoder(**batch).view(b, k, -1).to(device=q.device, dtype=q.dtype)  # (B, K, D)
         kept = Retrieved(rows=rows, scores=scores, passages=passages, doc_embeds=d.detach().to("cpu", torch.float32),
                          kb_version=retrieved.kb_version)
         return kept, d
