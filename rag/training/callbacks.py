@@ -302,7 +302,8 @@ class IndexRefresh(pl.Callback):
             logger.warning("IndexRefresh: rag.train_doc_encoder is false, so the document encoder does not change and "
                            "every refresh rebuilds the same index")
         self._slot = KnowledgeBaseSlot.for_model(model, history=max(1, self.keep), keep_loaded=0)
-        self._root = Path(self.output_dir) if self.output_dir else Path(trainer.default_root_dir) / "index_refresh"
+        # absolute: the new manifest names the snapshot directory as its encoder, loadable from any cwd
+        self._root = (Path(self.output_dir) if self.output_dir else Path(trainer.default_root_dir) / "index_refresh").resolve()
         self._root.mkdir(parents=True, exist_ok=True)
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="index-refresh")
         self._last_step = trainer.global_step
@@ -310,15 +311,16 @@ class IndexRefresh(pl.Callback):
             self._restore_serving(model)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        self._poll(pl_module)
         step = trainer.global_step
-        if step != self._last_step:  # once per optimizer step (not per accumulated micro-batch)
-            self._last_step = step
-            if self.schedule.due(step):
-                if self._job is not None and self._pending_step is None:
-                    logger.info("index refresh due at step %d deferred: the build started at step %d is still running",
-                                step, self._job.step)
-                self._pending_step = step
+        if step == self._last_step:
+            return  # mid gradient accumulation: the micro-batches of one optimizer step share one index
+        self._last_step = step
+        self._poll(pl_module)
+        if self.schedule.due(step):
+            if self._job is not None and self._pending_step is None:
+                logger.info("index refresh due at step %d deferred: the build started at step %d is still running",
+                            step, self._job.step)
+            self._pending_step = step
         if self._pending_step is not None and self._job is None:
             self._pending_step = None
             self._start(pl_module, step)
@@ -424,7 +426,7 @@ class IndexRefresh(pl.Callback):
             self._record_failure(step, f"could not save the document-encoder snapshot to {encoder_dir}: {e}", time.perf_counter() - t0)
             return
         log_path = job_dir / "refresh.log"
-        argv = self._worker_argv(job_dir / "kb", encoder_dir, str(kb.path), step)
+        argv = self._worker_argv(job_dir / "kb", encoder_dir, str(Path(kb.path).resolve()), step)
         try:
             with open(log_path, "wb") as log:
                 proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
