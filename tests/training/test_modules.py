@@ -148,3 +148,13 @@ def test_tiny_generator_is_built_once_and_cached(tiny_kb_dir, tmp_path, monkeypa
     assert ensure_tiny_generator("bart", spec, tiny_kb_dir) == path  # cached: same directory, not rebuilt
     assert (tmp_path / path / "config.json").stat().st_mtime_ns == mtime
     assert ensure_tiny_generator("bart", TinyGenerator(d_model=16, layers=1, heads=2, ffn=32, vocab_size=400, seed=1), tiny_kb_dir) != path
+
+
+def test_bf16_mixed_precision_and_clipping(make_module, make_data, trainer_kw):
+    """Trainer-level mixed precision (CPU autocast bf16) and gradient clipping work with the module."""
+    module = make_module()
+    trainer = pl.Trainer(fast_dev_run=True, precision="bf16-mixed", gradient_clip_val=0.5, **trainer_kw)
+    trainer.fit(module, datamodule=make_data())
+    m = trainer.callback_metrics
+    assert trainer.global_step == 1 and torch.isfinite(m["train/loss"]) and torch.isfinite(m["val/loss"])
+    assert all(p.dtype == torch.float32 for p in module.parameters())  # master weights stay fp32
