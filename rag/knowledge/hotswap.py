@@ -5,18 +5,24 @@ paper answers questions about world leaders from a December 2016 and a December 
 Wikipedia index with the same model. :class:`KnowledgeBaseSlot` does this for a model
 that is serving requests:
 
-1. The new knowledge base is opened and verified (SHA-256 of every file by default)
-   and checked against the retriever (dimension, metric, document-encoder identity)
-   *before* the swap lock is taken, on the caller's thread — never on the request
-   path. A request running meanwhile is not blocked by anything.
+1. The new knowledge base is opened and verified (SHA-256 of every file by default, hashed
+   in a child process at a lower CPU priority so that it yields to the threads serving
+   requests) and checked against the retriever (dimension, metric, document-encoder
+   identity; a BM25 retriever loads the new BM25 index) *before* the swap lock is taken,
+   on the caller's thread — never on the request path. A request running meanwhile is not
+   blocked by anything.
 2. Under the lock, one reference changes (``retriever.set_knowledge_base``). The lock
    only serialises swaps against each other; requests never take it.
 3. A request that started on the old knowledge base finishes on it: retrievers read
    their knowledge-base reference once per call, and everything downstream (contexts,
    doc scores, decoding, provenance) uses the :class:`~rag.knowledge.retriever.Retrieved`
-   that call returned. The old knowledge base stays alive while such a call holds it.
+   that call returned, whose ``kb_version`` names the version. The old knowledge base
+   stays open while such a call holds it, and is closed
+   (:meth:`~rag.knowledge.knowledge_base.KnowledgeBase.close`) on a background thread
+   once the last of them has let go of it.
 4. A failed swap (missing directory, checksum mismatch, other dimension, metric or
-   encoder) raises with the reason and leaves the old knowledge base serving.
+   encoder, no BM25 index for a BM25 retriever) raises with the reason and leaves the old
+   knowledge base serving.
 
 :meth:`KnowledgeBaseSlot.swap_back` undoes the last swap in one call. The slot keeps a
 short history; only the most recent ``keep_loaded`` previous knowledge bases stay
@@ -30,6 +36,7 @@ import collections
 import datetime as _dt
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
@@ -88,81 +95,33 @@ class HistoryEntry:
         return {"version": self.version, "path": self.path, "replaced_at": self.replaced_at, "loaded": self.kb is not None}
 
 
-_MADV_DONTNEED = 4
-_MADVISE_CHUNK = 64 << 20  # bytes per madvise call when releasing inline
-_GENTLE_CHUNK = 8 << 20  # ... and on the background thread, which sleeps _GENTLE_PAUSE between calls
-_GENTLE_PAUSE = 0.001
+_GENTLE_CHUNK = 8 << 20  # bytes per madvise call when the background thread releases a knowledge base ...
+_GENTLE_PAUSE = 0.001  # ... sleeping this long between calls, so that it never holds a core for long
 
 
-def _mapped_addresses(kb) -> list[int]:
-    """Addresses inside the large read-only file mappings a knowledge base owns: its memory-mapped
-    embeddings, passages (Arrow) and the codes of a memory-mapped flat / HNSW / HNSW-SQ8 index."""
-    import numpy as np
-
-    out = []
-    emb = getattr(kb, "_embeddings", None)
-    if isinstance(emb, np.memmap) and emb.size:
-        out.append(int(emb.ctypes.data))
-    passages = getattr(kb, "_passages", None)
-    try:  # a memory-mapped Arrow table (datasets): one buffer address per column suffices
-        for column in passages.data.table.columns:
-            for chunk in column.chunks[:1]:
-                out.extend(b.address for b in chunk.buffers() if b is not None and b.size)
-    except Exception:  # noqa: BLE001 - not a datasets.Dataset
-        pass
-    index = getattr(kb, "_index", None)
-    if index is not None:
-        try:
-            import faiss
-
-            core = faiss.downcast_index(index)
-            if isinstance(core, faiss.IndexHNSW):
-                core = faiss.downcast_index(core.storage)
-            owned = getattr(getattr(core, "codes", None), "is_owned", True)
-            owned = owned() if callable(owned) else owned  # an attribute in recent faiss, a method in others
-            if isinstance(core, faiss.IndexFlatCodes) and core.ntotal and not owned:
-                out.append(int(faiss.rev_swig_ptr(core.codes.data(), 1).ctypes.data))
-        except Exception:  # noqa: BLE001 - an unfamiliar index type is simply not pre-released
-            pass
-    return out
+def _only_here(items: list, i: int) -> bool:
+    """True if nothing but the list `items` references `items[i]`: no retriever, history entry,
+    caller, or running call (a call holds the knowledge base it read in a local variable, or
+    through the retriever state it read) can reach it any more, so no call can be using it
+    or start using it. (CPython reference count: the list's slot plus getrefcount's argument.)"""
+    return sys.getrefcount(items[i]) <= 2
 
 
-def _drop_mapped_pages(kb, chunk: int = _MADVISE_CHUNK, pause: float = 0.0) -> None:
-    """madvise(MADV_DONTNEED) the read-only file mappings containing `_mapped_addresses(kb)`.
+def _close(kb, **kw) -> None:
+    """Close a swapped-out KnowledgeBase (the caller made sure nothing else uses it); other objects
+    (test doubles, wrappers) are simply dropped."""
+    from rag.knowledge.knowledge_base import KnowledgeBase
 
-    The caller holds `kb`, so those mappings stay alive during the calls. Safe for read-only
-    file-backed mappings: the data stays in the page cache and is faulted back in on access.
-    """
-    import sys
+    if isinstance(kb, KnowledgeBase):
+        kb.close(timeout=0, **kw)
 
-    if not sys.platform.startswith("linux"):
-        return
-    addresses = _mapped_addresses(kb)
-    if not addresses:
-        return
-    try:
-        import ctypes
 
-        regions = []
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or "w" in parts[1] or not parts[5].startswith("/"):
-                    continue  # only read-only mappings of real files
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                if any(start <= a < end for a in addresses):
-                    regions.append((start, end))
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        madvise.restype = ctypes.c_int
-        for start, end in regions:
-            for a in range(start, end, chunk):
-                madvise(a, min(chunk, end - a), _MADV_DONTNEED)
-                if pause:
-                    time.sleep(pause)
-    except Exception as e:  # noqa: BLE001 - purely an optimisation
-        logger.debug("could not pre-release knowledge-base pages: %s", e)
+def _release_pages(kb, **kw) -> None:
+    """Release the mapped pages of a swapped-out KnowledgeBase that something still holds."""
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    if isinstance(kb, KnowledgeBase):
+        kb.release_pages(**kw)
 
 
 def _now() -> str:
@@ -185,25 +144,45 @@ class KnowledgeBaseSlot:
         history: how many previous versions :attr:`history` remembers (>= 1).
         keep_loaded: how many of those stay open in memory for an instant :meth:`swap_back`
             (0..history). Each open knowledge base holds its index in memory.
-        background_release: free swapped-out knowledge bases on a background thread, a few
-            megabytes at a time (see :meth:`_release`), instead of inside the swap call.
+            A retriever may also offer ``prepare_knowledge_base(kb, allow_encoder_change=...)``
+            (:class:`~rag.knowledge.bm25.BM25Retriever`: loads the new BM25 index): the slot calls it
+            off the lock and passes its result to ``set_knowledge_base(kb, ..., prepared=result)``.
+        history: how many previous versions :attr:`history` remembers (>= 1).
+        keep_loaded: how many of those stay open in memory for an instant :meth:`swap_back`
+            (0..history). Each open knowledge base holds its index in memory.
+        background_release: release swapped-out knowledge bases on a background thread (see
+            :meth:`_release`). False: inside the swap call when no call is using them any more,
+            else still on the background thread once the last one finishes.
+        verify_nice: niceness of the child process that checksums a new knowledge base
+            (``verify="full"``), so that hashing gigabytes yields the CPU to requests; None
+            hashes in the swapping thread at normal priority (it still releases the GIL).
+        release_wait: seconds to wait for the last holder of a swapped-out knowledge base to let
+            go before giving up on closing it; its mapped pages are then released (harmless to a
+            holder still reading) and it is freed whenever that holder drops it.
 
     Raises:
-        ConfigError: `retriever` cannot be swapped (e.g. a BM25 retriever, which has no
-            ``set_knowledge_base``).
+        ConfigError: `retriever` cannot be swapped (it lacks ``knowledge_base`` /
+            ``set_knowledge_base``), or an argument is out of range.
     """
 
-    def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True):
+    def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True,
+                 verify_nice: Optional[int] = 10, release_wait: float = 60.0):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
-                f"{type(retriever).__name__} cannot hot-swap its knowledge base (it needs a `knowledge_base` attribute and "
-                "`set_knowledge_base(kb, allow_encoder_change=...)`); dense retrievers support it — BM25 retrieval does not yet"
+                f"{type(retriever).__name__} cannot hot-swap its knowledge base: it needs a `knowledge_base` attribute and "
+                "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
         if not isinstance(history, int) or isinstance(history, bool) or history < 1:
             raise ConfigError(f"history must be a positive integer, got {history!r}")
         if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
             raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
+        if verify_nice is not None and (not isinstance(verify_nice, int) or isinstance(verify_nice, bool) or not 0 <= verify_nice <= 19):
+            raise ConfigError(f"verify_nice must be None or an integer niceness in [0, 19], got {verify_nice!r}")
+        if not isinstance(release_wait, (int, float)) or isinstance(release_wait, bool) or not release_wait >= 0:
+            raise ConfigError(f"release_wait must be a number of seconds >= 0, got {release_wait!r}")
         self.retriever = retriever
+        self._verify_nice = verify_nice
+        self._release_wait = float(release_wait)
         self._lock = threading.Lock()  # serialises commits (swaps against swaps); requests never take it
         self._history: collections.deque[HistoryEntry] = collections.deque(maxlen=history)
         self._keep_loaded = keep_loaded
@@ -255,6 +234,7 @@ class KnowledgeBaseSlot:
         """
         kb = self._open(path_or_kb, verify)
         self._precheck(kb, allow_encoder_change, allow_metric_change)
+        self._prepare(kb, allow_encoder_change)
         return kb
 
     def swap(
@@ -270,33 +250,39 @@ class KnowledgeBaseSlot:
         The directory is opened and verified (`verify`: "full" checks every file's SHA-256,
         "size" only sizes) and checked for compatibility before the swap lock is taken; then
         the retriever's reference changes in one assignment. Calls already running finish on
-        the old knowledge base.
+        the old knowledge base, which is closed after the last of them (see :meth:`_release`).
 
         Raises:
             KnowledgeBaseError / IntegrityError: the directory is missing or damaged, or its
-                dimension, metric or encoder does not fit; the old knowledge base keeps serving.
+                dimension, metric or encoder does not fit (or, for a BM25 retriever, it has no
+                BM25 index); the old knowledge base keeps serving.
         """
         t0 = time.perf_counter()
         new = self._open(path_or_kb, verify)
         load_seconds = time.perf_counter() - t0
         self._precheck(new, allow_encoder_change, allow_metric_change)  # fail fast, still off the lock
+        prepared = self._prepare(new, allow_encoder_change)  # e.g. the BM25 index: loaded off the lock
         with self._lock:
             tc = time.perf_counter()
             old = self.current
-            self._commit(new, allow_encoder_change, allow_metric_change)
+            self._commit(new, allow_encoder_change, allow_metric_change, prepared)
             unloaded = []
             if old is not None:
                 if len(self._history) == self._history.maxlen:
                     evicted = self._history.popleft()  # the oldest entry falls off the history
                     if evicted.kb is not None:
                         unloaded.append(evicted.kb)
+                        evicted.kb = None
+                    del evicted
                 self._history.append(HistoryEntry(old.version, _path_of(old), _now(), old))
             unloaded += self._unload_old()
             commit_seconds = time.perf_counter() - tc
             self._swaps += 1
             seq = self._swaps
+        old_version, old_path = (None, None) if old is None else (old.version, _path_of(old))
+        del old, prepared  # this frame must not keep the old knowledge base alive
         self._release(unloaded)  # outside the lock
-        return self._result(old, new, t0, load_seconds, commit_seconds, "swap", seq)
+        return self._result(old_version, old_path, new, t0, load_seconds, commit_seconds, "swap", seq)
 
     def swap_back(self, *, allow_encoder_change: bool = True, verify: str = "full", _retries: int = 3) -> SwapResult:
         """Undo the last swap: serve the previous version again (and drop it from the history).
@@ -333,19 +319,25 @@ class KnowledgeBaseSlot:
                         f"swap to it explicitly if that is intended (still serving {self.version})"
                     )
             self._precheck(target, allow_encoder_change, True)
+            prepared = self._prepare(target, allow_encoder_change)
             with self._lock:
                 if not self._history or self._history[-1] is not entry:
                     continue  # another swap changed the history while we were loading; look again
                 tc = time.perf_counter()
                 old = self.current
-                self._commit(target, allow_encoder_change, True)
+                self._commit(target, allow_encoder_change, True, prepared)
                 self._history.pop()
+                entry.kb = None
                 unloaded = self._unload_old()
                 commit_seconds = time.perf_counter() - tc
                 self._swaps += 1
                 seq = self._swaps
+            old_version, old_path = (None, None) if old is None else (old.version, _path_of(old))
+            if old is not None:
+                unloaded.append(old)  # swap_back forgets the version it leaves: release it too
+            del old, prepared
             self._release(unloaded)
-            return self._result(old, target, t0, load_seconds, commit_seconds, "swap_back", seq)
+            return self._result(old_version, old_path, target, t0, load_seconds, commit_seconds, "swap_back", seq)
         raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
 
     # ------------------------------------------------------------------ internals
@@ -358,7 +350,7 @@ class KnowledgeBaseSlot:
         if isinstance(path_or_kb, (str, os.PathLike)):
             where = os.fspath(path_or_kb)
             try:
-                return KnowledgeBase.open(Path(where), verify=verify)
+                return KnowledgeBase.open(Path(where), verify=verify, hash_nice=self._verify_nice)
             except RagError as e:
                 raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
             except Exception as e:  # faiss/datasets/numpy errors on damaged files opened with verify='none'
@@ -366,18 +358,23 @@ class KnowledgeBaseSlot:
                     f"swap refused, still serving {self.version}: {where} cannot be opened ({type(e).__name__}: {e}); rebuild it"
                 ) from e
         if all(hasattr(path_or_kb, a) for a in ("version", "dim", "encoder", "search")):
+            if getattr(path_or_kb, "closed", False) is True:
+                raise KnowledgeBaseError(f"swap refused, still serving {self.version}: knowledge base {path_or_kb.version} "
+                                         "was closed; swap to its directory instead")
             return path_or_kb
         raise ConfigError(f"swap() takes a knowledge-base directory or an open KnowledgeBase, got {type(path_or_kb).__name__}")
 
     def _precheck(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
-        """Dimension / encoder (rag.knowledge.retriever.check_compatible) and metric, before the lock."""
+        """Dimension / encoder (rag.knowledge.retriever.check_compatible) and metric of a dense
+        retriever, before the lock (a BM25 retriever uses neither the embeddings nor their metric)."""
         from rag.knowledge.retriever import check_compatible
 
         current = self.current
         try:
             qenc = getattr(self.retriever, "query_encoder", None)
-            if qenc is not None:
-                check_compatible(new, qenc.dim, getattr(self.retriever, "space", None), allow_encoder_change=allow_encoder_change)
+            if qenc is None:
+                return
+            check_compatible(new, qenc.dim, getattr(self.retriever, "space", None), allow_encoder_change=allow_encoder_change)
             if current is not None and not allow_metric_change and getattr(new, "metric", None) != getattr(current, "metric", None):
                 raise KnowledgeBaseError(
                     f"{_path_of(new)}: indexed with metric={new.metric!r} but the serving knowledge base uses "
@@ -387,12 +384,26 @@ class KnowledgeBaseSlot:
         except RagError as e:
             raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
 
-    def _commit(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
+    def _prepare(self, new, allow_encoder_change: bool):
+        """The retriever's own off-lock preparation (a BM25 retriever loads and checks the new BM25
+        index), or None for retrievers that need none."""
+        prepare = getattr(self.retriever, "prepare_knowledge_base", None)
+        if not callable(prepare):
+            return None
+        try:
+            return prepare(new, allow_encoder_change=allow_encoder_change)
+        except RagError as e:
+            raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
+
+    def _commit(self, new, allow_encoder_change: bool, allow_metric_change: bool, prepared=None) -> None:
         """Under the lock: re-check against what serves now (no I/O), then the one reference assignment
         (the retriever validates again; a failure assigns nothing)."""
         self._precheck(new, allow_encoder_change, allow_metric_change)
         try:
-            self.retriever.set_knowledge_base(new, allow_encoder_change=allow_encoder_change)
+            if prepared is None:
+                self.retriever.set_knowledge_base(new, allow_encoder_change=allow_encoder_change)
+            else:
+                self.retriever.set_knowledge_base(new, allow_encoder_change=allow_encoder_change, prepared=prepared)
         except RagError as e:
             raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
 
@@ -407,18 +418,21 @@ class KnowledgeBaseSlot:
         return dropped
 
     def _release(self, kbs: list) -> None:
-        """Let go of swapped-out knowledge bases without stalling requests.
+        """Close swapped-out knowledge bases once no call is using them, without stalling requests.
 
-        Freeing a large memory-mapped index tears down its page-table entries, and faiss does so
-        in its destructor while holding the GIL (measured: 100-300 ms for a 500k x 768 HNSW
-        index, during which every request thread waits). Dropping the mapped pages first with
-        ``madvise(MADV_DONTNEED)`` — ctypes calls, which release the GIL — a few megabytes at a
-        time with short sleeps in between, leaves the destructor almost nothing to do and never
-        takes the CPU from requests for long. Only read-only file-backed mappings owned by the
-        knowledge base being released are touched; a call still running on it merely re-reads
-        its pages from the page cache. Linux only; elsewhere the knowledge base is simply dropped.
-        With ``background_release`` this runs on a short-lived daemon thread, so the swap call
-        returns right after the commit (:meth:`wait_released` waits for it).
+        A call that started on a knowledge base holds a reference to it until it returns, and
+        the slot has dropped its own (history entry, retriever); so once only the release
+        queue references it, its last in-flight call has finished and no new one can start —
+        then :meth:`KnowledgeBase.close` frees it. Closing first drops its mapped pages with
+        ``madvise(MADV_DONTNEED)`` a few megabytes at a time (ctypes calls, which release the
+        GIL, with short sleeps in between): freeing a large memory-mapped index otherwise tears
+        down its page tables inside faiss's destructor with the GIL held (measured: 100-300 ms
+        for a 500k x 768 HNSW index, during which every request thread waits). A knowledge base
+        still held after ``release_wait`` seconds (e.g. by the caller who passed it in) only has
+        its pages released, which a holder still reading does not notice, and is freed by its
+        last holder. Knowledge bases still in the history are kept. With ``background_release``
+        this runs on a short-lived daemon thread, so the swap call returns right after the
+        commit (:meth:`wait_released` waits for it).
         """
         with self._lock:
             keep = {id(self.current)} | {id(e.kb) for e in self._history if e.kb is not None}
@@ -427,24 +441,47 @@ class KnowledgeBaseSlot:
         if not todo:
             return
         if not self._background_release:
-            for kb in todo:
-                _drop_mapped_pages(kb)
-            return
+            i = 0
+            while i < len(todo):
+                if _only_here(todo, i) and getattr(todo[i], "in_flight", 0) == 0:
+                    _close(todo.pop(i))
+                else:
+                    i += 1
+            if not todo:
+                return
         with self._release_lock:
-            self._release_queue.extend(todo)
+            while todo:
+                self._release_queue.append(todo.pop())
             if self._release_thread is None:
                 self._release_thread = threading.Thread(target=self._release_worker, name="rag-kb-release", daemon=True)
                 self._release_thread.start()
 
     def _release_worker(self) -> None:
+        pending: list = []  # knowledge bases waiting for their last in-flight call to finish
+        queued_at: list[float] = []
+        delay = 0.001
         while True:
             with self._release_lock:
-                if not self._release_queue:
+                while self._release_queue:
+                    pending.append(self._release_queue.popleft())
+                    queued_at.append(time.monotonic())
+                if not pending:
                     self._release_thread = None
                     return
-                kb = self._release_queue.popleft()
-            _drop_mapped_pages(kb, chunk=_GENTLE_CHUNK, pause=_GENTLE_PAUSE)
-            del kb  # the last reference, unless a call is still running on it
+            i, progressed = 0, False
+            while i < len(pending):
+                if _only_here(pending, i) and getattr(pending[i], "in_flight", 0) == 0:
+                    _close(pending.pop(i), chunk=_GENTLE_CHUNK, pause=_GENTLE_PAUSE)
+                elif time.monotonic() - queued_at[i] >= self._release_wait:
+                    _release_pages(pending.pop(i), chunk=_GENTLE_CHUNK, pause=_GENTLE_PAUSE)
+                else:
+                    i += 1
+                    continue
+                queued_at.pop(i)
+                progressed = True
+            if pending:
+                delay = 0.001 if progressed else min(0.05, 2 * delay)
+                time.sleep(delay)
 
     def wait_released(self, timeout: Optional[float] = None) -> bool:
         """Wait until swapped-out knowledge bases queued for release have been let go; False on timeout."""
@@ -458,15 +495,15 @@ class KnowledgeBaseSlot:
             if t.is_alive():
                 return False
 
-    def _result(self, old, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
+    def _result(self, old_version, old_path, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
         res = SwapResult(
-            old_version=None if old is None else old.version,
+            old_version=old_version,
             new_version=new.version,
             seconds=time.perf_counter() - t0,
             load_seconds=load_s,
             commit_seconds=commit_s,
             path=_path_of(new),
-            old_path=None if old is None else _path_of(old),
+            old_path=old_path,
             kind=kind,
             seq=seq,
             at=_now(),

@@ -18,15 +18,19 @@ whose manifest names its parent.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import hashlib
 import json
 import logging
 import os
+import subprocess
+import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -49,6 +53,69 @@ INDEX = "index.faiss"
 BM25_DIR = "bm25"
 
 Verify = Literal["full", "size", "none"]
+
+_HASH_CHUNK = 4 << 20  # bytes per read + hash step; hashlib releases the GIL for buffers > 2 KiB
+_MADV_DONTNEED = 4
+RELEASE_CHUNK = 64 << 20
+"""Bytes per madvise call in :meth:`KnowledgeBase.release_pages` (default)."""
+
+# Hashes the files named on the command line at the niceness given first, one hex digest per line.
+# Runs in its own interpreter so that the hashing competes for the CPU at a lower priority than the
+# process serving requests, without ever holding that process's GIL.
+_HASH_SCRIPT = """
+import hashlib, os, sys
+try:
+    os.nice(int(sys.argv[1]))
+except (AttributeError, OSError):
+    pass
+buf = bytearray(%d)
+view = memoryview(buf)
+for name in sys.argv[2:]:
+    h = hashlib.sha256()
+    with open(name, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    sys.stdout.write(h.hexdigest() + "\\n")
+    sys.stdout.flush()
+""" % _HASH_CHUNK
+
+
+def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:
+    """Hex SHA-256 of each file, in order.
+
+    `nice` None hashes in this thread, 4 MiB at a time (reads and hashing release the GIL, so
+    other threads keep running). An integer hashes in a child interpreter that lowers its own
+    priority by `nice` first (Unix niceness; 10 gives it roughly a tenth of a busy core), so
+    verifying a large knowledge base yields the CPU to the threads serving requests and never
+    holds their GIL. If the child cannot run or fails, the files are hashed in this thread.
+    """
+    paths = [Path(p) for p in paths]
+    if nice is not None and paths:
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-I", "-c", _HASH_SCRIPT, str(int(nice)), *map(os.fspath, paths)],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+            )
+            digests = proc.stdout.split()
+            if proc.returncode == 0 and len(digests) == len(paths):
+                return digests
+            logger.warning("hashing subprocess failed (exit %s: %s); hashing in-process", proc.returncode,
+                           proc.stderr.strip()[-300:])
+        except OSError as e:
+            logger.warning("cannot start a hashing subprocess (%s); hashing in-process", e)
+    out = []
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    for path in paths:
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+        out.append(h.hexdigest())
+    return out
 
 
 @dataclass
@@ -116,7 +183,8 @@ class KnowledgeBase:
     """An opened, verified knowledge-base directory. Thread-safe for concurrent reads.
 
     Build one with :meth:`build` (passages + encoder) or :meth:`from_embeddings`
-    (precomputed vectors); open one with :meth:`open`.
+    (precomputed vectors); open one with :meth:`open`. :meth:`close` frees its index and
+    mappings once no read is running; a call that spans several reads holds :meth:`in_use`.
     """
 
     def __init__(self, path: Path, manifest: Manifest, passages, embeddings: np.ndarray, index, bm25=None):
@@ -127,6 +195,9 @@ class KnowledgeBase:
         self._index = index
         self._bm25 = bm25
         self._spec = IndexSpec.from_dict(manifest.index)
+        self._use = threading.Condition(threading.Lock())  # guards _in_use / _closed
+        self._in_use = 0
+        self._closed = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -153,13 +224,131 @@ class KnowledgeBase:
     @property
     def bm25(self):
         """The BM25 index stored with this knowledge base, or None."""
-        return self._bm25
+        with self.in_use():
+            return self._bm25
+
+    # ------------------------------------------------------------------ lifetime
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has freed the index and mappings (reads then raise)."""
+        return self._closed
+
+    @property
+    def in_flight(self) -> int:
+        """Number of reads (and :meth:`in_use` blocks) running on this knowledge base now."""
+        return self._in_use
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator["KnowledgeBase"]:
+        """Keep this knowledge base open for the block: :meth:`close` waits until it ends.
+
+        Every read method holds it for its own duration; a caller combining several reads
+        (search, then passages and embeddings of the hits) can hold it around all of them.
+        Nests. Raises KnowledgeBaseError if the knowledge base is already closed.
+        """
+        with self._use:
+            if self._closed:
+                raise KnowledgeBaseError(
+                    f"{self.path}: knowledge base {self.version} was closed (swapped out and released); "
+                    "read from the one serving now, or open the directory again"
+                )
+            self._in_use += 1
+        try:
+            yield self
+        finally:
+            with self._use:
+                self._in_use -= 1
+                if self._in_use == 0:
+                    self._use.notify_all()
+
+    def mapped_addresses(self) -> list[int]:
+        """An address inside each large read-only file mapping this knowledge base owns: the
+        memory-mapped embeddings, the passages' Arrow columns and the codes of a memory-mapped
+        flat / HNSW / HNSW-SQ8 index (empty once closed, or for in-memory copies)."""
+        out = []
+        emb = self._embeddings
+        if isinstance(emb, np.memmap) and emb.size:
+            out.append(int(emb.ctypes.data))
+        try:  # a memory-mapped Arrow table (datasets): one buffer address per column suffices
+            for column in self._passages.data.table.columns:
+                for chunk in column.chunks[:1]:
+                    out.extend(b.address for b in chunk.buffers() if b is not None and b.size)
+        except Exception:  # noqa: BLE001 - not a datasets.Dataset (or closed)
+            pass
+        if self._index is not None:
+            try:
+                import faiss
+
+                core = faiss.downcast_index(self._index)
+                if isinstance(core, faiss.IndexHNSW):
+                    core = faiss.downcast_index(core.storage)
+                owned = getattr(getattr(core, "codes", None), "is_owned", True)
+                owned = owned() if callable(owned) else owned  # an attribute in recent faiss, a method in others
+                if isinstance(core, faiss.IndexFlatCodes) and core.ntotal and not owned:
+                    out.append(int(faiss.rev_swig_ptr(core.codes.data(), 1).ctypes.data))
+            except Exception:  # noqa: BLE001 - an unfamiliar index type is simply not pre-released
+                pass
+        return out
+
+    def release_pages(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
+        """Drop this process's resident pages of the knowledge base's read-only file mappings
+        (``madvise(MADV_DONTNEED)``, `chunk` bytes per call, sleeping `pause` s between calls).
+
+        Non-destructive: the data stays in the page cache and a read running meanwhile faults
+        it back in and gets the same results. Done before freeing, it leaves faiss's destructor
+        (which holds the GIL) almost nothing to unmap; the madvise calls themselves release the
+        GIL. Returns the bytes advised (0 off Linux, when closed, or when nothing is mapped).
+        """
+        if not sys.platform.startswith("linux"):
+            return 0
+        with self._use:
+            if self._closed:
+                return 0
+            self._in_use += 1  # keeps the mappings alive while we advise them
+        try:
+            addresses = self.mapped_addresses()
+            if not addresses:
+                return 0
+            return _madvise_dontneed(addresses, chunk, pause)
+        finally:
+            with self._use:
+                self._in_use -= 1
+                if self._in_use == 0:
+                    self._use.notify_all()
+
+    def close(self, *, timeout: Optional[float] = None, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> bool:
+        """Free the index, embeddings, passages and BM25 index once no read is running.
+
+        Waits up to `timeout` seconds (None: forever) for a moment when no read or :meth:`in_use`
+        block is running, then refuses new ones (KnowledgeBaseError naming the version) and frees.
+        Mapped pages are released first (as :meth:`release_pages`) so that freeing stalls no
+        other thread. Returns False, closing nothing, if reads were still running at the timeout.
+        Idempotent. Never call it inside an :meth:`in_use` block of the same knowledge base.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._use:
+            while self._in_use:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    return False
+                self._use.wait(left)
+            if self._closed:
+                return True
+            self._closed = True  # from here on no read can start, and none is running
+        if sys.platform.startswith("linux"):
+            addresses = self.mapped_addresses()
+            if addresses:
+                _madvise_dontneed(addresses, chunk, pause)
+        self._index = self._embeddings = self._passages = self._bm25 = None  # freed here (unless a caller kept, e.g., the embeddings array)
+        logger.debug("closed knowledge base %s (%s)", self.path, self.version)
+        return True
 
     def __len__(self) -> int:
         return self.manifest.count
 
     def __repr__(self) -> str:
-        return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind})"
+        closed = ", closed" if self._closed else ""
+        return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind}{closed})"
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -304,20 +493,24 @@ class KnowledgeBase:
                 f"{self.encoder.get('fingerprint', '?')[:12]}); use that encoder, or rebuild everything with KnowledgeBase.build"
             )
         new = list(passages)
-        old_ids = set(self._passages["id"])
+        with self.in_use():
+            old_ids = set(self._passages["id"])
+            old_passages = self.all_passages()
+            old_vectors = np.array(self._embeddings)
+            has_bm25 = self._bm25 is not None
         clash = [p.id for p in new if p.id in old_ids]
         if clash:
             raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new passages unique ids")
         vectors = encoder.encode_passages(new, batch_size=batch_size, show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
         return KnowledgeBase.from_embeddings(
-            self.all_passages() + new,
-            np.concatenate([np.asarray(self._embeddings), vectors]),
+            old_passages + new,
+            np.concatenate([old_vectors, vectors]),
             self.encoder,
             out,
             index=self._spec,
             query_encoder=self.manifest.query_encoder,
             parent=self.version,
-            bm25=self._bm25 is not None,
+            bm25=has_bm25,
             show_progress=show_progress,
             overwrite=overwrite,
             build_info={"added": len(new)},
@@ -325,12 +518,15 @@ class KnowledgeBase:
 
     # ------------------------------------------------------------------ opening
     @classmethod
-    def open(cls, path: str | os.PathLike, *, verify: Verify = "full", mmap: bool = True) -> "KnowledgeBase":
+    def open(cls, path: str | os.PathLike, *, verify: Verify = "full", mmap: bool = True,
+             hash_nice: Optional[int] = None) -> "KnowledgeBase":
         """Open and verify a knowledge-base directory.
 
         `verify="full"` checks every file's SHA-256 against the manifest (reads every
         byte once); `"size"` checks presence and sizes only (instant, for very large
-        knowledge bases); `"none"` trusts the directory.
+        knowledge bases); `"none"` trusts the directory. `hash_nice`: hash in a child
+        process at this lower priority (see :func:`sha256_files`), e.g. while the same
+        process serves requests from another knowledge base.
         """
         import datasets
 
@@ -344,7 +540,7 @@ class KnowledgeBase:
             manifest = Manifest.from_dict(json.loads(mpath.read_text(encoding="utf-8")), mpath)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             raise IntegrityError(f"{mpath}: not valid JSON ({e}); the file is damaged — rebuild the knowledge base") from e
-        cls._verify_files(path, manifest, verify)
+        cls._verify_files(path, manifest, verify, hash_nice=hash_nice)
         try:
             passages = datasets.load_from_disk(str(path / PASSAGES), keep_in_memory=not mmap)
         except Exception as e:  # datasets raises several types for damaged dirs
@@ -368,11 +564,12 @@ class KnowledgeBase:
         return cls(path, manifest, passages, embeddings, index, bm25)
 
     @staticmethod
-    def _verify_files(path: Path, manifest: Manifest, verify: Verify) -> None:
+    def _verify_files(path: Path, manifest: Manifest, verify: Verify, *, hash_nice: Optional[int] = None) -> None:
         if verify not in ("full", "size", "none"):
             raise RagError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
         if verify == "none":
             return
+        files = []
         for rel, meta in manifest.files.items():
             f = path / rel
             if not f.is_file():
@@ -380,8 +577,11 @@ class KnowledgeBase:
             size = f.stat().st_size
             if size != meta["bytes"]:
                 raise IntegrityError(f"{f}: {size} bytes, manifest says {meta['bytes']} (truncated or altered); rebuild the knowledge base")
-            if verify == "full" and sha256_file(f) != meta["sha256"]:
-                raise IntegrityError(f"{f}: SHA-256 does not match {path / MANIFEST} (the file was altered or damaged); rebuild the knowledge base")
+            files.append((f, meta["sha256"]))
+        if verify == "full":
+            for (f, expected), got in zip(files, sha256_files([f for f, _ in files], nice=hash_nice)):
+                if got != expected:
+                    raise IntegrityError(f"{f}: SHA-256 does not match {path / MANIFEST} (the file was altered or damaged); rebuild the knowledge base")
 
     # ------------------------------------------------------------------ reading
     def search(self, query_embeds: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -396,7 +596,8 @@ class KnowledgeBase:
             )
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= len(self):
             raise RagError(f"k={k!r} must be an integer between 1 and the number of passages in {self.path} ({len(self)})")
-        return search_index(self._index, q, int(k), self._spec)
+        with self.in_use():
+            return search_index(self._index, q, int(k), self._spec)
 
     def get_embeddings(self, rows: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Stored embeddings of `rows` (any shape S) as a float32 tensor of shape `(*S, D)`."""
@@ -404,7 +605,8 @@ class KnowledgeBase:
         flat = r.reshape(-1).astype(np.int64)
         order = np.argsort(flat, kind="stable")  # sorted reads are kinder to a memory map
         out = np.empty((flat.size, self.dim), dtype=np.float32)
-        out[order] = self._embeddings[flat[order]]
+        with self.in_use():
+            out[order] = self._embeddings[flat[order]]
         return torch.from_numpy(out).view(*r.shape, self.dim)
 
     def get_passages(self, rows: torch.Tensor | np.ndarray) -> list[list[Passage]]:
@@ -413,20 +615,57 @@ class KnowledgeBase:
         if r.ndim != 2:
             raise RagError(f"rows must be a (batch, k) array, got shape {r.shape}")
         flat = r.reshape(-1).tolist()
-        cols = self._passages[flat] if flat else {"id": [], "title": [], "text": []}
+        with self.in_use():
+            cols = self._passages[flat] if flat else {"id": [], "title": [], "text": []}
         ps = [Passage(i, t, x) for i, t, x in zip(cols["id"], cols["title"], cols["text"])]
         k = r.shape[1]
         return [ps[b * k : (b + 1) * k] for b in range(r.shape[0])]
 
     def all_passages(self) -> list[Passage]:
         """Every passage, in row order (loads all text into memory)."""
-        cols = self._passages[:]
+        with self.in_use():
+            cols = self._passages[:]
         return [Passage(i, t, x) for i, t, x in zip(cols["id"], cols["title"], cols["text"])]
 
     def embeddings(self) -> np.ndarray:
-        """The `(N, D)` stored embeddings (a read-only memory map)."""
-        return self._embeddings
+        """The `(N, D)` stored embeddings (a read-only memory map; it stays valid while referenced,
+        even after :meth:`close`)."""
+        with self.in_use():
+            return self._embeddings
 
     def describe(self) -> dict[str, Any]:
         """The manifest plus the path, for `rag index info`."""
         return {"path": str(self.path.resolve()), **self.manifest.to_dict()}
+
+
+def _madvise_dontneed(addresses: list[int], chunk: int, pause: float) -> int:
+    """madvise(MADV_DONTNEED) every read-only file mapping of this process that contains one of
+    `addresses`, `chunk` bytes per call; returns the bytes advised. The caller keeps the mappings
+    alive. Failures are logged and ignored: this only ever saves time."""
+    advised = 0
+    try:
+        import ctypes
+
+        regions = []
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or "w" in parts[1] or not parts[5].startswith("/"):
+                    continue  # only read-only mappings of real files
+                start, end = (int(x, 16) for x in parts[0].split("-"))
+                if any(start <= a < end for a in addresses):
+                    regions.append((start, end))
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+        for start, end in regions:
+            for a in range(start, end, max(1, int(chunk))):
+                n = min(chunk, end - a)
+                if madvise(a, n, _MADV_DONTNEED) == 0:
+                    advised += n
+                if pause:
+                    time.sleep(pause)
+    except Exception as e:  # noqa: BLE001 - purely an optimisation
+        logger.debug("could not release knowledge-base pages: %s", e)
+    return advised

@@ -173,10 +173,14 @@ def test_size_verification_misses_flipped_byte_but_full_catches_it(pipe, kbs):
 
 
 def test_unswappable_targets_are_refused(kbs):
-    from rag.knowledge.bm25 import BM25Retriever
+    class Fixed:  # a retriever without set_knowledge_base
+        knowledge_base = None
+
+        def retrieve(self, queries, k):
+            raise NotImplementedError
 
     with pytest.raises(ConfigError, match="cannot hot-swap"):
-        KnowledgeBaseSlot(BM25Retriever.from_passages([Passage("1", "t", "some text here")]))
+        KnowledgeBaseSlot(Fixed())
     with pytest.raises(ConfigError, match="no retriever"):
         KnowledgeBaseSlot.for_model(object())
 
@@ -244,17 +248,24 @@ def test_concurrent_requests_while_swapping(pipe, kbs):
 
     After each swap the swapper waits for N_WORKERS + 1 more completed calls: at most N_WORKERS were
     in flight at the swap, so at least one of them started after it — both versions get served.
+    Workers make at least `calls` calls each and keep going until two swaps have committed (however
+    long verifying the new knowledge base takes on a busy machine).
     """
     n_workers, calls = 4, 8
     slot = KnowledgeBaseSlot.for_model(pipe)
     errors: list[BaseException] = []
     results: list = []
+    made = [0] * n_workers
+    finished = [0]  # completed calls (a generate call adds several results)
     done = threading.Event()
     progress = threading.Condition()
 
     def worker(i: int) -> None:
         try:
-            for j in range(calls):
+            j = 0
+            while (j < calls or slot.swap_count < 2) and not errors:
+                made[i] += 1
+                j += 1
                 if (i + j) % 2:
                     out = pipe.generate(QUESTIONS, n_docs=3, max_new_tokens=3)
                 else:
@@ -262,6 +273,7 @@ def test_concurrent_requests_while_swapping(pipe, kbs):
                     out = [(retrieved.kb_version, {tag_of(p) for ps in retrieved.passages for p in ps})]
                 with progress:
                     results.extend(out)
+                    finished[0] += 1
                     progress.notify_all()
         except BaseException as e:  # noqa: BLE001 - the test reports every failure
             errors.append(e)
@@ -270,8 +282,8 @@ def test_concurrent_requests_while_swapping(pipe, kbs):
 
     def settle() -> None:
         with progress:
-            start = len(results)
-            progress.wait_for(lambda: done.is_set() or errors or len(results) >= start + n_workers + 1, timeout=60)
+            start = finished[0]
+            progress.wait_for(lambda: done.is_set() or errors or finished[0] >= start + n_workers + 1, timeout=60)
 
     def swapper() -> None:
         try:
@@ -295,8 +307,8 @@ def test_concurrent_requests_while_swapping(pipe, kbs):
         progress.notify_all()
     s.join(timeout=60)
     assert not errors, errors
-    n_generate = sum((i + j) % 2 for i in range(n_workers) for j in range(calls))
-    assert len(results) == n_generate * len(QUESTIONS) + (n_workers * calls - n_generate)
+    n_generate = sum((i + j) % 2 for i in range(n_workers) for j in range(1, made[i] + 1))
+    assert len(results) == n_generate * len(QUESTIONS) + (sum(made) - n_generate)
     seen = set()
     for r in results:
         if isinstance(r, tuple):
@@ -355,16 +367,174 @@ def test_only_keep_loaded_previous_versions_stay_in_memory(pipe, kbs, background
 def test_released_pages_leave_a_still_used_knowledge_base_correct(kbs):
     """Swapped-out knowledge bases drop their mapped pages before being freed (so faiss's destructor,
     which holds the GIL, has little to unmap); a call still holding one must keep getting right answers."""
-    from rag.knowledge.hotswap import _drop_mapped_pages, _mapped_addresses
-
     for name in ("kb_a", "kb_l2"):
         kb = KnowledgeBase.open(kbs[name])
         q = np.asarray(kb.embeddings()[:3]) + 0.01
         scores, rows = kb.search(q, 4)
         emb, ps = kb.get_embeddings(rows).clone(), kb.get_passages(rows)
         # embeddings + one address per Arrow column + the index codes
-        assert len(_mapped_addresses(kb)) == 1 + 3 * 2 + 1
-        _drop_mapped_pages(kb)
+        assert len(kb.mapped_addresses()) == 1 + 3 * 2 + 1
+        assert kb.release_pages() > 0
         scores2, rows2 = kb.search(q, 4)
         assert np.array_equal(rows, rows2) and np.array_equal(scores, scores2)
         assert kb.get_passages(rows2) == ps and bool((kb.get_embeddings(rows2) == emb).all())
+
+
+# ---------------------------------------------------------------------------- closing swapped-out versions
+
+
+def test_close_waits_for_running_reads_then_refuses_new_ones(kbs):
+    kb = KnowledgeBase.open(kbs["kb_a"])
+    q = np.asarray(kb.embeddings()[:2])
+    entered, leave = threading.Event(), threading.Event()
+    out: dict = {}
+
+    def reader() -> None:
+        with kb.in_use():  # one call spanning several reads
+            entered.set()
+            leave.wait(timeout=60)
+            out["rows"] = kb.search(q, 3)[1]
+            out["passages"] = kb.get_passages(out["rows"])
+
+    t = threading.Thread(target=reader)
+    t.start()
+    assert entered.wait(timeout=60)
+    assert kb.in_flight == 1
+    assert kb.close(timeout=0.05) is False and not kb.closed  # a read is running: nothing is freed
+    leave.set()
+    assert kb.close(timeout=60) is True and kb.closed
+    t.join(timeout=60)
+    assert out["rows"][:, 0].tolist() == [0, 1] and len(out["passages"]) == 2  # the running call finished intact
+    with pytest.raises(KnowledgeBaseError, match="closed"):
+        kb.search(q, 3)
+    with pytest.raises(KnowledgeBaseError, match="closed"):
+        kb.get_passages(out["rows"])
+    assert kb.close() is True and kb.release_pages() == 0 and kb.mapped_addresses() == []  # idempotent
+    assert "closed" in repr(kb)
+
+
+def _spy_close(monkeypatch, log: list, done: threading.Event):
+    original = KnowledgeBase.close
+
+    def close(self, **kw):
+        log.append((self.version, done.is_set(), self.in_flight))
+        return original(self, **kw)
+
+    monkeypatch.setattr(KnowledgeBase, "close", close)
+
+
+def test_old_version_is_closed_after_its_last_call_finishes(pipe, kbs, monkeypatch):
+    """A call parked inside the old knowledge base keeps it open; the slot closes it only once the call
+    has returned (with results from the old version)."""
+    va = pipe.kb_version
+    parked, leave, done = threading.Event(), threading.Event(), threading.Event()
+    closes: list = []
+    _spy_close(monkeypatch, closes, done)
+    get_passages = KnowledgeBase.get_passages
+
+    def gated(self, rows):
+        if self.version == va and not parked.is_set():
+            parked.set()
+            leave.wait(timeout=60)
+        return get_passages(self, rows)
+
+    monkeypatch.setattr(KnowledgeBase, "get_passages", gated)
+    slot = KnowledgeBaseSlot.for_model(pipe, keep_loaded=0)
+    out: dict = {}
+
+    def call() -> None:
+        out["hits"] = pipe.retrieve(QUESTIONS, k=3)
+        done.set()
+
+    t = threading.Thread(target=call)
+    t.start()
+    try:
+        assert parked.wait(timeout=60)
+        slot.swap(kbs["kb_b"])  # keep_loaded=0: version A is unloaded at once, but a call is still on it
+        assert not slot.wait_released(timeout=0.3) and closes == []
+    finally:
+        leave.set()
+        t.join(timeout=60)
+    assert slot.wait_released(timeout=60)
+    assert closes == [(va, True, 0)]  # closed once, after the call finished, with no read running
+    assert all(h.kb_version == va and {tag_of(p) for p in h.passages} == {"A"} for h in out["hits"])
+    assert {tag_of(p) for h in pipe.retrieve(QUESTIONS, k=3) for p in h.passages} == {"B"}
+
+
+def test_inline_release_closes_an_unused_version_inside_the_swap(pipe, kbs, monkeypatch):
+    closes: list = []
+    _spy_close(monkeypatch, closes, threading.Event())
+    slot = KnowledgeBaseSlot.for_model(pipe, keep_loaded=0, background_release=False)
+    va = slot.version
+    vb = slot.swap(kbs["kb_b"]).new_version
+    assert [c[0] for c in closes] == [va]  # nothing else referenced A: closed before swap() returned
+    slot.swap_back()  # B is left and forgotten by swap_back: closed too; A re-opened from its directory
+    assert [c[0] for c in closes] == [va, vb] and pipe.kb_version == va
+
+
+def test_a_version_held_elsewhere_is_not_closed(pipe, kbs, monkeypatch):
+    """Whoever still holds a swapped-out knowledge base may keep reading it: the slot only releases its
+    mapped pages (harmless) after `release_wait`, never closes it."""
+    closes, released = [], []
+    _spy_close(monkeypatch, closes, threading.Event())
+    release_pages = KnowledgeBase.release_pages
+    monkeypatch.setattr(KnowledgeBase, "release_pages", lambda self, **kw: released.append(self.version) or release_pages(self, **kw))
+    held = pipe.knowledge_base
+    slot = KnowledgeBaseSlot.for_model(pipe, keep_loaded=0, release_wait=0.2)
+    slot.swap(kbs["kb_b"])
+    assert slot.wait_released(timeout=60)
+    assert closes == [] and released == [held.version] and not held.closed
+    q = np.asarray(held.embeddings()[:2])
+    assert held.search(q, 2)[1][:, 0].tolist() == [0, 1]
+    assert {tag_of(p) for ps in held.get_passages(np.array([[0, 1]])) for p in ps} == {"A"}
+
+
+def test_verification_runs_before_the_swap_lock_while_requests_proceed(pipe, kbs, monkeypatch):
+    """Checksumming the new knowledge base (the heavy part of a swap) happens off the swap lock, and a
+    request completes while it runs."""
+    import rag.knowledge.knowledge_base as kbmod
+
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    hashing, finish = threading.Event(), threading.Event()
+    seen: dict = {}
+    sha256_files = kbmod.sha256_files
+
+    def slow_hash(paths, *, nice=None):
+        seen["nice"] = nice
+        seen["lock_held"] = slot._lock.locked()
+        hashing.set()
+        finish.wait(timeout=60)
+        return sha256_files(paths, nice=nice)
+
+    monkeypatch.setattr(kbmod, "sha256_files", slow_hash)
+    t = threading.Thread(target=lambda: seen.update(result=slot.swap(kbs["kb_b"])))
+    t.start()
+    try:
+        assert hashing.wait(timeout=60)
+        hits = pipe.retrieve(QUESTIONS[:1], k=2)  # served (from A) while the swap verifies B
+        assert kbs["versions"][hits[0].kb_version] == "A"
+    finally:
+        finish.set()
+        t.join(timeout=60)
+    assert seen["lock_held"] is False and seen["nice"] == 10
+    assert kbs["versions"][seen["result"].new_version] == "B" == kbs["versions"][pipe.kb_version]
+
+
+def test_low_priority_hashing_matches_hashlib(kbs, monkeypatch):
+    import hashlib
+
+    from rag.knowledge.knowledge_base import sha256_files
+
+    files = sorted(p for p in Path(kbs["kb_a"]).rglob("*") if p.is_file())
+    expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
+    assert sha256_files(files, nice=10) == expected  # child process at niceness 10
+    assert sha256_files(files) == expected  # in this thread
+    monkeypatch.setattr("sys.executable", "/nonexistent/python")
+    assert sha256_files(files, nice=10) == expected  # no child possible: falls back to this thread
+
+
+def test_bad_slot_arguments(pipe):
+    with pytest.raises(ConfigError, match="verify_nice"):
+        KnowledgeBaseSlot.for_model(pipe, verify_nice=40)
+    with pytest.raises(ConfigError, match="release_wait"):
+        KnowledgeBaseSlot.for_model(pipe, release_wait=-1)
