@@ -13,10 +13,12 @@ the retriever of In-Context RALM (Ram et al. 2023, §3).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -213,9 +215,33 @@ class BM25Index:
         return index
 
 
+@dataclass(frozen=True)
+class BM25Source:
+    """What a :class:`BM25Retriever` serves from, replaced as one reference by a hot swap."""
+
+    index: BM25Index
+    lookup: PassageLookup
+    kb_version: str
+    knowledge_base: Any = None
+    """The knowledge base whose passages `lookup` reads (None for bare passages)."""
+
+
+def _owner_knowledge_base(passages, index: BM25Index):
+    """The knowledge base behind a ``kb.get_passages`` lookup whose stored BM25 index is `index`."""
+    owner = getattr(passages, "__self__", None)
+    if owner is not None and getattr(passages, "__name__", None) == "get_passages" and getattr(owner, "bm25", None) is index:
+        return owner
+    return None
+
+
 class BM25Retriever:
     """Sparse retriever returning :class:`~rag.knowledge.retriever.Retrieved` with
     ``doc_embeds=None`` (BM25 scores are not differentiable).
+
+    Hot-swappable like :class:`~rag.knowledge.retriever.DenseRetriever`: index, passage lookup
+    and version live in one :class:`BM25Source` that a call reads once, so
+    :meth:`set_knowledge_base` (used by :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot`)
+    changes one reference and a call already running finishes on the old index and passages.
 
     Args:
         index: the BM25 index.
@@ -223,6 +249,11 @@ class BM25Retriever:
             ``len`` and integer indexing), or a callable mapping a ``(B, K)`` int64
             row array to B lists of K passages (e.g. a knowledge base's lookup).
         kb_version: reported in every result's ``kb_version``.
+        knowledge_base: the knowledge base `index` and `passages` belong to; inferred when
+            `passages` is ``kb.get_passages`` of a knowledge base whose stored index is `index`.
+        build_missing: when swapping to a knowledge base stored without a BM25 index, build one
+            in memory (off the request path, but CPU-heavy for large corpora; keywords as the
+            current index) instead of refusing the swap.
     """
 
     def __init__(
@@ -230,13 +261,16 @@ class BM25Retriever:
         index: BM25Index,
         passages: Union[PassageLookup, Sequence[Passage]],
         kb_version: str = "bm25",
+        *,
+        knowledge_base=None,
+        build_missing: bool = False,
     ) -> None:
         if not isinstance(index, BM25Index):
             raise ConfigError(f"index must be a BM25Index, got {type(index).__name__}")
-        self.index = index
-        self.kb_version = str(kb_version)
         if callable(passages) and not isinstance(passages, Sequence):
-            self._lookup: PassageLookup = passages
+            lookup: PassageLookup = passages
+            if knowledge_base is None:
+                knowledge_base = _owner_knowledge_base(passages, index)
         else:
             if not hasattr(passages, "__getitem__") or not hasattr(passages, "__len__"):
                 raise ConfigError("passages must be a sequence of Passage or a callable mapping (B, K) rows to passages")
@@ -246,14 +280,78 @@ class BM25Retriever:
                     "pass the passages the index was built from, in the same order"
                 )
             seq = passages
-            self._lookup = lambda rows: [[seq[int(r)] for r in row] for row in rows]
+            lookup = lambda rows: [[seq[int(r)] for r in row] for row in rows]  # noqa: E731
+        if knowledge_base is not None and len(knowledge_base) != len(index):
+            raise KnowledgeBaseError(
+                f"{getattr(knowledge_base, 'path', 'the knowledge base')}: holds {len(knowledge_base)} passages but the "
+                f"BM25 index covers {len(index)}; use the BM25 index built with it"
+            )
+        self.build_missing = bool(build_missing)
+        self._source = BM25Source(index, lookup, str(kb_version), knowledge_base)
 
+    # ------------------------------------------------------------------ state
+    @property
+    def index(self) -> BM25Index:
+        """The BM25 index serving now."""
+        return self._source.index
+
+    @property
+    def kb_version(self) -> str:
+        """Version reported by results served now."""
+        return self._source.kb_version
+
+    @property
+    def knowledge_base(self):
+        """The knowledge base serving now (None when built over bare passages)."""
+        return self._source.knowledge_base
+
+    # ------------------------------------------------------------------ hot swap
+    def prepare_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None) -> BM25Source:
+        """Everything a swap to `kb` needs, done before the swap: its stored BM25 index (or one
+        built now with ``build_missing``), checked against its passage count.
+
+        `allow_encoder_change` is accepted for the slot's protocol and ignored: BM25 uses no encoder.
+
+        Raises:
+            KnowledgeBaseError: `kb` has no BM25 index (and ``build_missing`` is off), or the
+                index does not cover its passages.
+        """
+        index = kb.bm25
+        if index is None:
+            if not self.build_missing:
+                raise KnowledgeBaseError(
+                    f"{kb.path}: has no BM25 index, so a BM25 retriever cannot serve from it; rebuild it with bm25=True "
+                    "(`rag index build --bm25`), or create the retriever with build_missing=True"
+                )
+            cur = self._source.index
+            index = BM25Index.build(kb.all_passages(), k1=cur.k1, b=cur.b, stemmer=cur.stemmer_name,
+                                    stopwords=cur.stopwords, show_progress=False)
+        if len(index) != len(kb):
+            raise KnowledgeBaseError(
+                f"{kb.path}: its BM25 index covers {len(index)} passages but it holds {len(kb)}; rebuild the knowledge base"
+            )
+        return BM25Source(index, kb.get_passages, str(kb.version), kb)
+
+    def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None,
+                           prepared: Optional[BM25Source] = None) -> None:
+        """Serve from `kb` and its BM25 index from now on (one reference assignment).
+
+        `prepared` is :meth:`prepare_knowledge_base`'s result for `kb` (computed off the swap
+        lock); without it the preparation runs here.
+        """
+        source = prepared if prepared is not None else self.prepare_knowledge_base(kb)
+        if source.knowledge_base is not kb:
+            raise ConfigError("set_knowledge_base: `prepared` was made for another knowledge base; prepare this one")
+        self._source = source
+
+    # ------------------------------------------------------------------ construction
     @classmethod
     def from_knowledge_base(cls, kb, **build_kw) -> "BM25Retriever":
         """Sparse retrieval over a knowledge base's passages: its stored BM25 index if it was
-        built with one (`rag index build --bm25`), else one built in memory now."""
+        built with one (`rag index build --bm25`), else one built in memory now (and on later
+        swaps to knowledge bases without one)."""
         index = kb.bm25 if kb.bm25 is not None else BM25Index.build(kb.all_passages(), **build_kw)
-        return cls(index, kb.get_passages, kb_version=kb.version)
+        return cls(index, kb.get_passages, kb_version=kb.version, knowledge_base=kb, build_missing=kb.bm25 is None)
 
     @classmethod
     def from_passages(cls, passages: Sequence[Passage], *, kb_version: str = "bm25", **build_kw) -> "BM25Retriever":
@@ -261,10 +359,18 @@ class BM25Retriever:
         passages = list(passages)
         return cls(BM25Index.build(passages, **build_kw), passages, kb_version=kb_version)
 
+    # ------------------------------------------------------------------ retrieval
     def retrieve(self, queries: Sequence[str], k: int) -> Retrieved:
-        """Top-k passages for B queries: rows/scores ``(B, k)``, passages B×k, no embeddings."""
-        scores, rows = self.index.search(queries, k)
-        passages = self._lookup(rows)
+        """Top-k passages for B queries: rows/scores ``(B, k)``, passages B×k, no embeddings.
+
+        Reads the serving :class:`BM25Source` once, so the whole result (and its ``kb_version``)
+        comes from one version even if a swap happens meanwhile.
+        """
+        source = self._source
+        kb = source.knowledge_base
+        with kb.in_use() if callable(getattr(kb, "in_use", None)) else contextlib.nullcontext():
+            scores, rows = source.index.search(queries, k)
+            passages = source.lookup(rows)
         if len(passages) != rows.shape[0] or any(len(p) != rows.shape[1] for p in passages):
             raise KnowledgeBaseError(
                 f"the passage lookup returned {[len(p) for p in passages]} passages per query for rows of shape "
@@ -275,5 +381,5 @@ class BM25Retriever:
             scores=torch.from_numpy(scores),
             passages=[list(p) for p in passages],
             doc_embeds=None,
-            kb_version=self.kb_version,
+            kb_version=source.kb_version,
         )
