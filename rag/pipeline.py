@@ -4,6 +4,8 @@
     pipe = rag.load("demo")                      # or a checkpoint directory
     [answer] = pipe.generate(["what is the atomic number of argon?"], num_beams=4)
     answer.text, answer.kb_version, answer.passages[0].posterior
+    [hits] = pipe.retrieve(["who discovered oxygen?"], k=5)
+    hits.kb_version, hits.passages[0].title, hits.passages[0].prior
 
 Each answer carries the passages it was generated from with their prior p(z|x) and
 posterior p(z|x,y), the version of the knowledge base that answered, and for
@@ -61,6 +63,20 @@ class Answer:
         return asdict(self)
 
 
+@dataclass
+class Retrieval:
+    """The top-k passages retrieved for one question, and the knowledge base they came from."""
+
+    question: str
+    kb_version: str
+    """Version id of the knowledge base every passage below came from."""
+    passages: list[PassageProvenance]
+    """Best first; `posterior` is None (nothing was generated)."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
 def _check_questions(questions) -> list[str]:
     if isinstance(questions, str):
         raise RagError("questions must be a list of strings, not a single string; wrap it: [question]")
@@ -79,7 +95,8 @@ class RagPipeline:
     """A :class:`~rag.models.rag_model.RagModel` ready to answer questions.
 
     Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
-    reference once (inside retrieval) and builds every answer from that one version.
+    reference once (inside retrieval) and builds every answer (or retrieval) from that one
+    version, which it names in ``kb_version``.
     """
 
     def __init__(self, model):
@@ -96,14 +113,17 @@ class RagPipeline:
 
     # ------------------------------------------------------------------ retrieval
     @torch.no_grad()
-    def retrieve(self, questions: Sequence[str], k: int = 5) -> list[list[PassageProvenance]]:
-        """Top-k passages per question with their scores and priors (no generation)."""
+    def retrieve(self, questions: Sequence[str], k: int = 5) -> list[Retrieval]:
+        """Top-k passages per question with their scores and priors (no generation), one
+        :class:`Retrieval` per question naming the knowledge-base version they came from (the
+        same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
         questions = _check_questions(questions)
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
         prior = torch.softmax(doc_scores.float(), dim=1)
         return [
-            [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)]
-            for ps, srow, prow in zip(retrieved.passages, doc_scores.tolist(), prior.tolist())
+            Retrieval(q, retrieved.kb_version,
+                      [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)])
+            for q, ps, srow, prow in zip(questions, retrieved.passages, doc_scores.tolist(), prior.tolist())
         ]
 
     def _check_k(self, k, name: str) -> int:

@@ -188,19 +188,13 @@ def _finite(obj: Any) -> Any:
 
 
 def _retrieve(pipeline, questions: list[str], k: int) -> dict:
-    """Top-k passages with scores and priors, plus the one knowledge-base version they came from."""
-    import torch
-
-    from rag.pipeline import PassageProvenance
-
-    with torch.no_grad():
-        retrieved, doc_scores = pipeline.model.retrieve(questions, n_docs=k)
-    prior = torch.softmax(doc_scores.float(), dim=1)
-    results = [
-        [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)).__dict__ for p, s, pr in zip(ps, srow, prow)]
-        for ps, srow, prow in zip(retrieved.passages, doc_scores.tolist(), prior.tolist())
-    ]
-    return {"kb_version": retrieved.kb_version, "results": results}
+    """Top-k passages with scores and priors, plus the one knowledge-base version they came from
+    (:meth:`rag.pipeline.RagPipeline.retrieve`: one call reads the knowledge base once)."""
+    hits = pipeline.retrieve(questions, k=k)
+    versions = {h.kb_version for h in hits}
+    if len(versions) != 1:  # cannot happen: one retrieval call reads one knowledge base
+        raise RuntimeError(f"one retrieval call returned passages from several knowledge bases: {sorted(versions)}")
+    return {"kb_version": hits[0].kb_version, "results": [[p.__dict__ for p in h.passages] for h in hits]}
 
 
 class _BodyLimit:

@@ -72,11 +72,37 @@ def test_token_posterior_matches_brute_force(pipe):
     assert torch.allclose(torch.tensor([p.posterior for p in a.passages]), seq_post, atol=1e-4)
 
 
-def test_retrieve_matches_generate_priors(pipe):
-    [ps] = pipe.retrieve(["symbol of gold"], k=3)
+def test_retrieve_matches_generate_priors(pipe, kb):
+    [hits] = pipe.retrieve(["symbol of gold"], k=3)
     [a] = pipe.generate(["symbol of gold"], max_new_tokens=3)
-    assert [p.id for p in ps] == [p.id for p in a.passages]
-    assert [round(p.prior, 6) for p in ps] == [round(p.prior, 6) for p in a.passages]
+    assert hits.question == "symbol of gold" and hits.kb_version == a.kb_version == kb.version
+    assert [p.id for p in hits.passages] == [p.id for p in a.passages]
+    assert [round(p.prior, 6) for p in hits.passages] == [round(p.prior, 6) for p in a.passages]
+    assert all(p.posterior is None for p in hits.passages)
+    assert hits.to_dict()["kb_version"] == kb.version and len(hits.to_dict()["passages"]) == 3
+
+
+def test_retrieve_names_the_version_it_used(pipe, kb, tmp_path, tiny_dpr_context_dir):
+    """Every retrieval names the knowledge base it came from, also across a swap."""
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.hotswap import KnowledgeBaseSlot
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.passages import Passage
+
+    other = [Passage(p.id, p.title, "[B] " + p.text) for p in kb.all_passages()]
+    kb_b = KnowledgeBase.build(other, TextEncoder(tiny_dpr_context_dir), tmp_path / "kb_b", index="flat", show_progress=False)
+    slot = KnowledgeBaseSlot.for_model(pipe)
+    qs = ["symbol of gold", "noble gas"]
+    before = pipe.retrieve(qs, k=2)
+    assert [h.kb_version for h in before] == [kb.version] * 2
+    slot.swap(kb_b.path)
+    try:
+        after = pipe.retrieve(qs, k=2)
+        assert [h.kb_version for h in after] == [kb_b.version] * 2 and kb_b.version != kb.version
+        assert all(p.text.startswith("[B] ") for h in after for p in h.passages)
+    finally:
+        slot.swap_back()
+    assert [h.kb_version for h in pipe.retrieve(qs, k=2)] == [kb.version] * 2
 
 
 def test_heatmap_png(pipe, tmp_path):
