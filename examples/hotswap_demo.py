@@ -319,7 +319,9 @@ def markdown_table(main, control=None) -> str:
             cells += [f"{100 * control.em[i][j]:.1f} ({100 * control.f1[i][j]:.1f})" for j in range(len(control.data_labels))]
         lines.append(f"| {label} (`{version}`) | " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append("Exact match (token F1), %; bold: each question set on its own knowledge base.")
+    lines.append("Exact match (token F1), %. qa_A: edited-fact questions with the original answers; qa_B: the same questions "
+                 "with the edited answers; control: questions about unchanged facts. Bold: each question set on its own "
+                 "knowledge base.")
     if main.paired:
         lines.append(f"Matched EM {100 * main.matched():.1f}, mismatched EM {100 * main.mismatched():.1f}.")
     return "\n".join(lines)
@@ -380,7 +382,9 @@ def live_swap(pipe, kb_b_path: Path, questions: Sequence[dict], **gen_kw) -> dic
     return {"questions": list(questions), "phases": phases}
 
 
-def print_live(transcript: dict, file=sys.stdout) -> None:
+def print_live(transcript: dict, file=None) -> None:
+    """Print a :func:`live_swap` transcript (to stdout by default)."""
+    file = sys.stdout if file is None else file
     for ph in transcript["phases"]:
         swap = ph["swap"]
         how = "" if swap is None else f"  ({swap['kind']} in {swap['seconds']:.3f} s, lock held {1e3 * swap['commit_seconds']:.3f} ms)"
@@ -491,14 +495,14 @@ def run(args: argparse.Namespace, *, encoder=None) -> dict:
     # One model, both knowledge bases, both question sets.
     pipe = load(args.model, knowledge_base=kb_a.path)
     gen_kw = dict(n_docs=args.n_docs, num_beams=args.num_beams, decoding=args.decoding, max_new_tokens=args.max_new_tokens)
-    eval_kw = dict(batch_size=args.batch_size, limit=args.limit, kb_labels=["A: Elements", "B: counterfactual"],
+    eval_kw = dict(batch_size=args.batch_size, limit=args.limit, kb_labels=["A: Elements", "B: edited"],
                    show_progress=show, **gen_kw)
     kbs = [kb_a.path, kb_b.path]
-    main = evaluate_hotswap(pipe, kbs, [files["A"], files["B"]], data_labels=["qa_A: original facts", "qa_B: edited facts"],
+    main = evaluate_hotswap(pipe, kbs, [files["A"], files["B"]], data_labels=["qa_A: original", "qa_B: edited"],
                             **eval_kw)
     control = None
     if not args.no_control and "control" in files:
-        control = evaluate_hotswap(pipe, kbs, [files["control"]], data_labels=["control: unchanged facts"], **eval_kw)
+        control = evaluate_hotswap(pipe, kbs, [files["control"]], data_labels=["control: unchanged"], **eval_kw)
     table = markdown_table(main, control)
     print()
     print(table)
