@@ -447,9 +447,11 @@ def run(args: argparse.Namespace, *, encoder=None) -> dict:
 
     torch.set_num_threads(args.threads)
     if args.quiet:
+        import datasets
         import transformers
 
         transformers.utils.logging.disable_progress_bar()
+        datasets.disable_progress_bars()
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     show = not args.quiet
@@ -534,6 +536,8 @@ def run(args: argparse.Namespace, *, encoder=None) -> dict:
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s", datefmt="%H:%M:%S")
+    for handler in logging.getLogger().handlers:  # libraries that set their own loggers to DEBUG (bm25s) stay quiet
+        handler.setLevel(logging.WARNING)
     logging.getLogger("transformers").setLevel(logging.ERROR)
     args = parse_args(argv)
     try:
