@@ -11,17 +11,20 @@ Efficiency by design (ARCHITECTURE invariant 2; measured in `benchmarks/README_d
 * `encode_contexts` runs the generator encoder once per (question, passage); every search and the
   RAG-Sequence rescoring below reuse those states (index-selected, never re-encoded). transformers'
   `RagSequenceForGeneration.generate` re-encodes every context once per candidate instead.
-* Cross-attention keys/values are projected once per context: the first decoder step (every row feeds the
-  decoder start token) runs once per context and its cache is copied to the context's rows (beams; for
-  RAG-Token every beam of the question). transformers runs that step on every row, recomputing the same
-  keys/values `num_beams` times, and copies them again at every beam reorder.
+* Cross-attention keys/values are projected once per context. For BART the decoder rows of one context
+  (beams; for RAG-Token every beam of the question) are folded into one cross-attention query sequence over
+  the context's keys/values, which are never copied to rows. Other generators: the first decoder step
+  (every row feeds the decoder start token) runs once per context and its cache is copied to the context's
+  rows. transformers runs that step on every row, recomputing the same keys/values `num_beams` times, and
+  copies them again at every beam reorder.
 * Beam search and greedy search decode incrementally with the decoder KV cache. Beam reordering moves
   only the self-attention cache: cross-attention keys/values are identical for every beam of a row group.
   RAG-Sequence searches all questions' passages in one batched search (transformers: one per question).
 * Thorough decoding scores every (candidate, passage) pair in one teacher-forced decoder pass on the
-  keys/values the search already computed, stopping each candidate at its EOS. For BART the rows of one
-  passage are folded into one cross-attention query sequence, so the passage's keys/values are used in place
-  (no per-row copies); chunks bound the `(rows, T, vocab)` logits memory (`rescore_batch_size`).
+  keys/values the search already computed, stopping each candidate at its EOS. For BART the pairs of one
+  passage are packed end to end into one decoder sequence (block-diagonal causal self-attention, per-pair
+  positions), so only real tokens are computed and the passage's keys/values are used in place; chunks bound
+  the `(tokens, vocab)` logits memory (`rescore_batch_size`).
 * Large gathers use advanced indexing, not `index_select` (many times slower on CPU with several threads).
 
 The search itself follows the semantics of `transformers`' (v5) vectorized beam search exactly — candidate
@@ -356,6 +359,86 @@ class _IncrementalDecoder:
                            "reordered for beam search; use num_beams=1 or a transformers Cache")
 
 
+def _bart_cross_kv(generator, states: Tensor) -> list[tuple[Tensor, Tensor]]:
+    """Per-layer cross-attention `(keys, values)` `(N, heads, src_len, head_dim)` of BART encoder states
+    `(N, src_len, d_model)`, laid out as transformers' cache holds them (contiguous)."""
+    n, src_len, _ = states.shape
+    out = []
+    for layer in generator.model.decoder.layers:
+        attn = layer.encoder_attn
+        out.append(tuple(proj(states).view(n, src_len, -1, attn.head_dim).transpose(1, 2).contiguous()
+                         for proj in (attn.k_proj, attn.v_proj)))
+    return out
+
+
+class _BartIncrementalDecoder:
+    """`_IncrementalDecoder` for BART (same interface): cross-attention folded per context.
+
+    The rows of one context (its beams; for RAG-Token the beams of its question) are folded into one
+    cross-attention query sequence `(contexts, rows_per_context)` over that context's keys/values, so the
+    keys/values are projected once per context and never copied to rows (transformers copies them to every
+    row and again at every beam reorder). Self-attention and everything else run per row, as in BART.
+    """
+
+    def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, order: Tensor, used: Tensor,
+                 per_context: int, keep_cross_kv: bool = False):
+        device = context_of_row.device
+        self.generator = generator
+        self.per_context = per_context
+        # Rows sorted by context (stable) fold to (contexts, per_context); None when they already are.
+        in_order = bool((order == torch.arange(order.numel(), device=device)).all())
+        self.order = None if in_order else order
+        self.inverse = None if in_order else torch.argsort(order)
+        all_used = used.numel() == len(contexts) and bool((used == torch.arange(len(contexts), device=device)).all())
+        states = contexts.last_hidden_state if all_used else _rows(contexts.last_hidden_state, used)
+        mask = contexts.attention_mask if all_used else _rows(contexts.attention_mask, used)
+        self.mask = None if bool(mask.all()) else mask.bool()[:, None, None, :]
+        self.kv = _bart_cross_kv(generator, states)
+        self.cross_kv = self.kv if keep_cross_kv and all_used else None
+        """Per-context cross-attention keys/values (indexed by context), kept for rescoring when `keep_cross_kv`."""
+        self.self_kv: list[tuple[Tensor, Tensor]] | None = None
+        self.length = 0
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
+        dec, rows = self.generator.model.decoder, tokens.shape[0]
+        ids = tokens[:, None]
+        position = torch.full((1,), self.length, dtype=torch.long, device=tokens.device)
+        hidden = dec.layernorm_embedding(dec.embed_tokens(ids) + dec.embed_positions(ids, position_ids=position))
+        past = self.self_kv or [None] * len(dec.layers)
+        self_kv = []
+        for layer, (key, value), cached in zip(dec.layers, self.kv, past):
+            sa = layer.self_attn
+            k = sa.k_proj(hidden).view(rows, 1, -1, sa.head_dim).transpose(1, 2)
+            v = sa.v_proj(hidden).view(rows, 1, -1, sa.head_dim).transpose(1, 2)
+            if cached is not None:
+                k, v = torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2)
+            self_kv.append((k, v))
+            hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, None, causal=False))
+            folded = (hidden if self.order is None else hidden[self.order]).view(-1, self.per_context, hidden.shape[-1])
+            cross = _attend(layer.encoder_attn, folded, key, value, self.mask, causal=False).view(rows, 1, -1)
+            hidden = layer.encoder_attn_layer_norm(hidden + (cross if self.inverse is None else cross[self.inverse]))
+            hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
+        self.self_kv = self_kv
+        self.length += 1
+        return (self.generator.lm_head(hidden[:, 0]) + self.generator.final_logits_bias).float()
+
+    def reorder(self, rows: Tensor) -> None:
+        """Make row `i` continue from row `rows[i]` (only ever within one context group)."""
+        self.self_kv = [(_rows(k, rows), _rows(v, rows)) for k, v in self.self_kv]
+
+
+def _incremental_decoder(generator, contexts: EncodedContexts, context_of_row: Tensor, keep_cross_kv: bool = False):
+    """The BART fast path when it applies (every used context has the same number of rows), else the generic one."""
+    if _is_bart(generator):
+        order = torch.sort(context_of_row, stable=True).indices
+        used, counts = torch.unique_consecutive(context_of_row[order], return_counts=True)
+        if counts.numel() and bool((counts == counts[0]).all()):
+            return _BartIncrementalDecoder(generator, contexts, context_of_row, order, used, int(counts[0]),
+                                           keep_cross_kv)
+    return _IncrementalDecoder(generator, contexts, context_of_row, keep_cross_kv)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Logits processing (same semantics and order as transformers' processors for these options)
 
@@ -533,7 +616,7 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
     docs = torch.arange(n_docs, device=device)
     # Decoder rows are (question, beam, doc): row -> context question * n_docs + doc.
     context_of_row = (torch.arange(batch, device=device)[:, None, None] * n_docs + docs).expand(batch, beams, n_docs)
-    decoder = _IncrementalDecoder(generator, contexts, context_of_row.reshape(-1))
+    decoder = _incremental_decoder(generator, contexts, context_of_row.reshape(-1))
     log_prior = doc_log_prior(doc_scores.float()).repeat_interleave(beams, dim=0)  # (batch*beams, n_docs)
 
     def step(tokens: Tensor) -> Tensor:
@@ -575,8 +658,8 @@ def _per_document(generator, contexts: EncodedContexts, config: GenerationConfig
     spec = _resolve(config, generator)
     device = contexts.last_hidden_state.device
     items, beams = len(contexts), config.num_beams
-    decoder = _IncrementalDecoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
-                                  keep_cross_kv=keep_cross_kv)
+    decoder = _incremental_decoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
+                                   keep_cross_kv=keep_cross_kv)
     if beams == 1:
         seqs, loglik = _greedy(decoder.step, items, spec, device)
         hyps = DocumentHypotheses(sequences=seqs[:, None], scores=loglik[:, None], log_likelihood=loglik[:, None])
@@ -594,9 +677,10 @@ def teacher_forced_logprobs(generator, contexts: EncodedContexts, sequences: Ten
     sequences `(C, T)` start with the decoder start token; context_index `(C, K)` holds rows of `contexts`.
     Returns `(C, K, T - 1)`: entry `t` scores `sequences[:, t + 1]`. One teacher-forced decoder pass over
     the `C * K` (sequence, context) rows, at most `batch_size` rows at a time to bound memory (None: automatic,
-    ~256 MiB of logits for BART, else 64 rows; BART takes at least all rows of one context per pass). Each context's cross-attention keys/values are computed once,
-    not per row: BART generators fold the rows of one context into one cross-attention query sequence (no
-    per-row copies at all); other generators get them copied to each row.
+    ~256 MiB of logits for BART, else 64 rows; BART takes at least all rows of one context per pass). Each
+    context's cross-attention keys/values are computed once, not per row: BART generators pack the rows of one
+    context into one decoder sequence attending to them (no per-row copies at all); other generators get them
+    copied to each row.
     """
     return _teacher_forced(generator, contexts, sequences, context_index, batch_size, cross_kv=None)
 
@@ -631,7 +715,7 @@ def _teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, con
         else:
             is_eos = (sequences[:, 1:] == eos).long()
             length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)
-        return _rescore_folded(generator, contexts, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
+        return _rescore_packed(generator, contexts, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
     batch_size = 64 if max_rows is None else max_rows
     if eos is None:
         order = torch.arange(n_cand * n_docs, device=sequences.device)
@@ -660,7 +744,8 @@ def _teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, con
 
 
 def _is_bart(generator) -> bool:
-    """Whether the folded rescoring pass below reproduces `generator`'s decoder (transformers BART, eval mode)."""
+    """Whether the BART fast paths (search steps, packed rescoring) reproduce `generator`'s decoder
+    (transformers BART, eval mode)."""
     try:
         from transformers import BartForConditionalGeneration
         from transformers.models.bart.modeling_bart import BartDecoderLayer
@@ -680,39 +765,40 @@ def _attend(attn, hidden: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
     return attn.out_proj(out.transpose(1, 2).reshape(n, q_len, -1))
 
 
-def _bart_folded_logprobs(generator, ids: Tensor, targets: Tensor, cross_kv: list[tuple[Tensor, Tensor]],
-                          context_mask: Tensor, per_context: int) -> Tensor:
-    """Teacher-forced `log p(target_t | ...)` `(G * m, T)` of BART decoder rows grouped by context.
+def _bart_packed_hidden(generator, ids: Tensor, positions: Tensor, allowed: Tensor,
+                        cross_kv: list[tuple[Tensor, Tensor]], context_mask: Tensor) -> Tensor:
+    """Teacher-forced BART decoder output states `(G, L, d_model)` of tokens packed per context.
 
-    ids/targets `(G * m, T)`: rows `g * m .. g * m + m - 1` all attend to context `g`, whose cross-attention
-    keys/values are `cross_kv[layer]` `(G, heads, src_len, head_dim)`. Self-attention runs per row; the
-    cross-attention folds a context's `m` rows into one query sequence `(G, m * T)`, so the context's keys and
-    values are used as they are instead of being copied to every row (the same math as BART's decoder).
+    ids/positions `(G, L)`: context `g`'s (sequence, context) pairs laid end to end, each at its own
+    decoder positions `0, 1, ...`; allowed `(G, L, L)` bool: query token may attend key token (same pair, not
+    later). Cross-attention runs over context `g`'s keys/values `cross_kv[layer]` `(G, heads, src_len, head_dim)`
+    as they are, one query sequence per context. Same math as BART's decoder on each pair alone.
     """
     dec = generator.model.decoder
-    rows, width = ids.shape
-    groups = rows // per_context
-    positions = torch.arange(width, device=ids.device)
-    hidden = dec.layernorm_embedding(dec.embed_tokens(ids) + dec.embed_positions(ids, 0, position_ids=positions))
-    mask = None if bool(context_mask.all()) else context_mask.bool()[:, None, None, :]
+    embed_pos = dec.embed_positions
+    hidden = dec.layernorm_embedding(
+        dec.embed_tokens(ids) + torch.nn.functional.embedding(positions + embed_pos.offset, embed_pos.weight))
+    groups, length = ids.shape
+    self_mask = allowed[:, None]
+    cross_mask = None if bool(context_mask.all()) else context_mask.bool()[:, None, None, :]
     for layer, (key, value) in zip(dec.layers, cross_kv):
         sa = layer.self_attn
-        k = sa.k_proj(hidden).view(rows, width, -1, sa.head_dim).transpose(1, 2)
-        v = sa.v_proj(hidden).view(rows, width, -1, sa.head_dim).transpose(1, 2)
-        hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, None, causal=width > 1))
-        folded = hidden.reshape(groups, per_context * width, -1)
-        cross = _attend(layer.encoder_attn, folded, key, value, mask, causal=False).view(rows, width, -1)
-        hidden = layer.encoder_attn_layer_norm(hidden + cross)
+        k = sa.k_proj(hidden).view(groups, length, -1, sa.head_dim).transpose(1, 2)
+        v = sa.v_proj(hidden).view(groups, length, -1, sa.head_dim).transpose(1, 2)
+        hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, self_mask, causal=False))
+        hidden = layer.encoder_attn_layer_norm(
+            hidden + _attend(layer.encoder_attn, hidden, key, value, cross_mask, causal=False))
         hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
-    logits = generator.lm_head(hidden) + generator.final_logits_bias
-    return torch.log_softmax(logits.float(), -1).gather(-1, targets[:, :, None]).squeeze(-1)
+    return hidden
 
 
-def _rescore_folded(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
+def _rescore_packed(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
                     cross_kv: list[tuple[Tensor, Tensor]], lengths: Tensor, max_rows: int | None) -> Tensor:
-    """`_teacher_forced` for BART: (sequence, context) pairs grouped by context, cross-attention folded.
+    """`_teacher_forced` for BART: the (sequence, context) pairs of each context packed into one decoder sequence.
 
-    lengths `(C,)`: targets to score per sequence (later ones are left 0). Returns `(C, K, T - 1)`.
+    Packing (block-diagonal causal self-attention, per-pair positions) computes only the `lengths[c]` scored
+    targets of each pair, no padding to the longest, and uses each context's cross-attention keys/values in
+    place. lengths `(C,)`: targets to score per sequence (later ones are left 0). Returns `(C, K, T - 1)`.
     """
     n_cand, n_docs = context_index.shape
     width = sequences.shape[1] - 1
@@ -725,18 +811,25 @@ def _rescore_folded(generator, contexts: EncodedContexts, sequences: Tensor, con
     slot = torch.arange(order.numel(), device=device) - starts.repeat_interleave(counts)
     grid = torch.full((ctx_of.numel(), per_context), -1, dtype=torch.long, device=device)
     grid[torch.arange(ctx_of.numel(), device=device).repeat_interleave(counts), slot] = order  # pair or -1 (padding)
-    valid = grid >= 0
-    pair = grid.clamp(min=0)
-    cand = pair // n_docs
+    pair_len = torch.where(grid >= 0, lengths[grid.clamp(min=0) // n_docs], 0)  # scored targets per pair
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=device)
     vocab = generator.config.vocab_size
-    if max_rows is None:  # bound the (rows, T, vocab) float32 logits to ~256 MiB
+    if max_rows is None:  # bound the (tokens, vocab) float32 logits to ~256 MiB
         max_rows = max(per_context, (256 << 20) // max(1, 4 * vocab * max(1, int(lengths.max()))))
     groups_per_chunk = max(1, max_rows // per_context)
     for lo in range(0, ctx_of.numel(), groups_per_chunk):
         sel = slice(lo, lo + groups_per_chunk)
-        c = ctx_of[sel]
-        n = int(lengths[cand[sel]][valid[sel]].max())
+        c, pairs, plen = ctx_of[sel], grid[sel], pair_len[sel]
+        ends = plen.cumsum(1)
+        total = ends[:, -1]
+        p = torch.arange(int(total.max()), device=device).expand(c.numel(), -1).contiguous()
+        real = p < total[:, None]
+        which = torch.searchsorted(ends, p, right=True).clamp(max=per_context - 1)  # pair slot of every token
+        positions = torch.where(real, p - (ends - plen).gather(1, which), 0)
+        seq = pairs.gather(1, which).clamp(min=0) // n_docs
+        ids, targets = sequences[seq, positions], sequences[seq, positions + 1]
+        segment = torch.where(real, which, per_context)
+        allowed = (segment[:, :, None] == segment[:, None, :]) & (positions[:, None, :] <= positions[:, :, None])
         span = int(c[0]), int(c[-1]) + 1
         if span[1] - span[0] == c.numel():  # consecutive contexts: views, no copy
             kv = [(k[span[0]:span[1]], v[span[0]:span[1]]) for k, v in cross_kv]
@@ -744,12 +837,10 @@ def _rescore_folded(generator, contexts: EncodedContexts, sequences: Tensor, con
         else:
             kv = [(_rows(k, c), _rows(v, c)) for k, v in cross_kv]
             mask = _rows(contexts.attention_mask, c)
-        rows_cand = cand[sel].reshape(-1)
-        lp = _bart_folded_logprobs(generator, sequences[rows_cand, :n], sequences[rows_cand, 1:n + 1], kv, mask,
-                                   per_context)
-        lp = lp.masked_fill(torch.arange(n, device=device) >= lengths[rows_cand][:, None], 0.0)
-        keep = valid[sel].reshape(-1)
-        out[pair[sel].reshape(-1)[keep], :n] = lp[keep]
+        hidden = _bart_packed_hidden(generator, ids, positions, allowed, kv, mask)[real]  # (tokens, d_model)
+        logits = generator.lm_head(hidden) + generator.final_logits_bias[0]
+        lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[real][:, None]).squeeze(-1)
+        out[pairs.gather(1, which)[real], positions[real]] = lp
     return out.view(n_cand, n_docs, width)
 
 
