@@ -6,7 +6,7 @@ it in eval mode first, nothing here changes its mode) and on already-tokenized c
 `b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and
 `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
-Efficiency by design (ARCHITECTURE invariant 2; measured in `benchmarks/README_decode.md`):
+Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks"):
 
 * `encode_contexts` runs the generator encoder once per (question, passage); every search and the
   RAG-Sequence rescoring below reuse those states (index-selected, never re-encoded). transformers'
