@@ -5,7 +5,8 @@ Data flow of :meth:`RagModel.forward` (one call, one batch of B questions and K 
     questions ──tokenize once──► query encoder ──► q (B, D)        (with gradients unless frozen)
     q.detach() ──► knowledge-base search (no grad) ──► rows (B, K), stored doc_embeds (B, K, D), passages
     doc_scores = q · doc_embeds (B, K)                             (the ONLY gradient path into the retriever, §2.2)
-    contexts "title / text // question" (B·K, padded to the longest) ──► generator ──► logits (B·K, T, V)
+    contexts "title / text // question" (B·K, padded to the longest)
+        ──► length buckets ──► generator, once per bucket, each padded to its own longest ──► logits (B·K, T, V)
     per-document target log-probs (B, K, T) + log p(z|x) ──► RAG-Sequence (Eq. 1) | RAG-Token (Eq. 2) ──► NLL
 
 By default the document encoder and the index stay frozen (§2.4): the knowledge base only supplies
@@ -39,7 +40,9 @@ Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``R
   with the start token (its fine-tuning script prepends it); the scored tokens are the same.
 * **Reduction**: ``reduce_loss=True`` averages over the batch (independent of batch size);
   transformers sums, and so does ``hf_compat``.
-* **Padding**: contexts are padded to the longest in the batch, not to a fixed 300 tokens.
+* **Padding**: contexts are padded to the longest in the batch, not to a fixed 300 tokens, and the
+  generator runs on length buckets of them (:mod:`rag.generation.buckets`), each padded only to its
+  own longest context, so its cost follows the real context tokens.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ import torch
 from torch import nn
 
 from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
+from rag.generation.buckets import DEFAULT_MAX_BUCKETS
 from rag.io import atomic_directory, atomic_write_json, sha256_file
 from rag.knowledge.retriever import Retrieved
 
@@ -845,23 +849,38 @@ class RagModel(nn.Module):
         loss = self.loss_from_logits(logits, labels, label_mask, inputs.doc_scores)
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
-    def generator_logits(self, inputs: RagInputs, labels: torch.Tensor) -> torch.Tensor:
+    def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS) -> torch.Tensor:
         """Teacher-forced generator logits ``(B, K, T, V)``: every context row ``b*K + k`` decodes the
         targets ``labels`` ``(B, T)`` (decoder input = labels shifted right after the start token).
-        One generator call over all B·K contexts: the encoder runs once per (question, passage)."""
+
+        The encoder runs once per (question, passage). The B·K contexts are grouped into at most
+        `max_buckets` length buckets (:func:`rag.generation.buckets.length_buckets`) and the generator
+        runs once per bucket on its rows padded only to the bucket's longest context, so the encoder,
+        the cross-attention keys/values and their backward cost follow the real context tokens, not
+        ``B·K × longest``. Padding is masked and positions start at 0 in every row, so the logits
+        equal one call over all rows up to float noise. ``max_buckets=1``: one call (trimmed to the
+        longest context).
+        """
+        from rag.generation.buckets import length_buckets, run_in_buckets, take_bucket
         from rag.generation.marginalize import shift_right
 
         b, t = labels.shape
         k = inputs.doc_scores.shape[1]
-        decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)
-        out = self.generator(
-            input_ids=inputs.context_input_ids,
-            attention_mask=inputs.context_attention_mask,
-            decoder_input_ids=decoder_input_ids.repeat_interleave(k, dim=0),
-            use_cache=False,
-            return_dict=True,
-        )
-        return out.logits.view(b, k, t, -1)
+        ids, mask = inputs.context_input_ids, inputs.context_attention_mask
+        decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)  # (B, T)
+
+        def run(bucket) -> torch.Tensor:  # (n, T, V) for the bucket's rows
+            out = self.generator(
+                input_ids=take_bucket(ids, bucket),
+                attention_mask=take_bucket(mask, bucket),
+                decoder_input_ids=decoder_input_ids[bucket.rows // k],  # row b*K + k decodes target b
+                use_cache=False,
+                return_dict=True,
+            )
+            return out.logits
+
+        logits = run_in_buckets(run, length_buckets(mask, max_buckets=max_buckets))  # (B·K, T, V)
+        return logits.view(b, k, t, -1)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, doc_scores: torch.Tensor) -> torch.Tensor:
         """The configured RAG loss from generator logits ``(B, K, T, V)``, targets ``labels`` ``(B, T)``
