@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -55,48 +56,81 @@ BM25_DIR = "bm25"
 Verify = Literal["full", "size", "none"]
 
 _HASH_CHUNK = 4 << 20  # bytes per read + hash step; hashlib releases the GIL for buffers > 2 KiB
+_YIELD_CHUNK = 1 << 20  # ... in the low-priority child, which keeps its disk reads small
 _MADV_DONTNEED = 4
 RELEASE_CHUNK = 64 << 20
 """Bytes per madvise call in :meth:`KnowledgeBase.release_pages` (default)."""
 
-# Hashes the files named on the command line at the niceness given first, one hex digest per line.
-# Runs in its own interpreter so that the hashing competes for the CPU at a lower priority than the
+# Hashes the files named on the command line at (at least) the niceness given first, one hex digest per
+# line. Runs in its own interpreter so that the hashing competes for the CPU at a lower priority than the
 # process serving requests, without ever holding that process's GIL.
 _HASH_SCRIPT = """
-import hashlib, os, sys
+import hashlib, os, sys, time
 try:
-    os.nice(int(sys.argv[1]))
+    now = os.nice(0)
+    if now < int(sys.argv[1]):
+        os.nice(int(sys.argv[1]) - now)
 except (AttributeError, OSError):
     pass
+parent = int(sys.argv[2])
 buf = bytearray(%d)
 view = memoryview(buf)
-for name in sys.argv[2:]:
+nowait = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "preadv") else None
+for name in sys.argv[3:]:
     h = hashlib.sha256()
-    with open(name, "rb", buffering=0) as f:
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: at most one read of ours in flight
+        offset = 0
         while True:
-            n = f.readinto(buf)
+            n = -1
+            if nowait is not None:
+                try:
+                    n = os.preadv(fd, [view], offset, nowait)  # only what is in the page cache, never waits
+                except BlockingIOError:
+                    n = -1
+                except OSError:
+                    nowait = None  # not supported here
+            if n <= 0:  # not cached (or unknown): read from the disk, then leave it idle as long
+                t = time.monotonic()
+                n = os.preadv(fd, [view], offset)
+                if n and nowait is not None:
+                    time.sleep(time.monotonic() - t)
             if not n:
                 break
             h.update(view[:n])
+            offset += n
+            if os.getppid() != parent:
+                sys.exit(3)  # whoever asked is gone: stop
+    finally:
+        os.close(fd)
     sys.stdout.write(h.hexdigest() + "\\n")
     sys.stdout.flush()
-""" % _HASH_CHUNK
+""" % _YIELD_CHUNK
 
 
 def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:
     """Hex SHA-256 of each file, in order.
 
     `nice` None hashes in this thread, 4 MiB at a time (reads and hashing release the GIL, so
-    other threads keep running). An integer hashes in a child interpreter that lowers its own
-    priority by `nice` first (Unix niceness; 10 gives it roughly a tenth of a busy core), so
+    other threads keep running). An integer hashes in a child interpreter started at that
+    niceness (Unix; 10 gives it roughly a tenth of a core that nice-0 threads want), so that
     verifying a large knowledge base yields the CPU to the threads serving requests and never
-    holds their GIL. If the child cannot run or fails, the files are hashed in this thread.
+    holds their GIL. The child also yields the disk: it reads 1 MiB at a time without
+    readahead and, after a read that was not in the page cache (``preadv`` with RWF_NOWAIT
+    tells), pauses as long as that read took, so that the page faults of a server reading a
+    memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files are
+    hashed in this thread.
     """
     paths = [Path(p) for p in paths]
     if nice is not None and paths:
+        # Started through nice(1) where available, so that even the interpreter's start-up runs at low priority.
+        wrapper = shutil.which("nice")
+        prefix = [wrapper, "-n", str(int(nice))] if wrapper else []
         try:
             proc = subprocess.run(
-                [sys.executable, "-I", "-c", _HASH_SCRIPT, str(int(nice)), *map(os.fspath, paths)],
+                [*prefix, sys.executable, "-I", "-c", _HASH_SCRIPT, str(int(nice)), str(os.getpid()), *map(os.fspath, paths)],
                 stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
             )
             digests = proc.stdout.split()
