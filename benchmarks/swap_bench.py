@@ -8,17 +8,24 @@ Two knowledge bases A and B of `--n` synthetic passages (the same ids; texts tag
    vectors -> top-k rows, stored embeddings and passages, i.e. everything RAG reads from the
    knowledge base per request) for ``--baseline`` seconds without swaps;
 2. the same load continues while an admin thread performs ``--swaps`` swaps B, A, B, ... through
-   :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` — each one opens the other directory,
-   verifies every file's SHA-256 (``--verify full``), validates it and changes the reference —
-   pausing ``--gap`` seconds between swaps.
+   :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` — each one verifies every file's SHA-256 of
+   the other directory (``--verify full``; in a child process at ``--verify-nice``), opens and
+   validates it and changes the reference; the slot then closes the knowledge base it unloads on
+   a background thread. After each swap the admin thread pauses as long as the swap took
+   (``--matched-gaps``, at most ``--max-gap`` s): requests inside these pauses are an interleaved
+   no-swap control group. B's files are first dropped from the page cache (``--evict-first``), so
+   the first swap verifies them from the disk.
 
 Measured:
 
 * **pause**: the extra latency an in-flight request sees because of a swap = its latency minus
-  the baseline median, maximised over requests that overlap a swap (loading + commit), and
-  separately over requests in flight at the reference change itself. Target < 50 ms.
+  the baseline median, maximised over requests that overlap a swap call or the release of a
+  swapped-out knowledge base, and separately by phase (checksumming, the rest of the swap call,
+  release) and for requests in flight at the reference change itself. Target < 50 ms. The same
+  statistic over the control group is the noise floor under the same machine load; its sample
+  size is about that of the requests overlapping swaps (a maximum grows with the sample).
 * **heartbeat stall**: the longest a thread sleeping 1 ms at a time overslept (GIL / scheduler
-  stalls), baseline vs during swaps.
+  stalls), baseline vs during swaps vs control.
 * **lost requests**: requests that raised, never finished, or returned passages from a version
   other than their ``kb_version`` (mixed results). Target 0.
 * swap timings (load+verify, lock held) and peak RSS.
@@ -26,16 +33,32 @@ Measured:
 The machine's CPU may be shared with other work: load averages are recorded, and latency
 percentiles are reported next to the baseline so contention shows up in both.
 
-Measured (500k x 768, HNSW m=16/ef_construction=40, 3.3 GB per knowledge base, 2 request threads, 10 swaps,
-on 2 CPU cores shared with other jobs at load average 11-18; results/swap_bench_500000*.json):
-0 requests lost of ~15k; swap lock held <= 0.26 ms; requests in flight at the reference change
-+33-43 ms over the baseline median (the noise floor, baseline max - median, was 35-39 ms); the
-longest extra latency of any request overlapping a swap was 138 ms with verify=full (SHA-256 of
-3.3 GB per swap competing for the two cores; the slowest requests fall mid-verification) and
-78 ms with verify=size. Before two fixes it was 264 ms, 159 ms at the reference change: a full
-garbage collection (~300 ms with the GIL held; `rag serve` now calls gc.freeze()) and faiss's
-index destructor unmapping the old index with the GIL held (100-300 ms; the slot now drops the
-mapped pages with madvise first, on a background thread).
+Measured (500k x 768, HNSW m=16/ef_construction=40, 3.3 GB per knowledge base, 2 request threads, 3 swaps of
+which the first verifies B from the disk, 2 CPU cores shared with other jobs at load average 1.7-3.7;
+results/swap_bench_500000*.json): 0 requests lost in every run; swap lock held <= 0.15 ms.
+
+* verify=full, checksums in a nice-10 child process (the default): requests overlapping swaps p99 11.7 ms vs
+  8.4 ms in the interleaved control; longest extra latency over the baseline median 12 and 10 ms for the two
+  swaps that verified cached files (control: 24 ms), 309 ms for the one reading 3.3 GB from the disk;
+  releases of swapped-out versions <= 27 ms. Verification took 37 s cold, 8-9 s cached.
+* the same with checksums in the swapping thread (the previous behaviour, ``--verify-nice -1``, run right
+  after): p99 22.3 vs 9.3 ms; 34 and 32 ms for the cached swaps, 60 ms for the cold one (14 s, 5 s).
+* three more such pairs (2-3 swaps each): cold-read swaps 679 / 37 / 580 ms (child) vs 372 / 438 / 318 ms
+  (thread); p99 equal to the control's with the child, about twice it in the thread. Rare stalls of a few
+  hundred ms while a knowledge base is read from the disk remain in both modes; the heartbeat thread stalls
+  with them (the whole process, not one request), which points at page faults / reclaim of the serving
+  knowledge base's mapped files rather than CPU (this VM runs DAMON proactive page-out, and its mq-deadline
+  I/O scheduler ignores I/O priorities).
+* verify=size: swaps in <= 3.3 s, but B was not in the page cache, so requests on it took 2.2-2.8 s each
+  (swapping back caught them in flight: +2.4 s). Full verification warms the page cache on the way.
+* on a CPU-saturated machine (two nice-0 training jobs; results/swap_bench_500000_loaded.json) the nice-10
+  verification of the cold B took 339 s, and machine load dominated the tails (a 4.1 s stall mid-swap).
+
+Before this change (checksums in the swapping thread, 10 cached swaps at load average 11-18) the longest extra
+latency was 138 ms; before two earlier fixes 264 ms, 159 ms at the reference change: a full garbage
+collection (~300 ms with the GIL held; `rag serve` now calls gc.freeze()) and faiss's index destructor
+unmapping the old index with the GIL held (100-300 ms; the old version's mapped pages are now dropped with
+madvise first, on a background thread, once its last call has finished).
 
 Examples::
 
@@ -133,6 +156,33 @@ def memory() -> dict[str, float]:
     return out
 
 
+def _instrument() -> list[tuple[str, float, float]]:
+    """Record when the swap path checksums files ("hash", inside a swap call) and when the slot closes a
+    swapped-out knowledge base ("release", on its background thread after a swap): (phase, start, end)."""
+    import rag.knowledge.knowledge_base as kbmod
+
+    phases: list[tuple[str, float, float]] = []
+    hash_files, close = kbmod.sha256_files, KnowledgeBase.close
+
+    def timed_hash(paths, *, nice=None):
+        t0 = time.perf_counter()
+        try:
+            return hash_files(paths, nice=nice)
+        finally:
+            phases.append(("hash", t0, time.perf_counter()))
+
+    def timed_close(self, **kw):
+        t0 = time.perf_counter()
+        try:
+            return close(self, **kw)
+        finally:
+            phases.append(("release", t0, time.perf_counter()))
+
+    kbmod.sha256_files = timed_hash
+    KnowledgeBase.close = timed_close
+    return phases
+
+
 def run(args) -> dict:
     out_dir = Path(args.out_dir)
     paths = build(out_dir, args.n, args.dim, args.index, args.rebuild)
@@ -140,10 +190,11 @@ def run(args) -> dict:
     tags = {}
     for tag, p in paths.items():
         tags[KnowledgeBase.open(p, verify="none").version] = tag
-    kb_a = KnowledgeBase.open(paths["A"], verify=args.verify)
-    retriever = DenseRetriever(kb_a, types.SimpleNamespace(dim=args.dim))
-    slot = KnowledgeBaseSlot(retriever, keep_loaded=1)
+    retriever = DenseRetriever(KnowledgeBase.open(paths["A"], verify=args.verify), types.SimpleNamespace(dim=args.dim))
+    # (no other reference to the first knowledge base: the slot closes it once it is swapped out and unused)
+    slot = KnowledgeBaseSlot(retriever, keep_loaded=1, verify_nice=None if args.verify_nice < 0 else args.verify_nice)
     queries = torch.from_numpy(clustered_embeddings(4096, args.dim, seed=0, stream=1))
+    phases = _instrument()
 
     records: list[tuple[float, float, str]] = []  # (start, end, version) of every completed request
     failures: list[str] = []
@@ -198,7 +249,16 @@ def run(args) -> dict:
     time.sleep(args.baseline)
     t_base1 = time.perf_counter()
 
+    if args.evict_first:  # the first swap then reads B from the disk, as after a fresh build or a reboot
+        for f in paths["B"].rglob("*"):
+            if f.is_file():
+                fd = os.open(f, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
     swaps = []
+    gaps: list[tuple[float, float]] = []  # (start, end) of the no-swap pauses between swaps
     for i in range(args.swaps):
         target = paths["B"] if i % 2 == 0 else paths["A"]
         ts = time.perf_counter()
@@ -208,7 +268,12 @@ def run(args) -> dict:
         swaps.append({"start": ts, "end": te, "commit_at": te - res.commit_seconds, **res.to_dict()})
         print(f"swap {i + 1}/{args.swaps}: {res.old_version} -> {res.new_version}  load+verify {res.load_seconds:.2f} s, "
               f"lock held {1e6 * res.commit_seconds:.0f} µs", flush=True)
-        time.sleep(args.gap)
+        # The pause after a swap is as long as the swap was (--matched-gaps): requests in these gaps form a
+        # control group of the same size, interleaved in time with the swaps, so that the machine's changing
+        # load (shared CPU) affects both alike.
+        gs = time.perf_counter()
+        time.sleep(max(args.gap, min(te - ts, args.max_gap)) if args.matched_gaps else args.gap)
+        gaps.append((gs, time.perf_counter()))
     t_swap1 = time.perf_counter()
     stop.set()
     for t in threads + [hb]:
@@ -220,26 +285,41 @@ def run(args) -> dict:
     base = [r for r in records if t_base0 <= r[0] and r[1] <= t_base1]
     base_lat = lat(base)
     base_p50 = pct(base_lat, 50)
-    windows = [(s["start"], s["end"]) for s in swaps]
-    during = [r for r in records if any(r[0] < e and r[1] > s for s, e in windows)]
+    hashing = [(s, e) for name, s, e in phases if name == "hash"]
+    releases = [(s, e) for name, s, e in phases if name == "release"]
+    windows = [(s["start"], s["end"]) for s in swaps] + releases  # a swap's work: the call, then the release
+    overlaps = lambda r, ws: any(r[0] < e and r[1] > s for s, e in ws)  # noqa: E731
+    during = [r for r in records if overlaps(r, windows)]
+    by_phase = {
+        "hashing": [r for r in during if overlaps(r, hashing)],
+        "rest_of_swap_call": [r for r in during if overlaps(r, [(s["start"], s["end"]) for s in swaps]) and not overlaps(r, hashing)],
+        "release": [r for r in during if overlaps(r, releases)],
+    }
+    # control: requests entirely inside a pause between swaps, overlapping no release either
+    control = [r for r in records if any(s <= r[0] and r[1] <= e for s, e in gaps) and not overlaps(r, releases)]
+    control_lat = lat(control)
     at_commit = [r for r in records if any(r[0] <= s["commit_at"] <= r[1] for s in swaps)]
     after_swaps = [r for r in records if r[0] >= t_base1]
     hb_base = [g for t, g in beats if t_base0 <= t <= t_base1]
     hb_swap = [g for t, g in beats if any(s <= t <= e for s, e in windows)]
+    hb_control = [g for t, g in beats if any(s <= t <= e for s, e in gaps)]
     n_started = started[0]
     n_done = len(records)
     lost = n_started - n_done  # raised (incl. mixed results) or never finished
 
-    def where(r) -> dict:  # locate a slow request within the swap it overlapped
-        sw = next(s for s in swaps if r[0] < s["end"] and r[1] > s["start"])
-        return {"latency_ms": round(1e3 * (r[1] - r[0]), 1), "started_after_swap_start_s": round(r[0] - sw["start"], 3),
-                "ended_before_swap_end_s": round(sw["end"] - r[1], 3), "swap_seconds": round(sw["end"] - sw["start"], 3)}
+    def where(r) -> dict:  # locate a slow request within the swap (or release) it overlapped
+        out = {"latency_ms": round(1e3 * (r[1] - r[0]), 1), "phases": [k for k, rs in by_phase.items() if r in rs]}
+        sw = next((s for s in swaps if r[0] < s["end"] and r[1] > s["start"]), None)
+        if sw is not None:
+            out.update(started_after_swap_start_s=round(r[0] - sw["start"], 3), ended_before_swap_end_s=round(sw["end"] - r[1], 3),
+                       swap_seconds=round(sw["end"] - sw["start"], 3))
+        return out
 
     worst = [where(r) for r in sorted(during, key=lambda r: r[0] - r[1])[:5]]
     result = {
         "config": {k: v for k, v in vars(args).items()},
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version(),
-                    "loadavg_before": load0, "loadavg_after": load1, "shared_cpu": True},
+                    "loadavg_before": load0, "loadavg_after": load1, "shared_cpu": True, "bench_niceness": os.nice(0)},
         "requests": {
             "started": n_started, "completed": n_done, "failed": len(failures), "unfinished": unfinished, "lost": lost,
             "during_swap_phase": len(after_swaps), "by_version": {tags.get(v, v): sum(1 for r in after_swaps if r[2] == v) for v in tags},
@@ -248,7 +328,9 @@ def run(args) -> dict:
         "latency_ms": {
             "baseline": {"n": len(base_lat), "p50": base_p50, "p99": pct(base_lat, 99), "max": max(base_lat, default=float("nan"))},
             "overlapping_a_swap": {"n": len(during), "p50": pct(lat(during), 50), "p99": pct(lat(during), 99),
-                                   "max": max(lat(during), default=float("nan"))},
+                                   "p99.9": pct(lat(during), 99.9), "max": max(lat(during), default=float("nan"))},
+            "control": {"n": len(control), "p50": pct(control_lat, 50), "p99": pct(control_lat, 99),
+                        "p99.9": pct(control_lat, 99.9), "max": max(control_lat, default=float("nan"))},
             "in_flight_at_commit": {"n": len(at_commit), "max": max(lat(at_commit), default=float("nan"))},
             "slowest_overlapping_a_swap": worst,
         },
@@ -256,6 +338,13 @@ def run(args) -> dict:
             "max_extra_latency_overlapping_swap": max(lat(during), default=base_p50) - base_p50,
             "max_extra_latency_at_commit": max(lat(at_commit), default=base_p50) - base_p50,
             "baseline_max_extra_latency": max(base_lat, default=base_p50) - base_p50,
+            "max_extra_latency_by_phase": {k: max(lat(rs), default=base_p50) - base_p50 for k, rs in by_phase.items()},
+            "requests_by_phase": {k: len(rs) for k, rs in by_phase.items()},
+            # per swap call (the first one verifies B from the disk with --evict-first)
+            "max_extra_latency_by_swap": [max(lat([r for r in during if r[0] < s["end"] and r[1] > s["start"]]),
+                                              default=base_p50) - base_p50 for s in swaps],
+            "control_max_extra_latency": max(control_lat, default=base_p50) - base_p50,
+            "heartbeat_max_stall_control": 1e3 * max(hb_control, default=0.0),
             "heartbeat_max_stall_baseline": 1e3 * max(hb_base, default=0.0),
             "heartbeat_max_stall_during_swaps": 1e3 * max(hb_swap, default=0.0),
             "target": 50.0,
@@ -264,6 +353,9 @@ def run(args) -> dict:
             "n": len(swaps),
             "load_verify_s_mean": statistics.mean(s["load_seconds"] for s in swaps) if swaps else None,
             "load_verify_s_max": max((s["load_seconds"] for s in swaps), default=None),
+            "hash_s_mean": statistics.mean(e - s for s, e in hashing) if hashing else None,
+            "release_s_mean": statistics.mean(e - s for s, e in releases) if releases else None,
+            "releases": len(releases),
             "lock_held_us_max": 1e6 * max((s["commit_seconds"] for s in swaps), default=0.0),
             "total_s_max": max((s["seconds"] for s in swaps), default=None),
             "each": [{k: s[k] for k in ("old_version", "new_version", "seconds", "load_seconds", "commit_seconds")} for s in swaps],
@@ -285,7 +377,9 @@ def print_table(r: dict) -> None:
     print(f"knowledge bases: {r['kb']['n']:,} passages, dim {r['kb']['dim']}, index {r['kb']['index']}, "
           f"{r['kb']['bytes_on_disk'] / 1e9:.2f} GB each, verify={r['kb']['verify']}; "
           f"{r['config']['workers']} request threads x batch {r['config']['batch']}, k={r['config']['k']}")
-    print(f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
+    vn = r["config"].get("verify_nice", -1)
+    print(f"checksums: {'in the swapping thread' if vn < 0 else f'child process at nice {vn}'}; "
+          f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
           f"on {r['machine']['cpus']} CPUs (shared machine)")
     rows = [
         ("swaps performed", f"{S['n']}", ""),
@@ -297,8 +391,18 @@ def print_table(r: dict) -> None:
         ("longest pause of an in-flight request (max - baseline p50)", f"{P['max_extra_latency_overlapping_swap']:.1f} ms",
          "target < 50 ms: " + ("met" if P["max_extra_latency_overlapping_swap"] < 50 else "MISSED")),
         ("  same, requests in flight at the reference change", f"{P['max_extra_latency_at_commit']:.1f} ms", ""),
+        *[(f"  same, requests overlapping {k.replace('_', ' ')}", f"{v:.1f} ms", f"{P['requests_by_phase'][k]} requests")
+          for k, v in P["max_extra_latency_by_phase"].items()],
+        ("  same, per swap call", ", ".join(f"{v:.0f}" for v in P["max_extra_latency_by_swap"]) + " ms",
+         "the first verifies B from the disk" if r["config"].get("evict_first") else ""),
         ("  same, baseline without swaps (noise floor)", f"{P['baseline_max_extra_latency']:.1f} ms", ""),
-        ("heartbeat stall baseline / during swaps", f"{P['heartbeat_max_stall_baseline']:.1f} / {P['heartbeat_max_stall_during_swaps']:.1f} ms", ""),
+        ("  same, requests in the pauses between swaps (control)", f"{P['control_max_extra_latency']:.1f} ms",
+         f"{L['control']['n']} requests vs {L['overlapping_a_swap']['n']} overlapping swaps"),
+        ("request latency, pauses between swaps (control)", f"p50 {L['control']['p50']:.1f} ms, p99 {L['control']['p99']:.1f}, "
+                                                            f"max {L['control']['max']:.1f}", ""),
+        ("heartbeat stall baseline / during swaps / control", f"{P['heartbeat_max_stall_baseline']:.1f} / "
+                                                              f"{P['heartbeat_max_stall_during_swaps']:.1f} / "
+                                                              f"{P['heartbeat_max_stall_control']:.1f} ms", ""),
         ("requests started / completed", f"{R['started']} / {R['completed']}", ""),
         ("requests lost (failed, unfinished or mixed)", f"{R['lost']}", "target 0: " + ("met" if R["lost"] == 0 else "MISSED")),
         ("served during swap phase, by version", ", ".join(f"{k}: {v}" for k, v in R["by_version"].items()), ""),
@@ -323,11 +427,21 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(HERE / ".cache" / "swap_bench"), help="where the two knowledge bases are built")
     p.add_argument("--rebuild", action="store_true", help="rebuild the knowledge bases even if present")
     p.add_argument("--verify", default="full", choices=["full", "size", "none"])
+    p.add_argument("--verify-nice", type=int, default=10,
+                   help="niceness of the child process that checksums the new knowledge base (KnowledgeBaseSlot "
+                        "verify_nice; default 10); -1 hashes in the swapping thread at the process's priority")
     p.add_argument("--workers", type=int, default=2, help="request threads")
     p.add_argument("--batch", type=int, default=4, help="queries per request")
     p.add_argument("-k", type=int, default=10)
     p.add_argument("--swaps", type=int, default=10)
-    p.add_argument("--gap", type=float, default=1.0, help="seconds between swaps")
+    p.add_argument("--gap", type=float, default=1.0, help="seconds between swaps (at least)")
+    p.add_argument("--matched-gaps", default=True, action=argparse.BooleanOptionalAction,
+                   help="pause after each swap as long as the swap took, for an interleaved no-swap control group "
+                        "of the same size (default: on)")
+    p.add_argument("--max-gap", type=float, default=600.0, help="longest matched pause, seconds (default: 600)")
+    p.add_argument("--evict-first", default=True, action=argparse.BooleanOptionalAction,
+                   help="drop knowledge base B's files from the page cache before the first swap, so that it is "
+                        "verified from the disk (default: on)")
     p.add_argument("--warmup", type=float, default=3.0)
     p.add_argument("--baseline", type=float, default=10.0, help="seconds of load without swaps")
     p.add_argument("--gc-freeze", default=True, action=argparse.BooleanOptionalAction,
