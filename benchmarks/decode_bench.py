@@ -36,24 +36,20 @@ Examples::
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import hashlib
-import json
-import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import time
 import warnings
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _proc import Worker, machine_info, reset_peak_rss, status_kib  # noqa: E402  (benchmarks/_proc.py)
 
 HERE = Path(__file__).resolve().parent
 BATCH = 4
@@ -209,28 +205,6 @@ RUNNERS = {"ours": run_ours, "transformers": run_transformers}
 # Memory: extra resident memory of one call
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> bool:
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except OSError:
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------------------------------------
 # Worker process: one side, persistent across configurations
 
@@ -266,50 +240,29 @@ def _serve(conn, impl: str, threads: int, batch: int, context_len: int) -> None:
         if cfg.n_docs not in inputs:
             inputs[cfg.n_docs] = build_inputs(models.tokenizer, cfg.n_docs, batch=batch, context_len=context_len)
         ids, mask, scores = inputs[cfg.n_docs]
-        ok = _reset_peak_rss()
-        before = _status_kib("VmRSS")
+        ok = reset_peak_rss()
+        before = status_kib("VmRSS")
         encoded_rows.clear()
         t0 = time.perf_counter()
         with torch.no_grad():
             seqs = run(models, cfg, ids, mask, scores)
         seconds = time.perf_counter() - t0
-        peak = (_status_kib("VmHWM") - before) * 1024 if ok else None
+        peak = (status_kib("VmHWM") - before) * 1024 if ok else None
         conn.send(("ok", (seconds, peak, seqs, sum(encoded_rows))))
 
 
-class Side:
+class Side(Worker):
     """A worker process running one implementation."""
 
     def __init__(self, impl: str, threads: int, batch: int, context_len: int):
-        ctx = mp.get_context("spawn")
+        super().__init__(impl, _worker, (impl, threads, batch, context_len))
         self.impl = impl
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, impl, threads, batch, context_len), daemon=True)
-        self.proc.start()
-
-    def _answer(self):
-        if not self.conn.poll(3 * 3600):
-            raise RuntimeError(f"{self.impl} worker did not answer within three hours")
-        tag, value = self.conn.recv()
-        if tag == "error":
-            raise RuntimeError(f"{self.impl} worker failed:\n{value}")
-        return value
 
     def ready(self) -> str:
-        return self._answer()
+        return self.answer()
 
     def run(self, cfg: BenchConfig):
-        self.conn.send(cfg)
-        return self._answer()
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.terminate()
+        return self.request(cfg)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -380,21 +333,6 @@ def markdown_table(results: list[dict]) -> str:
                      f">= {r['target']}x: {ok} | {_mib(r['ours_peak_bytes'])} | {_mib(r['transformers_peak_bytes'])} | "
                      f"{r['ours_encoded_contexts']} / {r['transformers_encoded_contexts']} |")
     return "\n".join(lines)
-
-
-def machine_info(threads: int) -> dict:
-    import transformers
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    return dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpu=cpu, cores=os.cpu_count(),
-                threads=threads, python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, load_average=load)
 
 
 # --------------------------------------------------------------------------------------------------------

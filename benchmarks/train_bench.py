@@ -51,16 +51,12 @@ is reported.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import gc
-import multiprocessing as mp
 import os
-import platform
 import statistics
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -69,6 +65,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(REPO))
+
+from _proc import Worker, machine_info, reset_peak_rss, status_kib  # noqa: E402  (benchmarks/_proc.py)
 
 SYSTEMS = ("ours", "transformers")
 PHASES = ("retrieval_and_tokenization", "generator_forward", "loss", "backward", "optimizer")
@@ -239,29 +237,6 @@ MAKERS = {"ours": make_ours, "transformers": make_transformers}
 # --------------------------------------------------------------------------- memory
 
 
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
-def _reset_peak_rss() -> bool:
-    """Return freed heap to the OS and reset VmHWM to the current RSS; False where the kernel refuses."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
 # --------------------------------------------------------------------------- worker
 
 
@@ -318,12 +293,12 @@ def _worker(conn, system: str, dirs: dict, kb_path: str, threads: int, n_docs: i
                 opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-5)
                 state.update(model=model, forward=forward, opt=opt, clock=_PhaseClock(generator))
                 n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-                conn.send(("ok", {"trainable_params": n_params, "rss_mib": _status_kib("VmRSS") / 1024}))
+                conn.send(("ok", {"trainable_params": n_params, "rss_mib": status_kib("VmRSS") / 1024}))
             elif kind == "steps":  # a list of (questions, targets) batches; measured as one round
-                ok = _reset_peak_rss()
-                before = _status_kib("VmRSS")
+                ok = reset_peak_rss()
+                before = status_kib("VmRSS")
                 steps = [_step(state["forward"], state["opt"], state["clock"], q, t) for q, t in payload]
-                hwm, after = _status_kib("VmHWM"), _status_kib("VmRSS")
+                hwm, after = status_kib("VmHWM"), status_kib("VmRSS")
                 conn.send(("ok", {"steps": steps, "rss_before_mib": before / 1024, "rss_after_mib": after / 1024,
                                   "vmhwm_mib": hwm / 1024 if ok else None,
                                   "extra_mib": (hwm - before) / 1024 if ok else None}))
@@ -337,33 +312,15 @@ def _worker(conn, system: str, dirs: dict, kb_path: str, threads: int, n_docs: i
         conn.send(("error", traceback.format_exc()))
 
 
-class Side:
+class Side(Worker):
     """A persistent worker process running one system."""
 
     def __init__(self, system: str, dirs: dict, kb_path: str, threads: int, n_docs: int):
-        ctx = mp.get_context("spawn")
+        super().__init__(system, _worker, (system, dirs, kb_path, threads, n_docs))
         self.system = system
-        self.conn, child = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker, args=(child, system, dirs, kb_path, threads, n_docs), daemon=True)
-        self.proc.start()
 
     def call(self, kind: str, payload=None):
-        self.conn.send((kind, payload))
-        if not self.conn.poll(3 * 3600):
-            raise RuntimeError(f"{self.system} worker did not answer within three hours")
-        tag, value = self.conn.recv()
-        if tag == "error":
-            raise RuntimeError(f"{self.system} worker failed:\n{value}")
-        return value
-
-    def close(self) -> None:
-        try:
-            self.conn.send(None)
-        except OSError:
-            pass
-        self.proc.join(timeout=30)
-        if self.proc.is_alive():
-            self.proc.terminate()
+        return self.request((kind, payload))
 
 
 # --------------------------------------------------------------------------- benchmark
@@ -427,20 +384,6 @@ def compare(sides: dict, marginalization: str, qa, args, progress) -> dict:
         "first_losses": {name: [warm[name]["steps"][0]["loss_value"]] + [s["loss_value"] for s in rounds[name][0]["steps"][:2]]
                          for name in SYSTEMS},
     }
-
-
-def machine_info(threads: int) -> dict:
-    import transformers
-
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return dict(date=datetime.now(timezone.utc).isoformat(timespec="seconds"), cpu=cpu, cores=os.cpu_count(),
-                threads=threads, nice=os.nice(0), python=platform.python_version(), torch=torch.__version__,
-                transformers=transformers.__version__, load_average=os.getloadavg())
 
 
 def markdown_table(results: list[dict]) -> str:
