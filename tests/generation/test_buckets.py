@@ -257,5 +257,6 @@ def test_rag_model_loss_and_gradients_equal_unbucketed(rag_model, marginalizatio
     for a, b in zip(g1, g4):
         assert (a is None) == (b is None)
         if a is not None:
-            torch.testing.assert_close(b, a, atol=1e-6, rtol=1e-4)
+            # float32 sums over differently padded shapes differ in summation order: allow noise at the loss's 1e-5
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
     m.config.marginalization = "sequence"
