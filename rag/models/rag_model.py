@@ -435,10 +435,9 @@ class RagModel(nn.Module):
         `config_overrides` replace fields of `config` (e.g. ``n_docs=10``). The knowledge base's
         dimension is checked against the query encoder here, not mid-epoch.
         """
-        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
         from rag.knowledge.encoders import TextEncoder, resolve_name_or_path
         from rag.knowledge.retriever import default_query_encoder
+        from rag.models.warm_start import load_seq2seq
 
         config = RagModelConfig() if config is None else config
         if config_overrides:
@@ -450,8 +449,7 @@ class RagModel(nn.Module):
             qenc = default_query_encoder(kb, None if question_encoder is None else os.fspath(question_encoder))
         gen_path = resolve_name_or_path(os.fspath(generator))
         try:
-            gen = AutoModelForSeq2SeqLM.from_pretrained(gen_path)
-            tok = AutoTokenizer.from_pretrained(gen_path)
+            gen, tok = load_seq2seq(gen_path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the generator {generator!r} as a seq2seq model and tokenizer: {e}") from e
         denc = None
@@ -501,7 +499,11 @@ class RagModel(nn.Module):
 
     def train(self, mode: bool = True) -> "RagModel":
         """Set train/eval mode; a frozen query encoder stays in eval mode (deterministic retrieval)."""
+        from rag.models.warm_start import is_warm_start
+
         super().train(mode)
+        if is_warm_start(self.generator):  # its frozen encoder stays deterministic (and cacheable)
+            self.generator.get_encoder().eval()
         if self.query_encoder_frozen:
             self.question_encoder.eval()
         if getattr(self, "doc_encoder", None) is not None and not self.config.train_doc_encoder:
@@ -676,6 +678,8 @@ class RagModel(nn.Module):
             RagError: `path` is unsuitable, or the query encoder cannot be referenced (its weights
                 differ from those its name loads, e.g. after end-to-end training).
         """
+        from rag.models.warm_start import is_warm_start, save_generator
+
         path = Path(path)
         if path.exists():
             if not path.is_dir():
@@ -698,8 +702,11 @@ class RagModel(nn.Module):
                 self.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
                 qenc_meta = {"dir": QUESTION_ENCODER_DIR, **self.question_encoder.identity()}
             gdir = tmp / GENERATOR_DIR
-            self.generator.save_pretrained(gdir, safe_serialization=True)
-            self.generator_tokenizer.save_pretrained(gdir)
+            if is_warm_start(self.generator):  # trained weights only; the frozen encoder is referenced
+                save_generator(self.generator, self.generator_tokenizer, gdir)
+            else:
+                self.generator.save_pretrained(gdir, safe_serialization=True)
+                self.generator_tokenizer.save_pretrained(gdir)
             saved_dirs = [GENERATOR_DIR] if "dir" not in qenc_meta else [QUESTION_ENCODER_DIR, GENERATOR_DIR]
             denc_meta = None
             if self.doc_encoder is not None and self.config.train_doc_encoder:  # trained weights: keep them
@@ -770,10 +777,9 @@ class RagModel(nn.Module):
             ConfigError: a referenced query encoder cannot be loaded by its name.
             KnowledgeBaseError: the knowledge base is missing or incompatible.
         """
-        from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
         from rag.knowledge.encoders import TextEncoder
         from rag.knowledge.retriever import check_compatible
+        from rag.models.warm_start import load_seq2seq
 
         root = _resolve_checkpoint_dir(path, "RagModel checkpoint")
         cfg_file = root / CHECKPOINT_CONFIG
@@ -806,8 +812,7 @@ class RagModel(nn.Module):
         if config.retrieval == "dense":
             check_compatible(kb, qenc.dim, kb_ref.get("space"), allow_encoder_change=allow_encoder_change)
         gdir = root / meta["generator"].get("dir", GENERATOR_DIR)
-        gen = AutoModelForSeq2SeqLM.from_pretrained(gdir)
-        tok = AutoTokenizer.from_pretrained(gdir)
+        gen, tok = load_seq2seq(gdir)
         denc_meta = meta.get("doc_encoder")
         denc = TextEncoder.from_pretrained(root / denc_meta.get("dir", DOC_ENCODER_DIR)) if denc_meta and config.uses_doc_encoder else None
         model = cls(qenc, gen, tok, kb, config, doc_encoder=denc)
@@ -848,6 +853,34 @@ class RagModel(nn.Module):
         logits = self.generator_logits(inputs, labels)  # (B, K, T, V)
         loss = self.loss_from_logits(logits, labels, label_mask, inputs.doc_scores)
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
+
+    def generator_loss(self, questions: Sequence[str], targets: Sequence[str], passages: Optional[Sequence] = None) -> torch.Tensor:
+        """The configured loss of the generator alone, one given input per target (no retrieval, prior 1).
+
+        With `passages` (one object with ``title`` and ``text`` per question) the input is the
+        context the model would build for that passage (same format and truncation), so this is the
+        RAG loss with K = 1 on a chosen passage: an auxiliary "read this passage" objective. Without,
+        the input is the question alone: a closed-book seq2seq model (the paper's Table 1 baseline)
+        trained and scored exactly like the RAG systems it is compared with.
+        """
+        from rag.generation.contexts import ContextFormat
+
+        questions = _check_strings(questions, "questions")
+        targets = _check_strings(targets, "targets")
+        if len(questions) != len(targets) or (passages is not None and len(passages) != len(questions)):
+            raise RagError(f"got {len(questions)} questions, {len(targets)} targets and "
+                           f"{'no' if passages is None else len(passages)} passages; give one target (and passage) per question")
+        if passages is None:
+            strings = [self._prefix() + q for q in questions]
+        else:
+            fmt = ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=self._prefix())
+            strings = [fmt.context(p.title, p.text, q) for q, p in zip(questions, passages)]
+        ids, mask, n_truncated = self._tokenize_contexts(strings)
+        device = _device_of(self.generator)
+        scores = torch.zeros(len(questions), 1, device=device)
+        inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
+        labels, label_mask = self.tokenize_targets(targets)
+        return self.loss_from_logits(self.generator_logits(inputs, labels), labels, label_mask, scores)
 
     def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS) -> torch.Tensor:
         """Teacher-forced generator logits ``(B, K, T, V)``: every context row ``b*K + k`` decodes the
