@@ -178,6 +178,7 @@ class RagPipeline:
 
     def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
         from rag.generation.decoding import teacher_forced_logprobs
+        from rag.generation.detokenize import decode_answer
 
         tok = self.model.generator_tokenizer
         batch, k = inputs.doc_scores.shape
@@ -198,7 +199,7 @@ class RagPipeline:
             b = int(rows[r])
             ids = seqs[r, 1:].tolist()
             keep = [t for t in range(len(ids)) if ids[t] not in special]
-            text = tok.decode([ids[t] for t in keep], skip_special_tokens=True).strip()
+            text = decode_answer(tok, [ids[t] for t in keep])
             tokens = token_post = None
             if out.doc_posteriors is not None:
                 post = out.doc_posteriors[r].tolist()

@@ -146,8 +146,10 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
         out = D.rag_token_generate(model.generator, contexts, inputs.doc_scores, cfg)
     else:
         out = D.rag_sequence_generate(model.generator, contexts, inputs.doc_scores, cfg, decoding=sequence_decoding)
-    texts = model.generator_tokenizer.batch_decode(out.sequences, skip_special_tokens=True)
-    return [t.strip() for t in texts], inputs.retrieved, inputs.n_truncated
+    from rag.generation.detokenize import decode_answer
+
+    texts = [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
+    return texts, inputs.retrieved, inputs.n_truncated
 
 
 # ---------------------------------------------------------------------------- the module
