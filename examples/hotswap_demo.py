@@ -58,7 +58,7 @@ if str(REPO) not in sys.path:  # run from a clone without `pip install -e .`
     sys.path.insert(0, str(REPO))
 
 from rag.demo import SPLITS, load_demo_qa  # noqa: E402
-from rag.demo.build_elements import _YEAR  # noqa: E402  (the pattern the year questions were generated with)
+from rag.demo.build_elements import YEAR_PATTERN  # noqa: E402  (the pattern the year questions were generated with)
 from rag.errors import ConfigError, RagError  # noqa: E402
 from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
 from rag.knowledge.passages import Passage  # noqa: E402
@@ -108,7 +108,7 @@ def locate_facts(text: str) -> dict[str, FactSpan]:
     first year after "discovered", "isolated", ... in the description). Absent facts are omitted.
     """
     facts = {}
-    for name, pattern in (("symbol", _SYMBOL), ("atomic_weight", _WEIGHT), ("year", _YEAR)):
+    for name, pattern in (("symbol", _SYMBOL), ("atomic_weight", _WEIGHT), ("year", YEAR_PATTERN)):
         m = pattern.search(text)
         if m:
             facts[name] = FactSpan(m.group(1), m.start(1), m.end(1))

@@ -26,7 +26,7 @@ from rag.io import atomic_write_text
 DICT_PATH = Path("/usr/share/dictd/elements.dict.dz")
 OUT_DIR = Path(__file__).resolve().parent
 _FIELD = re.compile(r"^(Symbol|Atomic number|Atomic weight|Atomic Weight|Weight):\s*(.+)$")
-_YEAR = re.compile(r"\b(?:discovered|isolated|identified|first made|produced|synthesi[sz]ed)\b[^.]*?\b(1[5-9]\d\d)\b", re.I)
+YEAR_PATTERN = re.compile(r"\b(?:discovered|isolated|identified|first made|produced|synthesi[sz]ed)\b[^.]*?\b(1[5-9]\d\d)\b", re.I)
 
 
 def parse_entries(raw: str) -> list[dict]:
@@ -80,7 +80,7 @@ def questions_for(entry: dict) -> list[dict]:
         qa.append({"question": f"which element has atomic number {f['atomic number']}?", "answers": [title], "type": "name_from_number"})
     if "atomic weight" in f:
         qa.append({"question": f"what is the atomic weight of {name}?", "answers": [f["atomic weight"]], "type": "atomic_weight"})
-    m = _YEAR.search(entry["description"])
+    m = YEAR_PATTERN.search(entry["description"])
     if m:
         qa.append({"question": f"in what year was {name} discovered?", "answers": [m.group(1)], "type": "year"})
     for q in qa:
