@@ -313,7 +313,7 @@ def _make_retriever(kb, question_encoder, retrieval: str, *, allow_encoder_chang
                 f"{kb.path}: has no BM25 index, but retrieval='bm25'; rebuild the knowledge base with bm25=True "
                 "(`rag index build --bm25`) or use retrieval='dense'"
             )
-        return BM25Retriever(kb.bm25, kb.get_passages, kb_version=kb.version)
+        return BM25Retriever(kb.bm25, kb.get_passages, kb_version=kb.version, knowledge_base=kb)
     check_compatible(kb, question_encoder.dim, None)
     return DenseRetriever(kb, question_encoder, allow_encoder_change=allow_encoder_change)
 
@@ -367,10 +367,7 @@ class RagModel(nn.Module):
         self.generator_tokenizer = generator_tokenizer
         self._check_generator_tokens()
 
-        self._bm25_kb = None  # the knowledge base behind a BM25 retriever, when known (for save_pretrained)
         if isinstance(retriever, KnowledgeBase):
-            if config.retrieval == "bm25":
-                self._bm25_kb = retriever
             retriever = _make_retriever(retriever, question_encoder, config.retrieval)
         if config.retrieval == "bm25":
             if not isinstance(retriever, BM25Retriever):
@@ -474,8 +471,7 @@ class RagModel(nn.Module):
     @property
     def knowledge_base(self):
         """The knowledge base the retriever currently reads (None for a BM25 retriever over bare passages)."""
-        kb = getattr(self.retriever, "knowledge_base", None)
-        return kb if kb is not None else self._bm25_kb
+        return getattr(self.retriever, "knowledge_base", None)
 
     @property
     def decoder_start_token_id(self) -> Optional[int]:
