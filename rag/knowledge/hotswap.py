@@ -10,7 +10,11 @@ that is serving requests:
    requests) and checked against the retriever (dimension, metric, document-encoder
    identity; a BM25 retriever loads the new BM25 index) *before* the swap lock is taken,
    on the caller's thread — never on the request path. A request running meanwhile is not
-   blocked by anything.
+   blocked by anything. Then the new version is pre-warmed (``prewarm=True``,
+   :meth:`~rag.knowledge.knowledge_base.KnowledgeBase.prewarm`): every page of its memory-mapped
+   index, embeddings and passages is made resident and mapped, gently, so that its first requests
+   after the swap do not fault them in from the disk one page at a time (hundreds of ms per
+   request for a version that is not, or no longer, in the page cache).
 2. Under the lock, one reference changes (``retriever.set_knowledge_base``). The lock
    only serialises swaps against each other; requests never take it.
 3. A request that started on the old knowledge base finishes on it: retrievers read
@@ -63,7 +67,7 @@ class SwapResult:
     new_version: str
     """Version that serves now."""
     seconds: float
-    """Whole swap: open + verify + validate + commit."""
+    """Whole swap: open + verify + validate + prewarm + commit."""
     load_seconds: float
     """Opening and verifying the new knowledge base (0 when it was already open), off the request path."""
     commit_seconds: float
@@ -77,6 +81,10 @@ class SwapResult:
     """Commit order: the slot's n-th successful swap (results sorted by seq form a chain old -> new)."""
     at: str
     """UTC time of the commit (ISO 8601)."""
+    prewarm_seconds: float = 0.0
+    """Pre-warming the new knowledge base before the commit (0 when disabled), off the request path."""
+    prewarmed_bytes: int = 0
+    """Bytes of memory-mapped files pre-warmed (0 when disabled, failed, or nothing is mapped)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -159,6 +167,13 @@ class KnowledgeBaseSlot:
         release_wait: seconds to wait for the last holder of a swapped-out knowledge base to let
             go before giving up on closing it; its mapped pages are then released (harmless to a
             holder still reading) and it is freed whenever that holder drops it.
+        prewarm: pre-warm the new knowledge base before each swap's commit (default; see
+            :meth:`KnowledgeBase.prewarm <rag.knowledge.knowledge_base.KnowledgeBase.prewarm>`);
+            :meth:`swap` / :meth:`swap_back` can override it per call. A failure to pre-warm is
+            logged and the swap goes ahead.
+        prewarm_chunk: bytes per pre-warming step.
+        prewarm_pause: seconds between pre-warming steps that found their pages cached (after a
+            step that read from the disk it pauses as long as the read took).
 
     Raises:
         ConfigError: `retriever` cannot be swapped (it lacks ``knowledge_base`` /
@@ -166,7 +181,8 @@ class KnowledgeBaseSlot:
     """
 
     def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True,
-                 verify_nice: Optional[int] = 10, release_wait: float = 60.0):
+                 verify_nice: Optional[int] = 10, release_wait: float = 60.0, prewarm: bool = True,
+                 prewarm_chunk: int = 8 << 20, prewarm_pause: float = 0.001):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
                 f"{type(retriever).__name__} cannot hot-swap its knowledge base: it needs a `knowledge_base` attribute and "
@@ -180,7 +196,16 @@ class KnowledgeBaseSlot:
             raise ConfigError(f"verify_nice must be None or an integer niceness in [0, 19], got {verify_nice!r}")
         if not isinstance(release_wait, (int, float)) or isinstance(release_wait, bool) or not release_wait >= 0:
             raise ConfigError(f"release_wait must be a number of seconds >= 0, got {release_wait!r}")
+        if not isinstance(prewarm, bool):
+            raise ConfigError(f"prewarm must be True or False, got {prewarm!r}")
+        if not isinstance(prewarm_chunk, int) or isinstance(prewarm_chunk, bool) or prewarm_chunk < 1:
+            raise ConfigError(f"prewarm_chunk must be a positive number of bytes, got {prewarm_chunk!r}")
+        if not isinstance(prewarm_pause, (int, float)) or isinstance(prewarm_pause, bool) or not prewarm_pause >= 0:
+            raise ConfigError(f"prewarm_pause must be a number of seconds >= 0, got {prewarm_pause!r}")
         self.retriever = retriever
+        self._prewarm_default = prewarm
+        self._prewarm_chunk = prewarm_chunk
+        self._prewarm_pause = float(prewarm_pause)
         self._verify_nice = verify_nice
         self._release_wait = float(release_wait)
         self._lock = threading.Lock()  # serialises commits (swaps against swaps); requests never take it
@@ -244,12 +269,14 @@ class KnowledgeBaseSlot:
         allow_encoder_change: bool = False,
         allow_metric_change: bool = False,
         verify: str = "full",
+        prewarm: Optional[bool] = None,
     ) -> SwapResult:
         """Serve from `path_or_kb` (a knowledge-base directory or an open KnowledgeBase) from now on.
 
         The directory is opened and verified (`verify`: "full" checks every file's SHA-256,
-        "size" only sizes) and checked for compatibility before the swap lock is taken; then
-        the retriever's reference changes in one assignment. Calls already running finish on
+        "size" only sizes) and checked for compatibility before the swap lock is taken, then
+        pre-warmed (`prewarm`, None: the slot's setting); then the retriever's reference changes
+        in one assignment. Calls already running finish on
         the old knowledge base, which is closed after the last of them (see :meth:`_release`).
 
         Raises:
@@ -262,6 +289,7 @@ class KnowledgeBaseSlot:
         load_seconds = time.perf_counter() - t0
         self._precheck(new, allow_encoder_change, allow_metric_change)  # fail fast, still off the lock
         prepared = self._prepare(new, allow_encoder_change)  # e.g. the BM25 index: loaded off the lock
+        warm = self._prewarm(new, prewarm)  # its pages resident before the first request reads them
         with self._lock:
             tc = time.perf_counter()
             old = self.current
@@ -282,9 +310,10 @@ class KnowledgeBaseSlot:
         old_version, old_path = (None, None) if old is None else (old.version, _path_of(old))
         del old, prepared  # this frame must not keep the old knowledge base alive
         self._release(unloaded)  # outside the lock
-        return self._result(old_version, old_path, new, t0, load_seconds, commit_seconds, "swap", seq)
+        return self._result(old_version, old_path, new, t0, load_seconds, commit_seconds, "swap", seq, warm)
 
-    def swap_back(self, *, allow_encoder_change: bool = True, verify: str = "full", _retries: int = 3) -> SwapResult:
+    def swap_back(self, *, allow_encoder_change: bool = True, verify: str = "full", prewarm: Optional[bool] = None,
+                  _retries: int = 3) -> SwapResult:
         """Undo the last swap: serve the previous version again (and drop it from the history).
 
         Repeated calls walk further back. The previous knowledge base is still open when it is
@@ -292,6 +321,8 @@ class KnowledgeBaseSlot:
         directory first (off the lock). `allow_encoder_change` defaults to True, and a metric
         change is accepted, because the version being returned to already served this retriever
         (e.g. before a deliberate encoder or metric change); its dimension is still checked.
+        It is pre-warmed as in :meth:`swap` (`prewarm`): pages of a version kept open may have
+        been reclaimed since it served.
 
         Raises:
             KnowledgeBaseError: there is no previous version, or it can no longer be opened;
@@ -320,6 +351,7 @@ class KnowledgeBaseSlot:
                     )
             self._precheck(target, allow_encoder_change, True)
             prepared = self._prepare(target, allow_encoder_change)
+            warm = self._prewarm(target, prewarm)
             with self._lock:
                 if not self._history or self._history[-1] is not entry:
                     continue  # another swap changed the history while we were loading; look again
@@ -337,7 +369,7 @@ class KnowledgeBaseSlot:
                 unloaded.append(old)  # swap_back forgets the version it leaves: release it too
             del old, prepared
             self._release(unloaded)
-            return self._result(old_version, old_path, target, t0, load_seconds, commit_seconds, "swap_back", seq)
+            return self._result(old_version, old_path, target, t0, load_seconds, commit_seconds, "swap_back", seq, warm)
         raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
 
     # ------------------------------------------------------------------ internals
@@ -394,6 +426,24 @@ class KnowledgeBaseSlot:
             return prepare(new, allow_encoder_change=allow_encoder_change)
         except RagError as e:
             raise type(e)(f"swap refused, still serving {self.version}: {e}") from e
+
+    def _prewarm(self, new, prewarm: Optional[bool]) -> tuple[float, int]:
+        """Pre-warm `new` off the lock if enabled (`prewarm` None: the slot's default); returns
+        (seconds, bytes). Never raises an Exception: a swap must not fail because its new
+        knowledge base could not be pre-warmed (its first requests are then merely slower)."""
+        if prewarm is None:
+            prewarm = self._prewarm_default
+        fn = getattr(new, "prewarm", None)
+        if not prewarm or not callable(fn):
+            return 0.0, 0
+        t = time.perf_counter()
+        try:
+            done = int(fn(chunk=self._prewarm_chunk, pause=self._prewarm_pause) or 0)
+        except Exception as e:  # noqa: BLE001 - an optimisation only: log and swap anyway
+            logger.warning("could not pre-warm knowledge base %s (%s: %s); swapping without it", getattr(new, "version", "?"),
+                           type(e).__name__, e)
+            done = 0
+        return time.perf_counter() - t, done
 
     def _commit(self, new, allow_encoder_change: bool, allow_metric_change: bool, prepared=None) -> None:
         """Under the lock: re-check against what serves now (no I/O), then the one reference assignment
@@ -495,7 +545,8 @@ class KnowledgeBaseSlot:
             if t.is_alive():
                 return False
 
-    def _result(self, old_version, old_path, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int) -> SwapResult:
+    def _result(self, old_version, old_path, new, t0: float, load_s: float, commit_s: float, kind: str, seq: int,
+                warm: tuple[float, int] = (0.0, 0)) -> SwapResult:
         res = SwapResult(
             old_version=old_version,
             new_version=new.version,
@@ -507,9 +558,11 @@ class KnowledgeBaseSlot:
             kind=kind,
             seq=seq,
             at=_now(),
+            prewarm_seconds=warm[0],
+            prewarmed_bytes=warm[1],
         )
-        logger.info("%s: %s -> %s in %.3f s (load %.3f s, lock held %.6f s)", kind, res.old_version, res.new_version,
-                    res.seconds, load_s, commit_s)
+        logger.info("%s: %s -> %s in %.3f s (load %.3f s, prewarm %.3f s, lock held %.6f s)", kind, res.old_version,
+                    res.new_version, res.seconds, load_s, warm[0], commit_s)
         return res
 
     def __repr__(self) -> str:
