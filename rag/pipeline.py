@@ -178,7 +178,7 @@ class RagPipeline:
 
     def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
         from rag.generation.decoding import teacher_forced_logprobs
-        from rag.generation.detokenize import decode_answer
+        from rag.generation.detokenize import decode_answer, lowercases, restore_case
 
         tok = self.model.generator_tokenizer
         batch, k = inputs.doc_scores.shape
@@ -194,6 +194,7 @@ class RagPipeline:
             ctx = rows[:, None] * k + torch.arange(k, device=seqs.device)
             token_lp = teacher_forced_logprobs(self.model.generator, contexts, seqs, ctx)  # (R, K, T-1)
         special = set(tok.all_special_ids)
+        uncased = lowercases(tok)
         answers = []
         for r in range(seqs.shape[0]):
             b = int(rows[r])
@@ -209,6 +210,9 @@ class RagPipeline:
                 post = torch.softmax(seq_terms, 0).tolist()
             else:
                 post = [float("nan")] * k
+            if uncased:  # take the answer's casing from the passages it was read from, best first
+                order = sorted(range(k), key=lambda j: -(post[j] if not math.isnan(post[j]) else prior[b, j].item()))
+                text = restore_case(text, [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}" for j in order])
             if marg == "token" and token_lp is not None and keep:
                 real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
                 per_tok = log_prior[b][:, None] + token_lp[r][:, real]  # (K, T)

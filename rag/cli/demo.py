@@ -4,31 +4,44 @@ from __future__ import annotations
 
 from rag.cli.index import _print_results
 
-DEFAULT_QUESTIONS = [
-    "which element did Henry Cavendish discover?",
-    "what is the atomic number of argon?",
-    "what element is essential for bones and teeth?",
+DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements)
+    "what is the chemical symbol of tungsten?",
+    "what is the atomic number of lead?",
+    "which element has the symbol Cm?",
 ]
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="build the demo knowledge base (if needed) and answer questions from it",
-                       description="Runs the embedded default: the Elements demo corpus, encoded with the bundled all-MiniLM-L6-v2.")
-    p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} examples)")
+    p = sub.add_parser("demo", help="answer questions with the bundled demo model and knowledge base (offline)",
+                       description="Runs the embedded default: the demo RAG model (checkpoints/demo) answering from the Elements "
+                                   "corpus encoded with the bundled all-MiniLM-L6-v2. The knowledge base is built on first use.")
+    p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} held-out examples)")
     p.add_argument("--kb", default=None, help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
-    p.add_argument("-k", type=int, default=3)
+    p.add_argument("-k", type=int, default=3, help="passages shown per answer")
+    p.add_argument("--retrieve-only", action="store_true", help="print the top-k passages only (no generation)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
     from rag.demo.kb import ensure_demo_kb
-    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
     kb = ensure_demo_kb(args.kb)
+    questions = args.questions or DEFAULT_QUESTIONS
     if not args.json:
         print(f"demo knowledge base: {kb.path} ({kb.version}, {len(kb)} passages, {kb.index_spec.kind})")
-    questions = args.questions or DEFAULT_QUESTIONS
-    retriever = DenseRetriever(kb, default_query_encoder(kb))
-    _print_results(questions, retriever.retrieve(questions, args.k), args.json)
+    if args.retrieve_only:
+        from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+
+        _print_results(questions, DenseRetriever(kb, default_query_encoder(kb)).retrieve(questions, args.k), args.json)
+        return 0
+    from rag.cli.generate import print_answer
+    from rag.demo.model import demo_checkpoint_dir
+    from rag.pipeline import load
+
+    pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
+    if not args.json:
+        print(f"demo model: {demo_checkpoint_dir()} (see checkpoints/README.md for how it was trained and how well it does)")
+    for a in pipe.generate(questions, num_beams=1, max_new_tokens=16):
+        print_answer(a, as_json=args.json, show_passages=args.k)
     return 0

@@ -28,6 +28,23 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_generate)
 
 
+def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=None) -> None:
+    """One answer: a JSON line with full provenance, or the answer, its score and knowledge-base version,
+    and its best passages by posterior (prior when there is none)."""
+    if as_json:
+        print(json.dumps(a.to_dict(), ensure_ascii=False))
+        return
+    print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
+    ranked = sorted(a.passages, key=lambda p: -(p.posterior if p.posterior is not None else p.prior))
+    for p in ranked[:show_passages]:
+        post = f"{p.posterior:.3f}" if p.posterior is not None else "  -  "
+        print(f"   posterior {post}  prior {p.prior:.3f}  {p.title} [{p.id}]")
+        body = p.text if len(p.text) <= 160 else p.text[:157] + "..."
+        print(textwrap.fill(body, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
+    if heatmap:
+        print(f"   heatmap: {heatmap}")
+
+
 def cmd_generate(args) -> int:
     from pathlib import Path
 
@@ -41,21 +58,11 @@ def cmd_generate(args) -> int:
         answers = pipe.generate(batch, n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization,
                                 decoding=args.decoding, max_new_tokens=args.max_new_tokens)
         for a in answers:
+            heatmap = None
             if args.heatmap_dir and a.token_doc_posterior:
                 n_written += 1
-                a_path = plot_token_posterior(a, Path(args.heatmap_dir) / f"answer_{n_written:04d}.png")
-            if args.json:
-                print(json.dumps(a.to_dict(), ensure_ascii=False))
-                continue
-            print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
-            ranked = sorted(a.passages, key=lambda p: -(p.posterior if p.posterior is not None else p.prior))
-            for p in ranked[: args.show_passages]:
-                post = f"{p.posterior:.3f}" if p.posterior is not None else "  -  "
-                print(f"   posterior {post}  prior {p.prior:.3f}  {p.title} [{p.id}]")
-                body = p.text if len(p.text) <= 160 else p.text[:157] + "..."
-                print(textwrap.fill(body, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
-            if args.heatmap_dir and a.token_doc_posterior:
-                print(f"   heatmap: {a_path}")
+                heatmap = plot_token_posterior(a, Path(args.heatmap_dir) / f"answer_{n_written:04d}.png")
+            print_answer(a, as_json=args.json, show_passages=args.show_passages, heatmap=heatmap)
         sys.stdout.flush()
 
     batch: list[str] = []

@@ -15,6 +15,27 @@ _OPEN = re.compile(r"([(\[]) ")
 _CLOSE = re.compile(r" ([)\]])")
 
 
+def lowercases(tokenizer) -> bool:
+    """True when the tokenizer lower-cases its input (uncased BERT-family vocabularies)."""
+    if getattr(tokenizer, "do_lower_case", False):
+        return True
+    normalizer = getattr(getattr(tokenizer, "backend_tokenizer", None), "normalizer", None)
+    return "lowercase" in repr(normalizer).lower()
+
+
+def restore_case(text: str, sources: Sequence[str]) -> str:
+    """The casing `text` has in the first of `sources` that contains it as whole words (case-insensitively);
+    `text` unchanged when none does. An uncased generator answers "fe"; its passage says "Fe"."""
+    if not text:
+        return text
+    pattern = re.compile(r"(?<!\w)" + re.escape(text) + r"(?!\w)", re.IGNORECASE)
+    for source in sources:
+        found = pattern.search(source)
+        if found:
+            return found.group(0)
+    return text
+
+
 def is_wordpiece(tokenizer) -> bool:
     """True for a tokenizer whose model is WordPiece (BERT-family)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)

@@ -32,3 +32,14 @@ def test_bpe_tokenizer_untouched(bpe_tokenizer):
     assert is_wordpiece(bpe_tokenizer) is False
     ids = bpe_tokenizer(" 28. 088 ( x )")["input_ids"]
     assert decode_answer(bpe_tokenizer, ids) == bpe_tokenizer.decode(ids, skip_special_tokens=True).strip()
+
+
+def test_restore_case_takes_the_passages_casing(minilm_tokenizer, bpe_tokenizer):
+    from rag.generation.detokenize import lowercases, restore_case
+
+    assert lowercases(minilm_tokenizer) and not lowercases(bpe_tokenizer)
+    passages = ["Iron / Symbol: Fe. Atomic number: 26.", "Fermium / Symbol: Fm."]
+    assert restore_case("fe", passages) == "Fe"
+    assert restore_case("fm", passages[::-1]) == "Fm"
+    assert restore_case("f", passages) == "f"  # not a whole word anywhere: unchanged
+    assert restore_case("28.088", passages) == "28.088"
