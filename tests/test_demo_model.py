@@ -15,14 +15,20 @@ REPORT = Path(__file__).resolve().parents[1] / "checkpoints" / "demo" / "eval.js
 
 
 @pytest.fixture(scope="module")
-def demo_pipe(tmp_path_factory):
-    import os
-
+def demo_cache(tmp_path_factory) -> Path:
+    """A $RAG_CACHE holding the demo knowledge base, built once for the module."""
     from rag.demo.kb import ensure_demo_kb
+
+    cache = tmp_path_factory.mktemp("rag_cache")
+    ensure_demo_kb(cache / "demo_kb", show_progress=False)
+    return cache
+
+
+@pytest.fixture(scope="module")
+def demo_pipe(demo_cache):
     from rag.pipeline import load
 
-    kb = ensure_demo_kb(tmp_path_factory.mktemp("demo") / "kb", show_progress=False)
-    return load("demo", knowledge_base=kb.path)
+    return load("demo", knowledge_base=demo_cache / "demo_kb")
 
 
 def test_checkpoint_is_small_and_references_its_encoders():
@@ -50,20 +56,54 @@ def test_held_out_exact_match_is_what_checkpoints_readme_reports(demo_pipe):
     assert recorded > 0.1  # the model answers from the knowledge base (closed-book: 0)
 
 
-def test_rag_demo_cli_answers(tmp_path, capsys, monkeypatch):
+def test_rag_demo_cli_answers(demo_cache, tmp_path, capsys, monkeypatch):
     from rag.cli import main
 
-    monkeypatch.setenv("RAG_CACHE", str(tmp_path))
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
     assert main(["demo", "what is the atomic number of argon?", "--json"]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(lines) == 1 and lines[0]["question"] == "what is the atomic number of argon?"
     assert lines[0]["passages"] and lines[0]["kb_version"]
 
 
-def test_rag_demo_retrieve_only_prints_passages(tmp_path, capsys, monkeypatch):
+def test_rag_demo_retrieve_only_prints_passages(demo_cache, tmp_path, capsys, monkeypatch):
     from rag.cli import main
 
-    monkeypatch.setenv("RAG_CACHE", str(tmp_path))
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
     assert main(["demo", "which element has the symbol W?", "--retrieve-only", "-k", "2", "--json"]) == 0
     hits = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(hits) == 1 and len(hits[0]["passages"]) == 2
+
+
+def test_rag_generate_cli_arguments_file_stdin_and_heatmaps(demo_cache, tmp_path, capsys, monkeypatch):
+    """`rag generate` (default model: the demo) reads questions from arguments, --file or stdin."""
+    import io
+
+    from rag.cli import main
+
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    assert main(["generate", "what is the chemical symbol of tungsten?"]) == 0
+    out = capsys.readouterr().out
+    assert "Q: what is the chemical symbol of tungsten?" in out and "\nA: W " in out and "Tungsten [elements/tungsten]" in out
+
+    qfile = tmp_path / "q.txt"
+    qfile.write_text("what is the atomic number of lead?\n\nwhich element has the symbol Cm?\n")
+    assert main(["generate", "--file", str(qfile), "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["question"] for r in rows] == ["what is the atomic number of lead?", "which element has the symbol Cm?"]
+    assert [r["text"] for r in rows] == ["82", "Curium"]
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("what is the chemical symbol of tungsten?\n"))
+    figs = tmp_path / "figs"
+    assert main(["generate", "--marginalization", "token", "--heatmap-dir", str(figs)]) == 0
+    assert "heatmap:" in capsys.readouterr().out and len(list(figs.glob("*.png"))) == 1
+
+
+def test_rag_generate_cli_rejects_bad_input(demo_cache, tmp_path, capsys, monkeypatch):
+    from rag.cli import main
+
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    assert main(["generate", "   "]) != 0
+    assert "questions[0] is empty" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path / "missing"), "a question"]) != 0
+    assert "missing" in capsys.readouterr().err

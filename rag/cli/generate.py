@@ -12,7 +12,7 @@ from rag.cli.index import read_queries
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="answer questions (arguments, --file, or one per line on stdin) with a RAG model",
                        description="Answer questions with a RAG model. Default model: the bundled demo.")
-    p.add_argument("questions", nargs="*", help="questions; none = read --file or stdin")
+    p.add_argument("queries", nargs="*", metavar="questions", help="questions; none = read --file or stdin")
     p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, or 'demo' (default)")
     p.add_argument("--kb", default=None, help="knowledge-base directory (default: the one the checkpoint references)")
     p.add_argument("--file", default=None, help="read questions from this file, one per line")
