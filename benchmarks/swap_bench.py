@@ -171,32 +171,20 @@ def _instrument() -> list[tuple[str, float, float]]:
     import rag.knowledge.knowledge_base as kbmod
 
     phases: list[tuple[str, float, float]] = []
-    hash_files, close, prewarm = kbmod.sha256_files, KnowledgeBase.close, KnowledgeBase.prewarm
 
-    def timed_hash(paths, *, nice=None):
-        t0 = time.perf_counter()
-        try:
-            return hash_files(paths, nice=nice)
-        finally:
-            phases.append(("hash", t0, time.perf_counter()))
+    def timed(phase: str, fn):
+        def wrapper(*args, **kw):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                phases.append((phase, t0, time.perf_counter()))
 
-    def timed_close(self, **kw):
-        t0 = time.perf_counter()
-        try:
-            return close(self, **kw)
-        finally:
-            phases.append(("release", t0, time.perf_counter()))
+        return wrapper
 
-    def timed_prewarm(self, **kw):
-        t0 = time.perf_counter()
-        try:
-            return prewarm(self, **kw)
-        finally:
-            phases.append(("prewarm", t0, time.perf_counter()))
-
-    kbmod.sha256_files = timed_hash
-    KnowledgeBase.close = timed_close
-    KnowledgeBase.prewarm = timed_prewarm
+    kbmod.sha256_files = timed("hash", kbmod.sha256_files)
+    KnowledgeBase.close = timed("release", KnowledgeBase.close)
+    KnowledgeBase.prewarm = timed("prewarm", KnowledgeBase.prewarm)
     return phases
 
 

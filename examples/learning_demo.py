@@ -68,7 +68,6 @@ from rag.generation.detokenize import decode_answer  # noqa: E402
 from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
 from rag.knowledge.encoders import TextEncoder  # noqa: E402
 from rag.models.rag_model import RagModel, RagModelConfig  # noqa: E402
-from rag.generation.contexts import ContextFormat  # noqa: E402
 from rag.models.warm_start import build_warm_start_generator, cache_encoder_outputs, load_generator  # noqa: E402
 from rag.training.data import expand_answers, read_qa  # noqa: E402
 from rag.training.modules import generate_answers, warmup_linear_decay  # noqa: E402
@@ -236,6 +235,14 @@ def _per_type(examples, preds) -> dict:
     return {t: round(float(m.compute()), 4) for t, m in sorted(em.items())}
 
 
+def _generate_alone(model: RagModel, inputs: list[str], gcfg: GenerationConfig, max_length: int) -> list[str]:
+    """Greedy answers of the generator on the given input strings (one context each, prior 1)."""
+    enc = model.generator_tokenizer(inputs, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    ctx = encode_contexts(model.generator, enc["input_ids"], enc["attention_mask"])
+    out = rag_token_generate(model.generator, ctx, torch.zeros(len(inputs), 1), gcfg)
+    return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
+
+
 @torch.no_grad()
 def evaluate(model: RagModel, system: str, examples, cfg: DemoConfig, bs: int = 34) -> dict:
     """Greedy answers to `examples`: EM, F1, per-question-type EM, and (RAG) recall@k."""
@@ -247,21 +254,12 @@ def evaluate(model: RagModel, system: str, examples, cfg: DemoConfig, bs: int = 
     for i in range(0, len(examples), bs):
         chunk = examples[i:i + bs]
         qs, golds = [e.question for e in chunk], [list(e.answers) for e in chunk]
-        if system == "reader":  # the generator alone, reading the gold passage
-            fmt = ContextFormat(title_sep=model.config.title_sep, doc_sep=model.config.doc_sep)
-            gold = [_GOLD[q] for q in qs]
-            enc = model.generator_tokenizer([str(fmt.context(p.title, p.text, q)) for p, q in zip(gold, qs)], padding=True,
-                                            truncation=True, max_length=cfg.max_context_length, return_tensors="pt")
-            ctx = encode_contexts(model.generator, enc["input_ids"], enc["attention_mask"])
-            out = rag_token_generate(model.generator, ctx, torch.zeros(len(qs), 1), gcfg)
-            answers = [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
-            tops = [p.title for p in gold]
-        elif system == "closed-book":
-            enc = model.generator_tokenizer(qs, padding=True, truncation=True, max_length=32, return_tensors="pt")
-            ctx = encode_contexts(model.generator, enc["input_ids"], enc["attention_mask"])
-            out = rag_token_generate(model.generator, ctx, torch.zeros(len(qs), 1), gcfg)
-            answers = [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
-            tops = [None] * len(qs)
+        if system in ("reader", "closed-book"):  # the generator alone: on the gold passage, or on the question
+            gold = [_GOLD[q] for q in qs] if system == "reader" else None
+            fmt = model.context_format
+            inputs = qs if gold is None else [str(fmt.context(p.title, p.text, q)) for p, q in zip(gold, qs)]
+            answers = _generate_alone(model, inputs, gcfg, cfg.max_context_length)
+            tops = [None] * len(qs) if gold is None else [p.title for p in gold]
         else:
             answers, retrieved, _ = generate_answers(model, qs, num_beams=1, max_new_tokens=cfg.max_new_tokens)
             deep, _ = model.retrieve(qs, n_docs=max(RECALL_AT))

@@ -611,7 +611,7 @@ class RagModel(nn.Module):
         tokenizer, as transformers' ``RagRetriever`` does: the query-encoder ids (``question_input_ids``
         ``(B, Lq)``, tokenized here if None) decoded with ``skip_special_tokens=True``.
         """
-        from rag.generation.contexts import ContextFormat, build_contexts
+        from rag.generation.contexts import build_contexts
 
         questions = list(questions)
         if self.config.hf_compat:
@@ -619,12 +619,16 @@ class RagModel(nn.Module):
                 question_input_ids = self._tokenize_questions(questions)["input_ids"]
             # Same strings as contexts.question_round_trip, without tokenizing a second time.
             questions = self.question_encoder.tokenizer.batch_decode(question_input_ids.tolist(), skip_special_tokens=True)
-        fmt = ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=self._prefix())
-        return build_contexts(questions, retrieved.passages, fmt)
+        return build_contexts(questions, retrieved.passages, self.context_format)
 
-    def _prefix(self) -> str:
+    @property
+    def context_format(self):
+        """How this model joins a passage and a question (:class:`~rag.generation.contexts.ContextFormat`)."""
+        from rag.generation.contexts import ContextFormat
+
         # transformers reads the prefix from the generator's config (T5 task prefixes), not RagConfig.
-        return getattr(self.generator.config, "prefix", None) or ""
+        prefix = getattr(self.generator.config, "prefix", None) or ""
+        return ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=prefix)
 
     def prepare_inputs(self, questions: Sequence[str], n_docs: Optional[int] = None) -> RagInputs:
         """Retrieve and build the tokenized generator contexts for B questions (what decoding needs)."""
@@ -859,17 +863,15 @@ class RagModel(nn.Module):
         the input is the question alone: a closed-book seq2seq model (the paper's Table 1 baseline)
         trained and scored exactly like the RAG systems it is compared with.
         """
-        from rag.generation.contexts import ContextFormat
-
         questions = _check_strings(questions, "questions")
         targets = _check_strings(targets, "targets")
         if len(questions) != len(targets) or (passages is not None and len(passages) != len(questions)):
             raise RagError(f"got {len(questions)} questions, {len(targets)} targets and "
                            f"{'no' if passages is None else len(passages)} passages; give one target (and passage) per question")
+        fmt = self.context_format
         if passages is None:
-            strings = [self._prefix() + q for q in questions]
+            strings = [fmt.prefix + q for q in questions]
         else:
-            fmt = ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=self._prefix())
             strings = [fmt.context(p.title, p.text, q) for q, p in zip(questions, passages)]
         ids, mask, n_truncated = self._tokenize_contexts(strings)
         device = _device_of(self.generator)
