@@ -10,6 +10,11 @@ memorises their answers instead of learning to copy them from the passage (measu
   encoder's, **frozen and tied to its output layer**: "emit the token I attend to" then generalises to
   tokens never seen as training targets.
 
+With ``pointer=True`` it also gets a copy head (:mod:`rag.models.pointer`, a pointer-generator): it can
+emit a passage token by pointing at it, which it learns within minutes instead of hours (measured on the
+Elements demo: given the gold passage, dev EM 0.66 after 4 CPU-minutes of reading practice, against 0.05
+after 8 and 0.24 after 30 without it).
+
 It is an ordinary ``AutoModelForSeq2SeqLM`` for everything downstream (:class:`~rag.models.rag_model.RagModel`,
 :mod:`rag.generation.decoding`). Checkpoints stay small: :func:`save_generator` writes only the trained
 weights (decoder minus its word embeddings, ~30 MB for 3 layers instead of ~170 MB) and records the
@@ -48,15 +53,19 @@ def build_warm_start_generator(
     decoder_heads: Optional[int] = None,
     decoder_ffn: Optional[int] = None,
     dropout: float = 0.0,
+    pointer: bool = False,
     seed: Optional[int] = None,
 ):
     """A fresh generator: pretrained frozen `encoder` + a `decoder_layers`-layer BERT decoder sharing
     (frozen, tied) its word embeddings. Returns ``(EncoderDecoderModel, tokenizer)``.
 
+    `pointer` adds a copy head (:mod:`rag.models.pointer`): the generator can emit a context token by
+    pointing at it, which a small generator learns far sooner than regenerating the token.
+
     Decoding starts at ``[CLS]`` and ends at ``[SEP]`` (targets are tokenised as ``[CLS] answer [SEP]``,
     as :meth:`RagModel.tokenize_targets` does). `decoder_heads` / `decoder_ffn` default to the encoder's.
     """
-    from transformers import AutoTokenizer, BertConfig, BertLMHeadModel, EncoderDecoderModel
+    from transformers import AutoTokenizer, BertConfig, BertLMHeadModel
 
     from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
 
@@ -64,7 +73,7 @@ def build_warm_start_generator(
         raise ConfigError(f"decoder_layers must be a positive integer, got {decoder_layers!r}")
     path = resolve_name_or_path(encoder)
     try:
-        enc = _frozen_encoder(path)
+        enc = _frozen_encoder(path, pointer)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot load {encoder!r} as a BERT-family encoder and tokenizer for the warm-started generator: {e}") from e
@@ -81,18 +90,32 @@ def build_warm_start_generator(
     dec = BertLMHeadModel(dcfg)
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
-    gen = EncoderDecoderModel(encoder=enc, decoder=dec)
-    _configure(gen, tok, {"encoder": encoder, "fingerprint": weights_fingerprint(enc)})
+    gen = _model_class(pointer)(encoder=enc, decoder=dec)
+    record = {"encoder": encoder, "fingerprint": weights_fingerprint(enc)}
+    if pointer:
+        record["pointer"] = True
+    _configure(gen, tok, record)
     return gen, tok
 
 
-def _frozen_encoder(path: str):
-    """The pretrained BERT-family encoder without its pooler (a seq2seq encoder only needs token states)."""
+def _frozen_encoder(path: str, pointer: bool = False):
+    """The pretrained BERT-family encoder without its pooler (a seq2seq encoder only needs token states);
+    for a `pointer` generator, one whose outputs carry the token ids."""
     from transformers import BertModel
 
-    enc = BertModel.from_pretrained(path)
+    from rag.models.pointer import pointer_encoder_class
+
+    enc = (pointer_encoder_class(BertModel) if pointer else BertModel).from_pretrained(path)
     enc.pooler = None
     return enc
+
+
+def _model_class(pointer: bool) -> type:
+    from transformers import EncoderDecoderModel
+
+    from rag.models.pointer import pointer_model_class
+
+    return pointer_model_class() if pointer else EncoderDecoderModel
 
 
 def _configure(gen, tok, record: dict) -> None:
@@ -153,7 +176,7 @@ def load_generator(path: Union[str, os.PathLike]):
             the weights file lacks or has extra tensors.
     """
     from safetensors.torch import load_file
-    from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig, EncoderDecoderModel
+    from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig
 
     from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
 
@@ -163,8 +186,9 @@ def load_generator(path: Union[str, os.PathLike]):
     if not isinstance(record, dict) or "encoder" not in record or "fingerprint" not in record:
         raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY!r} is missing or incomplete; save the generator again")
     name = record["encoder"]
+    pointer = bool(record.get("pointer", False))
     try:
-        enc = _frozen_encoder(resolve_name_or_path(name))
+        enc = _frozen_encoder(resolve_name_or_path(name), pointer)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path / 'config.json'}: the generator's frozen encoder {name!r} cannot be loaded here: {e}") from e
     found = weights_fingerprint(enc)
@@ -176,7 +200,7 @@ def load_generator(path: Union[str, os.PathLike]):
     dec = BertLMHeadModel(cfg.decoder)
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
-    gen = EncoderDecoderModel(encoder=enc, decoder=dec)
+    gen = _model_class(pointer)(encoder=enc, decoder=dec)
     tok = AutoTokenizer.from_pretrained(path)
     _configure(gen, tok, record)
     weights = path / WEIGHTS_FILE

@@ -25,11 +25,11 @@ CONTEXTS = ["Iron / Symbol: Fe. Atomic number: 26. // what is the symbol of iron
 TARGETS = ["Fe", "noble gas"]
 
 
-@pytest.fixture(scope="module")
-def built(tiny_bert_dir):
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=2, seed=0)
+@pytest.fixture(scope="module", params=[False, True], ids=["plain", "pointer"])
+def built(tiny_bert_dir, request):
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=2, pointer=request.param, seed=0)
     with torch.no_grad():  # move the decoder away from its initialisation so round trips are meaningful
-        for p in gen.decoder.parameters():
+        for p in gen.parameters():
             if p.requires_grad:
                 p.add_(0.02 * torch.randn_like(p))
     return gen.eval(), tok
@@ -50,7 +50,7 @@ def test_encoder_and_embeddings_frozen_and_tied(built):
     assert torch.equal(emb, gen.encoder.embeddings.word_embeddings.weight)
     assert gen.config.decoder_start_token_id == tok.cls_token_id and gen.config.eos_token_id == tok.sep_token_id
     trainable = {n for n, p in gen.named_parameters() if p.requires_grad}
-    assert trainable and all(n.startswith("decoder.") for n in trainable)
+    assert trainable and all(n.startswith(("decoder.", "copy_")) for n in trainable)
 
 
 def test_save_load_round_trip_keeps_only_trained_weights(built, tmp_path):
@@ -130,12 +130,13 @@ def test_greedy_decoding_matches_transformers_generate(built):
     assert torch.equal(ours.sequences[:, :width], ref[:, :width])
 
 
-def test_rag_model_checkpoint_references_the_encoder(tiny_bert_dir, tmp_path, demo_passages):
+@pytest.mark.parametrize("pointer", [False, True], ids=["plain", "pointer"])
+def test_rag_model_checkpoint_references_the_encoder(tiny_bert_dir, tmp_path, demo_passages, pointer):
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
     kb = KnowledgeBase.build(demo_passages[:12], TextEncoder(tiny_bert_dir), tmp_path / "kb", index="flat", show_progress=False)
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, seed=0)
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=pointer, seed=0)
     model = RagModel(TextEncoder(tiny_bert_dir), gen, tok, kb, RagModelConfig(n_docs=2, max_context_length=64)).train()
     assert not model.generator.encoder.training  # the frozen encoder stays deterministic
     generator_params = {id(p) for p in model.parameter_groups()["generator"]}
@@ -148,6 +149,7 @@ def test_rag_model_checkpoint_references_the_encoder(tiny_bert_dir, tmp_path, de
     saved = {p.relative_to(tmp_path / "ck").as_posix() for p in (tmp_path / "ck").rglob("*") if p.is_file()}
     assert "generator/model.safetensors" in saved
     loaded = RagModel.from_pretrained(tmp_path / "ck")
+    assert type(loaded.generator) is type(gen)
     torch.testing.assert_close(loaded(questions, answers).loss, want, rtol=0, atol=1e-6)
     assert torch.isfinite(loss)
 

@@ -1,0 +1,127 @@
+"""A copy (pointer) head for the warm-started generator: emit a context token by pointing at it.
+
+A small generator fine-tuned on a few hundred QA pairs learns slowly to *copy* an answer it has never
+produced before (a symbol, a number, a year) out of the passage: it has to rebuild the token's
+identity from the encoder's contextual states. A pointer-generator (See et al. 2017, "Get To The
+Point") makes copying a first-class action. At decoder step ``t`` with final state ``h_t``,
+
+    p(y_t) = g_t · softmax(W h_t)[y_t]  +  (1 - g_t) · Σ_{j : x_j = y_t} a_tj,
+    a_t = softmax_j(q(h_t) · k(m_j) / sqrt(d)),   g_t = sigmoid(w · h_t + b),
+
+over the context tokens ``x_j`` with encoder states ``m_j``: the model learns *where* to look, and the
+copy itself needs no learning. The generator returns ``log p`` as its logits, so every consumer that
+takes a log-softmax (RAG marginalisation, decoding) gets ``log p`` back unchanged.
+
+To point, the head needs each context's token ids at every decoder step, including when only the
+encoder outputs are passed around (our decoding, transformers' ``generate``, the encoder-output cache).
+The encoder therefore returns its states with the token ids in :data:`ID_CHANNELS` trailing channels
+(``id // 256`` and ``id % 256``: integers below 256 are exact in bfloat16 and float16 too), so anything
+that stores, reorders, pads or caches encoder outputs keeps them aligned with the states without
+knowing about them. :func:`split_memory` takes them back off.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+ID_CHANNELS = 2
+"""Trailing channels of the pointer encoder's output that carry the context token ids."""
+_BASE = 256
+
+
+def attach_ids(states: Tensor, input_ids: Tensor) -> Tensor:
+    """Encoder states `(N, S, H)` + their token ids `(N, S)` -> memory `(N, S, H + ID_CHANNELS)`."""
+    high, low = torch.div(input_ids, _BASE, rounding_mode="floor"), torch.remainder(input_ids, _BASE)
+    return torch.cat([states, high.to(states.dtype)[..., None], low.to(states.dtype)[..., None]], dim=-1)
+
+
+def split_memory(memory: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`attach_ids`: `(states (N, S, H), token ids (N, S) long)`."""
+    ids = memory[..., -2].round().long() * _BASE + memory[..., -1].round().long()
+    return memory[..., :-ID_CHANNELS], ids
+
+
+def copy_log_probs(vocab_logits: Tensor, gate_logits: Tensor, copy_scores: Tensor, source_ids: Tensor,
+                   source_mask: Optional[Tensor] = None) -> Tensor:
+    """Log-probabilities of the pointer-generator mixture (module docstring), computed in float32.
+
+    Args:
+        vocab_logits: `(N, T, V)` the language-model head's logits.
+        gate_logits: `(N, T, 1)` logit of `g_t`, the probability of generating from the vocabulary.
+        copy_scores: `(N, T, S)` pointer attention scores over the context tokens.
+        source_ids: `(N, S)` the context token ids (in `[0, V)`).
+        source_mask: `(N, S)` 1 on real context tokens, 0 on padding (None: all real).
+
+    Returns:
+        `(N, T, V)` `log p(y_t = v)`; each row log-sums to 0.
+    """
+    scores = copy_scores.float()
+    if source_mask is not None:
+        scores = scores.masked_fill(~source_mask.bool()[:, None, :], float("-inf"))
+    attention = scores.softmax(-1)  # (N, T, S)
+    index = source_ids[:, None, :].expand(-1, scores.shape[1], -1)
+    p_copy = torch.zeros(vocab_logits.shape, dtype=torch.float32, device=vocab_logits.device).scatter_add_(-1, index, attention)
+    gate = gate_logits.float()
+    log_generate = torch.nn.functional.logsigmoid(gate) + vocab_logits.float().log_softmax(-1)
+    log_copy = torch.nn.functional.logsigmoid(-gate) + p_copy.clamp_min(1e-30).log()  # clamp: no 0 * inf gradient
+    return torch.logaddexp(log_generate, log_copy)
+
+
+@functools.lru_cache(maxsize=None)
+def pointer_encoder_class(base: type) -> type:
+    """`base` (a transformers encoder class) whose ``last_hidden_state`` carries the input ids
+    (:func:`attach_ids`)."""
+
+    class PointerEncoder(base):
+        def forward(self, input_ids=None, attention_mask=None, **kwargs):
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            if input_ids is None:
+                raise ValueError("the pointer generator's encoder needs input_ids (it copies context tokens), not inputs_embeds")
+            out.last_hidden_state = attach_ids(out.last_hidden_state, input_ids)
+            return out
+
+    PointerEncoder.__name__ = PointerEncoder.__qualname__ = f"Pointer{base.__name__}"
+    return PointerEncoder
+
+
+@functools.lru_cache(maxsize=None)
+def pointer_model_class() -> type:
+    """The pointer-generator ``EncoderDecoderModel`` subclass (defined lazily: transformers loads on use)."""
+    from transformers import EncoderDecoderModel
+    from transformers.modeling_outputs import BaseModelOutput
+
+    class PointerEncoderDecoderModel(EncoderDecoderModel):
+        """``EncoderDecoderModel`` + copy head. Its encoder must be a :func:`pointer_encoder_class` one;
+        ``logits`` are the mixture's log-probabilities (:func:`copy_log_probs`)."""
+
+        def __init__(self, config=None, encoder=None, decoder=None):
+            super().__init__(config=config, encoder=encoder, decoder=decoder)
+            d, e = self.decoder.config.hidden_size, self.encoder.config.hidden_size
+            self.copy_query = nn.Linear(d, d)
+            self.copy_key = nn.Linear(e, d)
+            self.copy_gate = nn.Linear(d, 1)
+
+        def forward(self, input_ids=None, attention_mask=None, encoder_outputs=None, labels=None, **kwargs):
+            from transformers.modeling_outputs import Seq2SeqLMOutput
+
+            if encoder_outputs is None:
+                encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
+            memory = encoder_outputs[0]
+            states, source_ids = split_memory(memory)
+            kwargs["decoder_output_hidden_states"] = True
+            out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
+            h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
+            scores = self.copy_query(h) @ self.copy_key(states).transpose(1, 2) / math.sqrt(h.shape[-1])
+            logits = copy_log_probs(out.logits, self.copy_gate(h), scores, source_ids, attention_mask)
+            loss = None
+            if labels is not None:
+                loss = nn.functional.nll_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+            return Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+                                   encoder_last_hidden_state=memory)
+
+    return PointerEncoderDecoderModel
