@@ -90,5 +90,5 @@ def test_pointer_generator_learns_to_copy_tokens_it_never_saw_as_targets(tiny_be
 
     torch.manual_seed(0)
     with_pointer, without = train_and_test(True), train_and_test(False)
-    assert with_pointer >= 0.6, with_pointer  # measured 0.77 after 80 steps
+    assert with_pointer >= 0.6, with_pointer  # measured 0.94
     assert without <= 0.1, without  # measured 0.0
