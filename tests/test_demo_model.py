@@ -53,7 +53,7 @@ def test_held_out_exact_match_is_what_checkpoints_readme_reports(demo_pipe):
         em.update([a.text for a in answers], [list(e.answers) for e in chunk])
     recorded = json.loads(REPORT.read_text())["dev"]["em"]
     assert float(em.compute()) == pytest.approx(recorded, abs=0.02)
-    assert recorded > 0.1  # the model answers from the knowledge base (closed-book: 0)
+    assert recorded > 0.4  # it answers from the knowledge base (the closed-book model of the learning demo: 0.0)
 
 
 def test_rag_demo_cli_answers(demo_cache, tmp_path, capsys, monkeypatch):
@@ -82,9 +82,9 @@ def test_rag_generate_cli_arguments_file_stdin_and_heatmaps(demo_cache, tmp_path
     from rag.cli import main
 
     monkeypatch.setenv("RAG_CACHE", str(demo_cache))
-    assert main(["generate", "what is the chemical symbol of tungsten?"]) == 0
+    assert main(["generate", "what is the chemical symbol of mercury?"]) == 0
     out = capsys.readouterr().out
-    assert "Q: what is the chemical symbol of tungsten?" in out and "\nA: W " in out and "Tungsten [elements/tungsten]" in out
+    assert "Q: what is the chemical symbol of mercury?" in out and "\nA: Hg " in out and "Mercury [elements/mercury]" in out
 
     qfile = tmp_path / "q.txt"
     qfile.write_text("what is the atomic number of lead?\n\nwhich element has the symbol Cm?\n")
@@ -93,7 +93,7 @@ def test_rag_generate_cli_arguments_file_stdin_and_heatmaps(demo_cache, tmp_path
     assert [r["question"] for r in rows] == ["what is the atomic number of lead?", "which element has the symbol Cm?"]
     assert [r["text"] for r in rows] == ["82", "Curium"]
 
-    monkeypatch.setattr("sys.stdin", io.StringIO("what is the chemical symbol of tungsten?\n"))
+    monkeypatch.setattr("sys.stdin", io.StringIO("what is the chemical symbol of mercury?\n"))
     figs = tmp_path / "figs"
     assert main(["generate", "--marginalization", "token", "--heatmap-dir", str(figs)]) == 0
     assert "heatmap:" in capsys.readouterr().out and len(list(figs.glob("*.png"))) == 1

@@ -5,7 +5,7 @@ from __future__ import annotations
 from rag.cli.index import _print_results
 
 DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements)
-    "what is the chemical symbol of tungsten?",
+    "what is the chemical symbol of mercury?",
     "what is the atomic number of lead?",
     "which element has the symbol Cm?",
 ]
