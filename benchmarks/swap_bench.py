@@ -60,7 +60,20 @@ engineer's 2-process training job): prewarm 17.7 s (after the cold verification)
 first requests on the new version (<= 5 s after each commit) p99 139 / 179 / 169 ms, worst extra latency 145 /
 219 / 260 ms, against the interleaved control's p99 145 ms, max 802 ms; the worst stalls (0.8-1.5 s) were during
 the cold verification, before the switch, on the version still serving. 0 requests lost. Peak mapped files
-9.7 GB (the previous version is kept open for swap_back, and both are fully mapped). Re-measure on a quiet machine.
+9.7 GB (the previous version is kept open for swap_back, and both are fully mapped).
+
+On a quiet machine (nothing else running; load average 0.8 before, 2.3 after, i.e. this benchmark alone;
+results/swap_bench_500000_quiet.json), 3 swaps with pre-warming, the first verifying B from the disk
+(37 s): longest extra latency of an in-flight request 27 / 19 / 31 ms per swap (cold one first), so
+< 50 ms for cold and cached swaps alike; 17 ms for requests in flight at the reference change; the
+interleaved control 22 ms and the baseline noise floor 14.5 ms; p99 12.9 ms overlapping swaps vs 11.0
+in the control; first requests on the new version p99 10-14 ms; lock held 131 µs; 0 of 47,783 requests
+lost. The 0.3-1.5 s stalls of the loaded runs above did not occur without the other load, cold
+verification included. The same with 10 swaps (results/swap_bench_500000_quiet10.json, load 1.0 before):
+per swap 16 (cold), 20, 16, 54, 18, 24, 21, 27, 31, 13 ms; the 54 ms was a request overlapping the
+checksumming of a cached version, while the interleaved no-swap control's worst in the same run was
+143 ms (p99 10.8 ms vs 12.4 overlapping swaps), so single outliers of this size are the machine's, not
+the swap's; requests in flight at the reference change <= 4.8 ms; 0 of 101,662 requests lost.
 
 Before this change (checksums in the swapping thread, 10 cached swaps at load average 11-18) the longest extra
 latency was 138 ms; before two earlier fixes 264 ms, 159 ms at the reference change: a full garbage
