@@ -135,6 +135,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> tuple[DemoConfig, argpar
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {','.join(SYSTEMS)}")
     p.add_argument("--jobs", type=int, default=1, help="systems trained at once, each in its own process")
     p.add_argument("--eval-splits", default="dev,test", help="held-out splits to evaluate at the end")
+    p.add_argument("--eval-limit", type=int, default=0, help="evaluate on the first N questions of each split only (0: all)")
     p.add_argument("--kb", type=Path, default=None, help="demo knowledge-base directory (default: rag's cache)")
     p.add_argument("--reader", type=Path, default=None, help="pre-trained generator directory (default: cached by configuration)")
     p.add_argument("--save-frozen", type=Path, default=None, help="save the trained RAG-Frozen model here")
@@ -192,7 +193,13 @@ def reader_dir(cfg: DemoConfig) -> Path:
     return cache_dir() / f"demo_reader-{digest}"
 
 
-def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None) -> tuple[Path, dict]:
+def held_out(split: str, limit: int = 0) -> list:
+    """The demo's `split` questions (the first `limit` of them when `limit` > 0)."""
+    examples = read_qa(f"demo:{split}")
+    return examples[:limit] if limit > 0 else examples
+
+
+def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None, eval_limit: int = 0) -> tuple[Path, dict]:
     """The shared pre-trained generator: a fresh warm-started generator trained only on reading practice
     (randomised facts in training passages, each with its passage) for ``pretrain_minutes`` CPU minutes.
     It is this demo's stand-in for BART's pre-training: it learns to read, and it knows no held-out fact.
@@ -212,7 +219,7 @@ def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None) -> tuple[Pat
         pool = practice_pool(model.generator_tokenizer, cfg, cfg.pretrain_pool, cfg.seed + 11)
         logger.info("=== reader: pre-training on %d reading-practice examples, budget %.1f CPU-min on %d threads",
                     len(pool), cfg.pretrain_minutes, cfg.pretrain_threads)
-        stats = train(model, "reader", [], pool, read_qa("demo:dev"), cfg)
+        stats = train(model, "reader", [], pool, held_out("dev", eval_limit), cfg)
     finally:
         torch.set_num_threads(threads)
     record = {"train": dataclasses.asdict(stats), "pool": len(pool), "threads": cfg.pretrain_threads}
@@ -382,11 +389,11 @@ def run_system(system: str, cfg: DemoConfig, args, reader: Path) -> dict:
     model = build_model(kb, cfg, system, reader)
     pairs = expand_answers(read_qa("demo:train"))
     pool = practice_pool(model.generator_tokenizer, cfg, cfg.practice_pool, cfg.seed + 1)
-    dev = read_qa("demo:dev")
+    dev = held_out("dev", args.eval_limit)
     logger.info("=== %s: %d training pairs, %d practice examples, budget %.1f CPU-min", system, len(pairs), len(pool), cfg.minutes)
     stats = train(model, system, pairs, pool, dev, cfg)
     t = time.process_time()
-    ev = {s: evaluate(model, system, read_qa(f"demo:{s}"), cfg) for s in args.eval_splits.split(",") if s}
+    ev = {s: evaluate(model, system, held_out(s, args.eval_limit), cfg) for s in args.eval_splits.split(",") if s}
     for s, e in ev.items():
         logger.info("%s %s: EM %.3f F1 %.3f %s", system, s, e["em"], e["f1"],
                     " ".join(f"R@{k} {e[f'recall@{k}']:.3f}" for k in RECALL_AT if f"recall@{k}" in e))
@@ -487,7 +494,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     splits = [s for s in args.eval_splits.split(",") if s]
     t_all = time.monotonic()
     kb = ensure_demo_kb(args.kb, show_progress=False)  # built once, before any child starts
-    reader, pretraining = ensure_reader(kb, cfg, args.reader)  # pre-trained once, before any child starts
+    reader, pretraining = ensure_reader(kb, cfg, args.reader, args.eval_limit)  # pre-trained once, before any child starts
 
     results: dict = {
         "config": dataclasses.asdict(cfg),

@@ -107,3 +107,34 @@ def test_rag_generate_cli_rejects_bad_input(demo_cache, tmp_path, capsys, monkey
     assert "questions[0] is empty" in capsys.readouterr().err
     assert main(["generate", "--model", str(tmp_path / "missing"), "a question"]) != 0
     assert "missing" in capsys.readouterr().err
+
+
+def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, monkeypatch):
+    """examples/learning_demo.py with seconds of budget: the pointer reader is pre-trained and cached, two
+    systems train from it in child processes, and the report has the metrics each system should have."""
+    import torch
+
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    monkeypatch.syspath_prepend(str(REPORT.parents[2] / "examples"))
+    import learning_demo as demo
+
+    cfg, _ = demo.parse_args(["--no-pointer"])
+    assert cfg.pointer is False and demo.DemoConfig().pointer is True
+    out, reader = tmp_path / "out", tmp_path / "reader"
+    argv = ["--systems", "rag-token,closed-book", "--jobs", "2", "--minutes", "0.03", "--pretrain-minutes", "0.03",
+            "--curve-points", "1", "--eval-splits", "dev", "--eval-limit", "12", "--pretrain-pool", "64", "--practice-pool", "64",
+            "--kb", str(demo_cache / "demo_kb"), "--reader", str(reader), "--out", str(out)]
+    threads = torch.get_num_threads()
+    try:
+        assert demo.main(argv) == 0
+    finally:
+        torch.set_num_threads(threads)  # main() sets the demo's 1 thread
+    assert json.loads((reader / "config.json").read_text())["rag_warm_start"].get("pointer") is True
+    assert json.loads((reader / "pretraining.json").read_text())["train"]["steps"] >= 1
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["systems"]) == {"rag-token", "closed-book"}
+    token, closed = results["systems"]["rag-token"]["eval"]["dev"], results["systems"]["closed-book"]["eval"]["dev"]
+    assert token["n"] == closed["n"] == 12 and 0.0 <= token["em"] <= 1.0 and 0.0 <= closed["em"] <= 1.0
+    assert 0.0 < token["recall@3"] <= 1.0 and "recall@3" not in closed
+    assert (out / "learning_demo.png").stat().st_size > 0
+    assert "| RAG-Token |" in (out / "results.md").read_text()

@@ -79,9 +79,9 @@ def pointer_encoder_class(base: type) -> type:
 
     class PointerEncoder(base):
         def forward(self, input_ids=None, attention_mask=None, **kwargs):
-            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             if input_ids is None:
                 raise ValueError("the pointer generator's encoder needs input_ids (it copies context tokens), not inputs_embeds")
+            out = super().forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
             out.last_hidden_state = attach_ids(out.last_hidden_state, input_ids)
             return out
 
