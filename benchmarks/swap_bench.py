@@ -78,7 +78,10 @@ checksumming of a cached version, while the interleaved no-swap control's worst 
 version, delaying both request threads at once. With --verify size (no checksums;
 results/swap_bench_500000_quiet10_verify_size.json) all 10 swaps stayed <= 28 ms, the first pre-warming
 3.3 GB from the disk in 12.6 s. So 21 of 23 fully verified swaps met the < 50 ms target and the two
-outliers point at the checksum child; not yet met in every run.
+outliers point at the checksum child; not yet met in every run. Tried and reverted: pausing the checksum
+child after every chunk as long as the chunk took (half duty, also for cached reads): cached verification
+took 25-27 s instead of 7-9 s, and the worst pauses got no better (115 ms on the cold swap, with the
+whole process stalled, and 45 ms on a cached one; 15-26 ms otherwise).
 
 Before this change (checksums in the swapping thread, 10 cached swaps at load average 11-18) the longest extra
 latency was 138 ms; before two earlier fixes 264 ms, 159 ms at the reference change: a full garbage
