@@ -106,6 +106,14 @@ def pointer_model_class() -> type:
             self.copy_key = nn.Linear(e, d)
             self.copy_gate = nn.Linear(d, 1)
 
+        def copy_scores(self, h: Tensor, states: Tensor) -> Tensor:
+            """Pointer scores `(N, T, S)` = q(h_t) · k(m_j) / sqrt(d), with k(m) = W_k m + b_k applied on the
+            query side, ((q W_k) · m_j + q · b_k): the states `(N, S, e)` are never projected, so a decoding
+            step costs `T x e` instead of `S x e x d` per row (the states are the same at every step)."""
+            q = self.copy_query(h)  # (N, T, d)
+            scores = (q @ self.copy_key.weight) @ states.transpose(1, 2) + (q @ self.copy_key.bias)[..., None]
+            return scores / math.sqrt(h.shape[-1])
+
         def forward(self, input_ids=None, attention_mask=None, encoder_outputs=None, labels=None, **kwargs):
             from transformers.modeling_outputs import Seq2SeqLMOutput
 
@@ -116,7 +124,7 @@ def pointer_model_class() -> type:
             kwargs["decoder_output_hidden_states"] = True
             out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
             h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
-            scores = self.copy_query(h) @ self.copy_key(states).transpose(1, 2) / math.sqrt(h.shape[-1])
+            scores = self.copy_scores(h, states)
             logits = copy_log_probs(out.logits, self.copy_gate(h), scores, source_ids, attention_mask)
             loss = None
             if labels is not None:
