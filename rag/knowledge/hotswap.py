@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
+from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE
 
 logger = logging.getLogger(__name__)
 
@@ -182,7 +183,7 @@ class KnowledgeBaseSlot:
 
     def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True,
                  verify_nice: Optional[int] = 10, release_wait: float = 60.0, prewarm: bool = True,
-                 prewarm_chunk: int = 8 << 20, prewarm_pause: float = 0.001):
+                 prewarm_chunk: int = PREWARM_CHUNK, prewarm_pause: float = PREWARM_PAUSE):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
                 f"{type(retriever).__name__} cannot hot-swap its knowledge base: it needs a `knowledge_base` attribute and "
