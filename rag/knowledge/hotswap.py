@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
-from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE
+from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE, HashPriority, check_hash_priority
 
 logger = logging.getLogger(__name__)
 
@@ -150,9 +150,6 @@ class KnowledgeBaseSlot:
             ``set_knowledge_base(kb, allow_encoder_change=...)`` that validates and assigns one
             reference (:class:`~rag.knowledge.retriever.DenseRetriever`). Use :meth:`for_model`
             for a :class:`~rag.models.rag_model.RagModel` or a pipeline.
-        history: how many previous versions :attr:`history` remembers (>= 1).
-        keep_loaded: how many of those stay open in memory for an instant :meth:`swap_back`
-            (0..history). Each open knowledge base holds its index in memory.
             A retriever may also offer ``prepare_knowledge_base(kb, allow_encoder_change=...)``
             (:class:`~rag.knowledge.bm25.BM25Retriever`: loads the new BM25 index): the slot calls it
             off the lock and passes its result to ``set_knowledge_base(kb, ..., prepared=result)``.
@@ -163,8 +160,10 @@ class KnowledgeBaseSlot:
             :meth:`_release`). False: inside the swap call when no call is using them any more,
             else still on the background thread once the last one finishes.
         verify_nice: niceness of the child process that checksums a new knowledge base
-            (``verify="full"``), so that hashing gigabytes yields the CPU to requests; None
-            hashes in the swapping thread at normal priority (it still releases the GIL).
+            (``verify="full"``), so that hashing gigabytes yields the CPU to requests; ``"idle"``
+            runs it under SCHED_IDLE (requests always preempt it, but a saturated machine starves
+            it: see :func:`~rag.knowledge.knowledge_base.sha256_files`); None hashes in the
+            swapping thread at normal priority (it still releases the GIL).
         release_wait: seconds to wait for the last holder of a swapped-out knowledge base to let
             go before giving up on closing it; its mapped pages are then released (harmless to a
             holder still reading) and it is freed whenever that holder drops it.
@@ -182,7 +181,7 @@ class KnowledgeBaseSlot:
     """
 
     def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True,
-                 verify_nice: Optional[int] = 10, release_wait: float = 60.0, prewarm: bool = True,
+                 verify_nice: HashPriority = 10, release_wait: float = 60.0, prewarm: bool = True,
                  prewarm_chunk: int = PREWARM_CHUNK, prewarm_pause: float = PREWARM_PAUSE):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
@@ -193,8 +192,7 @@ class KnowledgeBaseSlot:
             raise ConfigError(f"history must be a positive integer, got {history!r}")
         if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
             raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
-        if verify_nice is not None and (not isinstance(verify_nice, int) or isinstance(verify_nice, bool) or not 0 <= verify_nice <= 19):
-            raise ConfigError(f"verify_nice must be None or an integer niceness in [0, 19], got {verify_nice!r}")
+        check_hash_priority(verify_nice, "verify_nice")
         if not isinstance(release_wait, (int, float)) or isinstance(release_wait, bool) or not release_wait >= 0:
             raise ConfigError(f"release_wait must be a number of seconds >= 0, got {release_wait!r}")
         if not isinstance(prewarm, bool):
