@@ -134,19 +134,33 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
          "romeo sierra tango uniform victor whiskey xray yankee zulu").split()
 
 
-# An independent process that sleeps 1 ms at a time and records every oversleep > 5 ms (start, ms) on the
-# clock the benchmark's own timestamps use. A stall it shares with the benchmark's requests is machine-wide
-# (the hypervisor, the host or the guest kernel), not something the swap did inside the serving process.
+# An independent process that sleeps 1 ms at a time and records every oversleep > 5 ms on the clock the
+# benchmark's own timestamps use: (start, ms, steal ms), the last being the CPU time the hypervisor took from
+# this VM (/proc/stat "steal", all CPUs, 10 ms ticks) between the probe's last 100 ms sample and the end of
+# the stall. A stall it shares with the benchmark's requests is machine-wide (the hypervisor, the host or the
+# guest kernel), not something the swap did inside the serving process.
 _PROBE = """
-import json, signal, sys, time
+import json, os, signal, sys, time
+tick = 1e3 / os.sysconf("SC_CLK_TCK")
+def steal():
+    try:
+        with open("/proc/stat") as f:
+            return int(f.readline().split()[8]) * tick
+    except (OSError, IndexError, ValueError):
+        return 0.0
 stalls, stop = [], []
 signal.signal(signal.SIGTERM, lambda *a: stop.append(1))
-last = time.perf_counter()
+last = sampled = time.perf_counter()
+base = steal()
 while not stop:
     time.sleep(0.001)
     now = time.perf_counter()
     if now - last - 0.001 > 0.005:
-        stalls.append((last, 1e3 * (now - last - 0.001)))
+        s = steal()
+        stalls.append((last, 1e3 * (now - last - 0.001), s - base))
+        base, sampled = s, now
+    elif now - sampled > 0.1:
+        base, sampled = steal(), now
     last = now
 json.dump(stalls, open(sys.argv[1], "w"))
 """
@@ -257,8 +271,7 @@ def run(args) -> dict:
         tags[KnowledgeBase.open(p, verify="none").version] = tag
     retriever = DenseRetriever(KnowledgeBase.open(paths["A"], verify=args.verify), types.SimpleNamespace(dim=args.dim))
     # (no other reference to the first knowledge base: the slot closes it once it is swapped out and unused)
-    in_thread = args.verify_nice != "idle" and args.verify_nice < 0
-    slot = KnowledgeBaseSlot(retriever, keep_loaded=1, verify_nice=None if in_thread else args.verify_nice,
+    slot = KnowledgeBaseSlot(retriever, keep_loaded=1, verify_nice=None if args.verify_nice < 0 else args.verify_nice,
                              prewarm=args.prewarm)
     queries = torch.from_numpy(clustered_embeddings(4096, args.dim, seed=0, stream=1))
     phases = _instrument()
@@ -382,7 +395,7 @@ def run(args) -> dict:
     # Requests that overlap a machine-wide stall (the independent probe process overslept >= --machine-stall-ms
     # at the same time): their extra latency is not the swap's doing. The probe's stall rate during swaps vs
     # baseline / control shows whether the swap itself (e.g. its hashing child) makes the probe stall.
-    big_stalls = [(t, t + g / 1e3) for t, g in machine_stalls if g >= args.machine_stall_ms]
+    big_stalls = [(t, t + g / 1e3) for t, g, _ in machine_stalls if g >= args.machine_stall_ms]
     in_machine_stall = lambda r: overlaps(r, big_stalls)  # noqa: E731
     target = 50.0
     over = [r for r in during if 1e3 * (r[1] - r[0]) - base_p50 >= target]
@@ -390,9 +403,14 @@ def run(args) -> dict:
 
     def stall_rate(ws) -> dict:
         secs = sum(e - s for s, e in ws)
-        hits = [g for t, g in machine_stalls if g >= args.machine_stall_ms and any(s <= t <= e for s, e in ws)]
+        def phase(t: float) -> str:
+            return next((name for name, ws_ in (("hashing", hashing), ("prewarm", prewarms), ("release", releases))
+                         if any(s <= t <= e for s, e in ws_)), "other")
+
+        hits = [(g, st, phase(t)) for t, g, st in machine_stalls if g >= args.machine_stall_ms and any(s <= t <= e for s, e in ws)]
         return {"seconds": round(secs, 1), "stalls": len(hits), "per_min": round(60 * len(hits) / secs, 2) if secs else None,
-                "max_ms": round(max(hits, default=0.0), 1)}
+                "max_ms": round(max((g for g, _, _ in hits), default=0.0), 1),
+                "each_ms_steal_ms_phase": [(round(g, 1), round(st), ph) for g, st, ph in hits]}
 
     n_started = started[0]
     n_done = len(records)
@@ -485,7 +503,7 @@ def print_table(r: dict) -> None:
           f"{r['kb']['bytes_on_disk'] / 1e9:.2f} GB each, verify={r['kb']['verify']}; "
           f"{r['config']['workers']} request threads x batch {r['config']['batch']}, k={r['config']['k']}")
     vn = r["config"].get("verify_nice", -1)
-    where = ("a SCHED_IDLE child process" if vn == "idle" else "the swapping thread" if vn < 0 else f"a child process at nice {vn}")
+    where = "the swapping thread" if vn < 0 else f"a child process at nice {vn}"
     print(f"checksums: in {where}; "
           f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
           f"on {r['machine']['cpus']} CPUs (shared machine)")
@@ -548,10 +566,9 @@ def main(argv=None) -> int:
     p.add_argument("--out-dir", default=str(HERE / ".cache" / "swap_bench"), help="where the two knowledge bases are built")
     p.add_argument("--rebuild", action="store_true", help="rebuild the knowledge bases even if present")
     p.add_argument("--verify", default="full", choices=["full", "size", "none"])
-    p.add_argument("--verify-nice", type=lambda v: v if v == "idle" else int(v), default=10,
+    p.add_argument("--verify-nice", type=int, default=10,
                    help="niceness of the child process that checksums the new knowledge base (KnowledgeBaseSlot "
-                        "verify_nice; default 10), or 'idle' (SCHED_IDLE); -1 hashes in the swapping thread at the "
-                        "process's priority")
+                        "verify_nice; default 10); -1 hashes in the swapping thread at the process's priority")
     p.add_argument("--workers", type=int, default=2, help="request threads")
     p.add_argument("--batch", type=int, default=4, help="queries per request")
     p.add_argument("-k", type=int, default=10)

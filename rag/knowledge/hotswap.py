@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
-from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE, HashPriority, check_hash_priority
+from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE, check_niceness
 
 logger = logging.getLogger(__name__)
 
@@ -160,10 +160,8 @@ class KnowledgeBaseSlot:
             :meth:`_release`). False: inside the swap call when no call is using them any more,
             else still on the background thread once the last one finishes.
         verify_nice: niceness of the child process that checksums a new knowledge base
-            (``verify="full"``), so that hashing gigabytes yields the CPU to requests; ``"idle"``
-            runs it under SCHED_IDLE (requests always preempt it, but a saturated machine starves
-            it: see :func:`~rag.knowledge.knowledge_base.sha256_files`); None hashes in the
-            swapping thread at normal priority (it still releases the GIL).
+            (``verify="full"``), so that hashing gigabytes yields the CPU to requests; None
+            hashes in the swapping thread at normal priority (it still releases the GIL).
         release_wait: seconds to wait for the last holder of a swapped-out knowledge base to let
             go before giving up on closing it; its mapped pages are then released (harmless to a
             holder still reading) and it is freed whenever that holder drops it.
@@ -181,7 +179,7 @@ class KnowledgeBaseSlot:
     """
 
     def __init__(self, retriever, *, history: int = 8, keep_loaded: int = 1, background_release: bool = True,
-                 verify_nice: HashPriority = 10, release_wait: float = 60.0, prewarm: bool = True,
+                 verify_nice: Optional[int] = 10, release_wait: float = 60.0, prewarm: bool = True,
                  prewarm_chunk: int = PREWARM_CHUNK, prewarm_pause: float = PREWARM_PAUSE):
         if not callable(getattr(retriever, "set_knowledge_base", None)) or not hasattr(retriever, "knowledge_base"):
             raise ConfigError(
@@ -192,7 +190,7 @@ class KnowledgeBaseSlot:
             raise ConfigError(f"history must be a positive integer, got {history!r}")
         if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
             raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
-        check_hash_priority(verify_nice, "verify_nice")
+        check_niceness(verify_nice, "verify_nice")
         if not isinstance(release_wait, (int, float)) or isinstance(release_wait, bool) or not release_wait >= 0:
             raise ConfigError(f"release_wait must be a number of seconds >= 0, got {release_wait!r}")
         if not isinstance(prewarm, bool):

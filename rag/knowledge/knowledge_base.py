@@ -31,7 +31,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -72,19 +72,12 @@ PREWARM_PAUSE = 0.001
 # process serving requests, without ever holding that process's GIL.
 _HASH_SCRIPT = """
 import hashlib, os, sys, time
-want = sys.argv[1]
-if want == "idle":  # SCHED_IDLE: any waking normal task preempts us at once; nice 19 where unavailable
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        want = "19"
-if want != "idle":
-    try:
-        now = os.nice(0)
-        if now < int(want):
-            os.nice(int(want) - now)
-    except (AttributeError, OSError):
-        pass
+try:
+    now = os.nice(0)
+    if now < int(sys.argv[1]):
+        os.nice(int(sys.argv[1]) - now)
+except (AttributeError, OSError):
+    pass
 parent = int(sys.argv[2])
 buf = bytearray(%d)
 view = memoryview(buf)
@@ -123,40 +116,31 @@ for name in sys.argv[3:]:
 """ % _YIELD_CHUNK
 
 
-HashPriority = Union[int, Literal["idle"], None]
-"""Where :func:`sha256_files` hashes: None in the calling thread; an int niceness (0-19) or "idle" in a child."""
+def check_niceness(value: Any, what: str) -> None:
+    """Raise ConfigError unless `value` is None or an integer niceness in [0, 19]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19):
+        raise ConfigError(f"{what} must be None or an integer niceness in [0, 19], got {value!r}")
 
 
-def check_hash_priority(value: Any, what: str) -> None:
-    """Raise ConfigError unless `value` is a valid :data:`HashPriority`."""
-    if value is None or value == "idle":
-        return
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19:
-        raise ConfigError(f'{what} must be None, an integer niceness in [0, 19] or "idle", got {value!r}')
-
-
-def sha256_files(paths: Sequence[Path], *, nice: HashPriority = None) -> list[str]:
+def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:
     """Hex SHA-256 of each file, in order.
 
     `nice` None hashes in this thread, 4 MiB at a time (reads and hashing release the GIL, so
     other threads keep running). An integer hashes in a child interpreter started at that
     niceness (Unix; 10 gives it roughly a tenth of a core that nice-0 threads want), so that
     verifying a large knowledge base yields the CPU to the threads serving requests and never
-    holds their GIL. ``"idle"`` runs the child under SCHED_IDLE (Linux; nice 19 elsewhere):
-    every waking request thread preempts it at once, but on a saturated machine it gets almost
-    no CPU (hashing a cached file against two busy nice-0 processes on 2 cores: 7 MB/s, vs
-    17 at nice 19 and 128 at nice 10). The child also yields the disk: it reads 1 MiB at a time without
+    holds their GIL. The child also yields the disk: it reads 1 MiB at a time without
     readahead and, after a read that was not in the page cache (``preadv`` with RWF_NOWAIT
     tells), pauses as long as that read took, so that the page faults of a server reading a
     memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files are
     hashed in this thread.
     """
-    check_hash_priority(nice, "nice")
+    check_niceness(nice, "nice")
     paths = [Path(p) for p in paths]
     if nice is not None and paths:
         # Started through nice(1) where available, so that even the interpreter's start-up runs at low priority.
         wrapper = shutil.which("nice")
-        prefix = [wrapper, "-n", "19" if nice == "idle" else str(nice)] if wrapper else []
+        prefix = [wrapper, "-n", str(nice)] if wrapper else []
         try:
             proc = subprocess.run(
                 [*prefix, sys.executable, "-I", "-c", _HASH_SCRIPT, str(nice), str(os.getpid()), *map(os.fspath, paths)],
@@ -658,13 +642,13 @@ class KnowledgeBase:
     # ------------------------------------------------------------------ opening
     @classmethod
     def open(cls, path: str | os.PathLike, *, verify: Verify = "full", mmap: bool = True,
-             hash_nice: HashPriority = None) -> "KnowledgeBase":
+             hash_nice: Optional[int] = None) -> "KnowledgeBase":
         """Open and verify a knowledge-base directory.
 
         `verify="full"` checks every file's SHA-256 against the manifest (reads every
         byte once); `"size"` checks presence and sizes only (instant, for very large
         knowledge bases); `"none"` trusts the directory. `hash_nice`: hash in a child
-        process at this lower priority (a niceness or "idle", see :func:`sha256_files`), e.g. while the same
+        process at this lower priority (see :func:`sha256_files`), e.g. while the same
         process serves requests from another knowledge base.
         """
         import datasets
@@ -703,7 +687,7 @@ class KnowledgeBase:
         return cls(path, manifest, passages, embeddings, index, bm25)
 
     @staticmethod
-    def _verify_files(path: Path, manifest: Manifest, verify: Verify, *, hash_nice: HashPriority = None) -> None:
+    def _verify_files(path: Path, manifest: Manifest, verify: Verify, *, hash_nice: Optional[int] = None) -> None:
         if verify not in ("full", "size", "none"):
             raise RagError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
         if verify == "none":
