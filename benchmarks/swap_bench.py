@@ -103,9 +103,14 @@ with no hashing at all, seen by the independent probe too, no major page faults 
 the kernel's proactive-reclaim thread idle), at roughly 1 per 9 min idle vs 1 per 2 min while hashing
 at nice 10. Variants of the checksum child that did not remove them: nice 19 (2x slower hashing, 60 ms
 worst), SCHED_IDLE (a 160 ms burst in one diagnostic phase; 81 ms in a 10-swap benchmark run; and 7 MB/s
-on a saturated machine vs 128 MB/s at nice 10), hashing from an mmap instead of preadv (86 ms). This VM's
-kernel runs without preemption (``Dynamic Preempt: none``) under a Firecracker hypervisor with free-page
-reporting, which may explain stalls of every process at once; it was not pinned down further. Across the
+on a saturated machine vs 128 MB/s at nice 10), hashing from an mmap instead of preadv (86 ms). A scheduler
+trace (ftrace sched_switch / sched_wakeup, CLOCK_MONOTONIC) of one such stall in an idle phase (a 57 ms
+request, no hashing child alive): both request threads were on a vCPU the whole time, with no other task
+running, yet their requests took 32-57 ms of CPU instead of ~4, while the probe process waited 20-30 ms
+for a CPU: the vCPUs themselves ran slowly (steal time was not recorded in that run). A trace of another
+stall (100 ms, during hashing) showed one request thread asleep on an idle vCPU while the other shared
+the second vCPU with the probe and the nice-10 child. This VM's kernel runs without preemption
+(``Dynamic Preempt: none``) under a Firecracker hypervisor. Across the
 five 10-swap runs with full checksums at the default settings, 47 of 50 swaps stayed under 50 ms.
 
 Before this change (checksums in the swapping thread, 10 cached swaps at load average 11-18) the longest extra
