@@ -108,8 +108,9 @@ trace (ftrace sched_switch / sched_wakeup, CLOCK_MONOTONIC) of one such stall in
 request, no hashing child alive): both request threads were on a vCPU the whole time, with no other task
 running, yet their requests took 32-57 ms of CPU instead of ~4, while the probe process waited 20-30 ms
 for a CPU: the vCPUs themselves ran slowly (steal time was not recorded in that run). A trace of another
-stall (100 ms, during hashing) showed one request thread asleep on an idle vCPU while the other shared
-the second vCPU with the probe and the nice-10 child. This VM's kernel runs without preemption
+stall (100 ms, during hashing) showed one request thread waiting for the GIL on an idle vCPU while the
+other shared the second vCPU with the probe and the nice-10 child; the idle vCPU logged no event at all
+for 100 ms, not even the waiting thread's 5 ms GIL timeout, as if the host resumed the halted vCPU late. This VM's kernel runs without preemption
 (``Dynamic Preempt: none``) under a Firecracker hypervisor. Across the
 five 10-swap runs with full checksums at the default settings, 47 of 50 swaps stayed under 50 ms.
 
