@@ -93,7 +93,7 @@ def pointer_encoder_class(base: type) -> type:
 def pointer_model_class() -> type:
     """The pointer-generator ``EncoderDecoderModel`` subclass (defined lazily: transformers loads on use)."""
     from transformers import EncoderDecoderModel
-    from transformers.modeling_outputs import BaseModelOutput
+    from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
     class PointerEncoderDecoderModel(EncoderDecoderModel):
         """``EncoderDecoderModel`` + copy head. Its encoder must be a :func:`pointer_encoder_class` one;
@@ -115,8 +115,6 @@ def pointer_model_class() -> type:
             return scores / math.sqrt(h.shape[-1])
 
         def forward(self, input_ids=None, attention_mask=None, encoder_outputs=None, labels=None, **kwargs):
-            from transformers.modeling_outputs import Seq2SeqLMOutput
-
             if encoder_outputs is None:
                 encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
             memory = encoder_outputs[0]

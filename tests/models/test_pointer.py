@@ -7,6 +7,7 @@ import torch
 
 from rag.models.pointer import attach_ids, copy_log_probs, split_memory
 
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_token_ids_survive_the_encoder_output_in_every_float_dtype(dtype):
     ids = torch.tensor([[0, 1, 255, 256, 30521, 65535]])
@@ -16,6 +17,7 @@ def test_token_ids_survive_the_encoder_output_in_every_float_dtype(dtype):
     back, got = split_memory(memory)
     assert torch.equal(got, ids) and torch.equal(back, states)
 
+
 def _inputs(gate: float, seed: int = 0):
     g = torch.Generator().manual_seed(seed)
     n, t, s, v = 2, 3, 5, 11
@@ -24,6 +26,7 @@ def _inputs(gate: float, seed: int = 0):
     ids = torch.tensor([[4, 7, 4, 2, 0], [9, 9, 1, 0, 0]])
     mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 0]])
     return vocab, torch.full((n, t, 1), gate), scores, ids, mask
+
 
 def test_mixture_is_a_distribution_that_reduces_to_each_part():
     vocab, _, scores, ids, mask = _inputs(0.0)
@@ -41,6 +44,7 @@ def test_mixture_is_a_distribution_that_reduces_to_each_part():
     assert float(copy[1, :, 0].max()) < 1e-6  # id 0 sits only on padding in row 1
     assert float(copy[0, :, 3].max()) < 1e-6  # an id not in the context
 
+
 def test_gradients_are_finite_where_the_copy_distribution_is_zero():
     vocab, gate, scores, ids, mask = _inputs(0.5)
     for x in (vocab, gate, scores):
@@ -50,6 +54,7 @@ def test_gradients_are_finite_where_the_copy_distribution_is_zero():
     for x in (vocab, gate, scores):
         assert torch.isfinite(x.grad).all()
     assert scores.grad.abs().sum() > 0 and float(scores.grad[mask[:, None, :].expand_as(scores) == 0].abs().max()) == 0
+
 
 def test_pointer_generator_learns_to_copy_tokens_it_never_saw_as_targets(tiny_bert_dir):
     """Trained to answer 'key X' with X for 100 steps on half the vocabulary, a pointer generator copies
