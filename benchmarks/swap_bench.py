@@ -204,12 +204,13 @@ def start_probe(out: Path):
     return subprocess.Popen([sys.executable, "-I", "-c", _PROBE, os.fspath(out)], stdin=subprocess.DEVNULL)
 
 
-def stop_probe(proc, out: Path) -> list[tuple[float, float]]:
-    if proc is None:
-        return []
-    proc.terminate()
-    proc.wait(timeout=30)
+def stop_probe(proc, out: Path) -> list[tuple[float, float, float]]:
+    """Stop the probe; its stalls as (start, ms, steal ms). Removes `out` in every case."""
     try:
+        if proc is None:
+            return []
+        proc.terminate()
+        proc.wait(timeout=30)
         return [tuple(x) for x in json.loads(out.read_text())]
     finally:
         out.unlink(missing_ok=True)
