@@ -169,7 +169,8 @@ WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo li
 # benchmark's own timestamps use: (start, ms, steal ms), the last being the CPU time the hypervisor took from
 # this VM (/proc/stat "steal", all CPUs, 10 ms ticks) between the probe's last 100 ms sample and the end of
 # the stall. A stall it shares with the benchmark's requests is machine-wide (the hypervisor, the host or the
-# guest kernel), not something the swap did inside the serving process.
+# guest kernel), not something the swap did inside the serving process. It exits by itself when the benchmark
+# dies without stopping it (its parent, argv[2], is gone), removing its output file.
 _PROBE = """
 import json, os, signal, sys, time
 tick = 1e3 / os.sysconf("SC_CLK_TCK")
@@ -192,6 +193,12 @@ while not stop:
         base, sampled = s, now
     elif now - sampled > 0.1:
         base, sampled = steal(), now
+        if os.getppid() != int(sys.argv[2]):  # orphaned: nobody will read the stalls
+            try:
+                os.unlink(sys.argv[1])
+            except OSError:
+                pass
+            sys.exit()
     last = now
 json.dump(stalls, open(sys.argv[1], "w"))
 """
@@ -201,7 +208,7 @@ def start_probe(out: Path):
     """Start the machine-stall probe (None where its clock differs from ours: CLOCK_MONOTONIC on Linux)."""
     if "CLOCK_MONOTONIC" not in time.get_clock_info("perf_counter").implementation:
         return None
-    return subprocess.Popen([sys.executable, "-I", "-c", _PROBE, os.fspath(out)], stdin=subprocess.DEVNULL)
+    return subprocess.Popen([sys.executable, "-I", "-c", _PROBE, os.fspath(out), str(os.getpid())], stdin=subprocess.DEVNULL)
 
 
 def stop_probe(proc, out: Path) -> list[tuple[float, float, float]]:
