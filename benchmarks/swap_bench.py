@@ -32,7 +32,9 @@ Measured:
   outside the benchmark: the cause is machine-wide (the guest kernel, or the hypervisor when steal time
   accounts for it), though not necessarily unrelated to the swap (the checksum child runs on the same
   vCPUs); the stall rates per minute in baseline / swaps / control show which. The longest pause
-  outside such stalls is reported next to the raw one; the target is judged on the raw one.
+  outside such stalls is reported next to the raw one; the target is judged on the raw one, and the verdict
+  says when the same run's no-swap control missed it too (the machine's noise floor is then above the target:
+  ``stall_floor.py`` measures that floor directly).
 * **lost requests**: requests that raised, never finished, or returned passages from a version
   other than their ``kb_version`` (mixed results). Target 0.
 * swap timings (load+verify, lock held) and peak RSS.
@@ -113,6 +115,12 @@ other shared the second vCPU with the probe and the nice-10 child; the idle vCPU
 for 100 ms, not even the waiting thread's 5 ms GIL timeout, as if the host resumed the halted vCPU late. This VM's kernel runs without preemption
 (``Dynamic Preempt: none``) under a Firecracker hypervisor. Across the
 five 10-swap runs with full checksums at the default settings, 47 of 50 swaps stayed under 50 ms.
+
+A fourth probe run on 2026-11-23 (results/swap_bench_500000_quiet10_probe4.json; nothing else running, load
+average 1.2 before) missed with 114 ms (per swap 29, 68, 25, 19, 101, 26, 103, 19, 18, 16 ms), and so did its
+no-swap control (68.5 ms): the probe stalled >= 20 ms 7.2 times per minute during swaps and 6.4 in the control
+gaps, its longest stalls (111 and 97 ms) with 210 and 140 ms of hypervisor steal time. Requests in flight at the
+reference change: <= 10.9 ms; lock held <= 0.17 ms; 0 of 107,677 requests lost.
 
 Before this change (checksums in the swapping thread, 10 cached swaps at load average 11-18) the longest extra
 latency was 138 ms; before two earlier fixes 264 ms, 159 ms at the reference change: a full garbage
@@ -534,6 +542,18 @@ def run(args) -> dict:
     return result
 
 
+def target_verdict(P: dict) -> str:
+    """The < target verdict on the raw longest pause, saying when the same run's no-swap control missed it too:
+    then the machine's own noise floor is above the target and the run cannot tell swap pauses from it."""
+    target = P.get("target", 50.0)
+    if P["max_extra_latency_overlapping_swap"] < target:
+        return f"target < {target:g} ms: met"
+    if P["control_max_extra_latency"] >= target:
+        return (f"target < {target:g} ms: MISSED, and so did the no-swap control ({P['control_max_extra_latency']:.0f} ms): "
+                "this machine's noise floor is above the target")
+    return f"target < {target:g} ms: MISSED"
+
+
 def print_table(r: dict) -> None:
     L, P, R, S = r["latency_ms"], r["pause_ms"], r["requests"], r["swaps"]
     M = r.get("machine_stalls", {})
@@ -557,7 +577,7 @@ def print_table(r: dict) -> None:
         ("request latency, overlapping a swap", f"p50 {L['overlapping_a_swap']['p50']:.1f} ms, p99 {L['overlapping_a_swap']['p99']:.1f}, "
                                                 f"max {L['overlapping_a_swap']['max']:.1f}", ""),
         ("longest pause of an in-flight request (max - baseline p50)", f"{P['max_extra_latency_overlapping_swap']:.1f} ms",
-         "target < 50 ms: " + ("met" if P["max_extra_latency_overlapping_swap"] < 50 else "MISSED")),
+         target_verdict(P)),
         *([("  same, outside machine-wide stalls", f"{P['max_extra_latency_overlapping_swap_outside_machine_stalls']:.1f} ms",
             f"{P['requests_over_target']} request(s) over the target, {P['requests_over_target_in_machine_stalls']} of them during "
             f"a machine-wide stall (an independent process overslept >= {M['threshold_ms']:g} ms)")] if M.get("probe") else []),
