@@ -155,14 +155,17 @@ def run(args) -> dict:
 
 
 def summarise(args, records, phases, stalls, child_s: float, load0) -> dict:
-    med = pct([e - s for s, e in records], 50)
+    start, end = np.array(records).reshape(-1, 2).T
+    med = pct((end - start).tolist(), 50)
+    extra_all = 1e3 * (end - start - med)
     out = {}
     for kind in ("idle", *KINDS):
         ws = [(s, e) for k, s, e, _ in phases if k == kind]
         minutes = sum(e - s for s, e in ws) / 60
         stolen = sum(st for k, _, _, st in phases if k == kind)
-        extra = [1e3 * (e - s - med) for s, e in records if any(s < we and e > ws_ for ws_, we in ws)]
-        worst = [max([1e3 * (e - s - med) for s, e in records if s < we and e > ws_], default=0.0) for ws_, we in ws]
+        masks = [(start < we) & (end > ws_) for ws_, we in ws]  # requests overlapping each phase, one pass each
+        worst = [float(extra_all[m].max()) if m.any() else 0.0 for m in masks]
+        extra = extra_all[np.logical_or.reduce(masks)].tolist() if masks else []
         probe = [g for t, g, _ in stalls if any(ws_ <= t < we for ws_, we in ws)]
         out[kind] = {
             "phases": len(ws), "minutes": round(minutes, 2), "requests": len(extra),
