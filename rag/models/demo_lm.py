@@ -385,7 +385,8 @@ def _convert(gguf_path: Path, gguf_sha: str, tmp: Path, show_progress: bool) -> 
 def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
     """Convert the demo LM into :func:`demo_lm_dir` once and return that directory (loadable by ``load_generator``).
 
-    A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
+    ``show_progress=False`` silences rag's bar and transformers' logging bars (transformers' own GGUF de-quantization bar
+    writes to stderr regardless). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
     its checksum; otherwise (or with ``force``) it is rebuilt atomically. A directory there without a manifest was not
     written by this function and is left alone unless ``force`` is given.
     """
