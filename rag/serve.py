@@ -30,7 +30,7 @@ Design:
   a :class:`~rag.errors.RagError` from the model (e.g. `k` larger than the knowledge base) -> 400;
   bodies over `max_body_bytes` -> 413. Every response body is serialisable (error echoes never
   carry the offending value), and messages to the unauthenticated endpoints name no server path.
-* **Bounded requests** (:class:`~rag.serve_limits.ServeLimits`): sizes over the operator's limits
+* **Bounded requests** (:class:`~rag.serve_limits.ServeLimits`, run by :mod:`rag.serve_requests`): sizes over the limits
   -> 422 naming the limit; a request not done after ``request_timeout`` (queueing included) ->
   504; more than ``max_queue`` requests waiting for a model slot -> 503 with ``Retry-After``.
   Generation runs question by question on the model thread and stops at the next question once
@@ -44,25 +44,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
-import json
 import logging
-import math
 import os
-import re
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Callable, Iterator, Literal, Optional, Sequence, Union
+from typing import Annotated, Iterator, Literal, Optional, Sequence, Union
 
 from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag.errors import ConfigError, RagError
 from rag.serve_limits import MAX_BEAMS, MAX_N_DOCS, MAX_NEW_TOKENS, MAX_QUESTIONS, ServeLimits
+from rag.serve_requests import RequestRunner, generate_one_version
+from rag.serve_responses import SafeJSONResponse, redact_paths, validation_errors
 
 logger = logging.getLogger(__name__)
 
@@ -203,144 +201,6 @@ def resolve_kb_path(raw: str, roots: Sequence[Path]) -> Path:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _json_safe(obj: Any) -> Any:
-    """A copy of `obj` that JSON (UTF-8, no NaN) can always carry: non-finite floats (e.g. an
-    impossible answer's -inf score) become None, lone surrogates in strings (and keys) become
-    ``\\udXXX`` escapes, tuples lists, and anything else its ``str``."""
-    if obj is None or isinstance(obj, (bool, int)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, str):
-        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(obj, dict):
-        return {_json_safe(str(k)): _json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_json_safe(v) for v in obj]
-    return _json_safe(str(obj))
-
-
-class SafeJSONResponse(JSONResponse):
-    """A JSON response that cannot fail to serialise (see :func:`_json_safe`): the server's
-    default, so that no handler — error handlers included — can turn a 4xx into a 500."""
-
-    def render(self, content: Any) -> bytes:
-        return json.dumps(_json_safe(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
-
-
-# An absolute POSIX path: a "/" at the start of a word followed by path characters.
-_ABS_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"`,;:()\[\]{}<>]+)")
-
-
-def _redact(message: str, known: Sequence[str]) -> str:
-    """`message` without server paths: each of `known` (the knowledge base's and the model's
-    directories, as given and resolved) and any other absolute path becomes ``<server path>``."""
-    for k in sorted({k for k in known if k and len(k) > 1}, key=len, reverse=True):
-        message = message.replace(k, "<server path>")
-    return _ABS_PATH.sub("<server path>", message)
-
-
-def _validation_errors(exc: RequestValidationError) -> list[dict]:
-    """pydantic's errors without the offending input or its context (which may be anything: NaN,
-    a lone surrogate, a megabyte of text): where, what, and the error type."""
-    return [{"loc": [x if isinstance(x, int) else str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
-             "type": str(e.get("type", ""))} for e in exc.errors()]
-
-
-class _Stopped(Exception):
-    """Raised on the model thread at a check once a request's work is to stop (`reason`)."""
-
-    def __init__(self, reason: str):
-        super().__init__(reason)
-        self.reason = reason
-
-
-class _Work:
-    """One admitted request's stop flag, shared by the event loop and the model thread."""
-
-    def __init__(self):
-        self._stop = threading.Event()
-        self.reason: Optional[str] = None
-        self.started = False
-
-    def stop(self, reason: str) -> None:
-        if self.reason is None:
-            self.reason = reason
-        self._stop.set()
-
-    @property
-    def stopping(self) -> bool:
-        return self._stop.is_set()
-
-    def check(self) -> None:
-        """Called by the model thread between units of work."""
-        if self._stop.is_set():
-            raise _Stopped(self.reason or "stopped")
-
-
-class _Counters:
-    """Request counts for ``/health`` (updated from the event loop and the model threads)."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.pending = 0  # admitted and not finished: running + queued
-        self.running = 0  # on a model thread now
-        self.works: set = set()
-        self.rejected = self.timed_out = self.disconnected = self.restarted = 0
-
-    def admit(self, capacity: int) -> bool:
-        """Count a new request in, unless `capacity` requests are already running or queued."""
-        with self._lock:
-            if self.pending >= capacity:
-                self.rejected += 1
-                return False
-            self.pending += 1
-            return True
-
-    def started(self, work: "_Work") -> None:
-        with self._lock:
-            self.running += 1
-            self.works.add(work)
-
-    def finished(self, work: "_Work") -> None:
-        with self._lock:
-            self.running -= 1
-            self.works.discard(work)
-
-    def add(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + n)
-
-    def snapshot(self) -> dict:
-        with self._lock:
-            return {"running": self.running, "queued": self.pending - self.running,
-                    "stopping": sum(1 for w in self.works if w.stopping), "rejected_busy": self.rejected,
-                    "timed_out": self.timed_out, "disconnected": self.disconnected, "restarted_after_swap": self.restarted}
-
-
-_MAX_RESTARTS = 3
-
-
-def _generate_one_version(pipeline, questions: list[str], kw: dict, work: _Work, counters: _Counters) -> list:
-    """Answers to `questions`, generated one question at a time (checking `work` before each) and
-    all from one knowledge-base version: a swap between two questions starts the request over."""
-    for _ in range(_MAX_RESTARTS + 1):
-        answers, version = [], None
-        for q in questions:
-            work.check()
-            got = pipeline.generate([q], **kw)
-            v = got[0].kb_version if got else version
-            if version is not None and v != version:
-                counters.add("restarted")
-                break
-            version = v
-            answers.extend(got)
-        else:
-            return answers
-    raise HTTPException(503, f"the knowledge base was swapped {_MAX_RESTARTS + 1} times while this request ran; retry it",
-                        headers={"Retry-After": "1"})
-
-
 def _retrieve(pipeline, questions: list[str], k: int) -> dict:
     """Top-k passages with scores and priors, plus the one knowledge-base version they came from
     (:meth:`rag.pipeline.RagPipeline.retrieve`: one call reads the knowledge base once)."""
@@ -438,10 +298,8 @@ def create_app(
     roots = _real_roots(kb_roots)
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
     token = (admin_token or "").encode("ascii")
-    model_limiter = anyio.CapacityLimiter(max_concurrency)
+    runner = RequestRunner(limits, max_concurrency)
     swap_limiter = anyio.CapacityLimiter(1)
-    counters = _Counters()
-    capacity = max_concurrency + limits.max_queue
 
     import rag
 
@@ -462,11 +320,11 @@ def create_app(
         return out
 
     def message_for(request: Request, message: str) -> str:
-        return message if request.url.path.startswith("/admin/") else _redact(message, server_paths())
+        return message if request.url.path.startswith("/admin/") else redact_paths(message, server_paths())
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return SafeJSONResponse({"detail": _validation_errors(exc)}, status_code=422)
+        return SafeJSONResponse({"detail": validation_errors(exc)}, status_code=422)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -475,8 +333,8 @@ def create_app(
 
     @app.exception_handler(RagError)
     async def _rag_error(request: Request, exc: RagError):
-        status = getattr(exc, "status", 400)
-        return SafeJSONResponse({"detail": message_for(request, str(exc))}, status_code=status)
+        return SafeJSONResponse({"detail": message_for(request, str(exc))}, status_code=getattr(exc, "status", 400),
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # a bug, not the client's fault; the worker lives on
@@ -495,99 +353,30 @@ def create_app(
         if not hmac.compare_digest(given.strip().encode("utf-8"), token):
             raise HTTPException(403, "invalid admin token")
 
-    def within(name: str, value: Optional[int], what: str) -> None:
-        limit = getattr(limits, name)
-        if value is not None and value > limit:
-            raise HTTPException(422, f"{what}={value} exceeds this server's limit of {limit} ({name}, set by "
-                                     f"`rag serve {ServeLimits.option(name)}`); ask for at most {limit}")
-
-    async def bounded(request: Request, fn: Callable[[_Work], Any]) -> Any:
-        """Run ``fn(work)`` on a model thread within the limits: 503 when the queue is full, 504
-        after the timeout, and `work` told to stop when the client disconnects or time is up."""
-        if not counters.admit(capacity):
-            raise HTTPException(503, f"server busy: {max_concurrency} running and {limits.max_queue} waiting (--max-queue); "
-                                     f"retry after {limits.retry_after} s", headers={"Retry-After": str(limits.retry_after)})
-        work = _Work()
-        outcome: dict = {}
-
-        def on_thread():
-            counters.started(work)
-            work.started = True
-            try:
-                work.check()
-                return fn(work)
-            finally:
-                counters.finished(work)
-
-        try:
-            async with anyio.create_task_group() as tg:
-                run_scope = anyio.CancelScope()
-
-                def stop(reason: str) -> None:
-                    work.stop(reason)
-                    if not work.started:  # still queued: leave the queue now (a started thread finishes its question)
-                        run_scope.cancel()
-
-                async def run():
-                    with run_scope:
-                        try:
-                            outcome["value"] = await anyio.to_thread.run_sync(on_thread, limiter=model_limiter)
-                        except Exception as e:  # noqa: BLE001 - handed to the caller below
-                            outcome["error"] = e
-                    tg.cancel_scope.cancel()  # the watchers below are done too
-
-                async def watch_disconnect():
-                    while True:
-                        message = await request.receive()
-                        if message["type"] == "http.disconnect":
-                            counters.add("disconnected")
-                            stop("disconnect")
-                            return
-
-                async def deadline():
-                    await anyio.sleep(limits.request_timeout)
-                    counters.add("timed_out")
-                    stop("timeout")
-
-                tg.start_soon(run)
-                tg.start_soon(watch_disconnect)
-                if limits.request_timeout is not None:
-                    tg.start_soon(deadline)
-        finally:
-            counters.add("pending", -1)
-        if "value" in outcome:
-            return outcome["value"]
-        error = outcome.get("error")
-        if error is not None and not isinstance(error, _Stopped):
-            raise error
-        if work.reason == "timeout":
-            raise HTTPException(504, f"request not finished within {limits.request_timeout:g} s (--request-timeout); "
-                                     "ask for fewer questions, passages, beams or tokens")
-        raise HTTPException(499, "client disconnected")  # nobody reads it
-
     @app.get("/health")
     async def health() -> dict:
         kb = slot.current
         return {"status": "ok", "kb_version": kb.version, "kb_passages": len(kb), "swaps": slot.swap_count,
-                "history": [h["version"] for h in slot.history], "requests": counters.snapshot()}
+                "history": [h["version"] for h in slot.history], "requests": runner.counters.snapshot()}
 
     @app.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
-        within("max_batch", len(req.questions), "len(questions)")
-        within("max_n_docs", req.n_docs, "n_docs")
-        within("max_beams", req.num_beams, "num_beams")
-        within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
+        runner.check_within("max_batch", len(req.questions), "len(questions)")
+        runner.check_within("max_n_docs", req.n_docs, "n_docs")
+        runner.check_within("max_beams", req.num_beams, "num_beams")
+        runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
         kw = req.model_dump(exclude={"questions"})
-        answers = await bounded(request, lambda work: _generate_one_version(pipeline, req.questions, kw, work, counters))
-        # All answers come from one knowledge-base version (see _generate_one_version).
+        answers = await runner.run(request.receive,
+                                   lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
+        # All answers come from one knowledge-base version (see generate_one_version).
         return SafeJSONResponse({"kb_version": answers[0].kb_version if answers else slot.version,
                                  "answers": [a.to_dict() for a in answers]})
 
     @app.post("/retrieve")
     async def retrieve(req: RetrieveRequest, request: Request) -> SafeJSONResponse:
-        within("max_batch", len(req.questions), "len(questions)")
-        within("max_n_docs", req.k, "k")
-        return SafeJSONResponse(await bounded(request, lambda work: _retrieve(pipeline, req.questions, req.k)))
+        runner.check_within("max_batch", len(req.questions), "len(questions)")
+        runner.check_within("max_n_docs", req.k, "k")
+        return SafeJSONResponse(await runner.run(request.receive, lambda work: _retrieve(pipeline, req.questions, req.k)))
 
     @app.post("/admin/swap", dependencies=[Depends(admin)])
     async def swap(req: SwapRequest) -> dict:
