@@ -365,7 +365,7 @@ def _phase_table(stats, impl: str) -> list[str]:
     for fragment, func, label in PHASES[impl]:
         cls, _, name = func.rpartition(".")
         total, calls = 0.0, 0
-        for (path, _line, fn), (cc, nc, tt, ct, callers) in stats.stats.items():
+        for (path, _line, fn), (_cc, nc, _tt, ct, callers) in stats.stats.items():
             if fragment in path and fn == name and (not cls or cls in _qualname(path, _line)):
                 # count only top-level entries of recursive/nested calls of the same function
                 total += ct if not any(name == c[2] and fragment in c[0] for c in callers) else 0.0

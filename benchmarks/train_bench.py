@@ -197,8 +197,15 @@ def make_transformers(dirs: dict, kb_path: str, marginalization: str, n_docs: in
     """transformers' RagSequence/RagTokenForGeneration with its own RagRetriever over the same vectors."""
     import datasets
     import faiss
-    from transformers import (AutoTokenizer, BartForConditionalGeneration, DPRQuestionEncoder, RagConfig,
-                              RagRetriever, RagSequenceForGeneration, RagTokenForGeneration)
+    from transformers import (
+        AutoTokenizer,
+        BartForConditionalGeneration,
+        DPRQuestionEncoder,
+        RagConfig,
+        RagRetriever,
+        RagSequenceForGeneration,
+        RagTokenForGeneration,
+    )
     from transformers.models.rag.retrieval_rag import CustomHFIndex
 
     from rag.knowledge.knowledge_base import KnowledgeBase

@@ -26,8 +26,17 @@ Design:
   taken relative to the first root) is resolved with symlinks and ``..`` before the check, so
   neither can escape (403). Existence is only reported for paths inside a root.
 * **Bad requests get a 4xx with the reason, never a 500**: pydantic validation (types, ranges,
-  unknown fields, malformed JSON) -> 422; a :class:`~rag.errors.RagError` from the model (e.g. `k`
-  larger than the knowledge base) -> 400; bodies over `max_body_bytes` -> 413.
+  unknown fields, non-finite numbers, strings that are not valid Unicode, malformed JSON) -> 422;
+  a :class:`~rag.errors.RagError` from the model (e.g. `k` larger than the knowledge base) -> 400;
+  bodies over `max_body_bytes` -> 413. Every response body is serialisable (error echoes never
+  carry the offending value), and messages to the unauthenticated endpoints name no server path.
+* **Bounded requests** (:class:`~rag.serve_limits.ServeLimits`, run by :mod:`rag.serve_requests`): sizes over the limits
+  -> 422 naming the limit; a request not done after ``request_timeout`` (queueing included) ->
+  504; more than ``max_queue`` requests waiting for a model slot -> 503 with ``Retry-After``.
+  Generation runs question by question on the model thread and stops at the next question once
+  the client has disconnected or the time is up (a question already being decoded finishes
+  first). The answers of one request still come from one knowledge-base version: if a swap lands
+  between two of its questions, the request starts over on the new version.
 """
 
 from __future__ import annotations
@@ -36,24 +45,28 @@ import contextlib
 import functools
 import hmac
 import logging
-import math
 import os
 import socket
 import threading
 import time
 from pathlib import Path
-from typing import Annotated, Any, Iterator, Literal, Optional, Sequence, Union
+from typing import Annotated, Iterator, Literal, Optional, Sequence, Union
 
 from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from fastapi.exceptions import RequestValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag.errors import ConfigError, RagError
+from rag.serve_limits import MAX_BEAMS, MAX_N_DOCS, MAX_NEW_TOKENS, MAX_QUESTIONS, ServeLimits
+from rag.serve_requests import RequestRunner, generate_one_version
+from rag.serve_responses import SafeJSONResponse, redact_paths, validation_errors
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "create_app",
+    "check_admin_token",
     "serve",
     "background_server",
     "resolve_kb_path",
@@ -61,38 +74,50 @@ __all__ = [
     "GenerateRequest",
     "RetrieveRequest",
     "SwapRequest",
+    "ServeLimits",
     "MAX_QUESTIONS",
     "MAX_QUESTION_CHARS",
 ]
 
-MAX_QUESTIONS = 64
-"""Most questions per request."""
 MAX_QUESTION_CHARS = 4096
 """Longest question accepted (characters; the tokenizer truncates further)."""
 MAX_PATH_CHARS = 4096
 
-Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False)]
+
+def _unicode(s: str) -> str:
+    """Refuse strings that are not valid Unicode text: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no tokenizer, file system or UTF-8 response can take."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate at character {e.start}; send valid Unicode text") from None
+    return s
+
+
+Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False),
+                     AfterValidator(_unicode)]
 
 
 # ---------------------------------------------------------------------------- request bodies
 
 
 class _Body(BaseModel):
-    # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored.
-    model_config = ConfigDict(extra="forbid", strict=True)
+    # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored;
+    # NaN and +-Infinity (which Python's JSON parser accepts) are not numbers a request may carry.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class GenerateRequest(_Body):
     """Body of ``POST /generate`` (see :meth:`rag.pipeline.RagPipeline.generate`)."""
 
     questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    n_docs: Optional[int] = Field(None, ge=1, le=100)
-    num_beams: int = Field(1, ge=1, le=16)
+    n_docs: Optional[int] = Field(None, ge=1, le=MAX_N_DOCS)
+    num_beams: int = Field(1, ge=1, le=MAX_BEAMS)
     marginalization: Optional[Literal["sequence", "token"]] = None
     decoding: Literal["thorough", "fast"] = "thorough"
-    max_new_tokens: int = Field(32, ge=1, le=256)
-    num_return_sequences: int = Field(1, ge=1, le=16)
-    min_new_tokens: int = Field(0, ge=0, le=256)
+    max_new_tokens: int = Field(32, ge=1, le=MAX_NEW_TOKENS)
+    num_return_sequences: int = Field(1, ge=1, le=MAX_BEAMS)
+    min_new_tokens: int = Field(0, ge=0, le=MAX_NEW_TOKENS)
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     no_repeat_ngram_size: int = Field(0, ge=0, le=16)
     early_stopping: Union[bool, Literal["never"]] = False
@@ -110,13 +135,13 @@ class RetrieveRequest(_Body):
     """Body of ``POST /retrieve``."""
 
     questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    k: int = Field(5, ge=1, le=100)
+    k: int = Field(5, ge=1, le=MAX_N_DOCS)
 
 
 class SwapRequest(_Body):
     """Body of ``POST /admin/swap``: a knowledge-base directory inside a configured root."""
 
-    path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS)]
+    path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_unicode)]
     allow_encoder_change: bool = False
     allow_metric_change: bool = False
     verify: Literal["full", "size"] = "full"
@@ -174,17 +199,6 @@ def resolve_kb_path(raw: str, roots: Sequence[Path]) -> Path:
 
 
 # ---------------------------------------------------------------------------- helpers
-
-
-def _finite(obj: Any) -> Any:
-    """JSON-safe copy: NaN/inf floats (e.g. an impossible answer's -inf score) become None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 def _retrieve(pipeline, questions: list[str], k: int) -> dict:
@@ -251,18 +265,23 @@ def create_app(
     admin_token: Optional[str] = None,
     max_concurrency: int = 1,
     max_body_bytes: int = 1 << 20,
+    limits: Optional[ServeLimits] = None,
     slot=None,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.RagPipeline`).
 
     Args:
         kb_roots: directories that ``/admin/swap`` may open knowledge bases from (none: swaps disabled).
-        admin_token: the Bearer token of the admin endpoints (None or empty: admin disabled).
+        admin_token: the Bearer token of the admin endpoints (None or empty: admin disabled). A
+            token that cannot be sent back in a header (whitespace at either end, or anything but
+            printable ASCII) is refused.
         max_concurrency: model calls running at once, each on its own thread. The default 1 is
             the safe choice for models/tokenizers not audited for concurrent calls and costs little
             on CPU, where one call already uses every core; requests beyond it wait their turn
             without blocking the event loop (or swaps).
         max_body_bytes: larger request bodies are refused with 413.
+        limits: per-request sizes, timeout and queue (:class:`~rag.serve_limits.ServeLimits`;
+            default: its defaults).
         slot: the :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` to swap (default: one over
             the pipeline's model).
     """
@@ -272,27 +291,55 @@ def create_app(
 
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
+    limits = ServeLimits() if limits is None else limits
+    if not isinstance(limits, ServeLimits):
+        raise ConfigError(f"limits must be a rag.serve_limits.ServeLimits, got {type(limits).__name__}")
+    check_admin_token(admin_token)
     roots = _real_roots(kb_roots)
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
-    token = (admin_token or "").encode("utf-8")
-    model_limiter = anyio.CapacityLimiter(max_concurrency)
+    token = (admin_token or "").encode("ascii")
+    runner = RequestRunner(limits, max_concurrency)
     swap_limiter = anyio.CapacityLimiter(1)
 
     import rag
 
-    app = FastAPI(title="rag", version=rag.__version__, docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="rag", version=rag.__version__, docs_url=None, redoc_url=None, openapi_url=None,
+                  default_response_class=SafeJSONResponse)
     app.state.pipeline = pipeline
     app.state.slot = slot
+    app.state.limits = limits
+
+    def server_paths() -> list[str]:
+        """The knowledge bases' directories (which may be relative) and the roots, as given and resolved;
+        :func:`_redact` also removes any other absolute path."""
+        paths = [getattr(slot.current, "path", None)] + [h.get("path") for h in slot.history]
+        out = [os.fspath(r) for r in roots]
+        for p in paths:
+            if isinstance(p, (str, os.PathLike)):
+                out += [os.fspath(p), os.path.realpath(p), os.path.abspath(p)]
+        return out
+
+    def message_for(request: Request, message: str) -> str:
+        return message if request.url.path.startswith("/admin/") else redact_paths(message, server_paths())
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return SafeJSONResponse({"detail": validation_errors(exc)}, status_code=422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return SafeJSONResponse({"detail": message_for(request, str(exc.detail))}, status_code=exc.status_code,
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(RagError)
     async def _rag_error(request: Request, exc: RagError):
-        status = getattr(exc, "status", 400)
-        return JSONResponse({"detail": str(exc)}, status_code=status)
+        return SafeJSONResponse({"detail": message_for(request, str(exc))}, status_code=getattr(exc, "status", 400),
+                                headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # a bug, not the client's fault; the worker lives on
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return JSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
+        return SafeJSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
 
     def admin(request: Request) -> None:
         if not token:
@@ -306,26 +353,30 @@ def create_app(
         if not hmac.compare_digest(given.strip().encode("utf-8"), token):
             raise HTTPException(403, "invalid admin token")
 
-    async def in_model_thread(fn, *args, **kw):
-        return await anyio.to_thread.run_sync(functools.partial(fn, *args, **kw), limiter=model_limiter)
-
     @app.get("/health")
     async def health() -> dict:
         kb = slot.current
         return {"status": "ok", "kb_version": kb.version, "kb_passages": len(kb), "swaps": slot.swap_count,
-                "history": [h["version"] for h in slot.history]}
+                "history": [h["version"] for h in slot.history], "requests": runner.counters.snapshot()}
 
     @app.post("/generate")
-    async def generate(req: GenerateRequest) -> JSONResponse:
+    async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
+        runner.check_within("max_batch", len(req.questions), "len(questions)")
+        runner.check_within("max_n_docs", req.n_docs, "n_docs")
+        runner.check_within("max_beams", req.num_beams, "num_beams")
+        runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
         kw = req.model_dump(exclude={"questions"})
-        answers = await in_model_thread(pipeline.generate, req.questions, **kw)
-        # One call reads the knowledge base once, so every answer shares its version.
-        return JSONResponse(_finite({"kb_version": answers[0].kb_version if answers else slot.version,
-                                     "answers": [a.to_dict() for a in answers]}))
+        answers = await runner.run(request.receive,
+                                   lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
+        # All answers come from one knowledge-base version (see generate_one_version).
+        return SafeJSONResponse({"kb_version": answers[0].kb_version if answers else slot.version,
+                                 "answers": [a.to_dict() for a in answers]})
 
     @app.post("/retrieve")
-    async def retrieve(req: RetrieveRequest) -> JSONResponse:
-        return JSONResponse(_finite(await in_model_thread(_retrieve, pipeline, req.questions, req.k)))
+    async def retrieve(req: RetrieveRequest, request: Request) -> SafeJSONResponse:
+        runner.check_within("max_batch", len(req.questions), "len(questions)")
+        runner.check_within("max_n_docs", req.k, "k")
+        return SafeJSONResponse(await runner.run(request.receive, lambda work: _retrieve(pipeline, req.questions, req.k)))
 
     @app.post("/admin/swap", dependencies=[Depends(admin)])
     async def swap(req: SwapRequest) -> dict:
@@ -349,6 +400,17 @@ def create_app(
     wrapped.state = app.state  # convenient access for callers holding the wrapped app
     wrapped.fastapi = app
     return wrapped
+
+
+def check_admin_token(token: Optional[str], source: str = "admin_token") -> None:
+    """Refuse an admin token that no request could match: one with whitespace at either end (a
+    whitespace-only token included: the header's token is stripped) or with characters other than
+    printable ASCII (HTTP headers cannot carry them reliably). None or "" disables admin."""
+    if not token:
+        return
+    if token != token.strip() or not all(33 <= ord(c) <= 126 for c in token):
+        raise ConfigError(f"{source}: the admin token must be printable ASCII without spaces (whitespace-only, padded or "
+                          "non-ASCII tokens can never match a request); use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 
 
 # ---------------------------------------------------------------------------- running it

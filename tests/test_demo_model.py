@@ -40,6 +40,7 @@ def test_checkpoint_is_small_and_references_its_encoders():
     assert json.loads((root / "generator" / "config.json").read_text())["rag_warm_start"]["encoder"] == "minilm"
 
 
+@pytest.mark.slow
 def test_held_out_exact_match_is_what_checkpoints_readme_reports(demo_pipe):
     """Greedy answers to the held-out dev questions reproduce the EM recorded when the checkpoint was made."""
     from rag.eval.metrics import ExactMatch
@@ -109,6 +110,7 @@ def test_rag_generate_cli_rejects_bad_input(demo_cache, tmp_path, capsys, monkey
     assert "missing" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, monkeypatch):
     """examples/learning_demo.py with seconds of budget: the pointer reader is pre-trained and cached, two
     systems train from it in child processes, and the report has the metrics each system should have."""

@@ -6,16 +6,22 @@ response shows which version answered; it must agree with the response's `kb_ver
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
+import socket
 import threading
+import time
+from urllib.parse import urlsplit
 
 import httpx
 import pytest
 
+from rag.errors import ConfigError
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
-from rag.serve import background_server, create_app
+from rag.serve import ServeLimits, background_server, create_app
 
 TOKEN = "s3cret-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -55,8 +61,10 @@ def server(layout):
     import rag.pipeline
 
     pipe = rag.pipeline.load(layout["model"])
-    app = create_app(pipe, kb_roots=[layout["root"]], admin_token=TOKEN, max_concurrency=2, max_body_bytes=64 * 1024)
-    with background_server(app) as url, httpx.Client(base_url=url, timeout=60) as client:
+    # No request timeout here: the tests on this server must not depend on how loaded the machine is.
+    app = create_app(pipe, kb_roots=[layout["root"]], admin_token=TOKEN, max_concurrency=2, max_body_bytes=64 * 1024,
+                     limits=ServeLimits(request_timeout=None))
+    with background_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
         yield client, app
 
 
@@ -105,22 +113,44 @@ def test_health_generate_retrieve(client, layout):
     _check_generate(r, layout["versions"])
 
 
-def test_swap_under_load_drops_no_request(client, layout):
-    """Clients hammer /generate and /retrieve while the admin flips A<->B; all requests succeed.
+def _wait_for(predicate, what: str, timeout: float = 120.0) -> None:
+    """Wait until `predicate()` holds; fail loudly (never silently go on) if it does not within `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"gave up after {timeout:g} s waiting for {what}")
+        time.sleep(0.005)
 
-    After each swap the admin waits for n_clients + 1 more completed requests, so at least one
-    request started after the swap (both versions are served) — no timing assumptions.
-    """
-    n_clients, per_client = 4, 8
-    versions = layout["versions"]
-    failures, seen, swaps = [], [], []
-    done = threading.Event()
+
+def test_swap_under_load_drops_no_request(server, layout):
+    """Clients send /generate and /retrieve while the admin flips A<->B four times: no request fails or is
+    lost, every response names a version that was serving while it ran, and requests were in flight across
+    a swap. No timing assumption: the first requests are parked inside A (a gate in its `get_passages`)
+    until the first swap has committed, and each client sends at most `per_epoch` requests between two swaps,
+    the admin swapping again only after a request that started after its previous swap has finished."""
+    client, app = server
+    slot, versions, url = app.state.slot, layout["versions"], str(client.base_url)
+    n_clients, per_epoch, n_swaps = 4, 3, 4
+    real, depth = slot.current, len(slot.history)
+    gated = _GatedKB(real)
+    slot.swap(gated)  # still version A; the first requests park inside it
+    serving = [real.version]  # serving[i]: the version after the i-th swap through the admin endpoint
+    records, failures = [], []  # records: (swaps before sending, swaps after the response, version answered)
+    sent = [dict() for _ in range(n_clients)]  # per client: requests sent per epoch (number of swaps before sending)
     progress = threading.Condition()
-    url = str(client.base_url)
+    done = threading.Event()
 
     def user(i: int) -> None:
-        with httpx.Client(base_url=url, timeout=60) as c:
-            for j in range(per_client):
+        with httpx.Client(base_url=url, timeout=120) as c:
+            for j in range(per_epoch * (n_swaps + 1)):
+                with progress:
+                    if not progress.wait_for(lambda: done.is_set() or sent[i].get(len(serving) - 1, 0) < per_epoch, timeout=120):
+                        failures.append(f"client {i}: the admin never swapped again")
+                        return
+                    if done.is_set():
+                        return
+                    before = len(serving) - 1
+                    sent[i][before] = sent[i].get(before, 0) + 1
                 try:
                     if (i + j) % 2:
                         v = _check_generate(c.post("/generate", json={"questions": QUESTIONS, "max_new_tokens": 3}), versions)
@@ -130,41 +160,55 @@ def test_swap_under_load_drops_no_request(client, layout):
                     v = None
                     failures.append(repr(e))
                 with progress:
-                    seen.append(v)
+                    records.append((before, len(serving) - 1, v))
                     progress.notify_all()
 
-    def settle() -> None:
+    def settle(epoch: int) -> None:
         with progress:
-            start = len(seen)
-            progress.wait_for(lambda: done.is_set() or len(seen) >= start + n_clients + 1, timeout=60)
-
-    def admin() -> None:
-        with httpx.Client(base_url=url, timeout=60, headers=AUTH) as c:
-            while not done.is_set():
-                for path in ("/admin/swap", "/admin/swap_back"):
-                    r = c.post(path, json={"path": "kb_b"} if path == "/admin/swap" else {})
-                    if r.status_code != 200:
-                        failures.append(f"{path}: {r.status_code} {r.text}")
-                        return
-                    swaps.append(r.json())
-                    settle()
+            if not progress.wait_for(lambda: failures or any(b >= epoch for b, _, _ in records), timeout=120):
+                pytest.fail(f"no request started after swap {epoch} finished within 120 s")
 
     users = [threading.Thread(target=user, args=(i,)) for i in range(n_clients)]
-    a = threading.Thread(target=admin)
-    a.start()
-    for u in users:
-        u.start()
-    for u in users:
-        u.join(timeout=180)
-    done.set()
-    with progress:
-        progress.notify_all()
-    a.join(timeout=60)
+    swaps, parked_at_first_swap = [], None
+    try:
+        for u in users:
+            u.start()
+        if not gated.entered.wait(timeout=120):
+            pytest.fail("no request reached the knowledge base within 120 s")
+        with httpx.Client(base_url=url, timeout=120, headers=AUTH) as admin:
+            for n in range(n_swaps):
+                path, body = ("/admin/swap", {"path": "kb_b"}) if n % 2 == 0 else ("/admin/swap_back", {})
+                r = admin.post(path, json=body)
+                assert r.status_code == 200, r.text
+                swaps.append(r.json())
+                if n == 0:
+                    parked_at_first_swap = gated.inside  # parked in A since before the commit, still there
+                    gated.release.set()
+                with progress:
+                    serving.append(r.json()["new_version"])
+                    progress.notify_all()
+                settle(n + 1)
+    finally:
+        gated.release.set()
+        done.set()
+        with progress:
+            progress.notify_all()
+        for u in users:
+            u.join(timeout=120)
+        while len(slot.history) > depth:  # back to A with the history this test found
+            slot.swap_back()
     assert not failures, failures
-    assert len(seen) == n_clients * per_client
-    assert {versions[v] for v in seen} == {"A", "B"}
-    assert len(swaps) >= 2 and all(s["commit_seconds"] < s["seconds"] for s in swaps)
-    assert [s["kind"] for s in swaps[:2]] == ["swap", "swap_back"]
+    assert not any(u.is_alive() for u in users)
+    assert len(records) == sum(sum(d.values()) for d in sent)  # every request sent got its answer
+    assert [versions[v] for v in serving] == ["A", "B", "A", "B", "A"]
+    assert [s["kind"] for s in swaps] == ["swap", "swap_back"] * 2 and all(s["commit_seconds"] < s["seconds"] for s in swaps)
+    # Every answer names a version that served at some point while its request was open.
+    for before, after, v in records:
+        assert v in serving[before:after + 2], (before, after, versions[v])
+    # Requests were in flight across the first swap and finished on the version they started with.
+    assert parked_at_first_swap >= 1
+    assert any(b == 0 and a >= 1 and versions[v] == "A" for b, a, v in records)
+    assert {versions[v] for v in serving[1:]} == {"A", "B"} and {versions[v] for _, _, v in records} == {"A", "B"}
 
 
 def test_failed_swaps_keep_serving(client, layout):
@@ -260,7 +304,7 @@ def test_absolute_path_inside_root_is_accepted(client, layout):
         ("/generate", {"questions": ["q"], "marginalization": "bogus"}, 422),
         ("/generate", {"questions": ["q"], "temperature": 0.7}, 422),  # unknown field
         ("/generate", {"questions": ["q"] * 65}, 422),
-        ("/generate", {"questions": ["q"], "n_docs": 50}, 400),  # more passages than the knowledge base holds
+        ("/generate", {"questions": ["q"], "n_docs": 13}, 400),  # more passages than the knowledge base holds
         ("/generate", {"questions": ["   "]}, 400),  # RagError from the pipeline
         ("/retrieve", {"questions": ["q"], "k": 0}, 422),
         ("/retrieve", {"questions": ["q"], "k": True}, 422),
@@ -270,6 +314,18 @@ def test_absolute_path_inside_root_is_accepted(client, layout):
         ("/admin/swap", {"path": "kb_b", "verify": "none"}, 422),
         ("/admin/swap", {"path": "kb_b", "allow_encoder_change": "yes"}, 422),
         ("/generate", b'{"questions": ["' + b"x" * (70 * 1024) + b'"]}', 413),
+        # Non-finite numbers and lone surrogates: rejected at validation, and the error echo still serialises.
+        ("/generate", b'{"questions": ["q"], "length_penalty": NaN}', 422),
+        ("/generate", b'{"questions": ["q"], "length_penalty": Infinity}', 422),
+        ("/generate", b'{"questions": ["q"], "length_penalty": -Infinity}', 422),
+        ("/generate", b'{"questions": ["q"], "length_penalty": 1e400}', 422),
+        ("/generate", b'{"questions": ["q"], "n_docs": NaN}', 422),
+        ("/generate", b'{"questions": ["\\ud800"]}', 422),
+        ("/generate", b'{"questions": ["ok \\udfff ok"], "num_beams": 1}', 422),
+        ("/generate", b'{"questions": ["q"], "\\ud800": 1}', 422),
+        ("/retrieve", b'{"questions": ["\\ud83d"], "k": NaN}', 422),
+        ("/admin/swap", b'{"path": "kb_\\ud800"}', 422),
+        ("/generate", b'{"questions": ["q"], "n_docs": 1' + b"0" * 5000 + b'}', 400),  # beyond Python's int-parsing limit
     ],
 )
 def test_malformed_requests_get_4xx_and_server_survives(client, endpoint, content, status):
@@ -280,6 +336,26 @@ def test_malformed_requests_get_4xx_and_server_survives(client, endpoint, conten
     assert r.status_code == status, r.text
     assert r.json()["detail"]
     assert client.post("/retrieve", json={"questions": ["q"], "k": 1}).status_code == 200  # still alive
+
+
+def test_unauthenticated_errors_name_no_server_path(client, layout):
+    kb_dir = os.path.realpath(layout["root"] / "kb_a")
+    for endpoint, body in (("/retrieve", {"questions": ["q"], "k": 13}), ("/generate", {"questions": ["q"], "n_docs": 13})):
+        r = client.post(endpoint, json=body)
+        detail = r.json()["detail"]
+        assert r.status_code == 400 and "12 passages" in detail, detail  # the reason is still given ...
+        assert kb_dir not in detail and str(layout["root"]) not in detail and not re.search(r"(^|\s)/\w", detail), detail
+
+
+@pytest.mark.parametrize("token", ["   ", " " * 20, "\t\n", f" {TOKEN}", f"{TOKEN} ", "tøken-with-non-ascii-chars"])
+def test_admin_tokens_that_cannot_match_are_refused_at_startup(layout, token, monkeypatch):
+    import rag.pipeline
+    from rag.cli import main
+
+    with pytest.raises(ConfigError, match="printable ASCII"):
+        create_app(rag.pipeline.load(layout["model"]), admin_token=token)
+    monkeypatch.setenv("RAG_TEST_BAD_TOKEN", token)
+    assert main(["serve", "--model", layout["model"], "--admin-token-env", "RAG_TEST_BAD_TOKEN", "--port", "0"]) == 2
 
 
 def test_wrong_method_and_unknown_route(client):
@@ -300,6 +376,21 @@ def test_cli_parses_serve_and_checks_token(monkeypatch, layout):
     assert main(["serve", "--model", layout["model"], "--port", "70000"]) == 2
 
 
+def test_cli_limit_options(layout):
+    from rag.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "--max-n-docs", "3", "--max-beams", "2", "--max-new-tokens", "9",
+                                      "--max-batch", "4", "--request-timeout", "2.5", "--max-queue", "0"])
+    assert (args.max_n_docs, args.max_beams, args.max_new_tokens, args.max_batch, args.request_timeout, args.max_queue) == (
+        3, 2, 9, 4, 2.5, 0)
+    d = build_parser().parse_args(["serve"])
+    assert (d.max_n_docs, d.max_beams, d.max_new_tokens, d.max_batch, d.request_timeout, d.max_queue) == (
+        ServeLimits.max_n_docs, ServeLimits.max_beams, ServeLimits.max_new_tokens, ServeLimits.max_batch,
+        ServeLimits.request_timeout, ServeLimits.max_queue)
+    for bad in (["--max-beams", "17"], ["--max-n-docs", "0"], ["--max-queue", "-1"], ["--request-timeout", "-1"]):
+        assert main(["serve", "--model", layout["model"], "--port", "0", *bad]) == 2, bad
+
+
 def test_chunked_body_over_limit_is_refused(client):
     def chunks():
         for _ in range(100):
@@ -311,12 +402,15 @@ def test_chunked_body_over_limit_is_refused(client):
 
 
 class _GatedKB:
-    """A knowledge base that parks every call inside `get_passages` until released."""
+    """A knowledge base that parks every call inside `get_passages` until released; counts the calls
+    (one per retrieval) and the threads parked now."""
 
     def __init__(self, kb):
         self._kb = kb
         self.entered = threading.Event()
         self.release = threading.Event()
+        self._lock = threading.Lock()
+        self.calls = self.inside = 0
 
     def __getattr__(self, name):
         return getattr(self._kb, name)
@@ -325,29 +419,181 @@ class _GatedKB:
         return len(self._kb)
 
     def get_passages(self, rows):
+        with self._lock:
+            self.calls += 1
+            self.inside += 1
         self.entered.set()
-        if not self.release.wait(timeout=60):
-            raise RuntimeError("test gate never released")
+        try:
+            if not self.release.wait(timeout=120):
+                raise RuntimeError("test gate never released")
+        finally:
+            with self._lock:
+                self.inside -= 1
         return self._kb.get_passages(rows)
 
 
 def test_request_parked_in_old_kb_does_not_block_health_or_swap(server, layout):
+    """A one-question request parked in A across a swap finishes on A; a two-question request whose first
+    question read A and whose second would read B starts over on B, so its answers share one version."""
     client, app = server
     slot = app.state.slot
-    real = slot.current
+    real, depth = slot.current, len(slot.history)
     gated = _GatedKB(real)
     slot.swap(gated)
-    out = {}
-    t = threading.Thread(target=lambda: out.update(r=client.post("/generate", json={"questions": QUESTIONS, "max_new_tokens": 3})))
-    t.start()
+    outs = {}
+    threads = [threading.Thread(target=lambda n=n: outs.update({n: client.post(
+        "/generate", json={"questions": QUESTIONS[:n], "max_new_tokens": 3})})) for n in (1, 2)]
+    restarts = client.get("/health").json()["requests"]["restarted_after_swap"]
+    for t in threads:
+        t.start()
     try:
-        assert gated.entered.wait(timeout=60)
-        # The event loop and the swap path are free while a model call is parked in the old knowledge base.
+        _wait_for(lambda: gated.inside == 2, "both requests to park in A")
+        # The event loop and the swap path are free while model calls are parked in the old knowledge base.
         assert client.get("/health").status_code == 200
         r = client.post("/admin/swap", json={"path": "kb_b"}, headers=AUTH)
         assert r.status_code == 200 and layout["versions"][client.get("/health").json()["kb_version"]] == "B"
     finally:
         gated.release.set()
-        t.join(timeout=60)
-        slot.swap(real)
-    assert layout["versions"][_check_generate(out["r"], layout["versions"])] == "A"  # finished on the old version
+        for t in threads:
+            t.join(timeout=120)
+        while len(slot.history) > depth:
+            slot.swap_back()
+    assert layout["versions"][_check_generate(outs[1], layout["versions"])] == "A"  # finished on the old version
+    assert layout["versions"][_check_generate(outs[2], layout["versions"])] == "B"  # one version for all its answers
+    assert len(outs[2].json()["answers"]) == 2
+    assert client.get("/health").json()["requests"]["restarted_after_swap"] == restarts + 1
+
+
+# ---------------------------------------------------------------------------- bounded requests
+
+
+@pytest.fixture()
+def own_server(layout):
+    """A server of its own over a fresh pipeline (start it with `start(**create_app_kw)`), its knowledge base
+    A behind a gate, so that requests park inside retrieval until the test releases them."""
+    import contextlib
+
+    import rag.pipeline
+
+    with contextlib.ExitStack() as stack:
+        def start(**kw):
+            app = create_app(rag.pipeline.load(layout["model"]), kb_roots=[layout["root"]], admin_token=TOKEN, **kw)
+            gated = _GatedKB(app.state.slot.current)
+            app.state.slot.swap(gated)
+            stack.callback(gated.release.set)  # runs before the server stops (LIFO), so no request stays parked
+            url = stack.enter_context(background_server(app))
+            client = stack.enter_context(httpx.Client(base_url=url, timeout=120))
+            stack.callback(gated.release.set)
+            return client, gated
+        yield start
+
+
+def _requests(client) -> dict:
+    return client.get("/health").json()["requests"]
+
+
+def _in_thread(fn) -> tuple[threading.Thread, dict]:
+    out: dict = {}
+
+    def run():
+        try:
+            out["r"] = fn()
+        except BaseException as e:  # noqa: BLE001 - the test asserts on it
+            out["e"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def _joined(t: threading.Thread, out: dict):
+    t.join(timeout=120)
+    assert not t.is_alive(), "the request did not finish within 120 s"
+    if "e" in out:
+        raise out["e"]
+    return out["r"]
+
+
+def test_operator_limits_refuse_oversized_requests_with_422_naming_the_limit(own_server):
+    limits = ServeLimits(max_n_docs=2, max_beams=2, max_new_tokens=4, max_batch=2, request_timeout=None)
+    client, gated = own_server(limits=limits)
+    gated.release.set()
+    cases = [
+        ("/generate", {"questions": ["q"], "n_docs": 3}, "--max-n-docs"),
+        ("/retrieve", {"questions": ["q"], "k": 3}, "--max-n-docs"),
+        ("/generate", {"questions": ["q"], "num_beams": 3}, "--max-beams"),
+        ("/generate", {"questions": ["q"], "max_new_tokens": 5}, "--max-new-tokens"),
+        ("/generate", {"questions": ["q"] * 3}, "--max-batch"),
+        ("/retrieve", {"questions": ["q"] * 3, "k": 1}, "--max-batch"),
+    ]
+    for endpoint, body, option in cases:
+        r = client.post(endpoint, json=body)
+        assert r.status_code == 422 and option in r.json()["detail"], (endpoint, body, r.text)
+    assert gated.calls == 0  # refused before any work
+    r = client.post("/generate", json={"questions": QUESTIONS, "n_docs": 2, "num_beams": 2, "max_new_tokens": 4})
+    assert r.status_code == 200 and len(r.json()["answers"]) == 2
+    assert client.post("/retrieve", json={"questions": QUESTIONS, "k": 2}).status_code == 200
+    with pytest.raises(ConfigError, match="--max-beams"):
+        ServeLimits(max_beams=17)  # above what the request schema allows
+    with pytest.raises(ConfigError, match="--request-timeout"):
+        ServeLimits(request_timeout=float("nan"))
+
+
+def test_full_queue_answers_503_with_retry_after(own_server):
+    client, gated = own_server(max_concurrency=1, limits=ServeLimits(max_queue=1, request_timeout=None, retry_after=3))
+    body = {"questions": QUESTIONS[:1], "max_new_tokens": 3}
+    t1, o1 = _in_thread(lambda: client.post("/generate", json=body))
+    assert gated.entered.wait(timeout=120)  # request 1 runs (parked in retrieval)
+    t2, o2 = _in_thread(lambda: client.post("/generate", json=body))
+    _wait_for(lambda: _requests(client)["queued"] == 1, "request 2 to be queued")
+    r = client.post("/retrieve", json={"questions": ["q"], "k": 1})  # a third: no room
+    assert r.status_code == 503 and r.headers["retry-after"] == "3" and "--max-queue" in r.json()["detail"]
+    assert client.get("/health").status_code == 200  # the server itself stays responsive
+    gated.release.set()
+    assert _joined(t1, o1).status_code == 200 and _joined(t2, o2).status_code == 200
+    assert gated.calls == 2 and _requests(client)["rejected_busy"] == 1
+    assert client.post("/retrieve", json={"questions": ["q"], "k": 1}).status_code == 200  # room again
+
+
+def test_request_timeout_answers_504_and_stops_the_work(own_server):
+    """A request parked past its timeout gets 504 and generates no further question; one still queued at its
+    deadline leaves the queue at once (504 while the first is still parked)."""
+    client, gated = own_server(max_concurrency=1, limits=ServeLimits(request_timeout=0.5))
+    t1, o1 = _in_thread(lambda: client.post("/generate", json={"questions": QUESTIONS, "max_new_tokens": 3}))
+    assert gated.entered.wait(timeout=120)
+    r2 = client.post("/retrieve", json={"questions": ["q"], "k": 1})  # queued behind it, times out there
+    assert r2.status_code == 504 and "--request-timeout" in r2.json()["detail"]
+    _wait_for(lambda: _requests(client)["stopping"] == 1, "the parked request's deadline")
+    assert gated.calls == 1 and gated.inside == 1  # the first request is still parked in its first question
+    gated.release.set()
+    r1 = _joined(t1, o1)
+    assert r1.status_code == 504 and "--request-timeout" in r1.json()["detail"]
+    _wait_for(lambda: _requests(client)["running"] == 0, "the stopped request to leave the model thread")
+    assert gated.calls == 1  # the second question was never started
+    assert _requests(client)["timed_out"] == 2
+
+
+def _raw_post(base_url: str, path: str, body: dict) -> socket.socket:
+    """Send a POST on a raw socket (so that the test decides when the client goes away)."""
+    u = urlsplit(base_url)
+    data = json.dumps(body).encode()
+    sock = socket.create_connection((u.hostname, u.port), timeout=120)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def test_client_disconnect_stops_the_work(own_server):
+    client, gated = own_server(limits=ServeLimits(request_timeout=None))
+    questions = QUESTIONS + ["which element has the symbol W?"]
+    sock = _raw_post(str(client.base_url), "/generate", {"questions": questions, "max_new_tokens": 3})
+    assert gated.entered.wait(timeout=120)  # parked in the first of three questions
+    sock.close()
+    _wait_for(lambda: _requests(client)["disconnected"] == 1, "the server to notice the disconnect")
+    assert _requests(client)["stopping"] == 1
+    gated.release.set()
+    _wait_for(lambda: _requests(client)["running"] == 0, "the request to stop")
+    assert gated.calls == 1  # questions 2 and 3 were never generated
+    # A request that stays connected does all its questions.
+    r = client.post("/generate", json={"questions": questions, "max_new_tokens": 3})
+    assert r.status_code == 200 and len(r.json()["answers"]) == 3 and gated.calls == 4

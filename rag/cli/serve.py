@@ -10,6 +10,8 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
+    from rag.serve_limits import ServeLimits
+
     p = sub.add_parser(
         "serve",
         help="serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)",
@@ -27,6 +29,20 @@ def add_parser(sub) -> None:
                    help="directory /admin/swap may open knowledge bases from (repeatable; none = swaps disabled)")
     p.add_argument("--max-concurrency", type=int, default=1, help="model calls running at once (default: 1)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest request body accepted (default: 1 MiB)")
+    d = ServeLimits()
+    p.add_argument("--max-n-docs", type=int, default=d.max_n_docs, metavar="N",
+                   help=f"most passages per question a request may ask for (n_docs, k; default: {d.max_n_docs}); more: 422")
+    p.add_argument("--max-beams", type=int, default=d.max_beams, metavar="N",
+                   help=f"most beams a request may ask for (default: {d.max_beams}); more: 422")
+    p.add_argument("--max-new-tokens", type=int, default=d.max_new_tokens, metavar="N",
+                   help=f"most new tokens per answer a request may ask for (default: {d.max_new_tokens}); more: 422")
+    p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
+                   help=f"most questions per request (default: {d.max_batch}); more: 422")
+    p.add_argument("--request-timeout", type=float, default=d.request_timeout, metavar="SECONDS",
+                   help=f"answer 504 to a request not done after this long, queueing included, and stop its work "
+                        f"(default: {d.request_timeout:g}; 0: no limit)")
+    p.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
+                   help=f"requests that may wait for a model slot; beyond them: 503 with Retry-After (default: {d.max_queue})")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the checkpoint loads)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -35,19 +51,23 @@ def add_parser(sub) -> None:
 def cmd_serve(args) -> int:
     from rag.errors import ConfigError
     from rag.pipeline import load
-    from rag.serve import create_app, serve
+    from rag.serve import check_admin_token, create_app, serve
+    from rag.serve_limits import ServeLimits
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
+    limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
+                         max_batch=args.max_batch, request_timeout=args.request_timeout or None, max_queue=args.max_queue)
     token = os.environ.get(args.admin_token_env) or None
     if token is None:
         print(f"rag serve: ${args.admin_token_env} is not set: admin endpoints (swap) are disabled", file=sys.stderr)
     elif len(token) < 16:
         raise ConfigError(f"${args.admin_token_env} is only {len(token)} characters; use a random token of at least 16 "
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    check_admin_token(token, f"${args.admin_token_env}")
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, limits=limits)
     print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); http://{args.host}:{args.port}", file=sys.stderr)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,0 +1,57 @@
+"""Responses of `rag serve` that always serialise, and error messages fit for unauthenticated clients."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from typing import Any, Sequence
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+__all__ = ["SafeJSONResponse", "json_safe", "redact_paths", "validation_errors"]
+
+
+def json_safe(obj: Any) -> Any:
+    """A copy of `obj` that JSON (UTF-8, no NaN) can always carry: non-finite floats (e.g. an
+    impossible answer's -inf score) become None, lone surrogates in strings (and keys) become
+    ``\\udXXX`` escapes, tuples lists, and anything else its ``str``."""
+    if obj is None or isinstance(obj, (bool, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {json_safe(str(k)): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return json_safe(str(obj))
+
+
+class SafeJSONResponse(JSONResponse):
+    """A JSON response that cannot fail to serialise (see :func:`json_safe`): the server's
+    default, so that no handler — error handlers included — can turn a 4xx into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(json_safe(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode("utf-8")
+
+
+# An absolute POSIX path: a "/" at the start of a word followed by path characters.
+_ABS_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"`,;:()\[\]{}<>]+)")
+
+
+def redact_paths(message: str, known: Sequence[str]) -> str:
+    """`message` without server paths: each of `known` (e.g. the knowledge base's directory, as
+    given and resolved; relative ones too) and any other absolute path becomes ``<server path>``."""
+    for k in sorted({k for k in known if k and len(k) > 1}, key=len, reverse=True):
+        message = message.replace(k, "<server path>")
+    return _ABS_PATH.sub("<server path>", message)
+
+
+def validation_errors(exc: RequestValidationError) -> list[dict]:
+    """pydantic's errors without the offending input or its context (which may be anything: NaN,
+    a lone surrogate, a megabyte of text): where, what, and the error type."""
+    return [{"loc": [x if isinstance(x, int) else str(x) for x in e.get("loc", ())], "msg": str(e.get("msg", "")),
+             "type": str(e.get("type", ""))} for e in exc.errors()]
