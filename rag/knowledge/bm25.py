@@ -26,7 +26,7 @@ import torch
 from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
-from rag.knowledge.retriever import Retrieved
+from rag.knowledge.types import Retrieved
 
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
@@ -235,7 +235,7 @@ def _owner_knowledge_base(passages, index: BM25Index):
 
 
 class BM25Retriever:
-    """Sparse retriever returning :class:`~rag.knowledge.retriever.Retrieved` with
+    """Sparse retriever returning :class:`~rag.knowledge.types.Retrieved` with
     ``doc_embeds=None`` (BM25 scores are not differentiable).
 
     Hot-swappable like :class:`~rag.knowledge.retriever.DenseRetriever`: index, passage lookup

@@ -19,7 +19,7 @@ that is serving requests:
    only serialises swaps against each other; requests never take it.
 3. A request that started on the old knowledge base finishes on it: retrievers read
    their knowledge-base reference once per call, and everything downstream (contexts,
-   doc scores, decoding, provenance) uses the :class:`~rag.knowledge.retriever.Retrieved`
+   doc scores, decoding, provenance) uses the :class:`~rag.knowledge.types.Retrieved`
    that call returned, whose ``kb_version`` names the version. The old knowledge base
    stays open while such a call holds it, and is closed
    (:meth:`~rag.knowledge.knowledge_base.KnowledgeBase.close`) on a background thread

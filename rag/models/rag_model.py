@@ -61,7 +61,7 @@ from torch import nn
 from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
 from rag.io import atomic_directory, atomic_write_json, sha256_file
-from rag.knowledge.retriever import Retrieved
+from rag.knowledge.types import Retrieved
 
 logger = logging.getLogger(__name__)
 

@@ -9,7 +9,7 @@ import torch
 from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.knowledge.bm25 import BM25Index, BM25Retriever, passage_text, top_k
 from rag.knowledge.passages import Passage
-from rag.knowledge.retriever import Retrieved
+from rag.knowledge.types import Retrieved
 
 CORPUS = [
     Passage("p0", "Hydrogen", "The lightest element; stars such as the Sun are made mostly of it."),
