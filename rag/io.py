@@ -1,4 +1,4 @@
-"""Atomic file and directory writes, and checksums.
+"""Atomic file and directory writes (checksums of files live in :mod:`rag.checksums`).
 
 Everything `rag` persists (knowledge bases, checkpoints, demo data) goes through
 these helpers so that a crash or kill mid-write never leaves a file or directory
@@ -8,24 +8,12 @@ that a later `open` would accept.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
 from typing import Any, Iterator
-
-_CHUNK = 1 << 20
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def fsync_dir(path: str | os.PathLike) -> None:

@@ -24,6 +24,7 @@ from typing import Literal, Optional, Sequence
 import torch
 
 from rag.errors import ConfigError, RagError
+from rag.validate import check_positive_int, check_strings
 
 DEMO_NAMES = ("demo",)
 
@@ -77,20 +78,6 @@ class Retrieval:
         return asdict(self)
 
 
-def _check_questions(questions) -> list[str]:
-    if isinstance(questions, str):
-        raise RagError("questions must be a list of strings, not a single string; wrap it: [question]")
-    questions = list(questions)
-    if not questions:
-        raise RagError("questions is empty; give at least one question")
-    for i, q in enumerate(questions):
-        if not isinstance(q, str):
-            raise RagError(f"questions[{i}] is {type(q).__name__}, not a string")
-        if not q.strip():
-            raise RagError(f"questions[{i}] is empty; every question needs text")
-    return questions
-
-
 class RagPipeline:
     """A :class:`~rag.models.rag_model.RagModel` ready to answer questions.
 
@@ -117,7 +104,7 @@ class RagPipeline:
         """Top-k passages per question with their scores and priors (no generation), one
         :class:`Retrieval` per question naming the knowledge-base version they came from (the
         same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
-        questions = _check_questions(questions)
+        questions = check_strings(questions, "questions")
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
         prior = torch.softmax(doc_scores.float(), dim=1)
         return [
@@ -127,8 +114,7 @@ class RagPipeline:
         ]
 
     def _check_k(self, k, name: str) -> int:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise RagError(f"{name} must be a positive integer, got {k!r}")
+        check_positive_int(k, name)
         n = len(self.knowledge_base)
         if k > n:
             raise RagError(f"{name}={k} exceeds the {n} passages of knowledge base {self.knowledge_base.path}; use {name} <= {n}")
@@ -158,7 +144,7 @@ class RagPipeline:
         """
         from rag.generation.decoding import GenerationConfig, encode_contexts, rag_sequence_generate, rag_token_generate
 
-        questions = _check_questions(questions)
+        questions = check_strings(questions, "questions")
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         marg = marginalization or self.model.config.marginalization
         if marg not in ("sequence", "token"):

@@ -47,8 +47,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rag.checksums import check_niceness
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
-from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE, check_niceness
+from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
 
 logger = logging.getLogger(__name__)
 

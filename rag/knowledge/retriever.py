@@ -99,7 +99,7 @@ def default_query_encoder(kb, name: Optional[str] = None):
     embedded by different models).
     """
     from rag.errors import KnowledgeBaseError
-    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint
 
     doc = kb.encoder
     if name is None and kb.manifest.query_encoder:
@@ -112,10 +112,9 @@ def default_query_encoder(kb, name: Optional[str] = None):
         max_length=doc.get("max_length", 256),
         role="question",
     )
-    if same_as_doc and doc.get("fingerprint") and enc.identity()["fingerprint"] != doc["fingerprint"]:
-        raise KnowledgeBaseError(
+    if same_as_doc and doc.get("fingerprint"):
+        check_fingerprint(enc, doc["fingerprint"], lambda found: (
             f"{kb.path}: the encoder {doc['name']} now has different weights (fingerprint "
-            f"{enc.identity()['fingerprint'][:12]}) than when this knowledge base was built ({doc['fingerprint'][:12]}); "
-            f"rebuild the knowledge base, or name the intended query encoder explicitly"
-        )
+            f"{found[:12]}) than when this knowledge base was built ({doc['fingerprint'][:12]}); "
+            f"rebuild the knowledge base, or name the intended query encoder explicitly"), error=KnowledgeBaseError)
     return enc

@@ -59,7 +59,7 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overr
     ``reduce_loss=True``), so imports default to a scalar loss (summed, as transformers sums);
     pass ``reduce_loss=False`` for per-example losses.
     """
-    from rag.models.rag_model import RagModelConfig, _check_overrides
+    from rag.models.config import RagModelConfig, check_overrides
 
     if marginalization is None:
         archs = [a for a in (getattr(hf_config, "architectures", None) or []) if a in _ARCHITECTURES]
@@ -86,7 +86,7 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overr
         title_sep=hf_config.title_sep,
         doc_sep=hf_config.doc_sep,
     )
-    fields.update(_check_overrides(overrides))
+    fields.update(check_overrides(overrides))
     return RagModelConfig(**fields)
 
 
@@ -173,12 +173,13 @@ def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[s
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, RagConfig
 
     from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag_model import RagModel, _open_knowledge_base
+    from rag.models.checkpoint import open_knowledge_base
+    from rag.models.rag_model import RagModel
 
     hf_config = RagConfig.from_pretrained(src)
     config = rag_config_from_hf(hf_config, marginalization, **overrides)
     qdir, gdir = split_hf_rag(src, work)
-    kb = _open_knowledge_base(knowledge_base)
+    kb = open_knowledge_base(knowledge_base)
     qenc = TextEncoder(str(qdir), role="question")
     qenc.name_or_path = f"{src}:question_encoder"
     gen = AutoModelForSeq2SeqLM.from_pretrained(gdir)
@@ -193,9 +194,9 @@ def load_hf_rag(src: Union[str, os.PathLike], knowledge_base, *, marginalization
 
     `config_overrides` replace RagModelConfig fields (e.g. ``n_docs=10``). Returns the model in eval mode.
     """
-    from rag.models.rag_model import _resolve_checkpoint_dir
+    from rag.models.checkpoint import resolve_checkpoint_dir
 
-    root = _resolve_checkpoint_dir(src, "transformers RAG checkpoint")
+    root = resolve_checkpoint_dir(src, "transformers RAG checkpoint")
     with tempfile.TemporaryDirectory(prefix="rag-hf-import-") as work:
         model = _assemble(root, Path(work), knowledge_base, marginalization, config_overrides)
     return model.eval()

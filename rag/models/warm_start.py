@@ -178,7 +178,7 @@ def load_generator(path: Union[str, os.PathLike]):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig
 
-    from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
+    from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path
 
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
@@ -191,12 +191,10 @@ def load_generator(path: Union[str, os.PathLike]):
         enc = _frozen_encoder(resolve_name_or_path(name), pointer)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path / 'config.json'}: the generator's frozen encoder {name!r} cannot be loaded here: {e}") from e
-    found = weights_fingerprint(enc)
-    if found != record["fingerprint"]:
-        raise IntegrityError(
-            f"{path / 'config.json'}: the generator was trained on encoder {name!r} with weights fingerprint "
-            f"{record['fingerprint'][:16]}…, but {name!r} loads here with {found[:16]}…; install the version it was trained with"
-        )
+    check_fingerprint(enc, record["fingerprint"], lambda found: (
+        f"{path / 'config.json'}: the generator was trained on encoder {name!r} with weights fingerprint "
+        f"{record['fingerprint'][:16]}…, but {name!r} loads here with {found[:16]}…; install the version it was trained with"),
+        error=IntegrityError)
     dec = BertLMHeadModel(cfg.decoder)
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
