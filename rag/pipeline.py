@@ -19,12 +19,16 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import torch
 
 from rag.errors import ConfigError, RagError
 from rag.validate import check_positive_int, check_strings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models.rag_model import RagModel
 
 DEMO_NAMES = ("demo",)
 
@@ -86,12 +90,12 @@ class RagPipeline:
     version, which it names in ``kb_version``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model: "RagModel"):
         self.model = model.eval()
 
     # ------------------------------------------------------------------ knowledge base
     @property
-    def knowledge_base(self):
+    def knowledge_base(self) -> "KnowledgeBase":
         return self.model.knowledge_base
 
     @property
@@ -241,7 +245,7 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
     return path
 
 
-def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | None = None, *,
+def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
     """Load a RAG model as a :class:`RagPipeline`.
 

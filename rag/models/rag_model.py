@@ -16,9 +16,12 @@ encoder and ``doc_scores = q · d_fresh``; the stored vectors then only serve th
 :class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus and hot-swaps the
 index every N steps (REPLUG §4.4). ``rerank_candidates=L`` searches L passages in the (stale)
 index, re-embeds them with the current document encoder and keeps the best ``n_docs``. RAG-BM25
-(Table 6) uses BM25 scores as the retrieval logits; RAG-Frozen keeps the query encoder fixed. The
-marginalization math lives in :mod:`rag.generation.marginalize` and the context
-strings in :mod:`rag.generation.contexts`; this module wires them together.
+(Table 6) uses BM25 scores as the retrieval logits; RAG-Frozen keeps the query encoder fixed.
+
+This module wires the seams together: retrieval with gradients is :mod:`rag.knowledge.scoring`
+(:class:`~rag.knowledge.scoring.RetrievalScorer`), the context strings :mod:`rag.generation.contexts`,
+the loss :func:`rag.generation.marginalize.rag_nll_from_logits`, the options :mod:`rag.models.config`,
+checkpoint I/O :mod:`rag.models.checkpoint` and generator loading :mod:`rag.models.generator`.
 
 Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``RagTokenForGeneration``
 (``hf_compat=True`` reproduces transformers exactly, quirks included, for imported checkpoints):
@@ -49,7 +52,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
 import torch
@@ -59,56 +61,19 @@ from rag.errors import ConfigError, RagError
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
 from rag.knowledge.scoring import RetrievalScorer
 from rag.knowledge.types import Retrieved, Retriever
-from rag.models.checkpoint import CHECKPOINT_CONFIG, CHECKPOINT_FORMAT, open_knowledge_base
+from rag.models.batch import RagInputs, RagOutput
+from rag.models.checkpoint import CHECKPOINT_CONFIG, CHECKPOINT_FORMAT, load_rag_model, open_knowledge_base, save_rag_model
 from rag.models.config import RagModelConfig, check_overrides
 from rag.models.generator import check_generator_kind, load_generator
 from rag.validate import check_positive_int, check_strings
 
 if TYPE_CHECKING:  # pragma: no cover
+    from transformers import PreTrainedTokenizerBase
+
+    from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
 __all__ = ["RagModelConfig", "RagOutput", "RagInputs", "RagModel", "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT"]
-
-
-# --------------------------------------------------------------------------- outputs
-
-
-@dataclass
-class RagInputs:
-    """Everything the generator needs for a batch of B questions and K passages each.
-
-    Row ``b * K + k`` of the context tensors is question b joined with its k-th passage.
-    """
-
-    context_input_ids: torch.Tensor
-    """(B·K, L) generator input ids, padded to the longest context (L ≤ max_context_length)."""
-    context_attention_mask: torch.Tensor
-    """(B·K, L) 1 for real tokens."""
-    doc_scores: torch.Tensor
-    """(B, K) retrieval logits: q · doc_embeds (dense, differentiable) or BM25 scores."""
-    retrieved: Retrieved
-    """The retrieved passages (rows, stored scores, passages, doc_embeds, kb_version)."""
-    n_truncated: int
-    """How many of the B·K contexts were truncated to fit max_context_length."""
-    context_strings: list[str] = field(default_factory=list)
-    """The B·K context strings given to the generator tokenizer."""
-
-
-@dataclass
-class RagOutput:
-    """Result of :meth:`RagModel.forward`."""
-
-    loss: torch.Tensor
-    """Scalar (reduce_loss) or (B,) per-example negative marginal log-likelihood."""
-    doc_scores: torch.Tensor
-    """(B, K) q · doc_embeds, recomputed in torch (differentiable into the query encoder)."""
-    retrieved: Retrieved
-    """The passages marginalised over."""
-    n_truncated: int
-    """Contexts truncated this call."""
-
-
-# --------------------------------------------------------------------------- helpers
 
 
 def _device_of(module: nn.Module) -> torch.device:
@@ -142,8 +107,9 @@ class RagModel(nn.Module):
             encoder named by the manifest no longer has the weights the index was built with.
     """
 
-    def __init__(self, question_encoder, generator, generator_tokenizer, retriever: Union[Retriever, "KnowledgeBase"],
-                 config: Optional[RagModelConfig] = None, doc_encoder=None):
+    def __init__(self, question_encoder: "TextEncoder", generator: nn.Module, generator_tokenizer: "PreTrainedTokenizerBase",
+                 retriever: Union[Retriever, "KnowledgeBase"], config: Optional[RagModelConfig] = None,
+                 doc_encoder: Optional["TextEncoder"] = None):
         super().__init__()
         from rag.knowledge.encoders import TextEncoder
 
@@ -187,12 +153,12 @@ class RagModel(nn.Module):
     @classmethod
     def from_components(
         cls,
-        question_encoder: Optional[str],
-        generator: str,
-        knowledge_base,
+        question_encoder: Union[str, os.PathLike, "TextEncoder", None],
+        generator: Union[str, os.PathLike],
+        knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
         config: Optional[RagModelConfig] = None,
         *,
-        document_encoder: Optional[str] = None,
+        document_encoder: Union[str, os.PathLike, "TextEncoder", None] = None,
         **config_overrides,
     ) -> "RagModel":
         """Build a model from separate checkpoints (local dirs or hub ids) and a knowledge-base directory.
@@ -356,13 +322,9 @@ class RagModel(nn.Module):
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Union[str, os.PathLike], overwrite: bool = False, *,
                         reference_query_encoder: bool = False) -> None:
-        """Write a checkpoint directory, atomically (layout: :mod:`rag.models.checkpoint`)::
-
-            rag_config.json     RagModelConfig, component identities, the knowledge base's path and
-                                version (referenced, not copied) and SHA-256 of every component file
-            question_encoder/   TextEncoder.save_pretrained (safetensors + tokenizer + pooling settings)
-            generator/          generator.save_pretrained (safetensors) + its tokenizer
-            doc_encoder/        the trained document encoder (only with ``train_doc_encoder``)
+        """Write a checkpoint directory, atomically: ``rag_config.json`` (config, component identities, the
+        knowledge base's path and version, SHA-256 of every file), ``question_encoder/``, ``generator/`` and,
+        with ``train_doc_encoder``, ``doc_encoder/`` (layout: :mod:`rag.models.checkpoint`).
 
         ``reference_query_encoder=True`` writes no ``question_encoder/``: the checkpoint records the
         encoder's name (e.g. ``minilm``), its pooling settings and its weights fingerprint
@@ -378,15 +340,13 @@ class RagModel(nn.Module):
             RagError: `path` is unsuitable, or the query encoder cannot be referenced (its weights
                 differ from those its name loads, e.g. after end-to-end training).
         """
-        from rag.models.checkpoint import save_rag_model
-
         save_rag_model(self, path, overwrite, reference_query_encoder=reference_query_encoder)
 
     @classmethod
     def from_pretrained(
         cls,
         path: Union[str, os.PathLike],
-        knowledge_base=None,
+        knowledge_base: Union[str, os.PathLike, "KnowledgeBase", None] = None,
         *,
         verify: Literal["full", "size", "none"] = "full",
         allow_encoder_change: bool = False,
@@ -408,8 +368,6 @@ class RagModel(nn.Module):
             ConfigError: a referenced query encoder cannot be loaded by its name.
             KnowledgeBaseError: the knowledge base is missing or incompatible.
         """
-        from rag.models.checkpoint import load_rag_model
-
         return load_rag_model(cls, path, knowledge_base, verify=verify, allow_encoder_change=allow_encoder_change, **config_overrides)
 
     # ------------------------------------------------------------------ loss
