@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT", "save_rag_model", "load_rag_model", "resolve_checkpoint_dir",
-    "open_knowledge_base", "check_overrides",
+    "open_knowledge_base", "check_overrides", "is_hf_rag_checkpoint",
 ]
 
 CHECKPOINT_CONFIG = "rag_config.json"
@@ -63,6 +63,17 @@ def resolve_checkpoint_dir(path: Union[str, os.PathLike], what: str) -> Path:
             f"{path!s}: no such {what} directory, and it could not be fetched as a hub repository id ({type(e).__name__}: {e}); "
             "pass a local directory written by save_pretrained"
         ) from e
+
+
+def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """True if `path` is a local directory whose ``config.json`` has ``model_type == "rag"``."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
 
 
 def open_knowledge_base(kb, verify: str = "full"):
@@ -176,8 +187,6 @@ def load_rag_model(
     root = resolve_checkpoint_dir(path, "RagModel checkpoint")
     cfg_file = root / CHECKPOINT_CONFIG
     if not cfg_file.is_file():
-        from rag.models.hf_compat import is_hf_rag_checkpoint
-
         hint = (" It looks like a transformers RAG checkpoint: load it with rag.models.hf_compat.load_hf_rag"
                 if is_hf_rag_checkpoint(root) else "")
         raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with RagModel.save_pretrained).{hint}")
