@@ -50,6 +50,7 @@ from typing import Any, Optional, Union
 from rag.checksums import check_niceness
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
+from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,7 @@ class KnowledgeBaseSlot:
                 f"{type(retriever).__name__} cannot hot-swap its knowledge base: it needs a `knowledge_base` attribute and "
                 "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
-        if not isinstance(history, int) or isinstance(history, bool) or history < 1:
-            raise ConfigError(f"history must be a positive integer, got {history!r}")
+        check_positive_int(history, "history", error=ConfigError)
         if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
             raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
         check_niceness(verify_nice, "verify_nice")

@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 from rag.errors import ConfigError, RagError
+from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -412,8 +413,8 @@ class QADataModule(pl.LightningDataModule):
         super().__init__()
         for name, v in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
                         ("max_eval_examples", max_eval_examples)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"data.{name} must be a positive integer, got {v!r}")
+            if v is not None:
+                check_positive_int(v, f"data.{name}", error=ConfigError)
         if on_empty not in ("skip", "error"):
             raise ConfigError(f"data.on_empty={on_empty!r}; choose 'skip' or 'error'")
         self.save_hyperparameters()
