@@ -17,12 +17,16 @@ scores) and In-Context RALM (retrieval every stride) reuse it with their own rea
 
 from __future__ import annotations
 
-from typing import Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
 from rag.errors import ConfigError, KnowledgeBaseError
 from rag.knowledge.types import Retrieved, Retriever
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
 
 __all__ = ["ScoringSettings", "RetrievalScorer", "make_retriever"]
 
@@ -45,7 +49,8 @@ class ScoringSettings(Protocol):
     def uses_doc_encoder(self) -> bool: ...
 
 
-def make_retriever(kb, question_encoder, retrieval: str, *, allow_encoder_change: bool = False) -> Retriever:
+def make_retriever(kb: "KnowledgeBase", question_encoder: "TextEncoder", retrieval: str, *,
+                   allow_encoder_change: bool = False) -> Retriever:
     """DenseRetriever (dim checked now, not mid-epoch) or a BM25Retriever over the KB's stored BM25 index."""
     from rag.knowledge.retriever import DenseRetriever, check_compatible
 
@@ -83,7 +88,8 @@ class RetrievalScorer:
         KnowledgeBaseError: dimension mismatch, or BM25 asked of a knowledge base without a BM25 index.
     """
 
-    def __init__(self, question_encoder, retriever, settings: ScoringSettings, doc_encoder=None):
+    def __init__(self, question_encoder: "TextEncoder", retriever: Union[Retriever, "KnowledgeBase"], settings: ScoringSettings,
+                 doc_encoder: Optional["TextEncoder"] = None):
         from rag.knowledge.bm25 import BM25Retriever
         from rag.knowledge.knowledge_base import KnowledgeBase
         from rag.knowledge.retriever import DenseRetriever, check_compatible
@@ -107,7 +113,7 @@ class RetrievalScorer:
         self.retriever: Retriever = retriever
         self.doc_encoder = self._resolve_doc_encoder(doc_encoder)
 
-    def _resolve_doc_encoder(self, doc_encoder):
+    def _resolve_doc_encoder(self, doc_encoder: Optional["TextEncoder"]) -> Optional["TextEncoder"]:
         """The document encoder (or None): given, or loaded from the knowledge base's manifest when the
         settings re-embed passages; frozen and in eval mode unless ``train_doc_encoder``."""
         from rag.knowledge.encoders import TextEncoder
@@ -136,7 +142,7 @@ class RetrievalScorer:
         return self.settings.freeze_query_encoder or self.settings.retrieval == "bm25"
 
     @property
-    def knowledge_base(self):
+    def knowledge_base(self) -> Optional["KnowledgeBase"]:
         """The knowledge base the retriever currently reads (None for a BM25 retriever over bare passages)."""
         return getattr(self.retriever, "knowledge_base", None)
 
