@@ -26,26 +26,19 @@ checkpoint I/O :mod:`rag.models.checkpoint` and generator loading :mod:`rag.mode
 Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``RagTokenForGeneration``
 (``hf_compat=True`` reproduces transformers exactly, quirks included, for imported checkpoints):
 
-* **Context truncation** (``truncation="keep_question"``, default): when "title / text // question"
-  exceeds ``max_context_length`` tokens, the *passage* is shortened so the question is always kept.
-  transformers truncates on the right, which can cut the question off entirely
-  (``truncation="hf"``, implied by ``hf_compat``).
-* **Question string**: by default the question goes into the context as the user wrote it.
-  transformers decodes the question-encoder tokens back to text (lower-cased, re-spaced, truncated
-  by the question tokenizer); ``hf_compat`` does the same round trip.
-* **Single-token targets / document prior**: by default every target token is scored and
-  log p(z|x) enters each document's sequence score exactly once (Eq. 1). transformers attaches the
-  prior to the second target position, so for one-token targets the prior (and every retriever
-  gradient) silently vanishes; see :mod:`rag.generation.marginalize` for the full list.
-* **Targets**: ``forward`` takes target strings; they are tokenized by the generator tokenizer
-  (BART: ``<s> … </s>``, T5: ``… </s>``), every token is scored, and the decoder reads them shifted
-  right after ``decoder_start_token_id``. transformers instead expects ``labels`` that already begin
-  with the start token (its fine-tuning script prepends it); the scored tokens are the same.
-* **Reduction**: ``reduce_loss=True`` averages over the batch (independent of batch size);
-  transformers sums, and so does ``hf_compat``.
-* **Padding**: contexts are padded to the longest in the batch, not to a fixed 300 tokens, and the
-  generator runs on length buckets of them (:mod:`rag.generation.buckets`), each padded only to its
-  own longest context, so its cost follows the real context tokens.
+* **Context truncation** (``truncation="keep_question"``, default): an over-long "title / text // question"
+  loses passage tokens, never the question; transformers cuts on the right (``truncation="hf"``, implied by ``hf_compat``).
+* **Question string**: the question enters the context as written; transformers (and ``hf_compat``) use its round
+  trip through the question tokenizer (lower-cased, re-spaced, truncated).
+* **Single-token targets / document prior**: every target token is scored and log p(z|x) enters each document's
+  sequence score once (Eq. 1); transformers attaches the prior to the second target position, so for one-token
+  targets it (and every retriever gradient) vanishes — the full list is in :mod:`rag.generation.marginalize`.
+* **Targets**: ``forward`` takes strings, tokenized by the generator tokenizer (BART ``<s> … </s>``, T5 ``… </s>``),
+  all scored, decoded shifted right after ``decoder_start_token_id``; transformers expects ``labels`` that begin
+  with the start token (its fine-tuning script prepends it) — the scored tokens are the same.
+* **Reduction**: ``reduce_loss=True`` averages over the batch; transformers (and ``hf_compat``) sums.
+* **Padding**: contexts are padded to the batch's longest, not to 300 tokens, and the generator runs on length
+  buckets of them (:mod:`rag.generation.buckets`), so its cost follows the real context tokens.
 """
 
 from __future__ import annotations
