@@ -289,7 +289,7 @@ def _instrument() -> list[tuple[str, float, float]]:
     """Record when the swap path checksums files ("hash", inside a swap call), pre-warms the new version
     ("prewarm", inside a swap call, after verification) and when the slot closes a swapped-out knowledge
     base ("release", on its background thread after a swap): (phase, start, end)."""
-    import rag.knowledge.knowledge_base as kbmod
+    import rag.checksums as kbmod
 
     phases: list[tuple[str, float, float]] = []
 

@@ -71,7 +71,7 @@ from rag.generation.detokenize import decode_answer  # noqa: E402
 from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
 from rag.knowledge.encoders import TextEncoder  # noqa: E402
 from rag.models.rag_model import RagModel, RagModelConfig  # noqa: E402
-from rag.models.warm_start import build_warm_start_generator, cache_encoder_outputs, load_generator  # noqa: E402
+from rag.models.warm_start import build_warm_start_generator, cache_encoder_outputs, load_warm_start  # noqa: E402
 from rag.training.data import expand_answers, read_qa  # noqa: E402
 from rag.training.modules import generate_answers, warmup_linear_decay  # noqa: E402
 
@@ -161,7 +161,7 @@ def build_model(kb, cfg: DemoConfig, system: str, reader: Optional[Path] = None)
     if reader is None:
         gen, tok = build_warm_start_generator("minilm", decoder_layers=cfg.decoder_layers, pointer=cfg.pointer, seed=cfg.seed)
     else:
-        gen, tok = load_generator(reader)
+        gen, tok = load_warm_start(reader)
     rag_cfg = RagModelConfig(
         n_docs=cfg.n_docs, marginalization="token" if system == "rag-token" else "sequence",
         freeze_query_encoder=system in ("rag-frozen", "closed-book", "reader"),

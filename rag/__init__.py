@@ -7,7 +7,8 @@ Public API (everything else is internal and may change):
 - :class:`~rag.knowledge.index.IndexSpec`
 - :class:`~rag.knowledge.knowledge_base.KnowledgeBase`
 - :class:`~rag.knowledge.retriever.DenseRetriever`, :class:`~rag.knowledge.bm25.BM25Retriever`,
-  :class:`~rag.knowledge.retriever.Retrieved`
+  :class:`~rag.knowledge.types.Retrieved`, the :class:`~rag.knowledge.types.Retriever` and
+  :class:`~rag.knowledge.types.Reranker` protocols
 - :class:`~rag.models.rag_model.RagModel`, :class:`~rag.models.rag_model.RagModelConfig`
 - :func:`~rag.pipeline.load`, :class:`~rag.pipeline.RagPipeline`, :class:`~rag.pipeline.Answer`
 """
@@ -23,7 +24,9 @@ _LAZY = {
     "IndexSpec": "rag.knowledge.index",
     "KnowledgeBase": "rag.knowledge.knowledge_base",
     "DenseRetriever": "rag.knowledge.retriever",
-    "Retrieved": "rag.knowledge.retriever",
+    "Retrieved": "rag.knowledge.types",
+    "Retriever": "rag.knowledge.types",
+    "Reranker": "rag.knowledge.types",
     "BM25Retriever": "rag.knowledge.bm25",
     "RagError": "rag.errors",
     "RagModel": "rag.models.rag_model",

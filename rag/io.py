@@ -1,4 +1,4 @@
-"""Atomic file and directory writes, and checksums.
+"""Atomic file and directory writes (checksums of files live in :mod:`rag.checksums`).
 
 Everything `rag` persists (knowledge bases, checkpoints, demo data) goes through
 these helpers so that a crash or kill mid-write never leaves a file or directory
@@ -8,24 +8,12 @@ that a later `open` would accept.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Iterator
-
-_CHUNK = 1 << 20
-
-
-def sha256_file(path: str | os.PathLike) -> str:
-    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(_CHUNK), b""):
-            h.update(block)
-    return h.hexdigest()
+from typing import Any, Callable, Iterator
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -38,15 +26,15 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
-def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
-    """Write `data` to `path` via a temporary file in the same directory and a rename."""
+def atomic_write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
+    """Have `write(tmp)` write a temporary file beside `path` (by name), then fsync it and rename it into place."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
+        write(tmp)
+        with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
@@ -54,6 +42,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to `path` via a temporary file in the same directory and a rename."""
+    atomic_write_file(path, lambda tmp: Path(tmp).write_bytes(data))
 
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:

@@ -19,11 +19,16 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Literal, Optional, Sequence
 
 import torch
 
 from rag.errors import ConfigError, RagError
+from rag.validate import check_positive_int, check_strings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models.rag_model import RagModel
 
 DEMO_NAMES = ("demo",)
 
@@ -77,20 +82,6 @@ class Retrieval:
         return asdict(self)
 
 
-def _check_questions(questions) -> list[str]:
-    if isinstance(questions, str):
-        raise RagError("questions must be a list of strings, not a single string; wrap it: [question]")
-    questions = list(questions)
-    if not questions:
-        raise RagError("questions is empty; give at least one question")
-    for i, q in enumerate(questions):
-        if not isinstance(q, str):
-            raise RagError(f"questions[{i}] is {type(q).__name__}, not a string")
-        if not q.strip():
-            raise RagError(f"questions[{i}] is empty; every question needs text")
-    return questions
-
-
 class RagPipeline:
     """A :class:`~rag.models.rag_model.RagModel` ready to answer questions.
 
@@ -99,12 +90,12 @@ class RagPipeline:
     version, which it names in ``kb_version``.
     """
 
-    def __init__(self, model):
+    def __init__(self, model: "RagModel"):
         self.model = model.eval()
 
     # ------------------------------------------------------------------ knowledge base
     @property
-    def knowledge_base(self):
+    def knowledge_base(self) -> "KnowledgeBase":
         return self.model.knowledge_base
 
     @property
@@ -117,7 +108,7 @@ class RagPipeline:
         """Top-k passages per question with their scores and priors (no generation), one
         :class:`Retrieval` per question naming the knowledge-base version they came from (the
         same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
-        questions = _check_questions(questions)
+        questions = check_strings(questions, "questions")
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
         prior = torch.softmax(doc_scores.float(), dim=1)
         return [
@@ -127,8 +118,7 @@ class RagPipeline:
         ]
 
     def _check_k(self, k, name: str) -> int:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
-            raise RagError(f"{name} must be a positive integer, got {k!r}")
+        check_positive_int(k, name)
         n = len(self.knowledge_base)
         if k > n:
             raise RagError(f"{name}={k} exceeds the {n} passages of knowledge base {self.knowledge_base.path}; use {name} <= {n}")
@@ -158,7 +148,7 @@ class RagPipeline:
         """
         from rag.generation.decoding import GenerationConfig, encode_contexts, rag_sequence_generate, rag_token_generate
 
-        questions = _check_questions(questions)
+        questions = check_strings(questions, "questions")
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         marg = marginalization or self.model.config.marginalization
         if marg not in ("sequence", "token"):
@@ -255,7 +245,7 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
     return path
 
 
-def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | None = None, *,
+def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
     """Load a RAG model as a :class:`RagPipeline`.
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional, Sequence, Union
 
 from rag.errors import ConfigError, RagError
+from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -192,8 +193,7 @@ def evaluate_hotswap(
     kbs, data = list(kbs), list(data)
     if not kbs or not data:
         raise ConfigError("give at least one knowledge base (--kb) and one question set (--data)")
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_positive_int(batch_size, "batch_size", error=ConfigError)
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ConfigError(f"limit must be a positive integer or None, got {limit!r}")
     klabels, dlabels = _labels(kb_labels, kbs, "knowledge base"), _labels(data_labels, data, "question set")

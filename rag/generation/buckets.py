@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rag.errors import RagError
+from rag.validate import check_positive_int
 
 __all__ = [
     "Bucket",
@@ -84,8 +85,7 @@ def length_buckets(attention_mask: Tensor, max_buckets: int = DEFAULT_MAX_BUCKET
     Returns:
         Buckets whose ``rows`` partition ``range(N)``.
     """
-    if not isinstance(max_buckets, int) or isinstance(max_buckets, bool) or max_buckets < 1:
-        raise RagError(f"max_buckets must be a positive integer, got {max_buckets!r}")
+    check_positive_int(max_buckets, "max_buckets")
     if not 0.0 <= float(min_gain) < 1.0:
         raise RagError(f"min_gain must be in [0, 1), got {min_gain!r}")
     extents = row_extents(attention_mask).clamp_min(1)

@@ -78,12 +78,14 @@ __all__ = [
     "doc_log_prior",
     "target_mask",
     "gather_target_logprobs",
+    "target_logprobs_from_logits",
     "sequence_log_likelihoods",
     "rag_sequence_log_likelihood",
     "rag_token_log_likelihood",
     "token_marginal_logprobs",
     "rag_sequence_nll",
     "rag_token_nll",
+    "rag_nll_from_logits",
     "hf_shift_targets",
     "shift_right",
 ]
@@ -150,17 +152,36 @@ def _bos_rows(target: Tensor, bos_token_id: int | None) -> Tensor:
 # ----------------------------------------------------------------------------- building blocks
 
 
-def doc_log_prior(doc_scores: Tensor) -> Tensor:
-    """Retrieval scores to document log-priors: log p_η(z|x) = log_softmax over the K docs (§2.2).
+def doc_log_prior(doc_scores: Tensor, *, temperature: float = 1.0, doc_mask: Tensor | None = None) -> Tensor:
+    """Retrieval scores to document log-priors: log p_η(z|x) = log_softmax over the K docs (RAG §2.2).
+
+    With a `temperature` τ this is REPLUG's document weight λ (Eq. 1 of Shi et al. 2023) and its LSR
+    retrieval likelihood P_R(d|x) = softmax(s(d, x) / γ) (§4.1): ``log_softmax(doc_scores / τ)``.
 
     Args:
         doc_scores: ``(batch, n_docs)`` retrieval logits, e.g. ``q · d(z)`` (differentiable).
+        temperature: τ > 0 dividing the scores (1: the plain softmax, computed exactly as without it).
+        doc_mask: ``(batch, n_docs)`` bool, False for documents that do not count (padding of a short
+            retrieval, a filtered passage); they get log-prior ``-inf`` and the rest renormalise.
+            Every row needs at least one True.
 
     Returns:
         ``(batch, n_docs)`` log-probabilities; float32 for half-precision input.
     """
     _check_dims("doc_scores", doc_scores, 2, "(batch, n_docs)")
-    return torch.log_softmax(_promote(doc_scores), dim=-1)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ConfigError(f"temperature={temperature!r} must be a number > 0.")
+    scores = _promote(doc_scores)
+    if temperature != 1.0:
+        scores = scores / temperature
+    if doc_mask is not None:
+        if tuple(doc_mask.shape) != tuple(doc_scores.shape):
+            raise RagError(f"`doc_mask` must have the shape of `doc_scores` {tuple(doc_scores.shape)}; got {tuple(doc_mask.shape)}.")
+        doc_mask = doc_mask.to(device=scores.device, dtype=torch.bool)
+        if not bool(doc_mask.any(dim=-1).all()):
+            raise RagError("`doc_mask` leaves a row without any document; every input needs at least one document that counts.")
+        scores = scores.masked_fill(~doc_mask, float("-inf"))
+    return torch.log_softmax(scores, dim=-1)
 
 
 def target_mask(target: Tensor, *, pad_token_id: int | None = None, ignore_index: int | None = -100) -> Tensor:
@@ -197,6 +218,26 @@ def gather_target_logprobs(token_logprobs: Tensor, target: Tensor) -> Tensor:
         raise RagError(f"`target` must have shape (batch, tgt_len) = {(b, t)}; got {tuple(target.shape)}.")
     index = target.clamp_min(0).unsqueeze(1).expand(b, k, t).unsqueeze(-1)
     return token_logprobs.gather(-1, index).squeeze(-1)
+
+
+def target_logprobs_from_logits(logits: Tensor, labels: Tensor) -> Tensor:
+    """Each document's log-probability of the target tokens straight from generator logits:
+    ``logit[y_t] - logsumexp(logits)``, without materialising a ``(B, K, T, V)`` log-softmax.
+
+    Args:
+        logits: ``(batch, n_docs, tgt_len, vocab)`` unnormalised scores (any float dtype).
+        labels: ``(batch, tgt_len)`` target ids; negative ids read entry 0 and must be masked by the caller.
+
+    Returns:
+        ``(batch, n_docs, tgt_len)`` float32 log p_θ(y_t | x, z, y_<t) (as :func:`gather_target_logprobs`
+        of the log-softmax, up to float rounding).
+    """
+    _check_dims("logits", logits, 4, "(batch, n_docs, tgt_len, vocab)")
+    b, k, t, _ = logits.shape
+    if tuple(labels.shape) != (b, t):
+        raise RagError(f"`labels` must have shape (batch, tgt_len) = {(b, t)}; got {tuple(labels.shape)}.")
+    index = labels.clamp_min(0).unsqueeze(1).expand(b, k, t).unsqueeze(-1)
+    return logits.gather(-1, index).squeeze(-1).float() - torch.logsumexp(logits.float(), dim=-1)
 
 
 def sequence_log_likelihoods(target_logprobs: Tensor, mask: Tensor | None = None) -> Tensor:
@@ -401,6 +442,66 @@ def rag_token_nll(
     smooth = torch.where(scored, marginal.sum(-1), zero).sum(-1)
     loss = -(1.0 - epsilon) * ll - (epsilon / vocab) * smooth
     return _reduce(loss, reduce)
+
+
+def rag_nll_from_logits(
+    logits: Tensor,
+    labels: Tensor,
+    label_mask: Tensor,
+    doc_scores: Tensor,
+    *,
+    marginalization: Literal["sequence", "token"],
+    label_smoothing: float = 0.0,
+    reduce: Reduction = "mean",
+    exclude_bos_score: bool = False,
+    bos_token_id: int | None = None,
+    pad_token_id: int | None = None,
+    hf_compat: bool = False,
+    temperature: float = 1.0,
+    doc_mask: Tensor | None = None,
+) -> Tensor:
+    """The RAG loss −log p(y|x) (Eq. 1 or Eq. 2) from generator logits and retrieval scores.
+
+    Without label smoothing (and outside `hf_compat`) only the target tokens' log-probabilities are
+    computed (:func:`target_logprobs_from_logits`) instead of a ``(B, K, T, V)`` log-softmax; smoothing
+    and `hf_compat` take the full distribution through :func:`rag_sequence_nll` / :func:`rag_token_nll`.
+
+    Args:
+        logits: ``(batch, n_docs, tgt_len, vocab)`` generator logits, position t predicting ``labels[:, t]``.
+        labels: ``(batch, tgt_len)`` target ids; label_mask: ``(batch, tgt_len)``, True on real tokens.
+        doc_scores: ``(batch, n_docs)`` retrieval logits (prior: :func:`doc_log_prior` with `temperature`, `doc_mask`).
+        marginalization: ``"sequence"`` (Eq. 1) or ``"token"`` (Eq. 2).
+        label_smoothing, reduce, exclude_bos_score, bos_token_id, hf_compat: as :func:`rag_sequence_nll`
+            (under `hf_compat` transformers masks ``target == pad_token_id``, which for right-padded
+            targets is `label_mask`).
+
+    Returns:
+        scalar, or ``(batch,)`` for ``reduce="none"``.
+    """
+    if marginalization not in ("sequence", "token"):
+        raise ConfigError(f"marginalization={marginalization!r}; choose 'sequence' or 'token'.")
+    prior = doc_log_prior(doc_scores, temperature=temperature, doc_mask=doc_mask)  # (B, K) log p(z|x)
+    if label_smoothing == 0.0 and not hf_compat:
+        target_lp = target_logprobs_from_logits(logits, labels)  # (B, K, T)
+        mask = label_mask.bool()
+        if exclude_bos_score and bos_token_id is not None:
+            # per row, as rag_sequence_nll's default exclude_bos_score
+            mask = mask.clone()
+            mask[:, 0] &= labels[:, 0].ne(bos_token_id)
+        ll_fn = rag_sequence_log_likelihood if marginalization == "sequence" else rag_token_log_likelihood
+        return _reduce(-ll_fn(target_lp, prior, mask=mask), reduce)  # (B,) before reduction
+
+    nll_fn = rag_sequence_nll if marginalization == "sequence" else rag_token_nll
+    return nll_fn(
+        torch.log_softmax(logits.float(), dim=-1), labels, prior,
+        mask=None if hf_compat else label_mask.bool(),
+        pad_token_id=pad_token_id,
+        epsilon=label_smoothing,
+        reduce=reduce,
+        exclude_bos_score=exclude_bos_score,
+        bos_token_id=bos_token_id,
+        hf_compat=hf_compat,
+    )
 
 
 # ----------------------------------------------------------------------------- target conventions

@@ -26,7 +26,8 @@ import torch
 from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
-from rag.knowledge.retriever import Retrieved
+from rag.knowledge.types import Retrieved
+from rag.validate import check_strings
 
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
@@ -49,16 +50,6 @@ def _stemmer(name: Optional[str]):
         return Stemmer.Stemmer(name)
     except (KeyError, ValueError) as e:
         raise ConfigError(f"stemmer={name!r} is not a PyStemmer algorithm; choose one of {Stemmer.algorithms()} or None") from e
-
-
-def _check_queries(queries: Sequence[str]) -> list[str]:
-    if isinstance(queries, str):
-        raise RagError("queries must be a sequence of strings, got a single string; wrap it in a list")
-    items = list(queries)
-    for i, q in enumerate(items):
-        if not isinstance(q, str):
-            raise RagError(f"queries[{i}] is a {type(q).__name__}, not a string")
-    return items
 
 
 def top_k(scores: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -151,7 +142,7 @@ class BM25Index:
         """
         from tqdm.auto import tqdm
 
-        queries = _check_queries(queries)
+        queries = check_strings(queries, "queries", allow_empty=True, allow_blank=True)
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= self._num_docs:
             raise RagError(f"k must be an integer in [1, {self._num_docs}] (the number of indexed passages), got {k!r}")
         k = int(k)
@@ -235,7 +226,7 @@ def _owner_knowledge_base(passages, index: BM25Index):
 
 
 class BM25Retriever:
-    """Sparse retriever returning :class:`~rag.knowledge.retriever.Retrieved` with
+    """Sparse retriever returning :class:`~rag.knowledge.types.Retrieved` with
     ``doc_embeds=None`` (BM25 scores are not differentiable).
 
     Hot-swappable like :class:`~rag.knowledge.retriever.DenseRetriever`: index, passage lookup

@@ -24,7 +24,7 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 import numpy as np
 import torch
@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from rag.errors import ConfigError, RagError
 from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
+from rag.validate import check_strings
 
 Pooling = Literal["auto", "cls", "mean", "pooler"]
 Role = Literal["auto", "question", "context"]
@@ -85,6 +86,15 @@ def weights_fingerprint(module: torch.nn.Module) -> str:
         h.update(len(data).to_bytes(8, "little"))
         h.update(data.tobytes())
     return h.hexdigest()
+
+
+def check_fingerprint(model, expected: str, explain: Callable[[str], str], *, error: type[RagError] = RagError) -> None:
+    """The package's one weights-fingerprint check: raise ``error(explain(found))`` unless the
+    :func:`weights_fingerprint` of `model` (a :class:`TextEncoder` or any module) equals `expected`.
+    `explain` turns the fingerprint found into the caller's message (what differs and the fix)."""
+    found = weights_fingerprint(model.model if isinstance(model, TextEncoder) else model)
+    if found != expected:
+        raise error(explain(found))
 
 
 def pool(last_hidden_state: torch.Tensor, attention_mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -284,9 +294,9 @@ class TextEncoder(torch.nn.Module):
     def tokenize(self, texts: Sequence[str], pairs: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Tokenize a batch (optionally as sentence pairs), padded to the longest and
         truncated to ``max_length``; tensors ``(batch, seq_len)`` on this encoder's device."""
-        texts = _check_texts(texts, "texts")
+        texts = check_strings(texts, "texts", allow_empty=True, allow_blank=True)
         if pairs is not None:
-            pairs = _check_texts(pairs, "pairs")
+            pairs = check_strings(pairs, "pairs", allow_empty=True, allow_blank=True)
             if len(pairs) != len(texts):
                 raise RagError(f"tokenize: {len(texts)} texts but {len(pairs)} pairs; give one pair per text")
         batch = self.tokenizer(
@@ -370,9 +380,9 @@ class TextEncoder(torch.nn.Module):
     ) -> np.ndarray:
         from tqdm.auto import tqdm
 
-        texts = _check_texts(texts, "texts")
+        texts = check_strings(texts, "texts", allow_empty=True, allow_blank=True)
         if pairs is not None:
-            pairs = _check_texts(pairs, "pairs")
+            pairs = check_strings(pairs, "pairs", allow_empty=True, allow_blank=True)
         if not isinstance(batch_size, int) or batch_size < 1:
             raise RagError(f"batch_size must be a positive integer, got {batch_size!r}")
         if device is not None:
@@ -452,17 +462,3 @@ class TextEncoder(torch.nn.Module):
             return cls(path, pooling=s["pooling"], normalize=s["normalize"], max_length=s["max_length"])
         except KeyError as e:
             raise ConfigError(f"{settings_file} lacks field {e}; save the encoder again") from e
-
-
-def _check_texts(texts: Sequence[str], what: str) -> list[str]:
-    """Turn `texts` into a list, raising RagError naming the first non-string item."""
-    if isinstance(texts, str):
-        raise RagError(f"{what} must be a sequence of strings, got a single string; wrap it in a list")
-    try:
-        items = list(texts)
-    except TypeError as e:
-        raise RagError(f"{what} must be a sequence of strings, got {type(texts).__name__}") from e
-    for i, t in enumerate(items):
-        if not isinstance(t, str):
-            raise RagError(f"{what}[{i}] is a {type(t).__name__}, not a string")
-    return items

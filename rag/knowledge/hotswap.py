@@ -19,7 +19,7 @@ that is serving requests:
    only serialises swaps against each other; requests never take it.
 3. A request that started on the old knowledge base finishes on it: retrievers read
    their knowledge-base reference once per call, and everything downstream (contexts,
-   doc scores, decoding, provenance) uses the :class:`~rag.knowledge.retriever.Retrieved`
+   doc scores, decoding, provenance) uses the :class:`~rag.knowledge.types.Retrieved`
    that call returned, whose ``kb_version`` names the version. The old knowledge base
    stays open while such a call holds it, and is closed
    (:meth:`~rag.knowledge.knowledge_base.KnowledgeBase.close`) on a background thread
@@ -47,8 +47,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rag.checksums import check_niceness
 from rag.errors import ConfigError, KnowledgeBaseError, RagError
-from rag.knowledge.knowledge_base import PREWARM_CHUNK, PREWARM_PAUSE, check_niceness
+from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
+from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -186,8 +188,7 @@ class KnowledgeBaseSlot:
                 f"{type(retriever).__name__} cannot hot-swap its knowledge base: it needs a `knowledge_base` attribute and "
                 "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
-        if not isinstance(history, int) or isinstance(history, bool) or history < 1:
-            raise ConfigError(f"history must be a positive integer, got {history!r}")
+        check_positive_int(history, "history", error=ConfigError)
         if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
             raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
         check_niceness(verify_nice, "verify_nice")

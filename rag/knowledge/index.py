@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Literal, Optional
@@ -38,7 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
-from rag.io import fsync_dir
+from rag.io import atomic_write_file
 
 __all__ = [
     "IndexSpec",
@@ -387,20 +386,7 @@ def build_index(
 
 def write_index(index: faiss.Index, path: str | os.PathLike) -> None:
     """Write `index` to `path` atomically (temporary file in the same directory, fsync, rename)."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        faiss.write_index(index, tmp)
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
+    atomic_write_file(path, lambda tmp: faiss.write_index(index, tmp))
 
 
 def read_index(path: str | os.PathLike, *, mmap: bool = True) -> faiss.Index:

@@ -24,21 +24,22 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from rag.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
-from rag.io import atomic_directory, atomic_write_json, sha256_file
+from rag.checksums import Verify, file_checksums, verify_files
+from rag.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.io import atomic_directory, atomic_write_json
+from rag.knowledge import pagecache
 from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, read_index, search_index, write_index
+from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
 from rag.knowledge.passages import Passage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -52,117 +53,6 @@ PASSAGES = "passages"
 EMBEDDINGS = "embeddings.npy"
 INDEX = "index.faiss"
 BM25_DIR = "bm25"
-
-Verify = Literal["full", "size", "none"]
-
-_HASH_CHUNK = 4 << 20  # bytes per read + hash step; hashlib releases the GIL for buffers > 2 KiB
-_YIELD_CHUNK = 1 << 20  # ... in the low-priority child, which keeps its disk reads small
-_MADV_DONTNEED = 4
-RELEASE_CHUNK = 64 << 20
-"""Bytes per madvise call in :meth:`KnowledgeBase.release_pages` (default)."""
-_MADV_WILLNEED = 3
-_MADV_POPULATE_READ = 22  # Linux >= 5.14: fault pages in (reading them if needed) and map them, without writing
-PREWARM_CHUNK = 8 << 20
-"""Bytes per step of :meth:`KnowledgeBase.prewarm` (default)."""
-PREWARM_PAUSE = 0.001
-"""Seconds :meth:`KnowledgeBase.prewarm` sleeps between steps that found their pages cached (default)."""
-
-# Hashes the files named on the command line at (at least) the niceness given first, one hex digest per
-# line. Runs in its own interpreter so that the hashing competes for the CPU at a lower priority than the
-# process serving requests, without ever holding that process's GIL.
-_HASH_SCRIPT = """
-import hashlib, os, sys, time
-try:
-    now = os.nice(0)
-    if now < int(sys.argv[1]):
-        os.nice(int(sys.argv[1]) - now)
-except (AttributeError, OSError):
-    pass
-parent = int(sys.argv[2])
-buf = bytearray(%d)
-view = memoryview(buf)
-nowait = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "preadv") else None
-for name in sys.argv[3:]:
-    h = hashlib.sha256()
-    fd = os.open(name, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: at most one read of ours in flight
-        offset = 0
-        while True:
-            n = -1
-            if nowait is not None:
-                try:
-                    n = os.preadv(fd, [view], offset, nowait)  # only what is in the page cache, never waits
-                except BlockingIOError:
-                    n = -1
-                except OSError:
-                    nowait = None  # not supported here
-            if n <= 0:  # not cached (or unknown): read from the disk, then leave it idle as long
-                t = time.monotonic()
-                n = os.preadv(fd, [view], offset)
-                if n and nowait is not None:
-                    time.sleep(time.monotonic() - t)
-            if not n:
-                break
-            h.update(view[:n])
-            offset += n
-            if os.getppid() != parent:
-                sys.exit(3)  # whoever asked is gone: stop
-    finally:
-        os.close(fd)
-    sys.stdout.write(h.hexdigest() + "\\n")
-    sys.stdout.flush()
-""" % _YIELD_CHUNK
-
-
-def check_niceness(value: Any, what: str) -> None:
-    """Raise ConfigError unless `value` is None or an integer niceness in [0, 19]."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19):
-        raise ConfigError(f"{what} must be None or an integer niceness in [0, 19], got {value!r}")
-
-
-def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:
-    """Hex SHA-256 of each file, in order.
-
-    `nice` None hashes in this thread, 4 MiB at a time (reads and hashing release the GIL, so
-    other threads keep running). An integer hashes in a child interpreter started at that
-    niceness (Unix; 10 gives it roughly a tenth of a core that nice-0 threads want), so that
-    verifying a large knowledge base yields the CPU to the threads serving requests and never
-    holds their GIL. The child also yields the disk: it reads 1 MiB at a time without
-    readahead and, after a read that was not in the page cache (``preadv`` with RWF_NOWAIT
-    tells), pauses as long as that read took, so that the page faults of a server reading a
-    memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files are
-    hashed in this thread.
-    """
-    check_niceness(nice, "nice")
-    paths = [Path(p) for p in paths]
-    if nice is not None and paths:
-        # Started through nice(1) where available, so that even the interpreter's start-up runs at low priority.
-        wrapper = shutil.which("nice")
-        prefix = [wrapper, "-n", str(nice)] if wrapper else []
-        try:
-            proc = subprocess.run(
-                [*prefix, sys.executable, "-I", "-c", _HASH_SCRIPT, str(nice), str(os.getpid()), *map(os.fspath, paths)],
-                stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
-            )
-            digests = proc.stdout.split()
-            if proc.returncode == 0 and len(digests) == len(paths):
-                return digests
-            logger.warning("hashing subprocess failed (exit %s: %s); hashing in-process", proc.returncode,
-                           proc.stderr.strip()[-300:])
-        except OSError as e:
-            logger.warning("cannot start a hashing subprocess (%s); hashing in-process", e)
-    out = []
-    buf = bytearray(_HASH_CHUNK)
-    view = memoryview(buf)
-    for path in paths:
-        h = hashlib.sha256()
-        with open(path, "rb", buffering=0) as f:
-            while n := f.readinto(buf):
-                h.update(view[:n])
-        out.append(h.hexdigest())
-    return out
 
 
 @dataclass
@@ -312,30 +202,7 @@ class KnowledgeBase:
         """An address inside each large read-only file mapping this knowledge base owns: the
         memory-mapped embeddings, the passages' Arrow columns and the codes of a memory-mapped
         flat / HNSW / HNSW-SQ8 index (empty once closed, or for in-memory copies)."""
-        out = []
-        emb = self._embeddings
-        if isinstance(emb, np.memmap) and emb.size:
-            out.append(int(emb.ctypes.data))
-        try:  # a memory-mapped Arrow table (datasets): one buffer address per column suffices
-            for column in self._passages.data.table.columns:
-                for chunk in column.chunks[:1]:
-                    out.extend(b.address for b in chunk.buffers() if b is not None and b.size)
-        except Exception:  # noqa: BLE001 - not a datasets.Dataset (or closed)
-            pass
-        if self._index is not None:
-            try:
-                import faiss
-
-                core = faiss.downcast_index(self._index)
-                if isinstance(core, faiss.IndexHNSW):
-                    core = faiss.downcast_index(core.storage)
-                owned = getattr(getattr(core, "codes", None), "is_owned", True)
-                owned = owned() if callable(owned) else owned  # an attribute in recent faiss, a method in others
-                if isinstance(core, faiss.IndexFlatCodes) and core.ntotal and not owned:
-                    out.append(int(faiss.rev_swig_ptr(core.codes.data(), 1).ctypes.data))
-            except Exception:  # noqa: BLE001 - an unfamiliar index type is simply not pre-released
-                pass
-        return out
+        return pagecache.mapped_addresses(self._embeddings, self._passages, self._index)
 
     def release_pages(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
         """Drop this process's resident pages of the knowledge base's read-only file mappings
@@ -356,7 +223,7 @@ class KnowledgeBase:
             addresses = self.mapped_addresses()
             if not addresses:
                 return 0
-            return _madvise_dontneed(addresses, chunk, pause)
+            return pagecache.madvise_dontneed(addresses, chunk, pause)
         finally:
             with self._use:
                 self._in_use -= 1
@@ -382,28 +249,9 @@ class KnowledgeBase:
         whose mappings can be attributed (an index type :meth:`mapped_addresses` does not know) counts
         with all of them, provided this object maps anything at all (an in-memory copy maps nothing,
         and must not claim another object's mappings)."""
-        import bisect
-
         if self._closed:
             return []
-        owned = list(self.mapped_addresses())
-        try:  # every record batch of every Arrow shard, not only the first
-            for column in self._passages.data.table.columns:
-                for chunk in column.chunks:
-                    owned.extend(b.address for b in chunk.buffers()[:2] if b is not None and b.size)
-        except Exception:  # noqa: BLE001 - not a datasets.Dataset
-            pass
-        owned.sort()
-        maps = _file_mappings(self.path)
-        mine = []
-        for name, start, end in maps:
-            i = bisect.bisect_left(owned, start)
-            if i < len(owned) and owned[i] < end:
-                mine.append((name, start, end))
-        if not mine:
-            return []
-        known = {name for name, _, _ in mine}
-        return mine + [m for m in maps if m[0] not in known]
+        return pagecache.own_mappings(self.path, self.mapped_addresses() + pagecache.arrow_addresses(self._passages))
 
     def prewarm(self, *, chunk: int = PREWARM_CHUNK, pause: float = PREWARM_PAUSE) -> int:
         """Make every page a request can touch resident and mapped before requests use this knowledge base.
@@ -437,7 +285,7 @@ class KnowledgeBase:
             return 0
         with self.in_use():  # keeps the mappings alive while we read them; raises if closed
             regions = [(start, end) for _, start, end in self._own_mappings()]
-            return _populate(regions, int(chunk), float(pause)) if regions else 0
+            return pagecache.populate(regions, int(chunk), float(pause)) if regions else 0
 
     def close(self, *, timeout: Optional[float] = None, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> bool:
         """Free the index, embeddings, passages and BM25 index once no read is running.
@@ -461,7 +309,7 @@ class KnowledgeBase:
         if sys.platform.startswith("linux"):
             addresses = self.mapped_addresses()
             if addresses:
-                _madvise_dontneed(addresses, chunk, pause)
+                pagecache.madvise_dontneed(addresses, chunk, pause)
         self._index = self._embeddings = self._passages = self._bm25 = None  # freed here (unless a caller kept, e.g., the embeddings array)
         logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
@@ -559,11 +407,7 @@ class KnowledgeBase:
                 from rag.knowledge.bm25 import BM25Index
 
                 BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
-            files = {
-                str(f.relative_to(tmp)): {"sha256": sha256_file(f), "bytes": f.stat().st_size}
-                for f in sorted(tmp.rglob("*"))
-                if f.is_file()
-            }
+            files = file_checksums(tmp, (f for f in tmp.rglob("*") if f.is_file()))
             import faiss
 
             import rag
@@ -648,7 +492,7 @@ class KnowledgeBase:
         `verify="full"` checks every file's SHA-256 against the manifest (reads every
         byte once); `"size"` checks presence and sizes only (instant, for very large
         knowledge bases); `"none"` trusts the directory. `hash_nice`: hash in a child
-        process at this lower priority (see :func:`sha256_files`), e.g. while the same
+        process at this lower priority (see :func:`rag.checksums.sha256_files`), e.g. while the same
         process serves requests from another knowledge base.
         """
         import datasets
@@ -688,23 +532,8 @@ class KnowledgeBase:
 
     @staticmethod
     def _verify_files(path: Path, manifest: Manifest, verify: Verify, *, hash_nice: Optional[int] = None) -> None:
-        if verify not in ("full", "size", "none"):
-            raise RagError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
-        if verify == "none":
-            return
-        files = []
-        for rel, meta in manifest.files.items():
-            f = path / rel
-            if not f.is_file():
-                raise IntegrityError(f"{f}: listed in {path / MANIFEST} but missing; the knowledge base is incomplete — rebuild it")
-            size = f.stat().st_size
-            if size != meta["bytes"]:
-                raise IntegrityError(f"{f}: {size} bytes, manifest says {meta['bytes']} (truncated or altered); rebuild the knowledge base")
-            files.append((f, meta["sha256"]))
-        if verify == "full":
-            for (f, expected), got in zip(files, sha256_files([f for f, _ in files], nice=hash_nice)):
-                if got != expected:
-                    raise IntegrityError(f"{f}: SHA-256 does not match {path / MANIFEST} (the file was altered or damaged); rebuild the knowledge base")
+        verify_files(path, manifest.files, verify, record=path / MANIFEST, hash_nice=hash_nice,
+                     incomplete="the knowledge base is incomplete — rebuild it", fix="rebuild the knowledge base")
 
     # ------------------------------------------------------------------ reading
     def search(self, query_embeds: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -759,108 +588,3 @@ class KnowledgeBase:
     def describe(self) -> dict[str, Any]:
         """The manifest plus the path, for `rag index info`."""
         return {"path": str(self.path.resolve()), **self.manifest.to_dict()}
-
-
-def _madvise_dontneed(addresses: list[int], chunk: int, pause: float) -> int:
-    """madvise(MADV_DONTNEED) every read-only file mapping of this process that contains one of
-    `addresses`, `chunk` bytes per call; returns the bytes advised. The caller keeps the mappings
-    alive. Failures are logged and ignored: this only ever saves time."""
-    advised = 0
-    try:
-        import ctypes
-
-        regions = []
-        with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or "w" in parts[1] or not parts[5].startswith("/"):
-                    continue  # only read-only mappings of real files
-                start, end = (int(x, 16) for x in parts[0].split("-"))
-                if any(start <= a < end for a in addresses):
-                    regions.append((start, end))
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
-        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        madvise.restype = ctypes.c_int
-        for start, end in regions:
-            for a in range(start, end, max(1, int(chunk))):
-                n = min(chunk, end - a)
-                if madvise(a, n, _MADV_DONTNEED) == 0:
-                    advised += n
-                if pause:
-                    time.sleep(pause)
-    except Exception as e:  # noqa: BLE001 - purely an optimisation
-        logger.debug("could not release knowledge-base pages: %s", e)
-    return advised
-
-
-def _file_mappings(root: Path) -> list[tuple[str, int, int]]:
-    """(path, start, end) of each read-only mapping of this process of a file under directory `root`."""
-    base = os.path.realpath(root) + os.sep
-    out = []
-    with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or "w" in parts[1]:
-                continue
-            name = parts[5].rstrip("\n")
-            if not name.startswith(base):
-                continue
-            start, end = (int(x, 16) for x in parts[0].split("-"))
-            out.append((name, start, end))
-    return out
-
-
-def _libc():
-    import ctypes
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    libc.madvise.restype = ctypes.c_int
-    libc.mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p)
-    libc.mincore.restype = ctypes.c_int
-    return libc
-
-
-def _touch(start: int, n: int, page: int) -> None:
-    """Read one byte of every page of [start, start + n) (the fallback without MADV_POPULATE_READ)."""
-    import ctypes
-
-    view = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(start))
-    int(view[::page].max())
-
-
-def _populate(regions: list[tuple[int, int]], chunk: int, pause: float) -> int:
-    """Fault in and map every page of `regions` (page-aligned mappings the caller keeps alive), `chunk`
-    bytes per call, pausing after each step (see :meth:`KnowledgeBase.prewarm`); returns the bytes done."""
-    import ctypes
-
-    libc = _libc()
-    page = os.sysconf("SC_PAGE_SIZE")
-    chunk = max(page, chunk // page * page)
-    vec = (ctypes.c_ubyte * (chunk // page))()
-    populate = True
-    done = 0
-    for start, end in regions:
-        for a in range(start, end, chunk):
-            n = min(chunk, end - a)
-            missing = True  # unknown: assume a disk read
-            if libc.mincore(a, n, vec) == 0:
-                missing = not bool(np.all(np.frombuffer(vec, np.uint8, -(-n // page)) & 1))
-            t = time.monotonic()
-            if missing:  # one large read-ahead of the whole step; populating alone would read page by page
-                libc.madvise(a, n, _MADV_WILLNEED)
-            if populate and libc.madvise(a, n, _MADV_POPULATE_READ) != 0:
-                err = ctypes.get_errno()
-                if err != 22:  # EINVAL: not supported by this kernel -> touch instead; anything else is real
-                    raise OSError(err, f"madvise(MADV_POPULATE_READ): {os.strerror(err)}")
-                populate = False
-            if not populate:
-                _touch(a, n, page)
-            done += n
-            took = time.monotonic() - t
-            if missing:
-                time.sleep(took)  # leave the disk to the serving knowledge base as long as we used it
-            elif pause:
-                time.sleep(pause)
-    return done

@@ -49,7 +49,7 @@ def load_document_encoder(kb, name_or_path=None):
     Raises:
         KnowledgeBaseError: the manifest's encoder now loads with other weights, or records no name.
     """
-    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint
 
     if isinstance(name_or_path, TextEncoder):
         return name_or_path
@@ -65,13 +65,10 @@ def load_document_encoder(kb, name_or_path=None):
         role="context",
     )
     if name_or_path is None and ident.get("fingerprint"):
-        found = enc.identity()["fingerprint"]
-        if found != ident["fingerprint"]:
-            raise KnowledgeBaseError(
-                f"{kb.path}: its document encoder {name!r} now loads with other weights (fingerprint {found[:12]}) than "
-                f"the index was built with ({ident['fingerprint'][:12]}); rebuild the knowledge base, or pass the "
-                "document encoder explicitly"
-            )
+        check_fingerprint(enc, ident["fingerprint"], lambda found: (
+            f"{kb.path}: its document encoder {name!r} now loads with other weights (fingerprint {found[:12]}) than "
+            f"the index was built with ({ident['fingerprint'][:12]}); rebuild the knowledge base, or pass the "
+            "document encoder explicitly"), error=KnowledgeBaseError)
     return enc
 
 

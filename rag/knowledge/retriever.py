@@ -1,4 +1,4 @@
-"""One retrieval interface for dense and sparse retrievers.
+"""Dense retrieval: a query encoder over a knowledge base's index (the ``Retriever`` protocol of :mod:`rag.knowledge.types`).
 
 A retriever maps a batch of B queries to the top-k passages of a knowledge base.
 Dense retrieval also returns the stored embeddings of the retrieved passages so
@@ -8,41 +8,13 @@ which gradients reach the query encoder (Lewis et al. 2020, §2.2/§2.4).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from rag.knowledge.passages import Passage
+from rag.knowledge.types import Retrieved
 
-
-@dataclass
-class Retrieved:
-    """The top-k passages for a batch of B queries.
-
-    Attributes:
-        rows: ``(B, K)`` int64 row numbers of the passages in their knowledge base.
-        scores: ``(B, K)`` float32 retrieval scores, best first (inner products for
-            dense retrieval, BM25 scores for sparse).
-        passages: B lists of K :class:`Passage`, aligned with `rows`.
-        doc_embeds: ``(B, K, D)`` float32 stored embeddings of the passages (dense
-            retrieval only, else None).
-        kb_version: version id of the knowledge base that answered.
-    """
-
-    rows: torch.Tensor
-    scores: torch.Tensor
-    passages: list[list[Passage]]
-    doc_embeds: Optional[torch.Tensor]
-    kb_version: str
-
-    @property
-    def batch_size(self) -> int:
-        return int(self.rows.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.rows.shape[1])
+__all__ = ["DenseRetriever", "check_compatible", "default_query_encoder"]
 
 
 def check_compatible(kb, query_dim: int, space: Optional[str], *, allow_encoder_change: bool = False) -> None:
@@ -87,23 +59,16 @@ class DenseRetriever:
     def knowledge_base(self):
         return self._kb
 
+    @property
+    def kb_version(self) -> str:
+        """Version id of the knowledge base serving now."""
+        return self._kb.version
+
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None) -> None:
         """Validate `kb` against the query encoder, then switch to it (one reference assignment)."""
         allow = self.allow_encoder_change if allow_encoder_change is None else allow_encoder_change
         check_compatible(kb, self.query_encoder.dim, self.space, allow_encoder_change=allow)
         self._kb = kb
-
-    @classmethod
-    def from_path(cls, path, query_encoder=None, *, verify: str = "full", **kw) -> "DenseRetriever":
-        """Open a knowledge base and its query encoder: `query_encoder` (name, path or TextEncoder),
-        else the one its manifest names, else the document encoder itself (shared encoders such as MiniLM)."""
-        from rag.knowledge.encoders import TextEncoder
-        from rag.knowledge.knowledge_base import KnowledgeBase
-
-        kb = KnowledgeBase.open(path, verify=verify)
-        if not isinstance(query_encoder, TextEncoder):
-            query_encoder = default_query_encoder(kb, query_encoder)
-        return cls(kb, query_encoder, **kw)
 
     def search(self, query_embeds: torch.Tensor, k: int) -> Retrieved:
         """Retrieve for `(B, D)` query vectors already computed by the caller (e.g. with gradients)."""
@@ -134,7 +99,7 @@ def default_query_encoder(kb, name: Optional[str] = None):
     embedded by different models).
     """
     from rag.errors import KnowledgeBaseError
-    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint
 
     doc = kb.encoder
     if name is None and kb.manifest.query_encoder:
@@ -147,10 +112,9 @@ def default_query_encoder(kb, name: Optional[str] = None):
         max_length=doc.get("max_length", 256),
         role="question",
     )
-    if same_as_doc and doc.get("fingerprint") and enc.identity()["fingerprint"] != doc["fingerprint"]:
-        raise KnowledgeBaseError(
+    if same_as_doc and doc.get("fingerprint"):
+        check_fingerprint(enc, doc["fingerprint"], lambda found: (
             f"{kb.path}: the encoder {doc['name']} now has different weights (fingerprint "
-            f"{enc.identity()['fingerprint'][:12]}) than when this knowledge base was built ({doc['fingerprint'][:12]}); "
-            f"rebuild the knowledge base, or name the intended query encoder explicitly"
-        )
+            f"{found[:12]}) than when this knowledge base was built ({doc['fingerprint'][:12]}); "
+            f"rebuild the knowledge base, or name the intended query encoder explicitly"), error=KnowledgeBaseError)
     return enc

@@ -31,23 +31,13 @@ from pathlib import Path
 from typing import Optional, Union
 
 from rag.errors import ConfigError, IntegrityError
+from rag.models.checkpoint import is_hf_rag_checkpoint, open_knowledge_base, resolve_checkpoint_dir
 
 __all__ = ["is_hf_rag_checkpoint", "rag_config_from_hf", "split_hf_rag", "load_hf_rag", "convert_hf_rag"]
 
 _ARCHITECTURES = {"RagSequenceForGeneration": "sequence", "RagTokenForGeneration": "token"}
 _QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
 _GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
-
-
-def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
-    """True if `path` is a local directory whose ``config.json`` has ``model_type == "rag"``."""
-    cfg = Path(path) / "config.json"
-    if not cfg.is_file():
-        return False
-    try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
-        return False
 
 
 def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overrides):
@@ -59,7 +49,7 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overr
     ``reduce_loss=True``), so imports default to a scalar loss (summed, as transformers sums);
     pass ``reduce_loss=False`` for per-example losses.
     """
-    from rag.models.rag_model import RagModelConfig, _check_overrides
+    from rag.models.config import RagModelConfig, check_overrides
 
     if marginalization is None:
         archs = [a for a in (getattr(hf_config, "architectures", None) or []) if a in _ARCHITECTURES]
@@ -86,7 +76,7 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overr
         title_sep=hf_config.title_sep,
         doc_sep=hf_config.doc_sep,
     )
-    fields.update(_check_overrides(overrides))
+    fields.update(check_overrides(overrides))
     return RagModelConfig(**fields)
 
 
@@ -173,12 +163,12 @@ def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[s
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, RagConfig
 
     from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag_model import RagModel, _open_knowledge_base
+    from rag.models.rag_model import RagModel
 
     hf_config = RagConfig.from_pretrained(src)
     config = rag_config_from_hf(hf_config, marginalization, **overrides)
     qdir, gdir = split_hf_rag(src, work)
-    kb = _open_knowledge_base(knowledge_base)
+    kb = open_knowledge_base(knowledge_base)
     qenc = TextEncoder(str(qdir), role="question")
     qenc.name_or_path = f"{src}:question_encoder"
     gen = AutoModelForSeq2SeqLM.from_pretrained(gdir)
@@ -193,9 +183,7 @@ def load_hf_rag(src: Union[str, os.PathLike], knowledge_base, *, marginalization
 
     `config_overrides` replace RagModelConfig fields (e.g. ``n_docs=10``). Returns the model in eval mode.
     """
-    from rag.models.rag_model import _resolve_checkpoint_dir
-
-    root = _resolve_checkpoint_dir(src, "transformers RAG checkpoint")
+    root = resolve_checkpoint_dir(src, "transformers RAG checkpoint")
     with tempfile.TemporaryDirectory(prefix="rag-hf-import-") as work:
         model = _assemble(root, Path(work), knowledge_base, marginalization, config_overrides)
     return model.eval()

@@ -18,7 +18,7 @@ after 8 and 0.24 after 30 without it).
 It is an ordinary ``AutoModelForSeq2SeqLM`` for everything downstream (:class:`~rag.models.rag_model.RagModel`,
 :mod:`rag.generation.decoding`). Checkpoints stay small: :func:`save_generator` writes only the trained
 weights (decoder minus its word embeddings, ~30 MB for 3 layers instead of ~170 MB) and records the
-encoder by name and weights fingerprint; :func:`load_generator` rebuilds the rest and checks the
+encoder by name and weights fingerprint; :func:`load_warm_start` rebuilds the rest and checks the
 fingerprint. :func:`load_seq2seq` loads either kind of generator directory.
 
 Because the encoder is frozen, its output is a pure function of the input ids: :func:`cache_encoder_outputs`
@@ -167,7 +167,7 @@ def save_generator(generator, tokenizer, path: Union[str, os.PathLike]) -> None:
     save_file(_trained_state(generator), str(path / WEIGHTS_FILE), metadata={"format": "pt", WARM_START_KEY: "1"})
 
 
-def load_generator(path: Union[str, os.PathLike]):
+def load_warm_start(path: Union[str, os.PathLike]):
     """Load a directory written by :func:`save_generator`: rebuild the frozen encoder by its recorded
     name, check its weights fingerprint, and load the trained weights. Returns ``(generator, tokenizer)``.
 
@@ -178,7 +178,7 @@ def load_generator(path: Union[str, os.PathLike]):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig
 
-    from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
+    from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path
 
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
@@ -191,12 +191,10 @@ def load_generator(path: Union[str, os.PathLike]):
         enc = _frozen_encoder(resolve_name_or_path(name), pointer)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{path / 'config.json'}: the generator's frozen encoder {name!r} cannot be loaded here: {e}") from e
-    found = weights_fingerprint(enc)
-    if found != record["fingerprint"]:
-        raise IntegrityError(
-            f"{path / 'config.json'}: the generator was trained on encoder {name!r} with weights fingerprint "
-            f"{record['fingerprint'][:16]}…, but {name!r} loads here with {found[:16]}…; install the version it was trained with"
-        )
+    check_fingerprint(enc, record["fingerprint"], lambda found: (
+        f"{path / 'config.json'}: the generator was trained on encoder {name!r} with weights fingerprint "
+        f"{record['fingerprint'][:16]}…, but {name!r} loads here with {found[:16]}…; install the version it was trained with"),
+        error=IntegrityError)
     dec = BertLMHeadModel(cfg.decoder)
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
@@ -219,7 +217,7 @@ def load_generator(path: Union[str, os.PathLike]):
 
 
 def load_seq2seq(path: Union[str, os.PathLike]):
-    """``(generator, tokenizer)`` from a generator directory: a warm-started one (:func:`load_generator`)
+    """``(generator, tokenizer)`` from a generator directory: a warm-started one (:func:`load_warm_start`)
     or any ``AutoModelForSeq2SeqLM`` checkpoint / hub id."""
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -230,7 +228,7 @@ def load_seq2seq(path: Union[str, os.PathLike]):
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the generator directory") from e
         if marked:
-            return load_generator(path)
+            return load_warm_start(path)
     return AutoModelForSeq2SeqLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 
 

@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 from rag.errors import ConfigError, RagError
+from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -412,8 +413,8 @@ class QADataModule(pl.LightningDataModule):
         super().__init__()
         for name, v in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
                         ("max_eval_examples", max_eval_examples)):
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-                raise ConfigError(f"data.{name} must be a positive integer, got {v!r}")
+            if v is not None:
+                check_positive_int(v, f"data.{name}", error=ConfigError)
         if on_empty not in ("skip", "error"):
             raise ConfigError(f"data.on_empty={on_empty!r}; choose 'skip' or 'error'")
         self.save_hyperparameters()
@@ -482,43 +483,3 @@ class QADataModule(pl.LightningDataModule):
 
     def predict_dataloader(self) -> DataLoader:
         return self._loader("predict", shuffle=False)
-
-
-# ---------------------------------------------------------------------------- knowledge base on the fly
-
-
-def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *, query_encoder: Optional[str] = None,
-                          index: str = "flat", words_per_passage: Optional[int] = 100, show_progress: bool = True) -> Path:
-    """Build a knowledge base at `path` from `source` unless one is already there.
-
-    `source`: ``"demo"`` (the bundled Elements corpus, one passage per entry) or a
-    corpus path for :func:`rag.knowledge.passages.load_corpus`. `encoder` embeds the
-    passages (a DPR *context* encoder, or a shared encoder such as ``minilm``);
-    `query_encoder` is recorded in the manifest as the encoder queries should use.
-    Safe against a concurrent build of the same path (the first one wins).
-    """
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import MANIFEST, KnowledgeBase
-
-    path = Path(path)
-    if (path / MANIFEST).is_file():
-        return path
-    if path.exists() and any(path.iterdir()):
-        raise ConfigError(f"{path} exists but is not a knowledge base (no {MANIFEST}); remove it or choose another path")
-    if source == "demo":
-        from rag.demo import load_demo_corpus
-
-        passages = load_demo_corpus()
-    else:
-        from rag.knowledge.passages import load_corpus
-
-        passages = load_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress)
-    logger.info("building knowledge base %s from %s (%d passages) with %s", path, source, len(passages), encoder)
-    enc = TextEncoder(encoder, role="context")
-    try:
-        KnowledgeBase.build(passages, enc, path, index=index, query_encoder=query_encoder, show_progress=show_progress,
-                            overwrite=path.exists(), build_info={"corpus": source})
-    except FileExistsError:
-        if not (path / MANIFEST).is_file():
-            raise
-    return path

@@ -16,22 +16,18 @@ base / query-encoder dimension mismatch therefore surfaces at setup, never mid-e
 
 Special generator value ``tiny:bart`` / ``tiny:t5``: a randomly initialised small
 generator (sizes in ``tiny``) with a tokenizer trained on the knowledge base's own
-passages — no hub needed. It is cached under ``$RAG_CACHE/tiny`` (default
-``~/.cache/rag/tiny``) keyed by its spec and the knowledge-base version, so resuming
-a run reuses the exact same tokenizer.
+passages — no hub needed (built and cached by :mod:`rag.models.tiny_generator`). A
+missing knowledge base is built by :func:`rag.knowledge.ensure.ensure_knowledge_base`
+when ``build_knowledge_base_from`` names a corpus.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import json
 import logging
 import math
 import os
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -39,32 +35,10 @@ import torch
 
 from rag.errors import ConfigError
 from rag.eval.metrics import ExactMatch, RetrievalRecall, TokenF1
-from rag.models.rag_model import RagModelConfig
+from rag.models.config import RagModelConfig
+from rag.models.tiny_generator import TinyGenerator, check_tiny_name, resolve_generator
 
 logger = logging.getLogger(__name__)
-
-TINY_PREFIX = "tiny:"
-TINY_KINDS = ("bart", "t5")
-TINY_TOKENIZER_TEXTS = 20_000  # passages used to train a tiny tokenizer on a large knowledge base
-
-
-@dataclass
-class TinyGenerator:
-    """Size of the random generator built for ``generator: tiny:bart`` / ``tiny:t5``."""
-
-    d_model: int = 128
-    """Hidden size."""
-    layers: int = 2
-    """Encoder and decoder layers (each)."""
-    heads: int = 4
-    """Attention heads."""
-    ffn: int = 256
-    """Feed-forward size."""
-    vocab_size: int = 1500
-    """Tokenizer vocabulary, trained on the knowledge base's passages."""
-    seed: int = 0
-    """Initialisation seed."""
-
 
 # ---------------------------------------------------------------------------- schedules
 
@@ -86,45 +60,6 @@ def warmup_constant(step: int, warmup_steps: int, total_steps: int) -> float:
 SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
 
 
-# ---------------------------------------------------------------------------- tiny generators
-
-
-def _cache_root() -> Path:
-    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()
-
-
-def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,
-                          cache_dir: Optional[str | os.PathLike] = None) -> str:
-    """Directory of a random tiny `kind` (``bart``/``t5``) generator whose tokenizer is trained
-    on the passages of `knowledge_base`; built once, then reused (keyed by spec + KB version)."""
-    from rag.io import atomic_directory
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models import tiny
-
-    if kind not in TINY_KINDS:
-        raise ConfigError(f"generator 'tiny:{kind}' is unknown; choose one of {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
-    kb = KnowledgeBase.open(knowledge_base, verify="none")
-    key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
-    out = Path(cache_dir) if cache_dir is not None else _cache_root() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-    if (out / "config.json").is_file():
-        return str(out)
-    passages = kb.get_passages(torch.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).view(1, -1))[0]
-    texts = [f"{p.title} {p.text}" for p in passages]
-    if kind == "bart":
-        tok = tiny.train_bpe_tokenizer(texts, vocab_size=spec.vocab_size)
-        model = tiny.tiny_bart(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
-    else:
-        tok = tiny.train_sentencepiece_tokenizer(texts, vocab_size=spec.vocab_size)
-        model = tiny.tiny_t5(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
-    logger.info("built tiny %s generator (%d parameters) at %s", kind, sum(p.numel() for p in model.parameters()), out)
-    try:
-        with atomic_directory(out) as tmp:
-            tiny.save(model, tok, tmp)
-    except FileExistsError:  # built concurrently by another process: use theirs
-        pass
-    return str(out)
-
-
 # ---------------------------------------------------------------------------- decoding
 
 
@@ -132,8 +67,7 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
                      sequence_decoding: Literal["fast", "thorough"] = "fast"):
     """Answer strings for B questions, plus the :class:`Retrieved` passages used.
 
-    Uses ``RagModel.generate`` when the model has one; otherwise decodes with
-    :mod:`rag.generation.decoding` on ``RagModel.prepare_inputs`` (RAG-Token:
+    Decodes with :mod:`rag.generation.decoding` on ``RagModel.prepare_inputs`` (RAG-Token:
     greedy/beam over the marginal; RAG-Sequence: per-passage search + fast or
     thorough rescoring, Lewis et al. 2020 §2.5).
     """
@@ -231,8 +165,7 @@ class RagModule(pl.LightningModule):
             raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if schedule not in SCHEDULES:
             raise ConfigError(f"model.schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
-        if generator.startswith(TINY_PREFIX) and generator[len(TINY_PREFIX):] not in TINY_KINDS:
-            raise ConfigError(f"model.generator={generator!r}; tiny generators are {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
+        check_tiny_name(generator, "model.generator")
         self.rag_config = RagModelConfig(**rag)  # validates the RAG options now, at parse time
         self.tiny_spec = TinyGenerator(**tiny)
         self.save_hyperparameters()
@@ -249,7 +182,7 @@ class RagModule(pl.LightningModule):
         self._ensure_artifacts()
 
     def _ensure_artifacts(self) -> tuple[str, str]:
-        from rag.training.data import ensure_knowledge_base
+        from rag.knowledge.ensure import ensure_knowledge_base
 
         h = self.hparams
         kb = h.knowledge_base
@@ -259,10 +192,7 @@ class RagModule(pl.LightningModule):
                 raise ConfigError("model.build_knowledge_base_from needs model.knowledge_base_encoder or model.question_encoder")
             ensure_knowledge_base(kb, h.build_knowledge_base_from, enc, index=h.knowledge_base_index,
                                   query_encoder=h.question_encoder if h.knowledge_base_encoder else None)
-        gen = h.generator
-        if gen.startswith(TINY_PREFIX):
-            gen = ensure_tiny_generator(gen[len(TINY_PREFIX):], self.tiny_spec, kb)
-        return kb, gen
+        return kb, resolve_generator(h.generator, self.tiny_spec, kb)
 
     def configure_model(self) -> None:
         """Build the :class:`RagModel` (called by Lightning before training/eval and before a

@@ -14,12 +14,14 @@ from rag.generation.marginalize import (
     doc_log_prior,
     gather_target_logprobs,
     hf_shift_targets,
+    rag_nll_from_logits,
     rag_sequence_log_likelihood,
     rag_sequence_nll,
     rag_token_log_likelihood,
     rag_token_nll,
     sequence_log_likelihoods,
     shift_right,
+    target_logprobs_from_logits,
     target_mask,
     token_marginal_logprobs,
 )
@@ -455,3 +457,110 @@ def test_target_conventions():
     assert hf_shift_targets(labels, PAD).tolist() == [[BOS, 7, EOS, PAD], [BOS, EOS, PAD, PAD]]
     plain = torch.tensor([[BOS, 7, EOS], [BOS, EOS, -100]])
     assert shift_right(plain, START, PAD).tolist() == [[START, BOS, 7], [START, BOS, EOS]]
+
+
+# ----------------------------------------------------------------------------- loss from logits, temperature, document mask
+
+
+def test_doc_log_prior_temperature_and_mask_hand_computed():
+    # τ = 2: log_softmax([0.5, 1.5]) = [-log(1 + e), -log(1 + e^-1)]
+    got = doc_log_prior(torch.tensor([[1.0, 3.0]]), temperature=2.0)
+    torch.testing.assert_close(got, torch.tensor([[-1.3132617, -0.3132617]]))
+    # masked middle document: -inf, and the others renormalise: log_softmax([1, 3])
+    got = doc_log_prior(torch.tensor([[1.0, 2.0, 3.0]]), doc_mask=torch.tensor([[True, False, True]]))
+    assert got[0, 1] == float("-inf")
+    torch.testing.assert_close(got[0, [0, 2]], torch.tensor([-2.1269280, -0.1269280]))
+    # both at once: scores / 0.5 = [2, 6] over the kept documents
+    got = doc_log_prior(torch.tensor([[1.0, 2.0, 3.0]]), temperature=0.5, doc_mask=torch.tensor([[True, False, True]]))
+    torch.testing.assert_close(got[0, [0, 2]], torch.tensor([-4.0181499, -0.0181499]))
+
+
+def test_doc_log_prior_default_is_bit_identical_to_log_softmax():
+    scores = torch.randn(4, 6, generator=torch.Generator().manual_seed(0)) * 7
+    assert torch.equal(doc_log_prior(scores), torch.log_softmax(scores, dim=-1))
+    assert torch.equal(doc_log_prior(scores, temperature=1.0), torch.log_softmax(scores, dim=-1))
+    assert torch.equal(doc_log_prior(scores, doc_mask=torch.ones(4, 6, dtype=torch.bool)), torch.log_softmax(scores, dim=-1))
+
+
+def test_doc_log_prior_rejects_bad_temperature_and_empty_rows():
+    scores = torch.zeros(2, 3)
+    for bad in (0.0, -1.0, True, "2"):
+        with pytest.raises(ConfigError, match="temperature"):
+            doc_log_prior(scores, temperature=bad)
+    with pytest.raises(RagError, match="without any document"):
+        doc_log_prior(scores, doc_mask=torch.tensor([[True, False, False], [False, False, False]]))
+    with pytest.raises(RagError, match="doc_mask"):
+        doc_log_prior(scores, doc_mask=torch.ones(2, 2, dtype=torch.bool))
+
+
+def _logits_case(seed=0, b=3, k=4, t=5, v=11):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(b, k, t, v, generator=g) * 3
+    labels = torch.randint(3, v, (b, t), generator=g)
+    labels[0, 0] = BOS
+    labels[1, 0] = BOS
+    label_mask = torch.ones(b, t, dtype=torch.bool)
+    label_mask[2, 3:] = False
+    labels[2, 3:] = PAD
+    scores = torch.randn(b, k, generator=g)
+    return logits, labels, label_mask, scores
+
+
+def test_target_logprobs_from_logits_equal_the_gathered_log_softmax():
+    logits, labels, _, _ = _logits_case()
+    torch.testing.assert_close(target_logprobs_from_logits(logits, labels), gather_target_logprobs(logits.log_softmax(-1), labels))
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+@pytest.mark.parametrize("exclude_bos", [False, True])
+@pytest.mark.parametrize("reduce", ["mean", "sum", "none"])
+def test_rag_nll_from_logits_default_path_is_bit_identical_to_the_previous_model_loss(kind, exclude_bos, reduce):
+    """The computation RagModel.loss_from_logits did inline before it became a thin call, step by step."""
+    logits, labels, label_mask, scores = _logits_case(1)
+    b, k, t, _ = logits.shape
+    index = labels.unsqueeze(1).expand(b, k, t).unsqueeze(-1)
+    target_lp = logits.gather(-1, index).squeeze(-1).float() - torch.logsumexp(logits.float(), dim=-1)
+    mask = label_mask.bool()
+    if exclude_bos:
+        mask = mask.clone()
+        mask[:, 0] &= labels[:, 0].ne(BOS)
+    ll_fn = rag_sequence_log_likelihood if kind == "sequence" else rag_token_log_likelihood
+    before = -ll_fn(target_lp, torch.log_softmax(scores, dim=-1), mask=mask)
+    before = before.mean() if reduce == "mean" else before.sum() if reduce == "sum" else before
+    got = rag_nll_from_logits(logits, labels, label_mask, scores, marginalization=kind, reduce=reduce,
+                              exclude_bos_score=exclude_bos, bos_token_id=BOS, pad_token_id=PAD)
+    assert torch.equal(got, before)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+@pytest.mark.parametrize("hf_compat", [False, True])
+def test_rag_nll_from_logits_smoothing_and_hf_paths_are_the_nll_functions(kind, hf_compat):
+    logits, labels, label_mask, scores = _logits_case(2)
+    got = rag_nll_from_logits(logits, labels, label_mask, scores, marginalization=kind, label_smoothing=0.1, reduce="none",
+                              bos_token_id=BOS, pad_token_id=PAD, hf_compat=hf_compat)
+    want = NLL[kind](logits.log_softmax(-1), labels, doc_log_prior(scores), mask=None if hf_compat else label_mask,
+                     pad_token_id=PAD, epsilon=0.1, reduce="none", bos_token_id=BOS, hf_compat=hf_compat)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kind", ["sequence", "token"])
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_masked_documents_drop_out_of_the_loss_and_get_no_gradient(kind, eps):
+    logits, labels, label_mask, scores = _logits_case(3)
+    scores.requires_grad_(True)
+    keep = torch.tensor([True, False, True, True])
+    doc_mask = keep.expand(scores.shape[0], -1)
+    kw = dict(marginalization=kind, label_smoothing=eps, reduce="none", pad_token_id=PAD, temperature=0.7)
+    masked = rag_nll_from_logits(logits, labels, label_mask, scores, doc_mask=doc_mask, **kw)
+    dropped = rag_nll_from_logits(logits[:, keep], labels, label_mask, scores[:, keep], **kw)
+    torch.testing.assert_close(masked, dropped)
+    masked.sum().backward()
+    assert torch.isfinite(scores.grad).all()
+    assert torch.all(scores.grad[:, 1] == 0) and torch.all(scores.grad[:, keep].abs().sum(1) > 0)
+
+
+def test_temperature_scales_the_retrieval_logits():
+    logits, labels, label_mask, scores = _logits_case(4)
+    kw = dict(marginalization="sequence", reduce="none", pad_token_id=PAD)
+    torch.testing.assert_close(rag_nll_from_logits(logits, labels, label_mask, scores, temperature=0.25, **kw),
+                               rag_nll_from_logits(logits, labels, label_mask, scores * 4, **kw))

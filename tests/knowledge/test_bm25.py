@@ -9,7 +9,7 @@ import torch
 from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.knowledge.bm25 import BM25Index, BM25Retriever, passage_text, top_k
 from rag.knowledge.passages import Passage
-from rag.knowledge.retriever import Retrieved
+from rag.knowledge.types import Retrieved, Retriever
 
 CORPUS = [
     Passage("p0", "Hydrogen", "The lightest element; stars such as the Sun are made mostly of it."),
@@ -147,6 +147,7 @@ def test_retriever_with_callable_lookup_and_from_passages(index):
     b = BM25Retriever.from_passages(CORPUS, show_progress=False).retrieve(["steel"], k=3)
     assert seen == [(1, 3)]
     assert torch.equal(a.rows, b.rows) and a.passages == b.passages and a.passages[0][0].title == "Iron"
+    assert isinstance(BM25Retriever(index, lookup), Retriever)  # the protocol RagModel and the pipeline take
     with pytest.raises(KnowledgeBaseError, match="same order"):
         BM25Retriever(index, CORPUS[:5])
     with pytest.raises(KnowledgeBaseError, match="B lists of K"):

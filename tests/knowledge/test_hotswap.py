@@ -493,7 +493,7 @@ def test_a_version_held_elsewhere_is_not_closed(pipe, kbs, monkeypatch):
 def test_verification_runs_before_the_swap_lock_while_requests_proceed(pipe, kbs, monkeypatch):
     """Checksumming the new knowledge base (the heavy part of a swap) happens off the swap lock, and a
     request completes while it runs."""
-    import rag.knowledge.knowledge_base as kbmod
+    import rag.checksums as kbmod
 
     slot = KnowledgeBaseSlot.for_model(pipe)
     hashing, finish = threading.Event(), threading.Event()
@@ -524,7 +524,7 @@ def test_verification_runs_before_the_swap_lock_while_requests_proceed(pipe, kbs
 def test_low_priority_hashing_matches_hashlib(kbs, monkeypatch):
     import hashlib
 
-    from rag.knowledge.knowledge_base import sha256_files
+    from rag.checksums import sha256_files
 
     files = sorted(p for p in Path(kbs["kb_a"]).rglob("*") if p.is_file())
     expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
@@ -540,7 +540,7 @@ def test_hashing_child_takes_its_niceness():
     import subprocess
     import sys
 
-    import rag.knowledge.knowledge_base as kbmod
+    import rag.checksums as kbmod
 
     probe = kbmod._HASH_SCRIPT + "\nprint(os.nice(0))\n"
     out = subprocess.run([sys.executable, "-I", "-c", probe, "7", str(os.getpid())], capture_output=True, text=True, check=True)
@@ -548,7 +548,7 @@ def test_hashing_child_takes_its_niceness():
 
 
 def test_bad_slot_arguments(pipe):
-    from rag.knowledge.knowledge_base import sha256_files
+    from rag.checksums import sha256_files
 
     with pytest.raises(ConfigError, match="verify_nice"):
         KnowledgeBaseSlot.for_model(pipe, verify_nice=40)

@@ -151,6 +151,14 @@ def test_dense_retriever_returns_stored_embeddings(tmp_path, bert_encoder, demo_
     assert r.passages[0] == kb.get_passages(r.rows[:1])[0]
 
 
+def test_dense_retriever_is_a_retriever(tmp_path, bert_encoder, demo_passages):
+    from rag.knowledge.types import Retriever
+
+    kb = KnowledgeBase.build(demo_passages[:10], bert_encoder, tmp_path / "kb", index="flat", show_progress=False)
+    r = DenseRetriever(kb, bert_encoder)
+    assert isinstance(r, Retriever) and r.kb_version == kb.version and r.knowledge_base is kb
+
+
 def test_add_writes_a_new_version_and_leaves_the_old_one(tmp_path, bert_encoder, demo_passages):
     old = KnowledgeBase.build(demo_passages[:20], bert_encoder, tmp_path / "v1", index="flat", show_progress=False)
     before = {p.name: p.read_bytes() for p in (tmp_path / "v1").rglob("*") if p.is_file()}

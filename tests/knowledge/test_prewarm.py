@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-import rag.knowledge.knowledge_base as kbmod
+import rag.checksums as checksums
+import rag.knowledge.pagecache as pagecache
 from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.knowledge_base import KnowledgeBase
@@ -113,7 +114,7 @@ def test_prewarm_maps_every_page_of_every_served_file(kb_dirs):
 
 def test_prewarm_without_populate_support_touches_every_page(kb_dirs, monkeypatch):
     """Kernels before 5.14 reject MADV_POPULATE_READ (EINVAL): every page is then read by touching it."""
-    monkeypatch.setattr(kbmod, "_MADV_POPULATE_READ", 12345)  # an advice no kernel knows -> EINVAL
+    monkeypatch.setattr(pagecache, "_MADV_POPULATE_READ", 12345)  # an advice no kernel knows -> EINVAL
     kb = _cold(kb_dirs["A"])
     assert all(r == 0 for r, _ in _residency(kb).values())
     kb.prewarm(chunk=1 << 16, pause=0)
@@ -133,10 +134,10 @@ def test_prewarm_pauses_between_steps(kb_dirs, monkeypatch):
     """It yields after every step (the requests of the version serving meanwhile come first)."""
     kb = _cold(kb_dirs["A"])
     sleeps = []
-    real_sleep, me = kbmod.time.sleep, threading.get_ident()
+    real_sleep, me = pagecache.time.sleep, threading.get_ident()
     # time.sleep is the module's: other threads (a previous test's background release worker) sleep through
     # it too, so count only this thread's calls and let the others really sleep.
-    monkeypatch.setattr(kbmod.time, "sleep", lambda s: sleeps.append(s) if threading.get_ident() == me else real_sleep(s))
+    monkeypatch.setattr(pagecache.time, "sleep", lambda s: sleeps.append(s) if threading.get_ident() == me else real_sleep(s))
     chunk = 1 << 16
     kb.prewarm(chunk=chunk, pause=0.002)
     steps = sum(-(-size // chunk) for size in kb.mapped_files().values())
@@ -229,7 +230,7 @@ def test_prewarm_failure_does_not_fail_the_swap(kb_dirs, monkeypatch, caplog):
 
 def test_prewarm_runs_after_verification_and_a_refused_swap_prewarms_nothing(kb_dirs, monkeypatch):
     events = []
-    hash_files, prewarm = kbmod.sha256_files, KnowledgeBase.prewarm
+    hash_files, prewarm = checksums.sha256_files, KnowledgeBase.prewarm
 
     def hashing(paths, **kw):
         events.append("verify")
@@ -239,7 +240,7 @@ def test_prewarm_runs_after_verification_and_a_refused_swap_prewarms_nothing(kb_
         events.append("prewarm")
         return prewarm(self, **kw)
 
-    monkeypatch.setattr(kbmod, "sha256_files", hashing)
+    monkeypatch.setattr(checksums, "sha256_files", hashing)
     monkeypatch.setattr(KnowledgeBase, "prewarm", warming)
     r = _Recording(KnowledgeBase.open(kb_dirs["A"], verify="none"))
     slot = KnowledgeBaseSlot(r, verify_nice=None, background_release=False)

@@ -16,8 +16,8 @@ from rag.models.warm_start import (
     build_warm_start_generator,
     cache_encoder_outputs,
     is_warm_start,
-    load_generator,
     load_seq2seq,
+    load_warm_start,
     save_generator,
 )
 
@@ -76,7 +76,7 @@ def test_load_refuses_other_encoder_weights_and_altered_files(built, tmp_path):
     cfg["rag_warm_start"]["fingerprint"] = "0" * 64
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(IntegrityError, match="fingerprint"):
-        load_generator(tmp_path)
+        load_warm_start(tmp_path)
 
     save_generator(gen, tok, tmp_path)
     from safetensors.torch import load_file, save_file
@@ -85,10 +85,10 @@ def test_load_refuses_other_encoder_weights_and_altered_files(built, tmp_path):
     state.pop(sorted(state)[0])
     save_file(state, str(tmp_path / WEIGHTS_FILE))
     with pytest.raises(IntegrityError, match="missing"):
-        load_generator(tmp_path)
+        load_warm_start(tmp_path)
     os.remove(tmp_path / WEIGHTS_FILE)
     with pytest.raises(IntegrityError, match=WEIGHTS_FILE):
-        load_generator(tmp_path)
+        load_warm_start(tmp_path)
 
 
 def test_cached_encoder_gives_identical_logits_and_encodes_each_context_once(built):

@@ -7,7 +7,8 @@ import pytorch_lightning as pl
 import torch
 
 from rag.errors import ConfigError, KnowledgeBaseError
-from rag.training.modules import RagModule, ensure_tiny_generator, TinyGenerator, warmup_constant, warmup_linear_decay
+from rag.models.tiny_generator import TinyGenerator, ensure_tiny_generator
+from rag.training.modules import RagModule, warmup_constant, warmup_linear_decay
 
 
 def _snapshot(params):

@@ -1,0 +1,177 @@
+"""Checksums of files: SHA-256 of one file or many (optionally in a low-priority child), and the per-file records
+(``{"sha256", "bytes"}``) that knowledge-base manifests and model checkpoints keep and verify on opening.
+
+One routine for the whole package: :func:`file_checksums` writes the records, :func:`verify_files` checks a
+directory against them (``verify="full"``: every byte hashed; ``"size"``: presence and sizes; ``"none"``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterable, Literal, Optional, Sequence
+
+from rag.errors import ConfigError, IntegrityError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Verify", "sha256_file", "sha256_files", "check_niceness", "file_checksums", "verify_files"]
+
+Verify = Literal["full", "size", "none"]
+
+_CHUNK = 1 << 20
+_HASH_CHUNK = 4 << 20  # bytes per read + hash step; hashlib releases the GIL for buffers > 2 KiB
+_YIELD_CHUNK = 1 << 20  # ... in the low-priority child, which keeps its disk reads small
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    """Hex SHA-256 of a file's bytes, read in 1 MiB chunks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(_CHUNK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# Hashes the files named on the command line at (at least) the niceness given first, one hex digest per
+# line. Runs in its own interpreter so that the hashing competes for the CPU at a lower priority than the
+# process serving requests, without ever holding that process's GIL.
+_HASH_SCRIPT = """
+import hashlib, os, sys, time
+try:
+    now = os.nice(0)
+    if now < int(sys.argv[1]):
+        os.nice(int(sys.argv[1]) - now)
+except (AttributeError, OSError):
+    pass
+parent = int(sys.argv[2])
+buf = bytearray(%d)
+view = memoryview(buf)
+nowait = getattr(os, "RWF_NOWAIT", None) if hasattr(os, "preadv") else None
+for name in sys.argv[3:]:
+    h = hashlib.sha256()
+    fd = os.open(name, os.O_RDONLY)
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no readahead: at most one read of ours in flight
+        offset = 0
+        while True:
+            n = -1
+            if nowait is not None:
+                try:
+                    n = os.preadv(fd, [view], offset, nowait)  # only what is in the page cache, never waits
+                except BlockingIOError:
+                    n = -1
+                except OSError:
+                    nowait = None  # not supported here
+            if n <= 0:  # not cached (or unknown): read from the disk, then leave it idle as long
+                t = time.monotonic()
+                n = os.preadv(fd, [view], offset)
+                if n and nowait is not None:
+                    time.sleep(time.monotonic() - t)
+            if not n:
+                break
+            h.update(view[:n])
+            offset += n
+            if os.getppid() != parent:
+                sys.exit(3)  # whoever asked is gone: stop
+    finally:
+        os.close(fd)
+    sys.stdout.write(h.hexdigest() + "\\n")
+    sys.stdout.flush()
+""" % _YIELD_CHUNK
+
+
+def check_niceness(value: Any, what: str) -> None:
+    """Raise ConfigError unless `value` is None or an integer niceness in [0, 19]."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19):
+        raise ConfigError(f"{what} must be None or an integer niceness in [0, 19], got {value!r}")
+
+
+def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:
+    """Hex SHA-256 of each file, in order.
+
+    `nice` None hashes in this thread, 4 MiB at a time (reads and hashing release the GIL, so
+    other threads keep running). An integer hashes in a child interpreter started at that
+    niceness (Unix; 10 gives it roughly a tenth of a core that nice-0 threads want), so that
+    verifying a large knowledge base yields the CPU to the threads serving requests and never
+    holds their GIL. The child also yields the disk: it reads 1 MiB at a time without
+    readahead and, after a read that was not in the page cache (``preadv`` with RWF_NOWAIT
+    tells), pauses as long as that read took, so that the page faults of a server reading a
+    memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files are
+    hashed in this thread.
+    """
+    check_niceness(nice, "nice")
+    paths = [Path(p) for p in paths]
+    if nice is not None and paths:
+        # Started through nice(1) where available, so that even the interpreter's start-up runs at low priority.
+        wrapper = shutil.which("nice")
+        prefix = [wrapper, "-n", str(nice)] if wrapper else []
+        try:
+            proc = subprocess.run(
+                [*prefix, sys.executable, "-I", "-c", _HASH_SCRIPT, str(nice), str(os.getpid()), *map(os.fspath, paths)],
+                stdin=subprocess.DEVNULL, capture_output=True, text=True, check=False,
+            )
+            digests = proc.stdout.split()
+            if proc.returncode == 0 and len(digests) == len(paths):
+                return digests
+            logger.warning("hashing subprocess failed (exit %s: %s); hashing in-process", proc.returncode,
+                           proc.stderr.strip()[-300:])
+        except OSError as e:
+            logger.warning("cannot start a hashing subprocess (%s); hashing in-process", e)
+    out = []
+    buf = bytearray(_HASH_CHUNK)
+    view = memoryview(buf)
+    for path in paths:
+        h = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                h.update(view[:n])
+        out.append(h.hexdigest())
+    return out
+
+
+def file_checksums(root: Path, files: Iterable[Path]) -> dict[str, dict]:
+    """``{relative posix path: {"sha256": hex, "bytes": size}}`` of `files` (under directory `root`), in sorted order."""
+    out: dict[str, dict] = {}
+    for f in sorted(Path(p) for p in files):
+        out[f.relative_to(root).as_posix()] = {"sha256": sha256_file(f), "bytes": f.stat().st_size}
+    return out
+
+
+def verify_files(root: Path, files: Any, verify: Verify, *, record: Path, incomplete: str, fix: str,
+                 hash_nice: Optional[int] = None) -> None:
+    """Check the files under `root` against their checksum records `files` (as :func:`file_checksums` writes).
+
+    `verify`: ``"full"`` hashes every file (in a child at niceness `hash_nice`, see :func:`sha256_files`),
+    ``"size"`` checks presence and sizes, ``"none"`` returns at once. Messages name the file and `record`
+    (the manifest / config file holding the checksums) and end with `incomplete` (a missing file) or `fix`.
+
+    Raises:
+        IntegrityError: no records, a listed file missing, a size or SHA-256 that differs.
+        ConfigError: `verify` is not one of the three choices.
+    """
+    if verify not in ("full", "size", "none"):
+        raise ConfigError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
+    if verify == "none":
+        return
+    if not isinstance(files, dict) or not files:
+        raise IntegrityError(f"{record}: records no file checksums; {incomplete}")
+    checked = []
+    for rel, meta in files.items():
+        f = root / rel
+        if not f.is_file():
+            raise IntegrityError(f"{f}: listed in {record} but missing; {incomplete}")
+        size = f.stat().st_size
+        if size != meta.get("bytes"):
+            raise IntegrityError(f"{f}: {size} bytes, {record.name} says {meta.get('bytes')} (truncated or altered); {fix}")
+        checked.append((f, meta.get("sha256")))
+    if verify == "full":
+        for (f, expected), got in zip(checked, sha256_files([f for f, _ in checked], nice=hash_nice)):
+            if got != expected:
+                raise IntegrityError(f"{f}: SHA-256 does not match {record} (the file was altered or damaged); {fix}")

@@ -1,0 +1,248 @@
+"""RagModel checkpoint directories: save and load, with per-file SHA-256 checksums and weights-fingerprint checks.
+
+Layout (written atomically by :func:`save_rag_model`)::
+
+    rag_config.json     RagModelConfig, component identities, the knowledge base's path and
+                        version (referenced, not copied) and SHA-256 of every component file
+    question_encoder/   TextEncoder.save_pretrained (safetensors + tokenizer + pooling settings),
+                        absent when the encoder is referenced by name and fingerprint
+    generator/          generator.save_pretrained (safetensors) + its tokenizer
+    doc_encoder/        the trained document encoder (only with ``train_doc_encoder``)
+
+:meth:`RagModel.save_pretrained <rag.models.rag_model.RagModel.save_pretrained>` and
+:meth:`~rag.models.rag_model.RagModel.from_pretrained` are thin calls into this module; the transformers
+importer (:mod:`rag.models.hf_compat`) uses its directory and knowledge-base helpers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Union
+
+from rag.checksums import file_checksums, verify_files
+from rag.errors import ConfigError, IntegrityError, RagError
+from rag.io import atomic_directory, atomic_write_json
+from rag.models.config import RagModelConfig, check_overrides
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.models.rag_model import RagModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT", "save_rag_model", "load_rag_model", "resolve_checkpoint_dir",
+    "open_knowledge_base", "check_overrides", "is_hf_rag_checkpoint",
+]
+
+CHECKPOINT_CONFIG = "rag_config.json"
+CHECKPOINT_FORMAT = 1
+QUESTION_ENCODER_DIR = "question_encoder"
+GENERATOR_DIR = "generator"
+DOC_ENCODER_DIR = "doc_encoder"
+
+_INCOMPLETE = "the checkpoint is incomplete — save it again"
+
+
+def resolve_checkpoint_dir(path: Union[str, os.PathLike], what: str) -> Path:
+    """A local directory as is; otherwise try it as a hub repository id (works only where a hub is reachable)."""
+    p = Path(os.fspath(path))
+    if p.is_dir():
+        return p
+    if p.exists():
+        raise ConfigError(f"{p}: is a file; {what} must be a checkpoint directory or a hub repository id")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(repo_id=os.fspath(path)))
+    except Exception as e:  # offline, unknown repo, bad id — all the same to the user
+        raise ConfigError(
+            f"{path!s}: no such {what} directory, and it could not be fetched as a hub repository id ({type(e).__name__}: {e}); "
+            "pass a local directory written by save_pretrained"
+        ) from e
+
+
+def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """True if `path` is a local directory whose ``config.json`` has ``model_type == "rag"``."""
+    cfg = Path(path) / "config.json"
+    if not cfg.is_file():
+        return False
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
+
+
+def open_knowledge_base(kb, verify: str = "full"):
+    """`kb` if it is a KnowledgeBase, else the knowledge-base directory it names, opened and verified."""
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    if isinstance(kb, KnowledgeBase):
+        return kb
+    if isinstance(kb, (str, os.PathLike)):
+        return KnowledgeBase.open(kb, verify=verify)
+    raise ConfigError(f"knowledge_base must be a KnowledgeBase or a directory path, got {type(kb).__name__}")
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: bool = False, *,
+                   reference_query_encoder: bool = False) -> None:
+    """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
+    <rag.models.rag_model.RagModel.save_pretrained>` for the options and errors)."""
+    from rag.models.warm_start import is_warm_start, save_generator
+
+    path = Path(path)
+    if path.exists():
+        if not path.is_dir():
+            raise RagError(f"{path} exists and is not a directory; choose another path")
+        if any(path.iterdir()) and not (path / CHECKPOINT_CONFIG).is_file() and not overwrite:
+            raise RagError(f"{path} holds files that are not a RagModel checkpoint; choose another path or pass overwrite=True")
+    kb = model.knowledge_base
+    kb_ref = None
+    if kb is not None:
+        kb_ref = {
+            "path": str(Path(kb.path).resolve()),
+            "version": kb.version,
+            "dim": kb.dim,
+            "encoder": kb.encoder,
+            "space": getattr(model.retriever, "space", kb.encoder.get("fingerprint")),
+        }
+    qenc_meta = referenced_query_encoder(model.question_encoder) if reference_query_encoder else None
+    with atomic_directory(path, overwrite=True) as tmp:
+        if qenc_meta is None:
+            model.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
+            qenc_meta = {"dir": QUESTION_ENCODER_DIR, **model.question_encoder.identity()}
+        gdir = tmp / GENERATOR_DIR
+        if is_warm_start(model.generator):  # trained weights only; the frozen encoder is referenced
+            save_generator(model.generator, model.generator_tokenizer, gdir)
+        else:
+            model.generator.save_pretrained(gdir, safe_serialization=True)
+            model.generator_tokenizer.save_pretrained(gdir)
+        saved_dirs = [GENERATOR_DIR] if "dir" not in qenc_meta else [QUESTION_ENCODER_DIR, GENERATOR_DIR]
+        denc_meta = None
+        if model.doc_encoder is not None and model.config.train_doc_encoder:  # trained weights: keep them
+            model.doc_encoder.save_pretrained(tmp / DOC_ENCODER_DIR)
+            denc_meta = {"dir": DOC_ENCODER_DIR, **model.doc_encoder.identity()}
+            saved_dirs.append(DOC_ENCODER_DIR)
+        meta = {
+            "format": CHECKPOINT_FORMAT,
+            "config": model.config.to_dict(),
+            "question_encoder": qenc_meta,
+            "generator": {
+                "dir": GENERATOR_DIR,
+                "class": type(model.generator).__name__,
+                "model_type": getattr(model.generator.config, "model_type", None),
+                "name": getattr(model.generator.config, "_name_or_path", None) or None,
+            },
+            "knowledge_base": kb_ref,
+            "doc_encoder": denc_meta,
+            "files": file_checksums(tmp, (f for sub in saved_dirs for f in (tmp / sub).rglob("*") if f.is_file())),
+        }
+        atomic_write_json(tmp / CHECKPOINT_CONFIG, meta)
+
+
+def referenced_query_encoder(qenc) -> dict:
+    """The ``rag_config.json`` entry that references the query encoder `qenc` by name instead of
+    copying it; RagError unless loading that name reproduces the current weights exactly."""
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint
+
+    identity = qenc.identity()
+    try:
+        fresh = TextEncoder(qenc.name_or_path, pooling=qenc.pooling, normalize=qenc.normalize, max_length=qenc.max_length)
+    except RagError as e:
+        raise RagError(
+            f"reference_query_encoder=True, but the query encoder's name {qenc.name_or_path!r} cannot be loaded ({e}); "
+            "save its weights instead (reference_query_encoder=False)"
+        ) from e
+    check_fingerprint(fresh, identity["fingerprint"], lambda found: (
+        f"reference_query_encoder=True, but the query encoder's weights differ from those {qenc.name_or_path!r} loads "
+        f"(fingerprint {identity['fingerprint'][:12]}… vs {found[:12]}…), e.g. after end-to-end training; "
+        "save its weights instead (reference_query_encoder=False), or train with freeze_query_encoder=True"))
+    return {"reference": True, **identity}
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_rag_model(
+    cls: type["RagModel"],
+    path: Union[str, os.PathLike],
+    knowledge_base=None,
+    *,
+    verify: Literal["full", "size", "none"] = "full",
+    allow_encoder_change: bool = False,
+    **config_overrides,
+) -> "RagModel":
+    """Load a checkpoint directory as a `cls` (a RagModel class); see :meth:`RagModel.from_pretrained
+    <rag.models.rag_model.RagModel.from_pretrained>` for the options and errors. Returned in eval mode."""
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.retriever import check_compatible
+    from rag.models.generator import load_generator
+
+    root = resolve_checkpoint_dir(path, "RagModel checkpoint")
+    cfg_file = root / CHECKPOINT_CONFIG
+    if not cfg_file.is_file():
+        hint = (" It looks like a transformers RAG checkpoint: load it with rag.models.hf_compat.load_hf_rag"
+                if is_hf_rag_checkpoint(root) else "")
+        raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with RagModel.save_pretrained).{hint}")
+    try:
+        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the checkpoint") from e
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} (expected {CHECKPOINT_FORMAT})")
+    verify_files(root, meta.get("files"), verify, record=cfg_file, incomplete=_INCOMPLETE, fix="restore the checkpoint")
+    config = RagModelConfig.from_dict(meta.get("config", {}), str(cfg_file))
+    if config_overrides:
+        config = dataclasses.replace(config, **check_overrides(config_overrides))
+
+    kb_ref = meta.get("knowledge_base") or {}
+    kb_source = knowledge_base if knowledge_base is not None else kb_ref.get("path")
+    if kb_source is None:
+        raise ConfigError(f"{cfg_file}: records no knowledge base; pass knowledge_base=<directory>")
+    kb = open_knowledge_base(kb_source)
+    if kb_ref.get("version") and kb.version != kb_ref["version"]:
+        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
+
+    qenc = _load_query_encoder(root, meta.get("question_encoder") or {}, verify)
+    if config.retrieval == "dense":
+        check_compatible(kb, qenc.dim, kb_ref.get("space"), allow_encoder_change=allow_encoder_change)
+    gen, tok, _ = load_generator(root / meta["generator"].get("dir", GENERATOR_DIR), kind="seq2seq")
+    denc_meta = meta.get("doc_encoder")
+    denc = TextEncoder.from_pretrained(root / denc_meta.get("dir", DOC_ENCODER_DIR)) if denc_meta and config.uses_doc_encoder else None
+    model = cls(qenc, gen, tok, kb, config, doc_encoder=denc)
+    if config.retrieval == "dense":
+        model.retriever.allow_encoder_change = allow_encoder_change
+    return model.eval()
+
+
+def _load_query_encoder(root: Path, entry: dict, verify: str):
+    """The checkpoint's query encoder: its saved copy, or the encoder it references by name, whose
+    weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint
+
+    if not entry.get("reference"):
+        return TextEncoder.from_pretrained(root / entry.get("dir", QUESTION_ENCODER_DIR))
+    cfg_file = root / CHECKPOINT_CONFIG
+    missing = [k for k in ("name", "fingerprint", "pooling", "normalize", "max_length") if k not in entry]
+    if missing:
+        raise IntegrityError(f"{cfg_file}: the referenced query encoder lacks field(s) {missing}; save the model again")
+    name = entry["name"]
+    try:
+        qenc = TextEncoder(name, pooling=entry["pooling"], normalize=entry["normalize"], max_length=entry["max_length"])
+    except RagError as e:
+        raise ConfigError(
+            f"{cfg_file}: references the query encoder {name!r} by name (its weights are not in the checkpoint), "
+            f"and it cannot be loaded here: {e}"
+        ) from e
+    if verify != "none":
+        check_fingerprint(qenc, entry["fingerprint"], lambda found: (
+            f"{cfg_file}: references the query encoder {name!r} with weights fingerprint {entry['fingerprint'][:16]}…, "
+            f"but {name!r} loads here with fingerprint {found[:16]}… (a different version of the encoder); install the "
+            "version the model was saved with, or load with verify='none' to accept it unchecked"), error=IntegrityError)
+    return qenc

@@ -1,0 +1,122 @@
+"""RagModelConfig: the typed options of a RagModel (saved in ``rag_config.json``, read by LightningCLI as ``model.rag``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rag.errors import ConfigError
+from rag.validate import check_positive_int
+
+__all__ = ["RagModelConfig", "check_overrides"]
+
+_MARGINALIZATIONS = ("sequence", "token")
+_RETRIEVALS = ("dense", "bm25")
+_TRUNCATIONS = ("keep_question", "hf")
+
+
+@dataclass
+class RagModelConfig:
+    """Typed options of a :class:`RagModel` (saved in ``rag_config.json``)."""
+
+    n_docs: int = 5
+    """Top-k passages retrieved per question and marginalised over."""
+    marginalization: Literal["sequence", "token"] = "sequence"
+    """RAG-Sequence (Eq. 1: one passage per answer) or RAG-Token (Eq. 2: a passage per token)."""
+    label_smoothing: float = 0.0
+    """Label smoothing epsilon in [0, 1) (fairseq/transformers definition)."""
+    exclude_bos_score: bool = False
+    """Do not score a first target token equal to the generator's BOS token."""
+    reduce_loss: bool = True
+    """Return a scalar loss (batch mean; sum under hf_compat) instead of per-example NLL (B,)."""
+    freeze_query_encoder: bool = False
+    """RAG-Frozen (Table 6): keep the query encoder fixed; only the generator trains."""
+    retrieval: Literal["dense", "bm25"] = "dense"
+    """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25)."""
+    max_context_length: int = 300
+    """Most generator input tokens per (question, passage) context."""
+    max_target_length: int = 64
+    """Most target tokens (longer answers are truncated, keeping EOS)."""
+    max_question_length: int = 64
+    """Most query-encoder tokens per question."""
+    truncation: Literal["keep_question", "hf"] = "keep_question"
+    """keep_question: shorten the passage so the question always fits; hf: cut on the right like transformers."""
+    hf_compat: bool = False
+    """Reproduce transformers' RAG exactly (contexts, question round trip, loss quirks, summed loss)."""
+    title_sep: str = " / "
+    """Separator between a passage's title and its text in the generator input."""
+    doc_sep: str = " // "
+    """Separator between the passage and the question in the generator input."""
+    train_doc_encoder: bool = False
+    """Train the document encoder end to end: re-embed the retrieved passages with gradients and score them
+    with those fresh vectors (doc_scores = q · d_fresh); pair with the IndexRefresh callback so the index
+    follows the encoder. Dense retrieval only."""
+    rerank_candidates: Optional[int] = None
+    """Stale-index re-ranking: search this many candidates (>= n_docs) in the index, re-embed them with the
+    current document encoder and keep the n_docs best by fresh score. None: no re-ranking. Dense retrieval only."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            check_positive_int(getattr(self, name), f"RagModelConfig.{name}", error=ConfigError)
+
+        for name in ("n_docs", "max_context_length", "max_target_length", "max_question_length"):
+            positive_int(name)
+        if self.marginalization not in _MARGINALIZATIONS:
+            raise ConfigError(f"RagModelConfig.marginalization={self.marginalization!r}; choose one of {_MARGINALIZATIONS}")
+        if self.retrieval not in _RETRIEVALS:
+            raise ConfigError(f"RagModelConfig.retrieval={self.retrieval!r}; choose one of {_RETRIEVALS}")
+        if self.truncation not in _TRUNCATIONS:
+            raise ConfigError(f"RagModelConfig.truncation={self.truncation!r}; choose one of {_TRUNCATIONS}")
+        if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"RagModelConfig.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
+        self.label_smoothing = float(self.label_smoothing)
+        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "train_doc_encoder"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        for name in ("title_sep", "doc_sep"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if self.rerank_candidates is not None:
+            positive_int("rerank_candidates")
+            if self.rerank_candidates < self.n_docs:
+                raise ConfigError(
+                    f"RagModelConfig.rerank_candidates={self.rerank_candidates} is smaller than n_docs={self.n_docs}; "
+                    "re-ranking keeps the best n_docs of rerank_candidates, so give at least n_docs (or null to disable)"
+                )
+        if self.retrieval == "bm25" and self.uses_doc_encoder:
+            raise ConfigError(
+                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (document vectors); "
+                "BM25 has no document encoder — set retrieval: dense or disable them"
+            )
+
+    @property
+    def uses_doc_encoder(self) -> bool:
+        """True when the model re-embeds retrieved passages with its own document encoder
+        (``train_doc_encoder`` or ``rerank_candidates``)."""
+        return self.train_doc_encoder or self.rerank_candidates is not None
+
+    @property
+    def effective_truncation(self) -> str:
+        """The truncation rule in force: hf_compat implies transformers' right truncation."""
+        return "hf" if self.hf_compat else self.truncation
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "RagModelConfig") -> "RagModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        return cls(**d)
+
+
+def check_overrides(overrides: dict) -> dict:
+    """`overrides` (field name -> value) unchanged, or ConfigError naming the unknown fields."""
+    known = {f.name for f in dataclasses.fields(RagModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown RagModelConfig field(s) {unknown}; valid fields are {sorted(known)}")
+    return overrides

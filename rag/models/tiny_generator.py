@@ -1,0 +1,96 @@
+"""The ``tiny:bart`` / ``tiny:t5`` generators of training configs: their size spec and a cached build per knowledge base.
+
+A random small seq2seq generator (:mod:`rag.models.tiny`) whose tokenizer is trained on the knowledge base's
+own passages, so a training run needs no model hub. Built once under ``$RAG_CACHE/tiny`` (default
+``~/.cache/rag/tiny``), keyed by the spec and the knowledge-base version, so a resumed run reuses the exact
+same tokenizer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rag.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["TINY_PREFIX", "TINY_KINDS", "TinyGenerator", "check_tiny_name", "ensure_tiny_generator", "resolve_generator"]
+
+TINY_PREFIX = "tiny:"
+TINY_KINDS = ("bart", "t5")
+TINY_TOKENIZER_TEXTS = 20_000  # passages used to train a tiny tokenizer on a large knowledge base
+
+
+@dataclass
+class TinyGenerator:
+    """Size of the random generator built for ``generator: tiny:bart`` / ``tiny:t5``."""
+
+    d_model: int = 128
+    """Hidden size."""
+    layers: int = 2
+    """Encoder and decoder layers (each)."""
+    heads: int = 4
+    """Attention heads."""
+    ffn: int = 256
+    """Feed-forward size."""
+    vocab_size: int = 1500
+    """Tokenizer vocabulary, trained on the knowledge base's passages."""
+    seed: int = 0
+    """Initialisation seed."""
+
+
+def check_tiny_name(generator: str, where: str) -> None:
+    """ConfigError (naming `where`) if `generator` is a ``tiny:`` name of an unknown kind."""
+    if generator.startswith(TINY_PREFIX) and generator[len(TINY_PREFIX):] not in TINY_KINDS:
+        raise ConfigError(f"{where}={generator!r}; tiny generators are {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
+
+
+def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str | os.PathLike) -> str:
+    """`generator` unchanged, or for ``tiny:<kind>`` the directory of that tiny generator for `knowledge_base`."""
+    if generator.startswith(TINY_PREFIX):
+        return ensure_tiny_generator(generator[len(TINY_PREFIX):], spec, knowledge_base)
+    return generator
+
+
+def _cache_root() -> Path:
+    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()
+
+
+def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,
+                          cache_dir: Optional[str | os.PathLike] = None) -> str:
+    """Directory of a random tiny `kind` (``bart``/``t5``) generator whose tokenizer is trained
+    on the passages of `knowledge_base`; built once, then reused (keyed by spec + KB version)."""
+    import numpy as np
+
+    from rag.io import atomic_directory
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models import tiny
+
+    check_tiny_name(TINY_PREFIX + str(kind), "generator")
+    kb = KnowledgeBase.open(knowledge_base, verify="none")
+    key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
+    out = Path(cache_dir) if cache_dir is not None else _cache_root() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / "config.json").is_file():
+        return str(out)
+    passages = kb.get_passages(np.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).reshape(1, -1))[0]
+    texts = [f"{p.title} {p.text}" for p in passages]
+    if kind == "bart":
+        tok = tiny.train_bpe_tokenizer(texts, vocab_size=spec.vocab_size)
+        model = tiny.tiny_bart(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
+    else:
+        tok = tiny.train_sentencepiece_tokenizer(texts, vocab_size=spec.vocab_size)
+        model = tiny.tiny_t5(tok, d_model=spec.d_model, layers=spec.layers, heads=spec.heads, ffn=spec.ffn, seed=spec.seed)
+    logger.info("built tiny %s generator (%d parameters) at %s", kind, sum(p.numel() for p in model.parameters()), out)
+    try:
+        with atomic_directory(out) as tmp:
+            tiny.save(model, tok, tmp)
+    except FileExistsError:  # built concurrently by another process: use theirs
+        pass
+    return str(out)
