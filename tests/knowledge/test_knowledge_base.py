@@ -222,3 +222,17 @@ def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
     ps = [Passage(f"p{i}", "", "t") for i in range(50)]
     KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {"name": "x"}, out, index="flat", show_progress=False)
     assert len(KnowledgeBase.open(out)) == 50 and not list(tmp_path.glob(".kb.tmp-*"))
+
+
+@pytest.mark.parametrize("entry", ["../outside.bin", "/etc/hostname", "passages/../../outside.bin", "link.bin"])
+def test_manifest_file_entries_never_leave_the_directory(toy_kb, entry):
+    """A manifest is input: a file entry that points outside the knowledge base (.., absolute, or a link) is refused."""
+    root = Path(toy_kb.path)
+    (root.parent / "outside.bin").write_bytes(b"x" * 8)
+    (root / "link.bin").symlink_to(root.parent / "outside.bin")
+    manifest = json.loads((root / MANIFEST).read_text())
+    manifest["files"][entry] = {"sha256": "0" * 64, "bytes": 8}
+    (root / MANIFEST).write_text(json.dumps(manifest))
+    for verify in ("full", "size"):
+        with pytest.raises(IntegrityError, match="outside"):
+            KnowledgeBase.open(root, verify=verify)

@@ -209,7 +209,7 @@ def test_real_conversion(tmp_path_factory, monkeypatch):
     damaged = path / "tokenizer_config.json"
     damaged.write_text(damaged.read_text() + " ")
     demo_lm.prepare_demo_lm(show_progress=False)  # detected by its checksum and rebuilt
-    assert demo_lm.sha256_file(damaged) == manifest["files"]["tokenizer_config.json"]
+    assert demo_lm.sha256_file(damaged) == manifest["files"]["tokenizer_config.json"]["sha256"]
 
     model, tok, kind = load_generator("smollm2")
     assert kind == "causal" and sum(p.numel() for p in model.parameters()) == 134_515_008
