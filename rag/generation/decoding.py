@@ -12,8 +12,8 @@ Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_b
   RAG-Sequence rescoring below reuse those states (index-selected, never re-encoded). transformers'
   `RagSequenceForGeneration.generate` re-encodes every context once per candidate instead.
 * Cross-attention keys/values are projected once per context. For BART the decoder rows of one context
-  (beams; for RAG-Token every beam of the question) are folded into one cross-attention query sequence over
-  the context's keys/values, which are never copied to rows. Other generators: the first decoder step
+  (beams; for RAG-Token every beam of the question) attend to the context's keys/values in place, which are
+  never copied to rows (one single-query attention call per row slot, so the rounding is transformers'). Other generators: the first decoder step
   (every row feeds the decoder start token) runs once per context and its cache is copied to the context's
   rows. transformers runs that step on every row, recomputing the same keys/values `num_beams` times, and
   copies them again at every beam reorder.
@@ -374,10 +374,10 @@ def _bart_cross_kv(generator, states: Tensor) -> list[tuple[Tensor, Tensor]]:
 class _BartIncrementalDecoder:
     """`_IncrementalDecoder` for BART (same interface): cross-attention folded per context.
 
-    The rows of one context (its beams; for RAG-Token the beams of its question) are folded into one
-    cross-attention query sequence `(contexts, rows_per_context)` over that context's keys/values, so the
-    keys/values are projected once per context and never copied to rows (transformers copies them to every
-    row and again at every beam reorder). Self-attention and everything else run per row, as in BART.
+    The rows of one context (its beams; for RAG-Token the beams of its question) are folded to
+    `(contexts, rows_per_context)` and attend to that context's keys/values in place (`_cross_attend_rows`),
+    so the keys/values are projected once per context and never copied to rows (transformers copies them to
+    every row and again at every beam reorder). Self-attention and everything else run per row, as in BART.
     """
 
     def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, order: Tensor, used: Tensor,
@@ -416,7 +416,7 @@ class _BartIncrementalDecoder:
             self_kv.append((k, v))
             hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, None, causal=False))
             folded = (hidden if self.order is None else hidden[self.order]).view(-1, self.per_context, hidden.shape[-1])
-            cross = _attend(layer.encoder_attn, folded, key, value, self.mask, causal=False).view(rows, 1, -1)
+            cross = _cross_attend_rows(layer.encoder_attn, folded, key, value, self.mask).view(rows, 1, -1)
             hidden = layer.encoder_attn_layer_norm(hidden + (cross if self.inverse is None else cross[self.inverse]))
             hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
         self.self_kv = self_kv
@@ -763,6 +763,23 @@ def _attend(attn, hidden: Tensor, key: Tensor, value: Tensor, mask: Tensor | Non
     out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
                                                            scale=attn.scaling)
     return attn.out_proj(out.transpose(1, 2).reshape(n, q_len, -1))
+
+
+def _cross_attend_rows(attn, folded: Tensor, key: Tensor, value: Tensor, mask: Tensor | None) -> Tensor:
+    """BART cross-attention of one decoder step, `folded` `(contexts, rows_per_context, d)` over each context's
+    `key`/`value` `(contexts, heads, src_len, head_dim)` as they are (no copy to rows).
+
+    One attention call per row slot with a single query each, not one call with `rows_per_context` queries:
+    torch's CPU attention kernel rounds a multi-query block differently (a few ulp) from the single query
+    transformers' decoder step feeds it, and near-tied beams then rank differently. This keeps the result
+    bit-identical to transformers' per-row step while still reading the keys/values in place.
+    """
+    n, per_context, _ = folded.shape
+    query = attn.q_proj(folded).view(n, per_context, -1, attn.head_dim).transpose(1, 2)  # (n, heads, P, hd)
+    out = torch.cat([torch.nn.functional.scaled_dot_product_attention(query[:, :, j:j + 1], key, value, attn_mask=mask,
+                                                                      scale=attn.scaling)
+                     for j in range(per_context)], dim=2)
+    return attn.out_proj(out.transpose(1, 2).reshape(n, per_context, -1))
 
 
 def _bart_packed_hidden(generator, ids: Tensor, positions: Tensor, allowed: Tensor,
