@@ -6,7 +6,9 @@ Same math as transformers' `BartDecoder` (eval mode), rearranged so that work de
 * `BartStepDecoder`: the decoder rows of one context (beams; for RAG-Token every beam of the question) attend
   to the context's cross-attention keys/values in place — projected once per context, never copied to rows
   (transformers copies them to every row and again at every beam reorder). One single-query attention call
-  per row slot, so the rounding is transformers' own and near-tied beams rank the same.
+  per row slot, so the rounding is transformers' own and near-tied beams rank the same. (Measured at the
+  full decode_bench size, 80 rows over 20 contexts of 300 tokens, 1 thread: 20 decoder steps take ~1.87 s
+  this way vs ~1.37 s with one folded multi-query call, whose rounding differs by a few ulp.)
 * `rescore_packed`: the (sequence, context) pairs of one context are packed end to end into one decoder
   sequence (block-diagonal causal self-attention, per-pair positions), so only real tokens are computed and
   the context's keys/values are used in place; chunks bound the `(tokens, vocab)` logits memory.
