@@ -342,12 +342,12 @@ def markdown_table(results: list[dict]) -> str:
 # (file fragment, function) -> label: the phases reported by --profile (cumulative time, calls).
 PHASES = {
     "ours": [
-        ("decoding.py", "encode_contexts", "encoder (once per context)"),
-        ("decoding.py", "_bart_cross_kv", "cross-attention K/V projection (once per context)"),
-        ("decoding.py", "_beam_search", "beam search (all decoder steps + bookkeeping)"),
-        ("decoding.py", "step", "decoder steps"),
-        ("decoding.py", "reorder", "beam reorder (self-attention cache)"),
-        ("decoding.py", "_rescore_packed", "thorough rescoring pass (packed)"),
+        ("generation/seq2seq.py", "encode_contexts", "encoder (once per context)"),
+        ("generation/bart.py", "bart_cross_kv", "cross-attention K/V projection (once per context)"),
+        ("generation/search.py", "beam_search", "beam search (all decoder steps + bookkeeping)"),
+        ("generation/bart.py", "step", "decoder steps"),
+        ("generation/bart.py", "reorder", "beam reorder (self-attention cache)"),
+        ("generation/bart.py", "rescore_packed", "thorough rescoring pass (packed)"),
         ("modeling_bart.py", "forward", "BART module forwards (all)"),
     ],
     "transformers": [

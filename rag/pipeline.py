@@ -146,25 +146,19 @@ class RagPipeline:
             :class:`~rag.generation.decoding.GenerationConfig` (min_length, length_penalty,
             no_repeat_ngram_size, early_stopping, ...).
         """
-        from rag.generation.decoding import GenerationConfig, encode_contexts, rag_sequence_generate, rag_token_generate
+        from rag.generation.answer import generate_for_questions
+        from rag.generation.decoding import GenerationConfig
 
         questions = check_strings(questions, "questions")
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
-        marg = marginalization or self.model.config.marginalization
-        if marg not in ("sequence", "token"):
-            raise ConfigError(f"marginalization={marg!r}; choose 'sequence' or 'token'")
         if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
         config = GenerationConfig(max_new_tokens=max_new_tokens, num_beams=num_beams,
                                   num_return_sequences=num_return_sequences, **generation_kw)
-        inputs = self.model.prepare_inputs(questions, n_docs=k)
-        generator = self.model.generator
-        contexts = encode_contexts(generator, inputs.context_input_ids, inputs.context_attention_mask)
-        if marg == "token":
-            out = rag_token_generate(generator, contexts, inputs.doc_scores, config)
-        else:
-            out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding)
-        return self._answers(questions, inputs, contexts, out, num_return_sequences, marg)
+        found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
+                                       decoding=decoding)
+        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
+                             found.marginalization)
 
     def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
         from rag.generation.decoding import teacher_forced_logprobs

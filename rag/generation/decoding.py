@@ -1,190 +1,60 @@
-"""Decoding for RAG (Lewis et al. 2020, §2.5): RAG-Token beam search / greedy, RAG-Sequence thorough and fast.
+"""RAG decoding (Lewis et al. 2020, §2.5): RAG-Token beam search / greedy, RAG-Sequence thorough and fast.
 
-Everything here works on a seq2seq generator (`transformers` BART / T5, or any module with the same
-`get_encoder()` / `forward(encoder_outputs=..., decoder_input_ids=..., past_key_values=...)` interface; put
-it in eval mode first, nothing here changes its mode) and on already-tokenized contexts: row
-`b * n_docs + k` of the context tensors is question `b` joined with its `k`-th retrieved passage, and
-`doc_scores[b, k]` is that passage's retrieval score (`q · d`).
+The RAG layer over the generic pieces: `rag.generation.search` (greedy / beam search over a `Decoder`),
+`rag.generation.seq2seq` (encoded contexts, incremental decoders, teacher-forced rescoring) and
+`rag.generation.marginalize` (the document marginals). It works on a seq2seq generator in eval mode and on
+already-encoded contexts: row `b * n_docs + k` of the contexts is question `b` joined with its `k`-th
+retrieved passage, and `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
-Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks"):
+Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks";
+the encoder / cache / rescoring notes live in `rag.generation.seq2seq` and `rag.generation.bart`):
 
-* `encode_contexts` runs the generator encoder once per (question, passage); every search and the
-  RAG-Sequence rescoring below reuse those states (index-selected, never re-encoded). transformers'
-  `RagSequenceForGeneration.generate` re-encodes every context once per candidate instead.
-* Cross-attention keys/values are projected once per context. For BART the decoder rows of one context
-  (beams; for RAG-Token every beam of the question) are folded into one cross-attention query sequence over
-  the context's keys/values, which are never copied to rows. Other generators: the first decoder step
-  (every row feeds the decoder start token) runs once per context and its cache is copied to the context's
-  rows. transformers runs that step on every row, recomputing the same keys/values `num_beams` times, and
-  copies them again at every beam reorder.
-* Beam search and greedy search decode incrementally with the decoder KV cache. Beam reordering moves
-  only the self-attention cache: cross-attention keys/values are identical for every beam of a row group.
-  RAG-Sequence searches all questions' passages in one batched search (transformers: one per question).
+* RAG-Token decodes `batch * num_beams * n_docs` decoder rows per step, mixed per (question, beam) by
+  `TokenMarginalDecoder` (Eq. 2, one step); cross-attention keys/values are shared by the beams of a context.
+* RAG-Sequence searches all questions' passages in one batched search (transformers: one per question).
 * Thorough decoding scores every (candidate, passage) pair in one teacher-forced decoder pass on the
-  keys/values the search already computed, stopping each candidate at its EOS. For BART the pairs of one
-  passage are packed end to end into one decoder sequence (block-diagonal causal self-attention, per-pair
-  positions), so only real tokens are computed and the passage's keys/values are used in place; chunks bound
-  the `(tokens, vocab)` logits memory (`rescore_batch_size`).
-* Large gathers use advanced indexing, not `index_select` (many times slower on CPU with several threads).
+  keys/values the search already computed, stopping each candidate at its EOS (`rescore_batch_size` bounds
+  the logits memory).
 
-The search itself follows the semantics of `transformers`' (v5) vectorized beam search exactly — candidate
-pool of `2 * num_beams` continuations, length penalty `sum_logprob / generated_len ** length_penalty` with
-`generated_len` counting EOS but not the decoder start token, the same early-stopping heuristic and
-`early_stopping in {True, False, "never"}` — so outputs are token-identical to
-`RagTokenForGeneration.generate` and to `RagSequenceForGeneration.generate` (see `rag_sequence_generate`
-for the differences that remain and why).
+The search follows transformers' (v5) beam search exactly (see `rag.generation.search`), so outputs are
+token-identical to `RagTokenForGeneration.generate` and to `RagSequenceForGeneration.generate` (see
+`rag_sequence_generate` for the differences that remain and why).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
 
 from rag.errors import ConfigError, RagError
 from rag.generation.marginalize import doc_log_prior, token_marginal_logprobs
+from rag.generation.search import (
+    Decoder,
+    GenerationConfig,
+    SearchSpec,
+    beam_search,
+    config_token_id,
+    greedy_search,
+    resolve_spec,
+)
+from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced, teacher_forced_logprobs
 
 __all__ = [
     "GenerationConfig",
     "EncodedContexts",
     "GenerationOutput",
     "DocumentHypotheses",
+    "TokenMarginalDecoder",
     "encode_contexts",
     "rag_token_generate",
     "generate_per_document",
     "teacher_forced_logprobs",
     "rag_sequence_generate",
 ]
-
-# Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
-# bookkeeping adds it to real scores and the float32 rounding of those sums decides ties.
-_IMPOSSIBLE = -1.0e9
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Typed decoding options. Lengths follow transformers: `max_length`/`min_length` count the decoder start token.
-
-    Token ids left as `None` are read from `generator.generation_config`, then `generator.config`.
-    """
-
-    max_new_tokens: int = 20
-    """Most tokens generated after the decoder start token (used when `max_length` is None)."""
-    max_length: int | None = None
-    """Total output length including the decoder start token (transformers' `max_length`); overrides `max_new_tokens`."""
-    min_length: int = 0
-    """EOS is banned while the output (decoder start token included) is shorter than this (transformers' `min_length`)."""
-    min_new_tokens: int = 0
-    """EOS is banned until this many tokens were generated after the decoder start token."""
-    num_beams: int = 1
-    """Beam width; 1 means greedy search."""
-    num_return_sequences: int = 1
-    """Sequences returned per question (RAG-Token: at most `num_beams`; RAG-Sequence: best of all candidates)."""
-    length_penalty: float = 1.0
-    """Finished beams are ranked by `sum_logprob / generated_len ** length_penalty` (0 = no normalisation)."""
-    early_stopping: bool | Literal["never"] = False
-    """True: stop a question once `num_beams` beams finished; False: stop when a running beam cannot beat the
-    worst finished one at its current length (transformers' heuristic); "never": canonical beam search bound."""
-    no_repeat_ngram_size: int = 0
-    """If > 0, no n-gram of this size (over the decoder tokens, start token included) occurs twice."""
-    forced_bos_token_id: int | None = None
-    """Token forced as the first generated token (BART checkpoints use 0). A forced token scores log 1 = 0."""
-    forced_eos_token_id: int | None = None
-    """Token forced as the last token when `max_length` is reached (BART checkpoints use 2)."""
-    decoder_start_token_id: int | None = None
-    """First decoder input (BART: `</s>`=2, T5: pad=0); from the generator's config when None."""
-    eos_token_id: int | None = None
-    """End-of-sequence token; from the generator's config when None."""
-    pad_token_id: int | None = None
-    """Fills sequences after EOS; from the generator's config when None."""
-    bos_token_id: int | None = None
-    """Only used by the transformers-compatible RAG-Sequence scoring (skips a leading BOS); from the config when None."""
-
-    def __post_init__(self) -> None:
-        def need(ok: bool, field: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"GenerationConfig.{field}: {msg}")
-
-        need(isinstance(self.num_beams, int) and self.num_beams >= 1, "num_beams",
-             f"must be an int >= 1, got {self.num_beams!r}")
-        need(isinstance(self.num_return_sequences, int) and self.num_return_sequences >= 1, "num_return_sequences",
-             f"must be an int >= 1, got {self.num_return_sequences!r}")
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
-             f"must be an int >= 1, got {self.max_new_tokens!r}")
-        need(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 2), "max_length",
-             f"must be None or an int >= 2 (it counts the decoder start token), got {self.max_length!r}")
-        need(isinstance(self.min_length, int) and self.min_length >= 0, "min_length",
-             f"must be an int >= 0, got {self.min_length!r}")
-        need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
-             f"must be an int >= 0, got {self.min_new_tokens!r}")
-        need(isinstance(self.no_repeat_ngram_size, int) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
-             f"must be an int >= 0, got {self.no_repeat_ngram_size!r}")
-        need(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never", "early_stopping",
-             f"must be True, False or 'never', got {self.early_stopping!r}")
-        need(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty), "length_penalty",
-             f"must be a finite number, got {self.length_penalty!r}")
-
-    @property
-    def total_max_length(self) -> int:
-        """Output length limit including the decoder start token."""
-        return self.max_length if self.max_length is not None else 1 + self.max_new_tokens
-
-
-@dataclass(frozen=True)
-class _Spec:
-    """A `GenerationConfig` with every token id resolved against one generator."""
-
-    cfg: GenerationConfig
-    start: int
-    eos: int
-    pad: int
-    bos: int | None
-    max_length: int
-    min_length: int
-
-    @property
-    def num_beams(self) -> int:
-        return self.cfg.num_beams
-
-
-def _resolve(config: GenerationConfig, generator) -> _Spec:
-    sources = [getattr(generator, "generation_config", None), getattr(generator, "config", None)]
-
-    def pick(name: str, required: bool) -> int | None:
-        value = getattr(config, name)
-        for src in sources:
-            if value is None and src is not None:
-                value = getattr(src, name, None)
-        if isinstance(value, (list, tuple)):
-            if len(value) != 1:
-                raise ConfigError(f"GenerationConfig.{name}: several ids {value} are not supported; pass one id explicitly")
-            value = value[0]
-        if value is None and required:
-            raise ConfigError(f"GenerationConfig.{name} is not set and the generator config has none; pass it explicitly")
-        return None if value is None else int(value)
-
-    max_length = config.total_max_length
-    min_length = max(config.min_length, 1 + config.min_new_tokens if config.min_new_tokens > 0 else 0)
-    return _Spec(cfg=config, start=pick("decoder_start_token_id", True), eos=pick("eos_token_id", True),
-                 pad=pick("pad_token_id", True), bos=pick("bos_token_id", False),
-                 max_length=max_length, min_length=min_length)
-
-
-@dataclass(frozen=True)
-class EncodedContexts:
-    """Generator-encoder states of every (question, passage) context, computed once per decoding call.
-
-    `last_hidden_state` is `(batch * n_docs, src_len, d_model)`, `attention_mask` `(batch * n_docs, src_len)`.
-    """
-
-    last_hidden_state: Tensor
-    attention_mask: Tensor
-
-    def __len__(self) -> int:
-        return self.last_hidden_state.shape[0]
 
 
 @dataclass(frozen=True)
@@ -220,9 +90,6 @@ class DocumentHypotheses:
     log_likelihood: Tensor
 
 
-# ----------------------------------------------------------------------------------------------------------
-# Encoder and incremental decoder
-
 
 def _check_contexts(contexts: EncodedContexts, doc_scores: Tensor) -> tuple[int, int]:
     if doc_scores.dim() != 2:
@@ -235,360 +102,41 @@ def _check_contexts(contexts: EncodedContexts, doc_scores: Tensor) -> tuple[int,
     return batch, n_docs
 
 
-@torch.no_grad()
-def encode_contexts(generator, context_input_ids: Tensor, context_attention_mask: Tensor) -> EncodedContexts:
-    """Run the generator encoder once over all `(batch * n_docs, src_len)` contexts.
+class TokenMarginalDecoder:
+    """A search `Decoder` over `rows` hypotheses, each mixing `n_docs` rows of an inner decoder (RAG-Token, Eq. 2;
+    REPLUG's per-token ensemble): `log Σ_z p(z|x) p(· | x, z, y_<t)` per step.
 
-    Everything downstream (searches, rescoring) reuses the returned states.
-    """
-    if context_input_ids.dim() != 2 or context_attention_mask.shape != context_input_ids.shape:
-        raise RagError(
-            f"context_input_ids and context_attention_mask must both be (batch * n_docs, src_len); got "
-            f"{tuple(context_input_ids.shape)} and {tuple(context_attention_mask.shape)}")
-    out = generator.get_encoder()(input_ids=context_input_ids, attention_mask=context_attention_mask, return_dict=True)
-    return EncodedContexts(last_hidden_state=out.last_hidden_state, attention_mask=context_attention_mask)
-
-
-def _rows(t: Tensor, index: Tensor) -> Tensor:
-    """`t[index]` along dim 0. Advanced indexing, not `index_select`: on CPU with several threads the latter
-    is many times slower for the large `(rows, heads, src_len, head_dim)` tensors copied here."""
-    return t[index]
-
-
-def _shared_cross_attention(cache) -> list[tuple[Tensor, Tensor]] | None:
-    """The per-layer cross-attention `(keys, values)` of a transformers `EncoderDecoderCache`, if it holds them."""
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
-    if not isinstance(cache, EncoderDecoderCache) or not isinstance(cache.cross_attention_cache, DynamicCache):
-        return None
-    layers = cache.cross_attention_cache.layers
-    if not layers or not all(cache.is_updated.get(i) for i in range(len(layers))):
-        return None
-    return [(layer.keys, layer.values) for layer in layers]
-
-
-def _context_step(generator, contexts: EncodedContexts, token: int) -> tuple[Tensor, object]:
-    """One decoder step of `token` on every context, each context once: logits `(N, vocab)` float32 and the cache.
-
-    The cache then holds each context's cross-attention keys/values, computed here once per context.
-    """
-    from transformers.modeling_outputs import BaseModelOutput
-
-    n = len(contexts)
-    tokens = torch.full((n, 1), int(token), dtype=torch.long, device=contexts.last_hidden_state.device)
-    out = generator(encoder_outputs=BaseModelOutput(last_hidden_state=contexts.last_hidden_state),
-                    attention_mask=contexts.attention_mask, decoder_input_ids=tokens, use_cache=True, return_dict=True)
-    return out.logits[:, -1, :].float(), out.past_key_values
-
-
-def _dynamic_cache(kv: list[tuple[Tensor, Tensor]]):
-    """A transformers `DynamicCache` holding the given per-layer `(keys, values)` as they are (no copy)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache([(None, None)] * len(kv))  # one empty layer per decoder layer
-    for layer, (k, v) in zip(cache.layers, kv):
-        layer.lazy_initialization(k, v)
-        layer.keys, layer.values = k, v
-    return cache
-
-
-def _gathered_cache(self_kv: list[tuple[Tensor, Tensor]] | None, cross_kv: list[tuple[Tensor, Tensor]], rows: Tensor):
-    """An `EncoderDecoderCache` for decoder rows `rows` (indices into the per-context `self_kv` / `cross_kv`)."""
-    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
-
-    self_cache = DynamicCache() if self_kv is None else _dynamic_cache([(_rows(k, rows), _rows(v, rows)) for k, v in self_kv])
-    return EncoderDecoderCache(self_cache, _dynamic_cache([(_rows(k, rows), _rows(v, rows)) for k, v in cross_kv]))
-
-
-class _IncrementalDecoder:
-    """Decoder rows that each attend to one encoded context, decoded one token at a time with a KV cache.
-
-    The first step (every row feeds the decoder start token) runs once per *context*, not per row: its logits
-    and cache — the cross-attention keys/values included, the expensive part — are then copied to the rows
-    of that context (beams, and for RAG-Token the beams of every question). transformers instead runs it on
-    every row, recomputing the same cross-attention keys/values `num_beams` times.
+    inner: a `Decoder` with `rows * n_docs` rows, row `r * n_docs + k` being hypothesis `r` under document `k`.
+    log_prior: `(rows, n_docs)` document log-priors `log p(z|x)` of each hypothesis' input.
     """
 
-    def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, keep_cross_kv: bool = False):
-        from transformers.modeling_outputs import BaseModelOutput
-
-        self.keep_cross_kv = keep_cross_kv
-        self.generator = generator
-        self.contexts = contexts
-        self.context_of_row = context_of_row
-        self.identity = identity = context_of_row.shape[0] == len(contexts) and bool(
-            (context_of_row == torch.arange(len(contexts), device=context_of_row.device)).all())
-        states = contexts.last_hidden_state if identity else _rows(contexts.last_hidden_state, context_of_row)
-        self.encoder_outputs = BaseModelOutput(last_hidden_state=states)
-        self.mask = contexts.attention_mask if identity else _rows(contexts.attention_mask, context_of_row)
-        self.cache = None
-        self.cross_kv: list[tuple[Tensor, Tensor]] | None = None
-        """Per-context (not per-row) cross-attention keys/values after the first step, kept for reuse (rescoring)
-        when `keep_cross_kv`."""
+    def __init__(self, inner: Decoder, log_prior: Tensor):
+        self.inner = inner
+        self.log_prior = log_prior
+        self.n_docs = log_prior.shape[1]
+        self.docs = torch.arange(self.n_docs, device=log_prior.device)
 
     def step(self, tokens: Tensor) -> Tensor:
-        """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
-        if self.cache is None and bool((tokens == tokens[0]).all()):
-            logits, cache = _context_step(self.generator, self.contexts, int(tokens[0]))
-            cross_kv = _shared_cross_attention(cache)
-            if cross_kv is not None:
-                self.cross_kv = cross_kv if self.keep_cross_kv else None
-                if self.identity:
-                    self.cache = cache
-                    return logits
-                self_kv = [(layer.keys, layer.values) for layer in cache.self_attention_cache.layers]
-                self.cache = _gathered_cache(self_kv, cross_kv, self.context_of_row)  # a gather, no compute
-                return _rows(logits, self.context_of_row)
-        out = self.generator(encoder_outputs=self.encoder_outputs, attention_mask=self.mask,
-                             decoder_input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True,
-                             return_dict=True)
-        self.cache = out.past_key_values
-        return out.logits[:, -1, :].float()
+        """tokens `(rows,)` -> marginal next-token log-probs `(rows, vocab)`."""
+        logits = self.inner.step(tokens.repeat_interleave(self.n_docs))
+        doc_logprobs = torch.log_softmax(logits, -1).view(tokens.shape[0], self.n_docs, -1)
+        return token_marginal_logprobs(doc_logprobs, self.log_prior)  # Eq. 2, one step
 
     def reorder(self, rows: Tensor) -> None:
-        """Make row `i` continue from row `rows[i]` (only ever within one context group)."""
-        from transformers.cache_utils import EncoderDecoderCache
-
-        if isinstance(self.cache, EncoderDecoderCache):
-            # Cross-attention K/V depend only on the context, identical for every row a beam can move between.
-            self.cache.self_attention_cache.reorder_cache(rows)
-        elif hasattr(self.cache, "reorder_cache"):
-            self.cache.reorder_cache(rows)
-        else:
-            raise RagError(f"the generator returned a cache of type {type(self.cache).__name__} that cannot be "
-                           "reordered for beam search; use num_beams=1 or a transformers Cache")
+        """Hypothesis `i` continues from `rows[i]`: move all of its documents' inner rows."""
+        self.inner.reorder((rows[:, None] * self.n_docs + self.docs).reshape(-1))
 
 
-def _bart_cross_kv(generator, states: Tensor) -> list[tuple[Tensor, Tensor]]:
-    """Per-layer cross-attention `(keys, values)` `(N, heads, src_len, head_dim)` of BART encoder states
-    `(N, src_len, d_model)`, laid out as transformers' cache holds them (contiguous)."""
-    n, src_len, _ = states.shape
-    out = []
-    for layer in generator.model.decoder.layers:
-        attn = layer.encoder_attn
-        out.append(tuple(proj(states).view(n, src_len, -1, attn.head_dim).transpose(1, 2).contiguous()
-                         for proj in (attn.k_proj, attn.v_proj)))
-    return out
+def _seq2seq_spec(config: GenerationConfig, generator) -> tuple[SearchSpec, int]:
+    """The resolved search spec for a seq2seq generator (one decoder start token) and that token's id."""
+    if config.do_sample:
+        raise ConfigError("GenerationConfig.do_sample: RAG-Token / RAG-Sequence decoding does not sample; "
+                          "use do_sample=False (greedy or beam search)")
+    return resolve_spec(config, generator, prompt_len=1), config_token_id(config, generator, "decoder_start_token_id", True)
 
 
-class _BartIncrementalDecoder:
-    """`_IncrementalDecoder` for BART (same interface): cross-attention folded per context.
-
-    The rows of one context (its beams; for RAG-Token the beams of its question) are folded into one
-    cross-attention query sequence `(contexts, rows_per_context)` over that context's keys/values, so the
-    keys/values are projected once per context and never copied to rows (transformers copies them to every
-    row and again at every beam reorder). Self-attention and everything else run per row, as in BART.
-    """
-
-    def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, order: Tensor, used: Tensor,
-                 per_context: int, keep_cross_kv: bool = False):
-        device = context_of_row.device
-        self.generator = generator
-        self.per_context = per_context
-        # Rows sorted by context (stable) fold to (contexts, per_context); None when they already are.
-        in_order = bool((order == torch.arange(order.numel(), device=device)).all())
-        self.order = None if in_order else order
-        self.inverse = None if in_order else torch.argsort(order)
-        all_used = used.numel() == len(contexts) and bool((used == torch.arange(len(contexts), device=device)).all())
-        states = contexts.last_hidden_state if all_used else _rows(contexts.last_hidden_state, used)
-        mask = contexts.attention_mask if all_used else _rows(contexts.attention_mask, used)
-        self.mask = None if bool(mask.all()) else mask.bool()[:, None, None, :]
-        self.kv = _bart_cross_kv(generator, states)
-        self.cross_kv = self.kv if keep_cross_kv and all_used else None
-        """Per-context cross-attention keys/values (indexed by context), kept for rescoring when `keep_cross_kv`."""
-        self.self_kv: list[tuple[Tensor, Tensor]] | None = None
-        self.length = 0
-
-    def step(self, tokens: Tensor) -> Tensor:
-        """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
-        dec, rows = self.generator.model.decoder, tokens.shape[0]
-        ids = tokens[:, None]
-        position = torch.full((1,), self.length, dtype=torch.long, device=tokens.device)
-        hidden = dec.layernorm_embedding(dec.embed_tokens(ids) + dec.embed_positions(ids, position_ids=position))
-        past = self.self_kv or [None] * len(dec.layers)
-        self_kv = []
-        for layer, (key, value), cached in zip(dec.layers, self.kv, past):
-            sa = layer.self_attn
-            k = sa.k_proj(hidden).view(rows, 1, -1, sa.head_dim).transpose(1, 2)
-            v = sa.v_proj(hidden).view(rows, 1, -1, sa.head_dim).transpose(1, 2)
-            if cached is not None:
-                k, v = torch.cat([cached[0], k], 2), torch.cat([cached[1], v], 2)
-            self_kv.append((k, v))
-            hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, None, causal=False))
-            folded = (hidden if self.order is None else hidden[self.order]).view(-1, self.per_context, hidden.shape[-1])
-            cross = _attend(layer.encoder_attn, folded, key, value, self.mask, causal=False).view(rows, 1, -1)
-            hidden = layer.encoder_attn_layer_norm(hidden + (cross if self.inverse is None else cross[self.inverse]))
-            hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
-        self.self_kv = self_kv
-        self.length += 1
-        return (self.generator.lm_head(hidden[:, 0]) + self.generator.final_logits_bias).float()
-
-    def reorder(self, rows: Tensor) -> None:
-        """Make row `i` continue from row `rows[i]` (only ever within one context group)."""
-        self.self_kv = [(_rows(k, rows), _rows(v, rows)) for k, v in self.self_kv]
-
-
-def _incremental_decoder(generator, contexts: EncodedContexts, context_of_row: Tensor, keep_cross_kv: bool = False):
-    """The BART fast path when it applies (every used context has the same number of rows), else the generic one."""
-    if _is_bart(generator):
-        order = torch.sort(context_of_row, stable=True).indices
-        used, counts = torch.unique_consecutive(context_of_row[order], return_counts=True)
-        if counts.numel() and bool((counts == counts[0]).all()):
-            return _BartIncrementalDecoder(generator, contexts, context_of_row, order, used, int(counts[0]),
-                                           keep_cross_kv)
-    return _IncrementalDecoder(generator, contexts, context_of_row, keep_cross_kv)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Logits processing (same semantics and order as transformers' processors for these options)
-
-
-def _constraints(seqs: Tensor, vocab: int, spec: _Spec) -> tuple[Tensor | None, int | None]:
-    """Tokens banned after `seqs` `(rows, cur_len)`, and the token forced at this step, if any."""
-    cur_len = seqs.shape[1]
-    cfg = spec.cfg
-    banned = None
-    n = cfg.no_repeat_ngram_size
-    if n > 0 and cur_len >= n:
-        banned = torch.zeros(seqs.shape[0], vocab, dtype=torch.bool, device=seqs.device)
-        if n == 1:
-            banned.scatter_(1, seqs, True)
-        else:
-            heads = seqs.unfold(1, n - 1, 1)[:, : cur_len - n + 1]  # every (n-1)-gram that has a successor
-            suffix = seqs[:, cur_len - n + 1:]  # the last n-1 tokens
-            follow = seqs[:, n - 1:]  # the successor of each head
-            row, pos = (heads == suffix[:, None, :]).all(-1).nonzero(as_tuple=True)
-            banned[row, follow[row, pos]] = True
-    if cur_len < spec.min_length:
-        if banned is None:
-            banned = torch.zeros(seqs.shape[0], vocab, dtype=torch.bool, device=seqs.device)
-        banned[:, spec.eos] = True
-    forced = None
-    if cfg.forced_bos_token_id is not None and cur_len == 1:
-        forced = cfg.forced_bos_token_id
-    if cfg.forced_eos_token_id is not None and cur_len == spec.max_length - 1:
-        forced = cfg.forced_eos_token_id
-    return banned, forced
-
-
-def _apply(scores: Tensor, banned: Tensor | None, forced: int | None) -> Tensor:
-    if forced is not None:
-        out = torch.full_like(scores, -math.inf)
-        out[:, forced] = 0
-        return out
-    return scores if banned is None else scores.masked_fill(banned, -math.inf)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Search engines over a `step(last_tokens) -> logits` closure
-
-
-def _greedy(step: Callable[[Tensor], Tensor], rows: int, spec: _Spec, device) -> tuple[Tensor, Tensor]:
-    """Greedy search; returns sequences `(rows, T)` and their log-likelihoods `(rows,)`."""
-    seqs = torch.full((rows, 1), spec.start, dtype=torch.long, device=device)
-    running = torch.ones(rows, dtype=torch.bool, device=device)
-    loglik = torch.zeros(rows, dtype=torch.float32, device=device)
-    while True:
-        logits = step(seqs[:, -1])
-        banned, forced = _constraints(seqs, logits.shape[-1], spec)
-        token = _apply(logits, banned, forced).argmax(-1)
-        logp = _apply(torch.log_softmax(logits, -1), banned, forced).gather(1, token[:, None]).squeeze(1)
-        loglik = loglik + torch.where(running, logp, torch.zeros_like(logp))
-        token = torch.where(running, token, torch.full_like(token, spec.pad))
-        seqs = torch.cat([seqs, token[:, None]], dim=1)
-        running = running & (token != spec.eos) & (seqs.shape[1] < spec.max_length)
-        if not bool(running.any()):
-            return seqs, loglik
-
-
-@dataclass
-class _Beams:
-    sequences: Tensor  # (items, beams, max_length)
-    scores: Tensor  # (items, beams) length-penalised
-    loglik: Tensor  # (items, beams) raw, -inf where no finished hypothesis
-    gen_len: Tensor  # (items, beams) generated tokens (bookkeeping length, as transformers crops by it)
-
-
-def _take(t: Tensor, idx: Tensor) -> Tensor:
-    """Select along dim 1 of `t` `(items, n, ...)` with `idx` `(items, m)`."""
-    return torch.take_along_dim(t, idx.view(idx.shape + (1,) * (t.dim() - 2)), dim=1)
-
-
-def _beam_search(step: Callable[[Tensor], Tensor], reorder: Callable[[Tensor], None], items: int,
-                 spec: _Spec, device) -> _Beams:
-    """Beam search over `items` independent inputs with `spec.num_beams` beams each.
-
-    `step` maps the last tokens of all `items * beams` rows (item-major) to next-token logits; `reorder`
-    receives, for every new row, the flat index of the row it continues. Bookkeeping mirrors transformers'
-    vectorized beam search (same candidate pool, -1e9 sentinels, length penalty and stopping heuristic),
-    which makes the outputs token-identical to it.
-    """
-    cfg = spec.cfg
-    beams, max_len, lp = cfg.num_beams, spec.max_length, float(cfg.length_penalty)
-    pool = 2 * beams  # continuations kept per item: enough to refill the beam if `beams` of them end in EOS
-    in_top = torch.arange(pool, device=device) < beams
-    run_seq = torch.full((items, beams, max_len), spec.pad, dtype=torch.long, device=device)
-    run_seq[:, :, 0] = spec.start
-    run_score = torch.zeros(items, beams, dtype=torch.float32, device=device)
-    run_score[:, 1:] = _IMPOSSIBLE  # all beams start identical: expand only the first one
-    fin_seq = run_seq.clone()
-    fin_score = torch.full((items, beams), _IMPOSSIBLE, dtype=torch.float32, device=device)
-    fin_ll = torch.full((items, beams), -math.inf, dtype=torch.float32, device=device)
-    fin_len = torch.zeros(items, beams, dtype=torch.long, device=device)
-    fin_done = torch.zeros(items, beams, dtype=torch.bool, device=device)
-    can_improve = torch.ones(items, 1, dtype=torch.bool, device=device)
-    item_offset = torch.arange(items, device=device)[:, None] * beams
-    cur = 1
-    while True:
-        logits = step(run_seq[:, :, cur - 1].reshape(-1))
-        vocab = logits.shape[-1]
-        banned, forced = _constraints(run_seq[:, :, :cur].reshape(items * beams, cur), vocab, spec)
-        logp = _apply(torch.log_softmax(logits, -1), banned, forced)
-        total = (logp.view(items, beams, vocab) + run_score[:, :, None]).view(items, beams * vocab)
-        cand_score, cand_flat = torch.topk(total, pool)
-        cand_src = cand_flat // vocab
-        cand_seq = _take(run_seq, cand_src)
-        cand_seq[:, :, cur] = cand_flat % vocab
-        ends = (cand_seq[:, :, cur] == spec.eos) | (cur + 1 >= max_len)
-
-        # Beams that keep running: best `beams` candidates that did not end.
-        alive_score = cand_score + ends.to(torch.float32) * _IMPOSSIBLE
-        keep = torch.topk(alive_score, beams).indices
-        run_seq, run_score, run_src = _take(cand_seq, keep), _take(alive_score, keep), _take(cand_src, keep)
-
-        # Finished hypotheses: merge candidates that just ended (only from the top `beams`) into the pool.
-        ended_now = ends & in_top[None, :]
-        merged_new = cand_score / (cur ** lp)
-        merged_new += (fin_done.all(-1, keepdim=True) & (cfg.early_stopping is True)).to(torch.float32) * _IMPOSSIBLE
-        merged_new += (~can_improve).to(torch.float32) * _IMPOSSIBLE
-        merged_new += (~ended_now) * _IMPOSSIBLE
-        merged = torch.cat([fin_score, merged_new], dim=1)
-        best = torch.topk(merged, beams).indices
-        fin_seq = _take(torch.cat([fin_seq, cand_seq], 1), best)
-        fin_score = _take(merged, best)
-        fin_done = _take(torch.cat([fin_done, ended_now], 1), best)
-        new_ll = torch.where(ended_now, cand_score, torch.full_like(cand_score, -math.inf))
-        fin_ll = _take(torch.cat([fin_ll, new_ll], 1), best)
-        fin_len = _take(torch.cat([fin_len, torch.full_like(cand_src, cur)], 1), best)
-
-        cur += 1
-        if cfg.early_stopping == "never" and lp > 0.0:
-            best_len = max_len - 1
-        else:
-            best_len = cur - 1
-        best_running = run_score[:, :1] / (best_len ** lp)
-        worst_finished = torch.where(fin_done, fin_score.min(1, keepdim=True).values, _IMPOSSIBLE)
-        can_improve = can_improve & (best_running > worst_finished).any(-1, keepdim=True)
-        all_full = bool(fin_done.all()) and cfg.early_stopping is True
-        if not bool(can_improve.any()) or all_full or bool(ends.all()):
-            return _Beams(fin_seq, fin_score, fin_ll, fin_len)
-        reorder((item_offset + run_src).reshape(-1))
-
-
-def _crop(beams: _Beams, keep: int) -> tuple[Tensor, Tensor, Tensor]:
-    """First `keep` beams of every item, cropped to the longest of them: `(items, keep, T)`, scores, loglik."""
-    width = 1 + int(beams.gen_len[:, :keep].max())
-    return beams.sequences[:, :keep, :width], beams.scores[:, :keep], beams.loglik[:, :keep]
+def _start(token: int, rows: int, device) -> Tensor:
+    return torch.full((rows, 1), token, dtype=torch.long, device=device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -607,7 +155,7 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
     Returns `GenerationOutput` with `batch * num_return_sequences` rows (`doc_posteriors` None).
     """
     batch, n_docs = _check_contexts(contexts, doc_scores)
-    spec = _resolve(config, generator)
+    spec, start = _seq2seq_spec(config, generator)
     beams = config.num_beams
     if config.num_return_sequences > beams:
         raise ConfigError(f"GenerationConfig.num_return_sequences={config.num_return_sequences} exceeds num_beams="
@@ -616,23 +164,13 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
     docs = torch.arange(n_docs, device=device)
     # Decoder rows are (question, beam, doc): row -> context question * n_docs + doc.
     context_of_row = (torch.arange(batch, device=device)[:, None, None] * n_docs + docs).expand(batch, beams, n_docs)
-    decoder = _incremental_decoder(generator, contexts, context_of_row.reshape(-1))
     log_prior = doc_log_prior(doc_scores.float()).repeat_interleave(beams, dim=0)  # (batch*beams, n_docs)
-
-    def step(tokens: Tensor) -> Tensor:
-        logits = decoder.step(tokens.repeat_interleave(n_docs))
-        doc_logprobs = torch.log_softmax(logits, -1).view(batch * beams, n_docs, -1)
-        return token_marginal_logprobs(doc_logprobs, log_prior)  # Eq. 2, one step: (batch*beams, vocab)
-
+    decoder = TokenMarginalDecoder(seq2seq_decoder(generator, contexts, context_of_row.reshape(-1)), log_prior)
     if beams == 1:
-        seqs, loglik = _greedy(step, batch, spec, device)
+        seqs, loglik = greedy_search(decoder, _start(start, batch, device), spec)
         return GenerationOutput(sequences=seqs, scores=loglik, log_likelihood=loglik)
-
-    def reorder(src_rows: Tensor) -> None:
-        decoder.reorder((src_rows[:, None] * n_docs + docs).reshape(-1))
-
-    found = _beam_search(step, reorder, batch, spec, device)
-    seqs, scores, loglik = _crop(found, config.num_return_sequences)
+    found = beam_search(decoder, _start(start, batch, device), spec)
+    seqs, scores, loglik = found.crop(config.num_return_sequences)
     return GenerationOutput(sequences=seqs.reshape(-1, seqs.shape[-1]), scores=scores.reshape(-1),
                             log_likelihood=loglik.reshape(-1))
 
@@ -655,196 +193,21 @@ def generate_per_document(generator, contexts: EncodedContexts,
 def _per_document(generator, contexts: EncodedContexts, config: GenerationConfig, keep_cross_kv: bool = False):
     """`generate_per_document`, plus (with `keep_cross_kv`) the per-context cross-attention keys/values it
     computed, or None."""
-    spec = _resolve(config, generator)
+    spec, start = _seq2seq_spec(config, generator)
     device = contexts.last_hidden_state.device
     items, beams = len(contexts), config.num_beams
-    decoder = _incremental_decoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
-                                   keep_cross_kv=keep_cross_kv)
+    decoder = seq2seq_decoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
+                              keep_cross_kv=keep_cross_kv)
     if beams == 1:
-        seqs, loglik = _greedy(decoder.step, items, spec, device)
+        seqs, loglik = greedy_search(decoder, _start(start, items, device), spec)
         hyps = DocumentHypotheses(sequences=seqs[:, None], scores=loglik[:, None], log_likelihood=loglik[:, None])
         return hyps, decoder.cross_kv
-    found = _beam_search(decoder.step, decoder.reorder, items, spec, device)
-    seqs, scores, loglik = _crop(found, beams)
+    found = beam_search(decoder, _start(start, items, device), spec)
+    seqs, scores, loglik = found.crop(beams)
     return DocumentHypotheses(sequences=seqs, scores=scores, log_likelihood=loglik), decoder.cross_kv
 
 
-@torch.no_grad()
-def teacher_forced_logprobs(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
-                            batch_size: int | None = None) -> Tensor:
-    """`log p(y_t | x, z, y_<t)` of every sequence under each of its contexts, reusing the encoder states.
-
-    sequences `(C, T)` start with the decoder start token; context_index `(C, K)` holds rows of `contexts`.
-    Returns `(C, K, T - 1)`: entry `t` scores `sequences[:, t + 1]`. One teacher-forced decoder pass over
-    the `C * K` (sequence, context) rows, at most `batch_size` rows at a time to bound memory (None: automatic,
-    ~256 MiB of logits for BART, else 64 rows; BART takes at least all rows of one context per pass). Each
-    context's cross-attention keys/values are computed once, not per row: BART generators pack the rows of one
-    context into one decoder sequence attending to them (no per-row copies at all); other generators get them
-    copied to each row.
-    """
-    return _teacher_forced(generator, contexts, sequences, context_index, batch_size, cross_kv=None)
-
-
-def _teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
-                    max_rows: int | None, cross_kv: list[tuple[Tensor, Tensor]] | None, eos: int | None = None) -> Tensor:
-    """`teacher_forced_logprobs`; `cross_kv`: per-context cross-attention keys/values already computed, if any.
-
-    With `eos`, positions after a sequence's first `eos` target are not computed (left 0), and each chunk runs
-    only up to its longest row (generic path: rows sorted by that length), so padding costs little decoder
-    work. (Causal attention makes the kept positions independent of the dropped ones.)
-    """
-    from transformers.modeling_outputs import BaseModelOutput
-
-    if max_rows is not None and (not isinstance(max_rows, int) or max_rows < 1):
-        raise ConfigError(f"rescore batch_size must be None (automatic) or an int >= 1, got {max_rows!r}")
-    n_cand, n_docs = context_index.shape
-    if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
-        raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
-    rows = context_index.reshape(-1)
-    if cross_kv is None and rows.numel() > 0:
-        used, rows = torch.unique(rows, return_inverse=True)  # compute K/V only for the contexts scored here
-        if used.numel() < len(contexts):
-            contexts = EncodedContexts(_rows(contexts.last_hidden_state, used), _rows(contexts.attention_mask, used))
-        _, cache = _context_step(generator, contexts, int(sequences[0, 0]))
-        cross_kv = _shared_cross_attention(cache)
-        del cache
-    width = sequences.shape[1] - 1
-    if cross_kv is not None and _is_bart(generator):
-        if eos is None:
-            length = torch.full((n_cand,), width, dtype=torch.long, device=sequences.device)
-        else:
-            is_eos = (sequences[:, 1:] == eos).long()
-            length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)
-        return _rescore_packed(generator, contexts, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
-    batch_size = 64 if max_rows is None else max_rows
-    if eos is None:
-        order = torch.arange(n_cand * n_docs, device=sequences.device)
-        lengths = torch.full((n_cand * n_docs,), width, dtype=torch.long, device=sequences.device)
-    else:
-        is_eos = (sequences[:, 1:] == eos).long()
-        length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
-        lengths = length.repeat_interleave(n_docs)
-        lengths, order = torch.sort(lengths, descending=True, stable=True)
-    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
-    for lo in range(0, rows.shape[0], batch_size):
-        pick = order[lo:lo + batch_size]  # flat (candidate, doc) rows of this chunk
-        n = int(lengths[lo:lo + batch_size].max())
-        cand = pick // n_docs
-        ctx = rows[pick]
-        past = None if cross_kv is None else _gathered_cache(None, cross_kv, ctx)
-        logits = generator(encoder_outputs=BaseModelOutput(last_hidden_state=_rows(contexts.last_hidden_state, ctx)),
-                           attention_mask=_rows(contexts.attention_mask, ctx), decoder_input_ids=sequences[cand, :n],
-                           past_key_values=past, use_cache=past is not None, return_dict=True).logits
-        del past
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, sequences[cand, 1:n + 1, None]).squeeze(-1)
-        if eos is not None:
-            lp = lp.masked_fill(torch.arange(n, device=lp.device) >= lengths[lo:lo + batch_size, None], 0.0)
-        out[pick, :n] = lp
-    return out.view(n_cand, n_docs, -1)
-
-
-def _is_bart(generator) -> bool:
-    """Whether the BART fast paths (search steps, packed rescoring) reproduce `generator`'s decoder
-    (transformers BART, eval mode)."""
-    try:
-        from transformers import BartForConditionalGeneration
-        from transformers.models.bart.modeling_bart import BartDecoderLayer
-    except ImportError:  # pragma: no cover - transformers without BART
-        return False
-    return (type(generator) is BartForConditionalGeneration and not generator.training
-            and all(type(layer) is BartDecoderLayer for layer in generator.model.decoder.layers))
-
-
-def _attend(attn, hidden: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, causal: bool) -> Tensor:
-    """BART attention `attn` (its q/out projections and scaling) of `hidden` `(n, q_len, d)` over `key`/`value`
-    `(n, heads, kv_len, head_dim)`; `mask` `(n, 1, 1, kv_len)` bool (True = attend) or None."""
-    n, q_len, _ = hidden.shape
-    query = attn.q_proj(hidden).view(n, q_len, -1, attn.head_dim).transpose(1, 2)
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, is_causal=causal,
-                                                           scale=attn.scaling)
-    return attn.out_proj(out.transpose(1, 2).reshape(n, q_len, -1))
-
-
-def _bart_packed_hidden(generator, ids: Tensor, positions: Tensor, allowed: Tensor,
-                        cross_kv: list[tuple[Tensor, Tensor]], context_mask: Tensor) -> Tensor:
-    """Teacher-forced BART decoder output states `(G, L, d_model)` of tokens packed per context.
-
-    ids/positions `(G, L)`: context `g`'s (sequence, context) pairs laid end to end, each at its own
-    decoder positions `0, 1, ...`; allowed `(G, L, L)` bool: query token may attend key token (same pair, not
-    later). Cross-attention runs over context `g`'s keys/values `cross_kv[layer]` `(G, heads, src_len, head_dim)`
-    as they are, one query sequence per context. Same math as BART's decoder on each pair alone.
-    """
-    dec = generator.model.decoder
-    embed_pos = dec.embed_positions
-    hidden = dec.layernorm_embedding(
-        dec.embed_tokens(ids) + torch.nn.functional.embedding(positions + embed_pos.offset, embed_pos.weight))
-    groups, length = ids.shape
-    self_mask = allowed[:, None]
-    cross_mask = None if bool(context_mask.all()) else context_mask.bool()[:, None, None, :]
-    for layer, (key, value) in zip(dec.layers, cross_kv):
-        sa = layer.self_attn
-        k = sa.k_proj(hidden).view(groups, length, -1, sa.head_dim).transpose(1, 2)
-        v = sa.v_proj(hidden).view(groups, length, -1, sa.head_dim).transpose(1, 2)
-        hidden = layer.self_attn_layer_norm(hidden + _attend(sa, hidden, k, v, self_mask, causal=False))
-        hidden = layer.encoder_attn_layer_norm(
-            hidden + _attend(layer.encoder_attn, hidden, key, value, cross_mask, causal=False))
-        hidden = layer.final_layer_norm(hidden + layer.fc2(layer.activation_fn(layer.fc1(hidden))))
-    return hidden
-
-
-def _rescore_packed(generator, contexts: EncodedContexts, sequences: Tensor, context_index: Tensor,
-                    cross_kv: list[tuple[Tensor, Tensor]], lengths: Tensor, max_rows: int | None) -> Tensor:
-    """`_teacher_forced` for BART: the (sequence, context) pairs of each context packed into one decoder sequence.
-
-    Packing (block-diagonal causal self-attention, per-pair positions) computes only the `lengths[c]` scored
-    targets of each pair, no padding to the longest, and uses each context's cross-attention keys/values in
-    place. lengths `(C,)`: targets to score per sequence (later ones are left 0). Returns `(C, K, T - 1)`.
-    """
-    n_cand, n_docs = context_index.shape
-    width = sequences.shape[1] - 1
-    device = sequences.device
-    flat_ctx = context_index.reshape(-1)
-    order = torch.sort(flat_ctx, stable=True).indices  # (candidate, doc) pairs grouped by context
-    ctx_of, counts = torch.unique_consecutive(flat_ctx[order], return_counts=True)
-    per_context = int(counts.max())
-    starts = torch.cumsum(counts, 0) - counts
-    slot = torch.arange(order.numel(), device=device) - starts.repeat_interleave(counts)
-    grid = torch.full((ctx_of.numel(), per_context), -1, dtype=torch.long, device=device)
-    grid[torch.arange(ctx_of.numel(), device=device).repeat_interleave(counts), slot] = order  # pair or -1 (padding)
-    pair_len = torch.where(grid >= 0, lengths[grid.clamp(min=0) // n_docs], 0)  # scored targets per pair
-    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=device)
-    vocab = generator.config.vocab_size
-    if max_rows is None:  # bound the (tokens, vocab) float32 logits to ~256 MiB
-        max_rows = max(per_context, (256 << 20) // max(1, 4 * vocab * max(1, int(lengths.max()))))
-    groups_per_chunk = max(1, max_rows // per_context)
-    for lo in range(0, ctx_of.numel(), groups_per_chunk):
-        sel = slice(lo, lo + groups_per_chunk)
-        c, pairs, plen = ctx_of[sel], grid[sel], pair_len[sel]
-        ends = plen.cumsum(1)
-        total = ends[:, -1]
-        p = torch.arange(int(total.max()), device=device).expand(c.numel(), -1).contiguous()
-        real = p < total[:, None]
-        which = torch.searchsorted(ends, p, right=True).clamp(max=per_context - 1)  # pair slot of every token
-        positions = torch.where(real, p - (ends - plen).gather(1, which), 0)
-        seq = pairs.gather(1, which).clamp(min=0) // n_docs
-        ids, targets = sequences[seq, positions], sequences[seq, positions + 1]
-        segment = torch.where(real, which, per_context)
-        allowed = (segment[:, :, None] == segment[:, None, :]) & (positions[:, None, :] <= positions[:, :, None])
-        span = int(c[0]), int(c[-1]) + 1
-        if span[1] - span[0] == c.numel():  # consecutive contexts: views, no copy
-            kv = [(k[span[0]:span[1]], v[span[0]:span[1]]) for k, v in cross_kv]
-            mask = contexts.attention_mask[span[0]:span[1]]
-        else:
-            kv = [(_rows(k, c), _rows(v, c)) for k, v in cross_kv]
-            mask = _rows(contexts.attention_mask, c)
-        hidden = _bart_packed_hidden(generator, ids, positions, allowed, kv, mask)[real]  # (tokens, d_model)
-        logits = generator.lm_head(hidden) + generator.final_logits_bias[0]
-        lp = torch.log_softmax(logits.float(), -1).gather(-1, targets[real][:, None]).squeeze(-1)
-        out[pairs.gather(1, which)[real], positions[real]] = lp
-    return out.view(n_cand, n_docs, width)
-
-
-def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, question: Tensor, spec: _Spec,
+def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, question: Tensor, spec: SearchSpec,
                    convention: str) -> Tensor:
     """`log p(z|x) + log p(y|x, z)` per candidate and document `(C, K)` from token log-probs `(C, K, T-1)`."""
     if convention == "paper":
@@ -920,7 +283,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     if convention not in ("transformers", "paper"):
         raise ConfigError(f"convention must be 'transformers' or 'paper', got {convention!r}")
     batch, n_docs = _check_contexts(contexts, doc_scores)
-    spec = _resolve(config, generator)
+    spec, _ = _seq2seq_spec(config, generator)
     device = doc_scores.device
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
     hyps, cross_kv = _per_document(generator, contexts, config, keep_cross_kv=decoding == "thorough")
@@ -958,8 +321,8 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
 
     if decoding == "thorough":
         docs = torch.arange(n_docs, device=device)
-        token_lp = _teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
-                                   max_rows=rescore_batch_size, cross_kv=cross_kv, eos=spec.eos)
+        token_lp = teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
+                                  max_rows=rescore_batch_size, cross_kv=cross_kv, eos=spec.eos)
         terms = _per_doc_terms(token_lp, cands[:, 1:], cand_prior, question, spec, convention)
     else:
         own = torch.full((len(cand_q), n_docs), -math.inf, dtype=torch.float32, device=device)

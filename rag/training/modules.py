@@ -65,25 +65,20 @@ SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
 
 def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max_new_tokens: int = 20,
                      sequence_decoding: Literal["fast", "thorough"] = "fast"):
-    """Answer strings for B questions, plus the :class:`Retrieved` passages used.
+    """Answer strings for B questions, plus the :class:`Retrieved` passages used and the truncated-context count.
 
-    Decodes with :mod:`rag.generation.decoding` on ``RagModel.prepare_inputs`` (RAG-Token:
-    greedy/beam over the marginal; RAG-Sequence: per-passage search + fast or
-    thorough rescoring, Lewis et al. 2020 §2.5).
+    Decodes through :func:`rag.generation.answer.generate_for_questions` (the pipeline's path too) with the
+    model's marginalization (RAG-Token: greedy/beam over the marginal; RAG-Sequence: per-passage search + fast
+    or thorough rescoring, Lewis et al. 2020 §2.5).
     """
-    from rag.generation import decoding as D
-
-    inputs = model.prepare_inputs(list(questions))
-    contexts = D.encode_contexts(model.generator, inputs.context_input_ids, inputs.context_attention_mask)
-    cfg = D.GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens)
-    if model.config.marginalization == "token":
-        out = D.rag_token_generate(model.generator, contexts, inputs.doc_scores, cfg)
-    else:
-        out = D.rag_sequence_generate(model.generator, contexts, inputs.doc_scores, cfg, decoding=sequence_decoding)
+    from rag.generation.answer import generate_for_questions
+    from rag.generation.decoding import GenerationConfig
     from rag.generation.detokenize import decode_answer
 
-    texts = [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
-    return texts, inputs.retrieved, inputs.n_truncated
+    cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens)
+    found = generate_for_questions(model, questions, cfg, decoding=sequence_decoding)
+    texts = [decode_answer(model.generator_tokenizer, row) for row in found.output.sequences.tolist()]
+    return texts, found.inputs.retrieved, found.inputs.n_truncated
 
 
 # ---------------------------------------------------------------------------- the module

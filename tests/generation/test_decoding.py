@@ -358,7 +358,7 @@ def test_cross_attention_keys_values_computed_once_per_context(tiny):
 
 def test_rescoring_stops_at_eos_and_matches_full_pass(tiny):
     """The internal rescoring pass (length-sorted chunks cropped at EOS) equals the full pass up to each EOS."""
-    from rag.generation.decoding import _teacher_forced
+    from rag.generation.seq2seq import teacher_forced as _teacher_forced
 
     tok, gen, _ = tiny
     ids, mask, _ = _contexts(tok, 1, 3, padded=True)

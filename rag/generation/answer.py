@@ -1,0 +1,63 @@
+"""The one RAG answer-generation path: retrieve, encode the contexts once, decode with RAG-Token or RAG-Sequence.
+
+`rag.pipeline.RagPipeline.generate` (answers with provenance) and `rag.training.modules.generate_answers`
+(evaluation strings) both call `generate_for_questions`; what they do with the result differs, the decoding
+dispatch does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional, Sequence
+
+import torch
+
+from rag.errors import ConfigError
+from rag.generation.decoding import (
+    EncodedContexts,
+    GenerationConfig,
+    GenerationOutput,
+    encode_contexts,
+    rag_sequence_generate,
+    rag_token_generate,
+)
+
+__all__ = ["RagGeneration", "generate_for_questions"]
+
+
+@dataclass(frozen=True)
+class RagGeneration:
+    """What one decoding call produced, with what it was decoded from.
+
+    inputs: the model's `prepare_inputs` result (retrieved passages, `doc_scores` `(batch, n_docs)`, contexts);
+    contexts: the encoded `(batch * n_docs)` contexts (reusable for rescoring, e.g. `teacher_forced_logprobs`);
+    output: `batch * num_return_sequences` sequences, best first per question; marginalization: "token" | "sequence".
+    """
+
+    inputs: object
+    contexts: EncodedContexts
+    output: GenerationOutput
+    marginalization: str
+
+
+@torch.no_grad()
+def generate_for_questions(model, questions: Sequence[str], config: GenerationConfig, *, n_docs: Optional[int] = None,
+                           marginalization: Optional[Literal["sequence", "token"]] = None,
+                           decoding: Literal["thorough", "fast"] = "thorough") -> RagGeneration:
+    """Decode answers to `questions` with a `RagModel`-like `model` (`prepare_inputs`, `generator`, `config`).
+
+    marginalization: "token" (RAG-Token: greedy / beam over the marginal transition) or "sequence"
+    (RAG-Sequence: per-passage search, then `decoding` = "thorough" or "fast" rescoring, Lewis et al. 2020 §2.5);
+    None: the model's own. n_docs: passages per question (None: the model's).
+    """
+    marg = marginalization or model.config.marginalization
+    if marg not in ("sequence", "token"):
+        raise ConfigError(f"marginalization={marg!r}; choose 'sequence' or 'token'")
+    inputs = model.prepare_inputs(list(questions), n_docs=n_docs)
+    generator = model.generator
+    contexts = encode_contexts(generator, inputs.context_input_ids, inputs.context_attention_mask)
+    if marg == "token":
+        out = rag_token_generate(generator, contexts, inputs.doc_scores, config)
+    else:
+        out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding)
+    return RagGeneration(inputs=inputs, contexts=contexts, output=out, marginalization=marg)

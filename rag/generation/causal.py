@@ -1,0 +1,145 @@
+"""Causal (decoder-only) LMs for search and scoring: a `Decoder` over left-padded prompts, generation, continuation log-probs.
+
+Works with any transformers causal LM (GPT-2, Llama, ...: `model(input_ids=..., attention_mask=...,
+position_ids=..., past_key_values=..., use_cache=True)` returning `logits` and a reorderable cache); put it in
+eval mode first, nothing here changes its mode. This is the reader seam of In-Context RALM and REPLUG: the
+same `rag.generation.search` runs on it, and `TokenMarginalDecoder` mixes several of its rows per token.
+
+Prompts of different lengths are left-padded to one width `S` (`attention_mask` 0 on the pads), as
+transformers' `generate` expects: positions are `cumsum(mask) - 1` (0 on pads), every new token attends to
+all real prompt tokens, and the search sees start tokens `(rows, S)`. The prompt is prefilled in one forward
+pass with the KV cache; each step then feeds one token per row. With these inputs the scores are
+bit-identical to `model.generate(...)`, so greedy and beam search are token-identical to it.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rag.errors import RagError
+from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
+
+__all__ = ["CausalLMDecoder", "causal_generate", "continuation_logprobs", "prompt_positions"]
+
+
+def prompt_positions(attention_mask: Tensor) -> Tensor:
+    """Position ids `(rows, S)` of left-padded rows: `cumsum(mask) - 1`, 0 on pads (transformers' convention)."""
+    return (attention_mask.long().cumsum(-1) - 1).masked_fill(attention_mask == 0, 0)
+
+
+def _check_prompt(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
+    if input_ids.dim() != 2 or input_ids.shape[1] < 1:
+        raise RagError(f"prompt input_ids must be (rows, prompt_len >= 1), got shape {tuple(input_ids.shape)}")
+    if attention_mask is None:
+        return torch.ones_like(input_ids)
+    if attention_mask.shape != input_ids.shape:
+        raise RagError(f"prompt attention_mask {tuple(attention_mask.shape)} must match input_ids {tuple(input_ids.shape)}")
+    if not bool(attention_mask[:, -1].all()):
+        raise RagError("prompts must be left-padded (attention_mask 1 on every row's last token); tokenize with "
+                       "padding_side='left'")
+    return attention_mask
+
+
+class CausalLMDecoder:
+    """A search `Decoder` (`step`, `reorder`) over a causal LM continuing `input_ids` `(rows, S)`.
+
+    The first `step` prefills the whole prompt (its argument must be the prompt's last tokens); later steps
+    feed one token per row with the KV cache. `reorder` moves the cache rows (beam search).
+    """
+
+    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None):
+        mask = _check_prompt(input_ids, attention_mask)
+        self.model = model
+        self.input_ids = input_ids
+        # transformers drops an all-ones mask (no padding); keep the same inputs so the kernels match.
+        self.mask = None if bool(mask.all()) else mask.long()
+        positions = prompt_positions(mask)
+        self.positions = positions
+        self.next_position = positions[:, -1:] + 1
+        self.cache = None
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
+        if self.cache is None:
+            if not torch.equal(tokens, self.input_ids[:, -1]):
+                raise RagError("the first step of a CausalLMDecoder must feed the prompt's last tokens "
+                               "(search from start tokens = the decoder's input_ids)")
+            out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
+                             use_cache=True, return_dict=True)
+        else:
+            if self.mask is not None:
+                self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
+            out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_position,
+                             past_key_values=self.cache, use_cache=True, return_dict=True)
+            self.next_position = self.next_position + 1
+        self.cache = out.past_key_values
+        return out.logits[:, -1, :].float()
+
+    def reorder(self, rows: Tensor) -> None:
+        """Make row `i` continue from row `rows[i]`."""
+        if not hasattr(self.cache, "reorder_cache"):
+            raise RagError(f"the model returned a cache of type {type(self.cache).__name__} that cannot be "
+                           "reordered for beam search; use num_beams=1 or a transformers Cache")
+        self.cache.reorder_cache(rows)
+        if self.mask is not None:
+            self.mask = self.mask[rows]
+        self.next_position = self.next_position[rows]
+
+
+@torch.no_grad()
+def causal_generate(model, input_ids: Tensor, attention_mask: Tensor | None = None,
+                    config: GenerationConfig = GenerationConfig(),
+                    rng: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Continue left-padded prompts `(batch, S)` with greedy / beam search or sampling (`config.do_sample`).
+
+    Returns sequences `(batch * num_return_sequences, T)` — prompt included, pad after EOS, as
+    `model.generate` returns them — and their scores `(batch * num_return_sequences,)`: the log-likelihood of
+    the generated tokens (greedy, sampling) or the length-penalised beam score. Lengths count the prompt
+    (`max_length`), or not (`max_new_tokens`), as in transformers. The pad id defaults to EOS when the model
+    has none (as `generate` does).
+    """
+    mask = _check_prompt(input_ids, attention_mask)
+    prompt_len = input_ids.shape[1]
+    eos = config_token_id(config, model, "eos_token_id", True)
+    spec = resolve_spec(config, model, prompt_len=prompt_len, pad_fallback=eos)
+    beams = config.num_beams
+    if beams == 1:
+        if config.num_return_sequences != 1:
+            raise RagError("num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")
+        decoder = CausalLMDecoder(model, input_ids, mask)
+        if config.do_sample:
+            return sample(decoder, input_ids, spec, rng)
+        return greedy_search(decoder, input_ids, spec)
+    if config.num_return_sequences > beams:
+        raise RagError(f"num_return_sequences={config.num_return_sequences} exceeds num_beams={beams}")
+    # Every beam row prefills its prompt, as transformers' beam search does (same kernels, same rounding).
+    decoder = CausalLMDecoder(model, input_ids.repeat_interleave(beams, 0), mask.repeat_interleave(beams, 0))
+    found = beam_search(decoder, input_ids, spec)
+    seqs, scores, _ = found.crop(config.num_return_sequences)
+    return seqs.reshape(-1, seqs.shape[-1]), scores.reshape(-1)
+
+
+@torch.no_grad()
+def continuation_logprobs(model, input_ids: Tensor, attention_mask: Tensor | None, continuation: Tensor,
+                          continuation_mask: Tensor | None = None) -> Tensor:
+    """Teacher-forced `log p(c_t | prompt, c_<t)` of given continuations, one forward pass.
+
+    input_ids / attention_mask `(rows, S)`: left-padded prompts; continuation `(rows, T)` right-padded with
+    `continuation_mask` `(rows, T)` (None: all real). Returns `(rows, T)` float32 log-probs, 0 where the
+    continuation is padding. (REPLUG / In-Context RALM score `log p(y | z ∘ x)` this way.)
+    """
+    mask = _check_prompt(input_ids, attention_mask)
+    if continuation.dim() != 2 or continuation.shape[0] != input_ids.shape[0]:
+        raise RagError(f"continuation must be (rows={input_ids.shape[0]}, T), got shape {tuple(continuation.shape)}")
+    cmask = torch.ones_like(continuation) if continuation_mask is None else continuation_mask
+    if cmask.shape != continuation.shape:
+        raise RagError(f"continuation_mask {tuple(cmask.shape)} must match continuation {tuple(continuation.shape)}")
+    full_mask = torch.cat([mask.long(), cmask.long()], dim=1)
+    ids = torch.cat([input_ids, continuation], dim=1)
+    logits = model(input_ids=ids, attention_mask=full_mask, position_ids=prompt_positions(full_mask),
+                   return_dict=True).logits
+    prompt_len, width = input_ids.shape[1], continuation.shape[1]
+    scoring = logits[:, prompt_len - 1:prompt_len - 1 + width].float()  # the distribution of each c_t
+    lp = torch.log_softmax(scoring, -1).gather(-1, continuation[:, :, None]).squeeze(-1)
+    return lp.masked_fill(cmask == 0, 0.0)

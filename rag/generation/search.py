@@ -1,0 +1,402 @@
+"""Generic autoregressive search over a `Decoder`: greedy, beam search and sampling, with transformers' logits constraints.
+
+A `Decoder` is anything with `step(tokens) -> scores` and `reorder(rows)`: a seq2seq decoder over encoded
+contexts (`rag.generation.seq2seq`), a causal LM over a prompt (`rag.generation.causal`), or a mixture of
+either over retrieved documents (`rag.generation.decoding.TokenMarginalDecoder`, RAG-Token / REPLUG). Searches
+take explicit start tokens `(rows, S)`: a seq2seq decoder start token (S = 1) or a causal LM's (left-padded)
+prompt; lengths (`max_length`, `min_length`) count them, as transformers' do.
+
+The search follows the semantics of `transformers`' (v5) vectorized beam search exactly — candidate pool of
+`2 * num_beams` continuations, length penalty `sum_logprob / generated_len ** length_penalty` with
+`generated_len` counting EOS but not the start tokens, the same early-stopping heuristic and
+`early_stopping in {True, False, "never"}`, the same -1e9 sentinels — so outputs are token-identical to
+`generate(num_beams=...)` given bit-identical decoder scores. Greedy search and the logits constraints
+(min length, no repeated n-grams, forced BOS / EOS) follow transformers' processors in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal, Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+from rag.errors import ConfigError
+
+__all__ = [
+    "Decoder",
+    "GenerationConfig",
+    "SearchSpec",
+    "Beams",
+    "resolve_spec",
+    "config_token_id",
+    "greedy_search",
+    "sample",
+    "beam_search",
+]
+
+# Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
+# bookkeeping adds it to real scores and the float32 rounding of those sums decides ties.
+IMPOSSIBLE = -1.0e9
+
+
+@runtime_checkable
+class Decoder(Protocol):
+    """Rows decoded one token at a time; row `i` of every call is the same hypothesis (until `reorder`)."""
+
+    def step(self, tokens: Tensor) -> Tensor:
+        """Feed the last token of every row, `(rows,)` int64; return next-token scores `(rows, vocab)` float32.
+
+        Scores are logits or log-probs (searches normalise them with `log_softmax`, as transformers does).
+        The first call receives the last start token; a decoder that holds a longer prompt feeds all of it then.
+        """
+        ...
+
+    def reorder(self, rows: Tensor) -> None:
+        """Make row `i` continue from row `rows[i]` (beam search; `rows` `(rows,)` int64)."""
+        ...
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Typed decoding options. Lengths follow transformers: `max_length`/`min_length` count the start tokens
+    (the decoder start token of a seq2seq model, the prompt of a causal LM).
+
+    Token ids left as `None` are read from `generator.generation_config`, then `generator.config`.
+    """
+
+    max_new_tokens: int = 20
+    """Most tokens generated after the start tokens (used when `max_length` is None)."""
+    max_length: int | None = None
+    """Total output length including the start tokens (transformers' `max_length`); overrides `max_new_tokens`."""
+    min_length: int = 0
+    """EOS is banned while the output (start tokens included) is shorter than this (transformers' `min_length`)."""
+    min_new_tokens: int = 0
+    """EOS is banned until this many tokens were generated after the start tokens."""
+    num_beams: int = 1
+    """Beam width; 1 means greedy search (or sampling with `do_sample`)."""
+    num_return_sequences: int = 1
+    """Sequences returned per question (RAG-Token: at most `num_beams`; RAG-Sequence: best of all candidates)."""
+    length_penalty: float = 1.0
+    """Finished beams are ranked by `sum_logprob / generated_len ** length_penalty` (0 = no normalisation)."""
+    early_stopping: bool | Literal["never"] = False
+    """True: stop a question once `num_beams` beams finished; False: stop when a running beam cannot beat the
+    worst finished one at its current length (transformers' heuristic); "never": canonical beam search bound."""
+    no_repeat_ngram_size: int = 0
+    """If > 0, no n-gram of this size (over all tokens, start tokens included) occurs twice."""
+    forced_bos_token_id: int | None = None
+    """Token forced as the first generated token (BART checkpoints use 0). A forced token scores log 1 = 0."""
+    forced_eos_token_id: int | None = None
+    """Token forced as the last token when `max_length` is reached (BART checkpoints use 2)."""
+    decoder_start_token_id: int | None = None
+    """Seq2seq only: first decoder input (BART: `</s>`=2, T5: pad=0); from the generator's config when None."""
+    eos_token_id: int | None = None
+    """End-of-sequence token; from the generator's config when None."""
+    pad_token_id: int | None = None
+    """Fills sequences after EOS; from the generator's config when None."""
+    bos_token_id: int | None = None
+    """Only used by the transformers-compatible RAG-Sequence scoring (skips a leading BOS); from the config when None."""
+    do_sample: bool = False
+    """Sample the next token (`num_beams=1` only; `sample` with a seeded `torch.Generator`) instead of the argmax."""
+    temperature: float = 1.0
+    """Sampling: scores are divided by this before top-k / top-p."""
+    top_k: int = 0
+    """Sampling: keep only the `top_k` most likely tokens (0 = all)."""
+    top_p: float = 1.0
+    """Sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = all)."""
+
+    def __post_init__(self) -> None:
+        def need(ok: bool, field: str, msg: str) -> None:
+            if not ok:
+                raise ConfigError(f"GenerationConfig.{field}: {msg}")
+
+        need(isinstance(self.num_beams, int) and self.num_beams >= 1, "num_beams",
+             f"must be an int >= 1, got {self.num_beams!r}")
+        need(isinstance(self.num_return_sequences, int) and self.num_return_sequences >= 1, "num_return_sequences",
+             f"must be an int >= 1, got {self.num_return_sequences!r}")
+        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
+             f"must be an int >= 1, got {self.max_new_tokens!r}")
+        need(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 2), "max_length",
+             f"must be None or an int >= 2 (it counts the start tokens), got {self.max_length!r}")
+        need(isinstance(self.min_length, int) and self.min_length >= 0, "min_length",
+             f"must be an int >= 0, got {self.min_length!r}")
+        need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
+             f"must be an int >= 0, got {self.min_new_tokens!r}")
+        need(isinstance(self.no_repeat_ngram_size, int) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
+             f"must be an int >= 0, got {self.no_repeat_ngram_size!r}")
+        need(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never", "early_stopping",
+             f"must be True, False or 'never', got {self.early_stopping!r}")
+        need(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty), "length_penalty",
+             f"must be a finite number, got {self.length_penalty!r}")
+        need(isinstance(self.do_sample, bool) and not (self.do_sample and self.num_beams > 1), "do_sample",
+             f"must be a bool, and sampling needs num_beams=1 (got do_sample={self.do_sample!r}, num_beams={self.num_beams!r})")
+        need(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
+             "temperature", f"must be a finite number > 0, got {self.temperature!r}")
+        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0 = off), got {self.top_k!r}")
+        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
+             f"must be a number in (0, 1] (1 = off), got {self.top_p!r}")
+
+    @property
+    def total_max_length(self) -> int:
+        """Output length limit including a single decoder start token."""
+        return self.length_limit(1)
+
+    def length_limit(self, prompt_len: int) -> int:
+        """Output length limit including `prompt_len` start tokens."""
+        return self.max_length if self.max_length is not None else prompt_len + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class SearchSpec:
+    """A `GenerationConfig` with every token id and length resolved for one generator and start length."""
+
+    cfg: GenerationConfig
+    eos: int
+    pad: int
+    bos: int | None
+    max_length: int
+    """Total length limit, start tokens included."""
+    min_length: int
+    """EOS banned below this total length."""
+    prompt_len: int = 1
+    """Number of start tokens `S`."""
+
+    @property
+    def num_beams(self) -> int:
+        return self.cfg.num_beams
+
+
+def config_token_id(config: GenerationConfig, generator, name: str, required: bool) -> int | None:
+    """Token id `name` from `config`, else the generator's `generation_config`, else its `config`."""
+    value = getattr(config, name)
+    for src in (getattr(generator, "generation_config", None), getattr(generator, "config", None)):
+        if value is None and src is not None:
+            value = getattr(src, name, None)
+    if isinstance(value, (list, tuple)):
+        if len(value) != 1:
+            raise ConfigError(f"GenerationConfig.{name}: several ids {value} are not supported; pass one id explicitly")
+        value = value[0]
+    if value is None and required:
+        raise ConfigError(f"GenerationConfig.{name} is not set and the generator config has none; pass it explicitly")
+    return None if value is None else int(value)
+
+
+def resolve_spec(config: GenerationConfig, generator, prompt_len: int = 1, pad_fallback: int | None = None) -> SearchSpec:
+    """Resolve `config` against `generator` for start tokens of length `prompt_len`.
+
+    `pad_fallback`: pad id when neither the config nor the generator has one (causal LMs: their EOS, as
+    transformers' generate does).
+    """
+    eos = config_token_id(config, generator, "eos_token_id", True)
+    pad = config_token_id(config, generator, "pad_token_id", pad_fallback is None)
+    max_length = config.length_limit(prompt_len)
+    if max_length <= prompt_len:
+        raise ConfigError(f"GenerationConfig.max_length={max_length} leaves no room after {prompt_len} start tokens; "
+                          f"raise max_length or use max_new_tokens")
+    min_length = max(config.min_length, prompt_len + config.min_new_tokens if config.min_new_tokens > 0 else 0)
+    return SearchSpec(cfg=config, eos=eos, pad=pad_fallback if pad is None else pad,
+                      bos=config_token_id(config, generator, "bos_token_id", False),
+                      max_length=max_length, min_length=min_length, prompt_len=prompt_len)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Logits processing (same semantics and order as transformers' processors for these options)
+
+
+def _constraints(seqs: Tensor, vocab: int, spec: SearchSpec) -> tuple[Tensor | None, int | None]:
+    """Tokens banned after `seqs` `(rows, cur_len)`, and the token forced at this step, if any."""
+    cur_len = seqs.shape[1]
+    cfg = spec.cfg
+    banned = None
+    n = cfg.no_repeat_ngram_size
+    if n > 0 and cur_len >= n:
+        banned = torch.zeros(seqs.shape[0], vocab, dtype=torch.bool, device=seqs.device)
+        if n == 1:
+            banned.scatter_(1, seqs, True)
+        else:
+            heads = seqs.unfold(1, n - 1, 1)[:, : cur_len - n + 1]  # every (n-1)-gram that has a successor
+            suffix = seqs[:, cur_len - n + 1:]  # the last n-1 tokens
+            follow = seqs[:, n - 1:]  # the successor of each head
+            row, pos = (heads == suffix[:, None, :]).all(-1).nonzero(as_tuple=True)
+            banned[row, follow[row, pos]] = True
+    if cur_len < spec.min_length:
+        if banned is None:
+            banned = torch.zeros(seqs.shape[0], vocab, dtype=torch.bool, device=seqs.device)
+        banned[:, spec.eos] = True
+    forced = None
+    if cfg.forced_bos_token_id is not None and cur_len == 1:
+        forced = cfg.forced_bos_token_id
+    if cfg.forced_eos_token_id is not None and cur_len == spec.max_length - 1:
+        forced = cfg.forced_eos_token_id
+    return banned, forced
+
+
+def _apply(scores: Tensor, banned: Tensor | None, forced: int | None) -> Tensor:
+    if forced is not None:
+        out = torch.full_like(scores, -math.inf)
+        out[:, forced] = 0
+        return out
+    return scores if banned is None else scores.masked_fill(banned, -math.inf)
+
+
+def _warp(scores: Tensor, cfg: GenerationConfig) -> Tensor:
+    """Sampling warpers in transformers' order: temperature, top-k, top-p (each keeps at least one token)."""
+    if cfg.temperature != 1.0:
+        scores = scores / cfg.temperature
+    if 0 < cfg.top_k < scores.shape[-1]:
+        kth = torch.topk(scores, cfg.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, -math.inf)
+    if cfg.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=False, dim=-1)
+        cumulative = sorted_scores.softmax(-1).cumsum(-1)
+        drop = cumulative <= 1 - cfg.top_p
+        drop[:, -1] = False  # the most likely token always stays
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
+    return scores
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Searches
+
+
+def _check_start(start: Tensor, spec: SearchSpec) -> None:
+    if start.dim() != 2 or start.shape[1] != spec.prompt_len:
+        raise ConfigError(f"start tokens must be (rows, {spec.prompt_len}) as resolved in the SearchSpec, "
+                          f"got shape {tuple(start.shape)}")
+
+
+def _one_token_search(decoder: Decoder, start: Tensor, spec: SearchSpec, rng: torch.Generator | None,
+                      sampled: bool) -> tuple[Tensor, Tensor]:
+    _check_start(start, spec)
+    seqs = start
+    rows = start.shape[0]
+    running = torch.ones(rows, dtype=torch.bool, device=start.device)
+    loglik = torch.zeros(rows, dtype=torch.float32, device=start.device)
+    while True:
+        logits = decoder.step(seqs[:, -1])
+        banned, forced = _constraints(seqs, logits.shape[-1], spec)
+        if sampled:
+            probs = torch.softmax(_warp(_apply(logits, banned, forced), spec.cfg), -1)
+            token = torch.multinomial(probs, 1, generator=rng).squeeze(1)
+        else:
+            token = _apply(logits, banned, forced).argmax(-1)
+        logp = _apply(torch.log_softmax(logits, -1), banned, forced).gather(1, token[:, None]).squeeze(1)
+        loglik = loglik + torch.where(running, logp, torch.zeros_like(logp))
+        token = torch.where(running, token, torch.full_like(token, spec.pad))
+        seqs = torch.cat([seqs, token[:, None]], dim=1)
+        running = running & (token != spec.eos) & (seqs.shape[1] < spec.max_length)
+        if not bool(running.any()):
+            return seqs, loglik
+
+
+def greedy_search(decoder: Decoder, start: Tensor, spec: SearchSpec) -> tuple[Tensor, Tensor]:
+    """Greedy search from `start` `(rows, S)`; returns sequences `(rows, T)` (start tokens included, pad after
+    EOS) and their log-likelihoods `(rows,)` (forced tokens count log 1 = 0)."""
+    return _one_token_search(decoder, start, spec, None, sampled=False)
+
+
+def sample(decoder: Decoder, start: Tensor, spec: SearchSpec, rng: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Ancestral sampling from `start` `(rows, S)` with the config's temperature / top-k / top-p.
+
+    `rng`: a seeded `torch.Generator` on the decoder's device makes the draw reproducible (None: torch's global
+    generator). Returns sequences `(rows, T)` and their log-likelihoods `(rows,)` under the model with the
+    constraints (min length, n-grams, forced tokens) but without the sampling warpers.
+    """
+    return _one_token_search(decoder, start, spec, rng, sampled=True)
+
+
+@dataclass
+class Beams:
+    """Finished hypotheses of a beam search, best first: `items` inputs, `num_beams` slots each."""
+
+    sequences: Tensor  # (items, beams, max_length)
+    scores: Tensor  # (items, beams) length-penalised
+    loglik: Tensor  # (items, beams) raw, -inf where no finished hypothesis
+    gen_len: Tensor  # (items, beams) generated tokens (bookkeeping length, as transformers crops by it)
+    prompt_len: int = 1
+
+    def crop(self, keep: int) -> tuple[Tensor, Tensor, Tensor]:
+        """First `keep` beams of every item, cropped to the longest of them: `(items, keep, T)`, scores, loglik."""
+        width = self.prompt_len + int(self.gen_len[:, :keep].max())
+        return self.sequences[:, :keep, :width], self.scores[:, :keep], self.loglik[:, :keep]
+
+
+def _take(t: Tensor, idx: Tensor) -> Tensor:
+    """Select along dim 1 of `t` `(items, n, ...)` with `idx` `(items, m)`."""
+    return torch.take_along_dim(t, idx.view(idx.shape + (1,) * (t.dim() - 2)), dim=1)
+
+
+def beam_search(decoder: Decoder, start: Tensor, spec: SearchSpec) -> Beams:
+    """Beam search over `items` independent inputs with `spec.num_beams` beams each.
+
+    start `(items, S)`: the start tokens of each input; the decoder holds `items * num_beams` rows
+    (item-major) that all begin with them. `decoder.reorder` receives, for every new row, the flat index of
+    the row it continues. Bookkeeping mirrors transformers' vectorized beam search (same candidate pool, -1e9
+    sentinels, length penalty and stopping heuristic), which makes the outputs token-identical to it.
+    """
+    _check_start(start, spec)
+    cfg = spec.cfg
+    items, prompt = start.shape
+    device = start.device
+    beams, max_len, lp = cfg.num_beams, spec.max_length, float(cfg.length_penalty)
+    pool = 2 * beams  # continuations kept per item: enough to refill the beam if `beams` of them end in EOS
+    in_top = torch.arange(pool, device=device) < beams
+    run_seq = torch.full((items, beams, max_len), spec.pad, dtype=torch.long, device=device)
+    run_seq[:, :, :prompt] = start[:, None, :]
+    run_score = torch.zeros(items, beams, dtype=torch.float32, device=device)
+    run_score[:, 1:] = IMPOSSIBLE  # all beams start identical: expand only the first one
+    fin_seq = run_seq.clone()
+    fin_score = torch.full((items, beams), IMPOSSIBLE, dtype=torch.float32, device=device)
+    fin_ll = torch.full((items, beams), -math.inf, dtype=torch.float32, device=device)
+    fin_len = torch.zeros(items, beams, dtype=torch.long, device=device)
+    fin_done = torch.zeros(items, beams, dtype=torch.bool, device=device)
+    can_improve = torch.ones(items, 1, dtype=torch.bool, device=device)
+    item_offset = torch.arange(items, device=device)[:, None] * beams
+    cur = prompt
+    while True:
+        logits = decoder.step(run_seq[:, :, cur - 1].reshape(-1))
+        vocab = logits.shape[-1]
+        banned, forced = _constraints(run_seq[:, :, :cur].reshape(items * beams, cur), vocab, spec)
+        logp = _apply(torch.log_softmax(logits, -1), banned, forced)
+        total = (logp.view(items, beams, vocab) + run_score[:, :, None]).view(items, beams * vocab)
+        cand_score, cand_flat = torch.topk(total, pool)
+        cand_src = cand_flat // vocab
+        cand_seq = _take(run_seq, cand_src)
+        cand_seq[:, :, cur] = cand_flat % vocab
+        ends = (cand_seq[:, :, cur] == spec.eos) | (cur + 1 >= max_len)
+
+        # Beams that keep running: best `beams` candidates that did not end.
+        alive_score = cand_score + ends.to(torch.float32) * IMPOSSIBLE
+        keep = torch.topk(alive_score, beams).indices
+        run_seq, run_score, run_src = _take(cand_seq, keep), _take(alive_score, keep), _take(cand_src, keep)
+
+        # Finished hypotheses: merge candidates that just ended (only from the top `beams`) into the pool.
+        generated = cur + 1 - prompt
+        ended_now = ends & in_top[None, :]
+        merged_new = cand_score / (generated ** lp)
+        merged_new += (fin_done.all(-1, keepdim=True) & (cfg.early_stopping is True)).to(torch.float32) * IMPOSSIBLE
+        merged_new += (~can_improve).to(torch.float32) * IMPOSSIBLE
+        merged_new += (~ended_now) * IMPOSSIBLE
+        merged = torch.cat([fin_score, merged_new], dim=1)
+        best = torch.topk(merged, beams).indices
+        fin_seq = _take(torch.cat([fin_seq, cand_seq], 1), best)
+        fin_score = _take(merged, best)
+        fin_done = _take(torch.cat([fin_done, ended_now], 1), best)
+        new_ll = torch.where(ended_now, cand_score, torch.full_like(cand_score, -math.inf))
+        fin_ll = _take(torch.cat([fin_ll, new_ll], 1), best)
+        fin_len = _take(torch.cat([fin_len, torch.full_like(cand_src, generated)], 1), best)
+
+        cur += 1
+        if cfg.early_stopping == "never" and lp > 0.0:
+            best_len = max_len - prompt
+        else:
+            best_len = cur - prompt
+        best_running = run_score[:, :1] / (best_len ** lp)
+        worst_finished = torch.where(fin_done, fin_score.min(1, keepdim=True).values, IMPOSSIBLE)
+        can_improve = can_improve & (best_running > worst_finished).any(-1, keepdim=True)
+        all_full = bool(fin_done.all()) and cfg.early_stopping is True
+        if not bool(can_improve.any()) or all_full or bool(ends.all()):
+            return Beams(fin_seq, fin_score, fin_ll, fin_len, prompt)
+        decoder.reorder((item_offset + run_src).reshape(-1))
