@@ -77,7 +77,9 @@ class Retrieval:
         return asdict(self)
 
 
-def _check_questions(questions) -> list[str]:
+def check_questions(questions) -> list[str]:
+    """`questions` as a list, or RagError: a single string, an empty list, a non-string or a blank question
+    (the `rag` command refuses blank queries with these same messages)."""
     if isinstance(questions, str):
         raise RagError("questions must be a list of strings, not a single string; wrap it: [question]")
     questions = list(questions)
@@ -117,7 +119,7 @@ class RagPipeline:
         """Top-k passages per question with their scores and priors (no generation), one
         :class:`Retrieval` per question naming the knowledge-base version they came from (the
         same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
-        questions = _check_questions(questions)
+        questions = check_questions(questions)
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
         prior = torch.softmax(doc_scores.float(), dim=1)
         return [
@@ -158,7 +160,7 @@ class RagPipeline:
         """
         from rag.generation.decoding import GenerationConfig, encode_contexts, rag_sequence_generate, rag_token_generate
 
-        questions = _check_questions(questions)
+        questions = check_questions(questions)
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         marg = marginalization or self.model.config.marginalization
         if marg not in ("sequence", "token"):

@@ -6,7 +6,7 @@ import json
 import sys
 import textwrap
 
-from rag.cli.index import read_queries
+from rag.cli.index import check_positive, read_queries
 
 
 def add_parser(sub) -> None:
@@ -50,6 +50,8 @@ def cmd_generate(args) -> int:
 
     from rag.pipeline import load, plot_token_posterior
 
+    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size")
+    queries = read_queries(args)  # checked before the model is loaded
     pipe = load(args.model, knowledge_base=args.kb)
     n_written = 0
 
@@ -66,7 +68,7 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     batch: list[str] = []
-    for q in read_queries(args):
+    for q in queries:
         batch.append(q)
         if len(batch) == args.batch_size:
             run(batch)
