@@ -82,7 +82,8 @@ def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,
     final = Path(final)
     if final.is_symlink() or final.exists():
         if not final.is_dir():
-            raise OutputExistsError(f"{final} exists and is a file, not a {kind}; it is never replaced — choose another output path ({option})")
+            what = "a broken symbolic link" if not final.exists() else "a file"
+            raise OutputExistsError(f"{final} exists and is {what}, not a {kind}; it is never replaced — choose another output path ({option})")
         if any(final.iterdir()):
             if not overwrite:
                 raise OutputExistsError(f"{final} already exists; choose another output path ({option}), or pass --overwrite "

@@ -227,3 +227,18 @@ def test_process_output_is_one_line_and_quiet_is_quiet(tmp_path, corpus, tiny_be
     r = subprocess.run([sys.executable, "-m", "rag", "index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir, "--out", str(corpus),
                         "--overwrite"], capture_output=True, text=True, cwd=REPO, env=_env())
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "destroy the input" in r.stderr and corpus.read_text().startswith('{"id": "d0"')
+
+
+def test_no_queries_at_all_is_an_error_before_loading(tmp_path, capsys, monkeypatch):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n  \n")
+    code, _, err = run(capsys, "index", "search", str(tmp_path / "missing-kb"), "--file", str(empty))
+    assert code == 2 and "no queries: --file" in one_line_error(err)
+    monkeypatch.setattr(sys, "stdin", _BinaryStdin(io.BytesIO(b"")))
+    code, _, err = run(capsys, "generate", "--model", str(tmp_path / "missing"))
+    assert code == 2 and "no queries: stdin holds no non-blank line" in one_line_error(err)
+
+
+def test_a_file_given_as_a_knowledge_base(tmp_path, capsys, corpus):
+    code, _, err = run(capsys, "index", "info", str(corpus))
+    assert code == 2 and "is a file, not a knowledge-base directory" in one_line_error(err)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import textwrap
@@ -164,11 +165,19 @@ def read_queries(args) -> Iterator[str]:
         with path.open("rb") as f:  # a first pass, so that a bad byte is reported before anything is loaded
             for _ in _lines(f, f"--file {path}"):
                 pass
-        return _lines(path.open("rb"), f"--file {path}", close=True)
+        return _nonempty(_lines(path.open("rb"), f"--file {path}", close=True), f"--file {path}")
     if sys.stdin.isatty():
         raise RagError("no queries: give them as arguments, with --file FILE, or one per line on stdin")
     stream = getattr(sys.stdin, "buffer", None)
-    return _lines(stream if stream is not None else sys.stdin, "stdin")
+    return _nonempty(_lines(stream if stream is not None else sys.stdin, "stdin"), "stdin")
+
+
+def _nonempty(queries: Iterator[str], where: str) -> Iterator[str]:
+    """`queries`, after reading the first one now (before anything is loaded): RagError when there is none."""
+    first = next(queries, None)
+    if first is None:
+        raise RagError(f"no queries: {where} holds no non-blank line; give one query per line")
+    return itertools.chain([first], queries)
 
 
 def _lines(stream: IO, where: str, close: bool = False) -> Iterator[str]:

@@ -711,6 +711,8 @@ class KnowledgeBase:
         import datasets
 
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index build --out` wrote")
         if not path.is_dir():
             raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
         mpath = path / MANIFEST
