@@ -88,10 +88,12 @@ def test_unwritable_out_is_refused_before_encoding(tmp_path, capsys):
     (["serve", "--model", "{missing}", "--kb-root", "{missing}/root"], "--kb-root"),
     (["serve", "--model", "{missing}", "--device", "cuda:7"], "--device cuda:7"),
     (["demo", "--kb", "{missing}", "-k", "0"], "-k 0"),
+    (["generate", "--model", "{missing}", "q", "--heatmap-dir", "{file}"], "--heatmap-dir"),
 ])
 def test_options_are_checked_before_anything_is_loaded(tmp_path, capsys, argv, expected):
     missing = str(tmp_path / "missing")
-    code, _, err = run(capsys, *(a.replace("{missing}", missing) for a in argv))
+    (tmp_path / "file").write_text("x")
+    code, _, err = run(capsys, *(a.replace("{missing}", missing).replace("{file}", str(tmp_path / "file")) for a in argv))
     line = one_line_error(err)
     assert code == 2 and expected in line and not (tmp_path / "missing").exists()
 
@@ -210,6 +212,8 @@ def test_exception_classes_become_messages(tmp_path):
     assert code == 2 and "not valid utf-8" in msg and "iconv" in msg
     msg, code = describe_error(OSError(28, "No space left on device"))
     assert code == 2 and "disk is full" in msg
+    msg, code = describe_error(FileExistsError(f"{tmp_path} exists and is not empty; choose another directory or pass overwrite=True"))
+    assert code == 2 and msg.startswith(f"{tmp_path} exists and is not empty")
     msg, code = describe_error(TypeError("unsupported operand"))  # a bug, not the user's input
     assert code == 1 and "TypeError" in msg and "-v" in msg
 
