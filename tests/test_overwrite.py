@@ -149,6 +149,10 @@ def test_knowledge_base_build_checks_its_output_before_encoding(tmp_path, tiny_b
         KnowledgeBase.build(PASSAGES, enc, folder, index="flat", overwrite=True, show_progress=False)
     with pytest.raises(RagError, match="unknown kind"):
         KnowledgeBase.build(PASSAGES, enc, tmp_path / "kb", index="bogus", show_progress=False)
+    with pytest.raises(RagError, match="pq_m=7 does not divide the dimension 32"):  # needs the encoder's dim
+        KnowledgeBase.build(PASSAGES, enc, tmp_path / "kb", index="ivf_pq:pq_m=7", show_progress=False)
+    with pytest.raises(RagError, match="cannot train on 6 vectors"):  # needs the passage count
+        KnowledgeBase.build(PASSAGES, enc, tmp_path / "kb", index="ivf_pq:nlist=64", show_progress=False)
     with pytest.raises(RagError, match="batch_size"):
         KnowledgeBase.build(PASSAGES, enc, tmp_path / "kb", index="flat", batch_size=0, show_progress=False)
     with pytest.raises(RagError, match="cuda:7"):

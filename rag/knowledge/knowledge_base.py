@@ -38,7 +38,7 @@ import torch
 
 from rag.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.io import atomic_directory, atomic_write_json, check_output_dir, sha256_file
-from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, read_index, search_index, write_index
+from rag.knowledge.index import IndexSpec, build_index, check_fits, bytes_per_vector, read_index, search_index, write_index
 from rag.knowledge.passages import Passage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -551,6 +551,7 @@ class KnowledgeBase:
         _check_passages(passages, str(out))
         # Everything that can be checked is checked before encoding, which takes hours on a large corpus.
         index = IndexSpec.parse(index) if isinstance(index, str) else index
+        check_fits(index, len(passages), encoder.dim)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ConfigError(f"batch_size (--batch-size) must be a positive integer, got {batch_size!r}")
         check_device(device)
