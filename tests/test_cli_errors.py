@@ -246,3 +246,12 @@ def test_no_queries_at_all_is_an_error_before_loading(tmp_path, capsys, monkeypa
 def test_a_file_given_as_a_knowledge_base(tmp_path, capsys, corpus):
     code, _, err = run(capsys, "index", "info", str(corpus))
     assert code == 2 and "is a file, not a knowledge-base directory" in one_line_error(err)
+
+
+def test_build_refuses_a_query_encoder_of_another_dimension_before_reading_the_corpus(tmp_path, capsys, tiny_bert_dir, wordpiece_tokenizer):
+    from rag.models.tiny import save, tiny_bert
+
+    wide = save(tiny_bert(wordpiece_tokenizer, d_model=48), wordpiece_tokenizer, tmp_path / "wide")
+    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", tiny_bert_dir,
+                       "--query-encoder", str(wide), "--out", str(tmp_path / "kb"), "--quiet")
+    assert code == 2 and "dimension 48" in one_line_error(err) and "32" in err

@@ -100,12 +100,17 @@ def cmd_build(args) -> int:
     _check_not_an_input(args.out, args.corpus)
     check_output_dir(args.out, args.overwrite, replaces=is_knowledge_base, kind="knowledge base")
 
+    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
+    if args.query_encoder:  # the pair must share a vector space of one dimension; found out now, not at the first search
+        qdim = TextEncoder(args.query_encoder, pooling=args.pooling, normalize=args.normalize, role="question").dim
+        if qdim != encoder.dim:
+            raise ConfigError(f"--query-encoder {args.query_encoder} embeds into dimension {qdim}, but --encoder {args.encoder} into "
+                              f"{encoder.dim}; name the query encoder trained with this document encoder (e.g. a DPR pair)")
     corpus = args.corpus if len(args.corpus) > 1 else args.corpus[0]
     passages = load_corpus(
         corpus, words_per_passage=args.words_per_passage or None, format=args.format, title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
     )
-    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
     kb = KnowledgeBase.build(
         passages, encoder, args.out, index=spec, batch_size=args.batch_size, device=args.device,
         dtype=getattr(torch, args.dtype) if args.dtype else None, query_encoder=args.query_encoder, bm25=args.bm25,
