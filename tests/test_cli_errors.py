@@ -107,7 +107,7 @@ def test_blank_queries_are_refused_everywhere_with_one_message(tmp_path, capsys,
         code, _, err = run(capsys, *argv)
         assert code == 2
         messages.append(one_line_error(err).split(": error: ")[1])
-    assert messages[0] == messages[1] == "questions[1] is empty; every question needs text"
+    assert messages[0] == messages[1] and messages[0].startswith("questions[1] is empty")
 
 
 def test_query_file_errors(tmp_path, capsys, kb):
