@@ -88,6 +88,9 @@ def test_unwritable_out_is_refused_before_encoding(tmp_path, capsys):
     (["serve", "--model", "{missing}", "--kb-root", "{missing}/root"], "--kb-root"),
     (["serve", "--model", "{missing}", "--device", "cuda:7"], "--device cuda:7"),
     (["demo", "--kb", "{missing}", "-k", "0"], "-k 0"),
+    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{missing}/qa.jsonl"], "--data"),
+    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--device", "cuda:7"], "--device cuda:7"),
+    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--limit", "0"], "--limit 0"),
     (["generate", "--model", "{missing}", "q", "--heatmap-dir", "{file}"], "--heatmap-dir"),
 ])
 def test_options_are_checked_before_anything_is_loaded(tmp_path, capsys, argv, expected):
