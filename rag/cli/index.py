@@ -76,9 +76,12 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
     target = Path(out).resolve()
     for c in corpus:
         src = Path(c).resolve()
-        if target == src or target in src.parents or src in target.parents:
-            raise ConfigError(f"--out {out} overlaps the corpus source {c}; writing the knowledge base there would destroy the input — "
-                              "choose an --out outside every --corpus path")
+        if target == src or target in src.parents:
+            raise ConfigError(f"--out {out} is or contains the corpus source {c}; writing the knowledge base there would destroy the "
+                              "input — choose an --out outside every --corpus path")
+        if src in target.parents:
+            raise ConfigError(f"--out {out} lies inside the corpus folder {c}; the knowledge base's files would be mixed into the "
+                              "input (and read as documents by a later build) — choose an --out outside every --corpus path")
 
 
 def cmd_build(args) -> int:

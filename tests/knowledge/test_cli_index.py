@@ -95,7 +95,7 @@ def test_overwrite_never_destroys_an_input_or_other_data(tmp_path, tiny_bert_dir
     build = ["index", "build", "--encoder", tiny_bert_dir, "--index", "flat", "--quiet", "--overwrite"]
     for src, out, expected in [(corpus, corpus, "destroy the input"), (folder, folder, "destroy the input"),
                                (corpus, folder, "not a knowledge base"), (corpus, other, "not a knowledge base"),
-                               (folder, folder / "kb", "destroy the input"), (folder / "a.txt", folder, "destroy the input")]:
+                               (folder, folder / "kb", "inside the corpus folder"), (folder / "a.txt", folder, "destroy the input")]:
         before = {p: _tree(p) for p in (corpus, folder, other)}
         assert main([*build, "--corpus", str(src), "--out", str(out)]) == 2
         assert expected in capsys.readouterr().err
