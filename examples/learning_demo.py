@@ -223,7 +223,7 @@ def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None, eval_limit: 
     finally:
         torch.set_num_threads(threads)
     record = {"train": dataclasses.asdict(stats), "pool": len(pool), "threads": cfg.pretrain_threads}
-    with atomic_directory(path, overwrite=True) as tmp:
+    with atomic_directory(path, overwrite=True, replaces=lambda p: (p / "config.json").is_file(), kind="pre-trained reader") as tmp:
         save_generator(model.generator, model.generator_tokenizer, tmp)
         atomic_write_json(tmp / "pretraining.json", record)
     return path, record

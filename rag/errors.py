@@ -21,3 +21,7 @@ class IntegrityError(KnowledgeBaseError):
 
 class ConfigError(RagError):
     """A configuration value is invalid."""
+
+
+class OutputExistsError(RagError, FileExistsError):
+    """An output path exists and may not be replaced (no overwrite asked, or it is not the writer's own kind)."""

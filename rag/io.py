@@ -13,7 +13,9 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
+
+from rag.errors import OutputExistsError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -57,28 +59,76 @@ def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
 
+def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,
+                     replaces: Optional[Callable[[Path], bool]] = None, kind: str = "directory",
+                     option: str = "--out") -> Path:
+    """Raise OutputExistsError unless `final` may be written by :func:`atomic_directory`; return it as a Path.
+
+    Cheap, so writers call it before their expensive work (encoding a corpus, training) as well.
+    A path that does not exist, or an empty directory, may always be written. Anything else needs
+    `overwrite`, and even then only a directory that `replaces(final)` recognises as the writer's own
+    `kind` (a knowledge base, a checkpoint, a BM25 index ...) is replaced: never a plain file, never
+    a directory of something else (an input corpus, a home directory). `replaces=None` recognises
+    any directory (for callers whose path is their own by construction). Also raises RagError when
+    `final`'s parent cannot be created or written.
+    """
+    final = Path(final)
+    if final.is_symlink() or final.exists():
+        if not final.is_dir():
+            what = "a broken symbolic link" if not final.exists() else "a file"
+            raise OutputExistsError(f"{final} exists and is {what}, not a {kind}; it is never replaced — choose another output path ({option})")
+        if any(final.iterdir()):
+            if not overwrite:
+                raise OutputExistsError(f"{final} already exists; choose another output path ({option}), or pass --overwrite "
+                                        f"(overwrite=True) to replace the {kind} there")
+            if replaces is not None and not replaces(final):
+                raise OutputExistsError(
+                    f"{final} exists and is not a {kind}, so it is not replaced even with --overwrite (overwrite=True), which "
+                    f"only ever replaces a {kind}, never other data such as an input corpus; choose another output path "
+                    f"({option}), or move that directory away yourself"
+                )
+    _check_writable_parent(final, option)
+    return final
+
+
+def _check_writable_parent(final: Path, option: str) -> None:
+    """RagError unless the nearest existing ancestor of `final` is a directory this process can create directories in."""
+    from rag.errors import RagError
+
+    parent = final.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RagError(f"{final}: {parent} is a file, so no directory can be created under it; choose another output path ({option})")
+    try:  # the one reliable test (permissions, read-only mounts, /proc ...): create a directory there, and remove it
+        os.rmdir(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=parent))
+    except OSError as e:
+        raise RagError(f"{final}: cannot create a directory in {parent} ({e.strerror}); choose another output path ({option})") from None
+
+
 @contextlib.contextmanager
-def atomic_directory(final: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
+                     replaces: Optional[Callable[[Path], bool]] = None, kind: str = "directory") -> Iterator[Path]:
     """Yield a temporary directory beside `final`; rename it into place on success.
 
     The temporary directory is named ``.<name>.tmp-*`` so that a killed build leaves
     only a hidden, obviously-partial directory (removed on the next build of the same
-    target). If `final` exists and `overwrite` is false, FileExistsError is raised
-    before any work is done.
+    target). What may be replaced is decided before any work, by :func:`check_output_dir`
+    (same arguments): without `overwrite` an existing non-empty `final` raises
+    OutputExistsError (a FileExistsError); with it, only a directory that `replaces`
+    recognises as the writer's own `kind` is replaced — pass a predicate in every writer.
     """
-    final = Path(final)
+    final = check_output_dir(final, overwrite, replaces=replaces, kind=kind)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
-    if final.exists() and not overwrite:
-        raise FileExistsError(
-            f"{final} already exists; choose another --out directory or pass overwrite=True (--overwrite)"
-        )
     for stale in parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
     try:
         yield tmp
-        if final.exists():
+        if final.is_symlink() or final.exists():
+            # Checked again: the directory may have appeared, or changed, while the content was written.
+            check_output_dir(final, overwrite, replaces=replaces, kind=kind)
             # Move the old directory aside first so the swap is two renames, never a
             # window in which `final` holds a mix of old and new files.
             trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=parent))

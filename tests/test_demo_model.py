@@ -140,3 +140,19 @@ def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, mo
     assert 0.0 < token["recall@3"] <= 1.0 and "recall@3" not in closed
     assert (out / "learning_demo.png").stat().st_size > 0
     assert "| RAG-Token |" in (out / "results.md").read_text()
+
+
+def test_rag_generate_does_not_warn_about_the_models_own_context_length(demo_cache):
+    """The demo model's max_context_length shortens its passages on every question by design: `rag generate` says
+    nothing about it unless -v (then it does: the warning is still issued)."""
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "RAG_CACHE": str(demo_cache), "PYTHONPATH": str(root)}
+    cmd = [sys.executable, "-m", "rag", "generate", "what is the symbol of gold?", "what is the atomic number of lead?", "--json"]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, cwd=root, env=env)
+    loud = subprocess.run([*cmd, "-v"], capture_output=True, text=True, cwd=root, env=env)
+    assert quiet.returncode == 0 == loud.returncode and all(json.loads(ln)["text"] for ln in quiet.stdout.splitlines())
+    assert "ContextTruncationWarning" not in quiet.stderr and "ContextTruncationWarning" in loud.stderr

@@ -12,9 +12,12 @@ model/data argument work as Lightning users expect.
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import logging
 import sys
+import traceback
+import warnings
 from typing import Optional, Sequence
 
 from rag.errors import RagError
@@ -33,11 +36,64 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Training: rag {{{','.join(LIGHTNING_COMMANDS)}}} --config lightning_configs/NAME.yaml (see README).",
     )
     parser.add_argument("--version", action="version", version=f"rag {rag.__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; show tracebacks and every warning")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, module in COMMANDS.items():
         importlib.import_module(module).add_parser(sub)
+    _add_verbose_everywhere(parser)
     return parser
+
+
+def _add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
+    """Accept -v after the subcommand as well (`rag index build ... -v`), not only before it."""
+    for action in parser._actions:  # argparse has no public walk over subparsers
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                if "-v" not in child._option_string_actions:
+                    child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                       help="log at INFO level; show tracebacks and every warning")
+                _add_verbose_everywhere(child)
+
+
+def quiet_libraries() -> None:
+    """Turn off the progress bars transformers, datasets and huggingface_hub draw on their own (`--quiet`)."""
+    import datasets
+    import huggingface_hub.utils
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    datasets.disable_progress_bars()
+    huggingface_hub.utils.disable_progress_bars()
+
+
+_USAGE_ERRNOS = {errno.ENOENT: "check the path", errno.EACCES: "check its permissions, or choose another path",
+                 errno.EPERM: "check its permissions, or choose another path", errno.EISDIR: "give a file, not a directory",
+                 errno.ENOTDIR: "a part of the path is a file, not a directory", errno.EEXIST: "choose another path",
+                 errno.EROFS: "the file system is read-only; choose another path",
+                 errno.ENOSPC: "the disk is full; free space or choose another path"}
+
+
+def describe_error(e: BaseException) -> tuple[str, int]:
+    """The one-line message and exit status `rag` gives for an exception a command raised.
+
+    RagError (the library's errors for bad input), undecodable input and file-system errors are the
+    user's to fix: exit 2 with a message naming the file and the fix. Anything else is unexpected:
+    exit 1, naming the exception and pointing to -v for the traceback.
+    """
+    if isinstance(e, RagError):
+        return str(e), 2
+    if isinstance(e, UnicodeDecodeError):
+        return (f"input is not valid {e.encoding} text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
+                f"convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"), 2
+    if isinstance(e, (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) and e.errno is None:
+        return str(e), 2  # raised with a message of its own (e.g. FileExistsError("... pass overwrite=True"))
+    if isinstance(e, OSError) and (e.filename is not None or e.errno in _USAGE_ERRNOS):
+        where = f"{e.filename}: " if e.filename is not None else ""
+        return f"{where}{e.strerror or e}; {_USAGE_ERRNOS.get(e.errno, 'check the path')}", 2
+    if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+        return f"out of memory ({type(e).__name__}); lower --batch-size, or use a machine with more memory", 1
+    return (f"unexpected {type(e).__name__}: {e}; rerun with -v for the traceback, and please report it if the input was "
+            f"valid"), 1
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -53,16 +109,28 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except RagError as e:
-        print(f"rag {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except BrokenPipeError:  # `rag index search ... | head`
-        return 0
+    command = " ".join(c for c in (args.command, getattr(args, "index_command", None)) if c)
+    with warnings.catch_warnings():
+        if not args.verbose:  # one line per warning, without the source line it was issued from (-v shows that)
+            warnings.showwarning = lambda message, category, *_, **__: print(f"rag {command}: {category.__name__}: {message}", file=sys.stderr)
+            # A model's own max_context_length shortening its passages (keeping the question) is how it was configured,
+            # not news on every run; -v shows it. Questions that are themselves cut still warn.
+            warnings.filterwarnings("ignore", message="Some generator contexts are longer than max_length")
+        if getattr(args, "quiet", False):
+            quiet_libraries()
+        try:
+            return int(args.func(args) or 0)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except BrokenPipeError:  # `rag index search ... | head`
+            return 0
+        except Exception as e:  # noqa: BLE001 - every failure becomes one line (and a traceback with -v)
+            message, status = describe_error(e)
+            if args.verbose:
+                traceback.print_exc()
+            print(f"rag {command}: error: {message}", file=sys.stderr)
+            return status
 
 
 if __name__ == "__main__":  # pragma: no cover

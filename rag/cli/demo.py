@@ -20,13 +20,19 @@ def add_parser(sub) -> None:
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
     p.add_argument("--retrieve-only", action="store_true", help="print the top-k passages only (no generation)")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--quiet", action="store_true", help="no progress bars (building the knowledge base on first use, loading models)")
     p.set_defaults(func=cmd_demo)
 
 
 def cmd_demo(args) -> int:
+    from rag.cli.index import check_positive
     from rag.demo.kb import ensure_demo_kb
+    from rag.validate import check_strings
 
-    kb = ensure_demo_kb(args.kb)
+    check_positive(args, "k")
+    if args.questions:
+        check_strings(args.questions, "questions")
+    kb = ensure_demo_kb(args.kb, show_progress=not args.quiet)
     questions = args.questions or DEFAULT_QUESTIONS
     if not args.json:
         print(f"demo knowledge base: {kb.path} ({kb.version}, {len(kb)} passages, {kb.index_spec.kind})")

@@ -6,7 +6,8 @@ import json
 import sys
 import textwrap
 
-from rag.cli.index import read_queries
+from rag.cli.index import check_positive, read_queries
+from rag.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -50,6 +51,10 @@ def cmd_generate(args) -> int:
 
     from rag.pipeline import load, plot_token_posterior
 
+    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size")
+    if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
+        raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
+    queries = read_queries(args)  # checked before the model is loaded
     pipe = load(args.model, knowledge_base=args.kb)
     n_written = 0
 
@@ -66,7 +71,7 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     batch: list[str] = []
-    for q in read_queries(args):
+    for q in queries:
         batch.append(q)
         if len(batch) == args.batch_size:
             run(batch)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+from rag.errors import RagError
 
 
 def add_parser(sub) -> None:
@@ -38,9 +41,16 @@ def add_parser(sub) -> None:
 
 
 def cmd_hotswap_eval(args) -> int:
+    from rag.cli.index import check_positive
+    from rag.devices import check_device
     from rag.eval.hotswap_eval import evaluate_hotswap
     from rag.pipeline import load
 
+    check_positive(args, "batch_size", "n_docs", "num_beams", "max_new_tokens", "limit")
+    check_device(args.device)
+    for data in args.data:  # before the model loads
+        if not Path(data).exists():
+            raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open JSONL, CSV, ...)")
     # Load on the first knowledge base: the checkpoint's own may not exist here (or, for transformers
     # checkpoints, is not recorded at all).
     extra = {"allow_encoder_change": True} if args.allow_encoder_change else {}

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import textwrap
-from typing import Iterator
+from pathlib import Path
+from typing import IO, Iterator, Optional
 
-from rag.errors import RagError
+from rag.errors import ConfigError, RagError
 
 
 def add_parser(sub) -> None:
@@ -35,7 +37,7 @@ def add_parser(sub) -> None:
     b.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     b.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="autocast dtype for encoding")
     b.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing --out directory (atomically)")
+    b.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at --out (atomically; never anything else)")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_build)
 
@@ -50,7 +52,9 @@ def add_parser(sub) -> None:
     s.add_argument("queries", nargs="*", help="query strings; none = read --file or stdin")
     s.add_argument("-k", type=int, default=5, help="passages per query (default: 5)")
     s.add_argument("--file", default=None, help="read queries from this file, one per line")
-    s.add_argument("--query-encoder", default=None, help="override the query encoder recorded in the manifest")
+    s.add_argument("--query-encoder", default=None, help="override the query encoder recorded in the manifest (same identity, e.g. another path to it)")
+    s.add_argument("--allow-encoder-change", action="store_true",
+                   help="accept a --query-encoder with another identity than the one the knowledge base was built for (e.g. a fine-tuned copy)")
     s.add_argument("--bm25", action="store_true", help="use the knowledge base's BM25 index instead of dense retrieval")
     s.add_argument("--json", action="store_true", help="one JSON object per query: {query, kb_version, passages: [{id, title, text, score}]}")
     s.add_argument("--verify", default="full", choices=["full", "size", "none"])
@@ -58,21 +62,60 @@ def add_parser(sub) -> None:
     s.set_defaults(func=cmd_search)
 
 
+def check_positive(args, *names: str) -> None:
+    """ConfigError naming the option unless each of `names` (attributes of `args`, e.g. ``batch_size``) is >= 1."""
+    for name in names:
+        value = getattr(args, name, None)
+        if value is not None and value < 1:
+            option = f"-{name}" if len(name) == 1 else f"--{name.replace('_', '-')}"
+            raise ConfigError(f"{option} {value}: must be a positive integer")
+
+
+def _check_not_an_input(out: str, corpus: list[str]) -> None:
+    """RagError when --out is one of the corpus sources, or contains or lies inside one: replacing it would destroy the input."""
+    target = Path(out).resolve()
+    for c in corpus:
+        src = Path(c).resolve()
+        if target == src or target in src.parents:
+            raise ConfigError(f"--out {out} is or contains the corpus source {c}; writing the knowledge base there would destroy the "
+                              "input — choose an --out outside every --corpus path")
+        if src in target.parents:
+            raise ConfigError(f"--out {out} lies inside the corpus folder {c}; the knowledge base's files would be mixed into the "
+                              "input (and read as documents by a later build) — choose an --out outside every --corpus path")
+
+
 def cmd_build(args) -> int:
     import torch
 
+    from rag.devices import check_device
+    from rag.io import check_output_dir
     from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.index import IndexSpec
+    from rag.knowledge.knowledge_base import KnowledgeBase, is_knowledge_base
     from rag.knowledge.passages import load_corpus
 
+    # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
+    spec = IndexSpec.parse(args.index)
+    check_positive(args, "batch_size", "max_length")
+    if args.words_per_passage < 0:
+        raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive number of words")
+    check_device(args.device)
+    _check_not_an_input(args.out, args.corpus)
+    check_output_dir(args.out, args.overwrite, replaces=is_knowledge_base, kind="knowledge base")
+
+    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
+    if args.query_encoder:  # the pair must share a vector space of one dimension; found out now, not at the first search
+        qdim = TextEncoder(args.query_encoder, pooling=args.pooling, normalize=args.normalize, role="question").dim
+        if qdim != encoder.dim:
+            raise ConfigError(f"--query-encoder {args.query_encoder} embeds into dimension {qdim}, but --encoder {args.encoder} into "
+                              f"{encoder.dim}; name the query encoder trained with this document encoder (e.g. a DPR pair)")
     corpus = args.corpus if len(args.corpus) > 1 else args.corpus[0]
     passages = load_corpus(
         corpus, words_per_passage=args.words_per_passage or None, format=args.format, title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
     )
-    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
     kb = KnowledgeBase.build(
-        passages, encoder, args.out, index=args.index, batch_size=args.batch_size, device=args.device,
+        passages, encoder, args.out, index=spec, batch_size=args.batch_size, device=args.device,
         dtype=getattr(torch, args.dtype) if args.dtype else None, query_encoder=args.query_encoder, bm25=args.bm25,
         show_progress=not args.quiet, overwrite=args.overwrite,
         build_info={"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage},
@@ -113,31 +156,109 @@ def cmd_info(args) -> int:
 
 
 def read_queries(args) -> Iterator[str]:
+    """The queries of `rag index search` / `rag generate`: the arguments, else --file's lines, else stdin's lines
+    (blank lines skipped). Every query must be UTF-8 text: the arguments are checked here, before anything is loaded
+    (a blank argument is refused with the same message as :meth:`RagPipeline.generate`), lines as they are read."""
+    from rag.validate import check_strings
+
     if args.queries:
-        yield from args.queries
-        return
+        queries = check_strings(args.queries, "questions")
+        for i, q in enumerate(queries):
+            _check_text(q, f"question {i + 1} (argument)")
+        return iter(queries)
     if args.file:
-        with open(args.file, encoding="utf-8") as f:
-            yield from (ln.rstrip("\n") for ln in f if ln.strip())
-        return
+        path = Path(args.file)
+        if not path.is_file():
+            raise RagError(f"--file {path}: {'is a directory' if path.is_dir() else 'no such file'}; give a text file with one query per line")
+        with path.open("rb") as f:  # a first pass, so that a bad byte is reported before anything is loaded
+            for _ in _lines(f, f"--file {path}"):
+                pass
+        return _nonempty(_lines(path.open("rb"), f"--file {path}", close=True), f"--file {path}")
     if sys.stdin.isatty():
         raise RagError("no queries: give them as arguments, with --file FILE, or one per line on stdin")
-    yield from (ln.rstrip("\n") for ln in sys.stdin if ln.strip())
+    stream = getattr(sys.stdin, "buffer", None)
+    return _nonempty(_lines(stream if stream is not None else sys.stdin, "stdin"), "stdin")
+
+
+def _nonempty(queries: Iterator[str], where: str) -> Iterator[str]:
+    """`queries`, after reading the first one now (before anything is loaded): RagError when there is none."""
+    first = next(queries, None)
+    if first is None:
+        raise RagError(f"no queries: {where} holds no non-blank line; give one query per line")
+    return itertools.chain([first], queries)
+
+
+def _lines(stream: IO, where: str, close: bool = False) -> Iterator[str]:
+    """Non-blank lines of a byte (or text) stream as strings; RagError naming `where` and the line for non-UTF-8 bytes."""
+    try:
+        for n, raw in enumerate(stream, 1):
+            if isinstance(raw, bytes):
+                try:
+                    raw = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise RagError(f"{where}: line {n} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
+                                   "queries must be UTF-8 — convert the input (e.g. `iconv -f latin1 -t utf-8`)") from None
+            line = raw.rstrip("\r\n")
+            if line.strip():
+                yield _check_text(line, f"{where}: line {n}")
+    finally:
+        if close:
+            stream.close()
+
+
+def _check_text(q: str, where: str) -> str:
+    if "\x00" in q:
+        raise RagError(f"{where} contains a NUL byte: the input is binary, not text; give queries as UTF-8 text, one per line")
+    try:
+        q.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RagError(f"{where} holds bytes that are not UTF-8 text; queries must be UTF-8 — convert the input "
+                       "(e.g. `iconv -f latin1 -t utf-8`)") from None
+    return q
+
+
+def _query_encoder(kb, name: Optional[str], allow_change: bool):
+    """The query encoder for `kb` (rag.knowledge.retriever.default_query_encoder), refusing an explicit `name` whose
+    identity is not the one the knowledge base was built for unless `allow_change` (--allow-encoder-change)."""
+    from rag.errors import KnowledgeBaseError
+    from rag.knowledge.retriever import default_query_encoder
+
+    recorded = (kb.manifest.query_encoder or {}).get("name")
+    expected = recorded or kb.encoder.get("name")
+    same_name = name is None or name == expected or (Path(name).exists() and Path(name).resolve() == Path(str(expected)).resolve())
+    refuse = (f"{kb.path}: --query-encoder {name} is not the query encoder this knowledge base was built for ({expected}"
+              "{detail}); queries embedded by another model land in another vector space, so their results would be "
+              "meaningless even at the same dimension. Omit --query-encoder, or pass --allow-encoder-change if this encoder "
+              "was trained for this index (e.g. a fine-tuned copy)")
+    if not same_name and recorded and not allow_change:
+        raise KnowledgeBaseError(refuse.format(detail=", recorded by --query-encoder at build time"))
+    enc = default_query_encoder(kb, name)
+    if not same_name and not recorded and not allow_change:
+        fp = enc.identity().get("fingerprint")
+        if fp != kb.encoder.get("fingerprint"):
+            raise KnowledgeBaseError(refuse.format(detail=f", fingerprint {str(kb.encoder.get('fingerprint'))[:12]}; "
+                                                          f"{name} has fingerprint {str(fp)[:12]}"))
+    return enc
 
 
 def cmd_search(args) -> int:
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
+    check_positive(args, "k", "batch_size")
+    queries = read_queries(args)
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
+    if args.k > len(kb):
+        raise RagError(f"-k {args.k}: must be between 1 and the number of passages in {kb.path} ({len(kb)})")
     if args.bm25:
         from rag.knowledge.bm25 import BM25Retriever
 
         retriever = BM25Retriever.from_knowledge_base(kb)
     else:
-        retriever = DenseRetriever(kb, default_query_encoder(kb, args.query_encoder))
+        from rag.knowledge.retriever import DenseRetriever
+
+        retriever = DenseRetriever(kb, _query_encoder(kb, args.query_encoder, args.allow_encoder_change))
     batch: list[str] = []
-    for query in read_queries(args):
+    for query in queries:
         batch.append(query)
         if len(batch) == args.batch_size:
             _print_results(batch, retriever.retrieve(batch, args.k), args.json)

@@ -64,6 +64,19 @@ def cmd_serve(args) -> int:
     elif len(token) < 16:
         raise ConfigError(f"${args.admin_token_env} is only {len(token)} characters; use a random token of at least 16 "
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    from pathlib import Path
+
+    from rag.devices import check_device
+
+    # Checked before the model loads (minutes for a large one).
+    for option, value in (("--max-concurrency", args.max_concurrency), ("--max-body-bytes", args.max_body_bytes)):
+        if value < 1:
+            raise ConfigError(f"{option} {value}: must be a positive integer")
+    for root in args.kb_root:
+        if not Path(root).is_dir():
+            raise ConfigError(f"--kb-root {root}: no such directory; give an existing directory that holds the knowledge bases "
+                              "/admin/swap may open")
+    check_device(args.device)
     check_admin_token(token, f"${args.admin_token_env}")
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,

@@ -14,7 +14,9 @@ the retriever of In-Context RALM (Ram et al. 2023, §3).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +35,28 @@ SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
 FORMAT = 1
 
+def is_bm25_index(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory written by :meth:`BM25Index.save` (what ``overwrite=True`` may replace)."""
+    try:
+        return json.loads((Path(path) / SETTINGS_FILE).read_text(encoding="utf-8")).get("format") is not None
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 PassageLookup = Callable[[np.ndarray], "list[list[Passage]]"]
+
+
+@functools.cache
+def _bm25s():
+    """The bm25s module. Importing it sets its logger to DEBUG, so every application that logs to the root
+    logger (the `rag` command among them) printed its DEBUG lines, `--quiet` or not; that level is undone
+    once, here, so the application's own level decides again."""
+    import bm25s
+
+    log = logging.getLogger("bm25s")
+    if log.level == logging.DEBUG:
+        log.setLevel(logging.NOTSET)
+    return bm25s
 
 
 def passage_text(p: Passage) -> str:
@@ -102,7 +125,7 @@ class BM25Index:
         is a PyStemmer algorithm name or None; `stopwords` a bm25s stop-word list
         name ("en", "de", ...) or None.
         """
-        import bm25s
+        bm25s = _bm25s()
 
         passages = list(passages)
         if not passages:
@@ -120,7 +143,7 @@ class BM25Index:
         return index
 
     def _tokenize(self, texts: list[str], show_progress: bool = False) -> list[list[str]]:
-        import bm25s
+        bm25s = _bm25s()
 
         try:
             return bm25s.tokenize(
@@ -164,9 +187,9 @@ class BM25Index:
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> None:
         """Write the index to `directory` atomically (built in a temporary sibling,
         then renamed). An existing directory is replaced only with `overwrite`."""
-        import bm25s
+        bm25s = _bm25s()
 
-        with atomic_directory(directory, overwrite=overwrite) as tmp:
+        with atomic_directory(directory, overwrite=overwrite, replaces=is_bm25_index, kind="BM25 index") as tmp:
             self._bm25.save(tmp / BM25S_DIR, show_progress=False)
             atomic_write_json(tmp / SETTINGS_FILE, {
                 "format": FORMAT,
@@ -181,7 +204,7 @@ class BM25Index:
     @classmethod
     def load(cls, directory: str | os.PathLike, *, mmap: bool = False) -> "BM25Index":
         """Open an index written by :meth:`save` (`mmap`: memory-map the score arrays)."""
-        import bm25s
+        bm25s = _bm25s()
 
         directory = Path(directory)
         settings_file = directory / SETTINGS_FILE

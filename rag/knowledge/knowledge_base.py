@@ -35,10 +35,10 @@ import numpy as np
 import torch
 
 from rag.checksums import Verify, file_checksums, verify_files
-from rag.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
-from rag.io import atomic_directory, atomic_write_json
+from rag.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.io import atomic_directory, atomic_write_json, check_output_dir
 from rag.knowledge import pagecache
-from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, read_index, search_index, write_index
+from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, check_fits, read_index, search_index, write_index
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
 from rag.knowledge.passages import Passage
 
@@ -76,16 +76,64 @@ class Manifest:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict, path: Path) -> "Manifest":
-        known = set(cls.__dataclass_fields__)
-        missing = [k for k in ("format_version", "version", "count", "dim", "metric", "encoder", "index", "files") if k not in d]
+    def from_dict(cls, d: Any, path: Path) -> "Manifest":
+        """Check the parsed `manifest.json` at `path` field by field (IntegrityError naming the field) and wrap it."""
+
+        def bad(what: str) -> IntegrityError:
+            return IntegrityError(f"{path}: {what}; the manifest is damaged or not a knowledge-base manifest — rebuild the "
+                                  f"knowledge base with `rag index build`")
+
+        if not isinstance(d, dict):
+            raise bad(f"holds a JSON {type(d).__name__}, not an object")
+        missing = [k for k in _REQUIRED_FIELDS if k not in d]  # (`created` too: the dataclass has no default for it)
         if missing:
             raise IntegrityError(f"{path}: manifest is missing field(s) {missing}; the directory is not a complete knowledge base — rebuild it with `rag index build`")
+        for name, types in _FIELD_TYPES.items():
+            value = d.get(name)
+            if name not in _REQUIRED_FIELDS and value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, types):
+                want = " or ".join(_JSON_NAMES[t] for t in types)
+                raise bad(f"field {name!r} is {json.dumps(value)[:60]} ({_json_name(value)}), expected {want}")
         if d["format_version"] > FORMAT_VERSION:
             raise KnowledgeBaseError(
                 f"{path}: format_version {d['format_version']} is newer than this rag ({FORMAT_VERSION}); upgrade rag to open it"
             )
+        if d["count"] < 0 or d["dim"] < 1:
+            raise bad(f"count={d['count']} / dim={d['dim']} are impossible (count >= 0, dim >= 1)")
+        for rel, meta in d["files"].items():
+            if not (isinstance(meta, dict) and isinstance(meta.get("sha256"), str) and isinstance(meta.get("bytes"), int)
+                    and not isinstance(meta.get("bytes"), bool)):
+                raise bad(f"files[{rel!r}] is {json.dumps(meta)[:80]}, expected {{\"sha256\": hex string, \"bytes\": integer}}")
+        try:
+            IndexSpec.from_dict(d["index"])
+        except (RagError, TypeError, ValueError) as e:
+            raise bad(f"field 'index' is not a valid index spec ({e})") from None
+        known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in d.items() if k in known})
+
+
+_REQUIRED_FIELDS = ("format_version", "version", "created", "count", "dim", "metric", "encoder", "index", "files")
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "format_version": (int,), "version": (str,), "created": (str,), "count": (int,), "dim": (int,), "metric": (str,),
+    "encoder": (dict,), "index": (dict,), "files": (dict,), "parent": (str,), "query_encoder": (dict,), "build": (dict,),
+}
+_JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array", float: "a number", bool: "a boolean"}
+
+
+def _json_name(value: Any) -> str:
+    return "null" if value is None else _JSON_NAMES.get(type(value), type(value).__name__)
+
+
+def is_knowledge_base(path: str | os.PathLike) -> bool:
+    """True when `path` is a directory whose `manifest.json` is a knowledge-base manifest (the files need not verify).
+
+    What ``overwrite=True`` may replace: a knowledge base, possibly damaged, but never a directory of anything else."""
+    try:
+        d = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and all(k in d for k in _REQUIRED_FIELDS) and str(d.get("version", "")).startswith("kb-")
 
 
 def _content_version(passage_digest: str, emb_digest: str, spec: dict, encoder: dict) -> str:
@@ -345,8 +393,17 @@ class KnowledgeBase:
         default (DPR pairs a question encoder with the context encoder that built
         the index); without it queries use `encoder` itself.
         """
+        from rag.devices import check_device
+
         passages = list(passages)
         _check_passages(passages, str(out))
+        # Everything that can be checked is checked before encoding, which takes hours on a large corpus.
+        index = IndexSpec.parse(index) if isinstance(index, str) else index
+        check_fits(index, len(passages), encoder.dim)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size (--batch-size) must be a positive integer, got {batch_size!r}")
+        check_device(device)
+        check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
         t0 = time.perf_counter()
         vectors = encoder.encode_passages(passages, batch_size=batch_size, show_progress=show_progress, device=device, dtype=dtype)
         info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
@@ -384,6 +441,7 @@ class KnowledgeBase:
         passages = list(passages)
         _check_passages(passages, str(out))
         spec = IndexSpec.parse(index) if isinstance(index, str) else index
+        check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
         embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embeddings.ndim != 2 or embeddings.shape[0] != len(passages):
             raise RagError(f"embeddings have shape {tuple(embeddings.shape)}; expected ({len(passages)}, dim) — one row per passage")
@@ -397,7 +455,7 @@ class KnowledgeBase:
         faiss_index = build_index(embeddings, spec, show_progress=show_progress)
         index_seconds = time.perf_counter() - t0
 
-        with atomic_directory(out, overwrite=overwrite) as tmp:
+        with atomic_directory(out, overwrite=overwrite, replaces=is_knowledge_base, kind="knowledge base") as tmp:
             datasets.Dataset.from_dict(
                 {"id": [p.id for p in passages], "title": [p.title for p in passages], "text": [p.text for p in passages]}
             ).save_to_disk(str(tmp / PASSAGES), num_shards=max(1, len(passages) // 2_000_000))
@@ -498,6 +556,8 @@ class KnowledgeBase:
         import datasets
 
         path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index build --out` wrote")
         if not path.is_dir():
             raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
         mpath = path / MANIFEST
@@ -505,7 +565,7 @@ class KnowledgeBase:
             raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
         try:
             manifest = Manifest.from_dict(json.loads(mpath.read_text(encoding="utf-8")), mpath)
-        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise IntegrityError(f"{mpath}: not valid JSON ({e}); the file is damaged — rebuild the knowledge base") from e
         cls._verify_files(path, manifest, verify, hash_nice=hash_nice)
         try:

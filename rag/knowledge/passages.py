@@ -48,6 +48,7 @@ __all__ = [
     "Passage",
     "Document",
     "EmptyDocumentsWarning",
+    "SkippedFilesWarning",
     "Format",
     "read_documents",
     "split_passages",
@@ -119,8 +120,10 @@ def read_documents(
 
     `source` is a file (``.jsonl``/``.json``, ``.csv``, ``.tsv``, ``.txt``, optionally
     ``.gz``/``.bz2``/``.xz`` compressed), a folder (a ``save_to_disk`` dataset when it
-    holds ``dataset_info.json``/``state.json``/``dataset_dict.json``, else a folder of
-    ``.txt`` files read recursively in sorted order), a ``datasets.Dataset``, or a list
+    holds ``dataset_info.json``/``state.json``/``dataset_dict.json``, else a folder read
+    recursively in sorted order: its ``.txt`` files one document each, then its
+    ``.jsonl``/``.json``/``.ndjson``/``.csv``/``.tsv`` files as such (``format="text"``: the
+    ``.txt`` files only); other files are skipped with a :class:`SkippedFilesWarning`), a ``datasets.Dataset``, or a list
     of these. `format="auto"` picks the format from the extension; a TSV whose header
     is exactly ``id, text, title`` is read as DPR ``psgs_w100`` (rows kept whole).
     `title_field=None` means the corpus has no titles (all titles ""). A missing id
@@ -159,7 +162,7 @@ def read_documents(
         if not path.exists():
             raise CorpusError(f"corpus source {path} does not exist; check the path")
         fmt = detect_format(path, encoding) if format == "auto" else format
-        reader = _READERS[fmt]
+        reader = _read_folder if format == "auto" and fmt == "text" and path.is_dir() else _READERS[fmt]
         count = 0
         for doc in reader(path, fields, encoding):
             count += 1
@@ -422,26 +425,61 @@ def _read_psgs_w100(path: Path, fields: _Fields, encoding: str) -> Iterator[Docu
     return _guard_decoding(path, encoding, _delimited_rows(path, fields, encoding, "\t", True))
 
 
-def _read_text(path: Path, fields: _Fields, encoding: str) -> Iterator[Document]:
-    if path.is_dir():
-        files = [
-            (p.relative_to(path).as_posix(), p)
-            for p in path.rglob("*")
-            if p.suffix.lower() == ".txt"
-            and p.is_file()
-            and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        ]
-        files.sort()
-    else:
-        files = [(path.name, path)]
-    for rel, p in files:
+_DATA_SUFFIXES = (".jsonl", ".json", ".ndjson", ".csv", ".tsv")
+
+
+class SkippedFilesWarning(UserWarning):
+    """Files in a corpus folder that were not read (their format is not one a folder's files are read as)."""
+
+
+def _folder_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
+    """A folder's non-hidden files, recursively, sorted by relative path: (text files, data files, others)."""
+    texts, data, other = [], [], []
+    for p in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix()):
+        if any(part.startswith(".") for part in p.relative_to(path).parts):
+            continue
+        suffix = _data_suffix(p)
+        (texts if suffix == ".txt" else data if suffix in _DATA_SUFFIXES else other).append(p)
+    return texts, data, other
+
+
+def _warn_skipped(path: Path, skipped: list[Path], why: str) -> None:
+    if skipped:
+        names = ", ".join(p.relative_to(path).as_posix() for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
+        warnings.warn(f"corpus folder {path}: skipped {len(skipped)} file(s) ({names}): {why}", SkippedFilesWarning, stacklevel=2)
+
+
+def _text_documents(path: Path, files: list[Path], encoding: str) -> Iterator[Document]:
+    for p in files:
         try:
             with _open_text(p, encoding, newline=None) as f:
                 text = f.read()
         except UnicodeDecodeError:
             raise _decode_error(p, encoding) from None
         name = p.name[: -len(p.suffix)] if p.suffix.lower() in _COMPRESSED else p.name
+        rel = p.relative_to(path).as_posix() if p != path else p.name
         yield Document(id=rel, title=Path(name).stem, text=text, source=f"{p}:1")
+
+
+def _read_text(path: Path, fields: _Fields, encoding: str) -> Iterator[Document]:
+    if not path.is_dir():
+        return _text_documents(path, [path], encoding)
+    texts, data, other = _folder_files(path)
+    _warn_skipped(path, data + other, "format='text' (--format text) reads only .txt files; --format auto also reads "
+                  ".jsonl/.json/.csv/.tsv files")
+    return _text_documents(path, texts, encoding)
+
+
+def _read_folder(path: Path, fields: _Fields, encoding: str) -> Iterator[Document]:
+    """A folder read with format='auto': its .txt files (one document each, id = relative path), then its
+    .jsonl/.json/.ndjson/.csv/.tsv files (each read in the format its extension says), all in sorted order;
+    other files are skipped with a :class:`SkippedFilesWarning`."""
+    texts, data, other = _folder_files(path)
+    _warn_skipped(path, other, f"a folder's files are read only when they are {', '.join(('.txt',) + _DATA_SUFFIXES)} "
+                  "(optionally .gz/.bz2/.xz compressed); convert them, or pass them as separate --corpus sources with --format")
+    yield from _text_documents(path, texts, encoding)
+    for p in data:
+        yield from _READERS[detect_format(p, encoding)](p, fields, encoding)
 
 
 def _is_dataset(obj: Any) -> bool:

@@ -76,3 +76,47 @@ def test_errors_are_one_line_with_exit_code_2(tmp_path, demo_kb, capsys):
 def test_console_entry_point_runs():
     r = subprocess.run([sys.executable, "-m", "rag", "index", "--help"], capture_output=True, text=True, cwd=REPO)
     assert r.returncode == 0 and "build" in r.stdout and "search" in r.stdout
+
+
+def _tree(path: Path) -> dict:
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()} if path.is_dir() else {".": path.read_bytes()}
+
+
+def test_overwrite_never_destroys_an_input_or_other_data(tmp_path, tiny_bert_dir, capsys):
+    """`--overwrite` replaces a knowledge base, and only that: not the corpus file or folder, not another directory."""
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text("".join(json.dumps({"title": f"t{i}", "text": f"text {i} about metals"}) + "\n" for i in range(5)))
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a document about gold")
+    other = tmp_path / "photos"
+    other.mkdir()
+    (other / "me.jpg").write_bytes(b"\xff\xd8 not really a jpeg")
+    build = ["index", "build", "--encoder", tiny_bert_dir, "--index", "flat", "--quiet", "--overwrite"]
+    for src, out, expected in [(corpus, corpus, "destroy the input"), (folder, folder, "destroy the input"),
+                               (corpus, folder, "not a knowledge base"), (corpus, other, "not a knowledge base"),
+                               (folder, folder / "kb", "inside the corpus folder"), (folder / "a.txt", folder, "destroy the input")]:
+        before = {p: _tree(p) for p in (corpus, folder, other)}
+        assert main([*build, "--corpus", str(src), "--out", str(out)]) == 2
+        assert expected in capsys.readouterr().err
+        assert {p: _tree(p) for p in (corpus, folder, other)} == before
+    kb = tmp_path / "kb"
+    assert main([*build, "--corpus", str(corpus), "--out", str(kb)]) == 0
+    assert main([*build, "--corpus", str(folder), "--out", str(kb)]) == 0  # a knowledge base is replaced
+    capsys.readouterr()
+    assert main(["index", "info", str(kb), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] == 1
+
+
+def test_corpus_folder_reads_its_data_files_and_names_what_it_skips(tmp_path, tiny_bert_dir, capsys):
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    (folder / "a.txt").write_text("a plain text document about iron")
+    (folder / "b.jsonl").write_text(json.dumps({"id": "j1", "title": "Gold", "text": "gold is a metal"}) + "\n")
+    (folder / "c.csv").write_text("id,title,text\nc1,Neon,neon is a gas\n")
+    (folder / "notes.md").write_text("# not read")
+    out = tmp_path / "kb"
+    assert main(["index", "build", "--corpus", str(folder), "--encoder", tiny_bert_dir, "--out", str(out), "--index", "flat", "--quiet"]) == 0
+    assert "notes.md" in capsys.readouterr().err
+    assert main(["index", "search", str(out), "metal", "-k", "3", "--json"]) == 0
+    assert {p["id"] for p in json.loads(capsys.readouterr().out)["passages"]} == {"a.txt", "j1", "c1"}

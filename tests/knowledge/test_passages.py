@@ -310,3 +310,21 @@ def test_unknown_inputs(tmp_path):
         list(read_documents(FIXTURES / "docs.jsonl", format="xml"))
     with pytest.raises(CorpusError, match="unknown encoding"):
         list(read_documents(FIXTURES / "docs.jsonl", encoding="no-such-codec"))
+
+
+def test_folder_reads_txt_jsonl_csv_tsv_and_warns_about_other_files(tmp_path):
+    from rag.knowledge.passages import SkippedFilesWarning
+
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("text file")
+    (tmp_path / "sub" / "b.jsonl").write_text('{"id": "j", "title": "J", "text": "json line"}\n')
+    (tmp_path / "c.csv").write_text("id,title,text\nc,C,csv row\n")
+    (tmp_path / "d.tsv").write_text("id\ttitle\ttext\nd\tD\ttsv row\n")
+    (tmp_path / "e.pdf").write_bytes(b"%PDF")
+    (tmp_path / ".hidden.jsonl").write_text("{broken")
+    with pytest.warns(SkippedFilesWarning, match=r"skipped 1 file\(s\) \(e.pdf\)"):
+        docs = list(read_documents(tmp_path))
+    assert [(d.id, d.text) for d in docs] == [("a.txt", "text file"), ("c", "csv row"), ("d", "tsv row"), ("j", "json line")]
+    with pytest.warns(SkippedFilesWarning, match=r"skipped 4 file\(s\).*--format auto also reads"):
+        docs = list(read_documents(tmp_path, format="text"))
+    assert [d.id for d in docs] == ["a.txt"]
