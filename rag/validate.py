@@ -18,9 +18,8 @@ def check_strings(items: Any, what: str, *, allow_empty: bool = False, allow_bla
     """`items` as a list of strings, or `error` naming the bad item.
 
     A single string is refused (it would be read as a list of characters). By default the list must
-    be non-empty (``allow_empty``) and every string hold text (``allow_blank``). The messages name the
-    item both ways ("questions[1] is int — questions[1] is a int value"), the two wordings the entry
-    points it replaced used (and their tests pin).
+    be non-empty (``allow_empty``) and every string hold text (``allow_blank``). Messages name the bad
+    item by its index (``questions[1] is int, not a string``).
     """
     if isinstance(items, str):
         raise error(f"{what} must be a list of strings, got a single string; wrap it in a list")
@@ -33,9 +32,9 @@ def check_strings(items: Any, what: str, *, allow_empty: bool = False, allow_bla
     for i, s in enumerate(items):
         if not isinstance(s, str):
             t = type(s).__name__
-            raise error(f"{what}[{i}] is {t} — {what}[{i}] is a {t} value, not a string; pass text")
+            raise error(f"{what}[{i}] is {t}, not a string; pass text")
         if not allow_blank and not s.strip():
-            raise error(f"{what}[{i}] is empty — {what}[{i}] is an empty string; remove the example or give it text")
+            raise error(f"{what}[{i}] is empty (blank text); give it text or remove it")
     return items
 
 

@@ -303,15 +303,15 @@ def test_keep_question_truncation_vs_hf_right_truncation(make_model):
 
 
 def test_bad_inputs_raise_rag_error_naming_the_item(model):
-    with pytest.raises(RagError, match=r"questions\[1\] is an empty string"):
+    with pytest.raises(RagError, match=r"questions\[1\] is empty"):
         model(["ok?", "  "], ["a", "b"])
-    with pytest.raises(RagError, match=r"targets\[0\] is an empty string"):
+    with pytest.raises(RagError, match=r"targets\[0\] is empty"):
         model(["ok?", "fine?"], ["", "b"])
     with pytest.raises(RagError, match="2 questions but 1 targets"):
         model(["ok?", "fine?"], ["a"])
     with pytest.raises(RagError, match="single string"):
         model("ok?", ["a"])
-    with pytest.raises(RagError, match=r"questions\[0\] is a int"):
+    with pytest.raises(RagError, match=r"questions\[0\] is int, not a string"):
         model([3], ["a"])
     with pytest.raises(RagError, match="questions is empty"):
         model([], [])
