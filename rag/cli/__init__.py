@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rag {rag.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; show tracebacks and every warning")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for module in COMMANDS.values():
         importlib.import_module(module).add_parser(sub)
     _add_verbose_everywhere(parser)
     return parser

@@ -147,7 +147,7 @@ def cmd_info(args) -> int:
         lines.append(f"query encoder   {d['query_encoder'].get('name')}")
     spec = ", ".join(f"{k}={v}" for k, v in d["index"].items() if k != "kind" and v is not None)
     lines.append(f"index           {d['index']['kind']} ({spec})")
-    lines.append(f"build           " + ", ".join(f"{k}={v}" for k, v in d["build"].items()))
+    lines.append("build           " + ", ".join(f"{k}={v}" for k, v in d["build"].items()))
     total = sum(f["bytes"] for f in d["files"].values())
     lines.append(f"files           {len(d['files'])} files, {total / 1e6:.1f} MB, checksums "
                  + {"full": "verified", "size": "sizes verified", "none": "not verified"}[args.verify])

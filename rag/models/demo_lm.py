@@ -17,10 +17,10 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional
 
-from rag.errors import IntegrityError, RagError
 from rag.checksums import file_checksums, sha256_file, verify_files
+from rag.errors import IntegrityError, RagError
 from rag.io import atomic_directory, atomic_write_json
 
 __all__ = [

@@ -45,8 +45,15 @@ def sharpen(src: str, out, kind: str, std: float, seed: int) -> str:
 def setup(tmp_path_factory, demo_passages, tiny_dpr_question_dir, tiny_dpr_context_dir, tiny_bart_dir):
     """Sharpened tiny DPR + BART, a KB over 30 demo passages, and transformers RAG checkpoints
     (sequence and token) saved with RagTokenizer's layout."""
-    from transformers import (AutoModelForSeq2SeqLM, AutoTokenizer, DPRQuestionEncoder, RagConfig,
-                              RagSequenceForGeneration, RagTokenForGeneration, RagTokenizer)
+    from transformers import (
+        AutoModelForSeq2SeqLM,
+        AutoTokenizer,
+        DPRQuestionEncoder,
+        RagConfig,
+        RagSequenceForGeneration,
+        RagTokenForGeneration,
+        RagTokenizer,
+    )
 
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase

@@ -4,7 +4,6 @@ failed / killed builds, document-encoder gradients and stale-index re-ranking.""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import logging
 import os
 import re
