@@ -1,6 +1,7 @@
 """The `rag` command.
 
     rag index build|info|search ...     knowledge bases (rag.cli.index)
+    rag lm-eval ...                     perplexity with In-Context RALM (rag.cli.lm_eval)
     rag fit|validate|test|predict ...   training and evaluation with LightningCLI
 
 Each subcommand module exposes `add_parser(subparsers)`; Lightning's subcommands are
@@ -20,7 +21,7 @@ from rag.errors import RagError
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
-COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve", "hotswap-eval": "rag.cli.hotswap_eval"}
+COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve", "hotswap-eval": "rag.cli.hotswap_eval", "lm-eval": "rag.cli.lm_eval"}
 
 
 def build_parser() -> argparse.ArgumentParser:
