@@ -35,36 +35,13 @@ def add_parser(sub) -> None:
     p.set_defaults(func=cmd_lm_eval)
 
 
-def open_retriever(kind: str, kb_path):
-    """The retriever `--retrieval` names over `--kb` (None for ``none``)."""
-    from rag.errors import ConfigError, KnowledgeBaseError
-
-    if kind == "none":
-        return None
-    if kb_path is None:
-        raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass --retrieval none")
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    if kind == "bm25":
-        from rag.knowledge.bm25 import BM25Retriever
-
-        kb = KnowledgeBase.open(kb_path)
-        if kb.bm25 is None:
-            raise KnowledgeBaseError(f"--kb {kb_path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
-                                     "`rag index build --bm25`, or pass --retrieval dense")
-        return BM25Retriever(kb.bm25, kb.get_passages, kb.version, knowledge_base=kb)
-    from rag.knowledge.retriever import DenseRetriever
-
-    return DenseRetriever.from_path(kb_path)
-
-
 def cmd_lm_eval(args) -> int:
     import torch
 
     from rag.errors import ConfigError
     from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
     from rag.models.generator import load_generator
-    from rag.models.ralm import CausalScorer, InContextRALM, RalmConfig
+    from rag.models.ralm import CausalScorer, InContextRALM, RalmConfig, open_retriever
 
     if args.rerank != "none" and args.retrieval == "none":
         raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")

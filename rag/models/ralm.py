@@ -26,7 +26,7 @@ from rag.knowledge.retriever import Retrieved
 
 __all__ = [
     "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "Reranker",
-    "chunk_spans", "query_spans", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text",
+    "chunk_spans", "query_spans", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text", "open_retriever",
 ]
 
 DEFAULT_MAX_LENGTH = 1024  # the paper's sequence length (§4.2)
@@ -166,6 +166,30 @@ def retrieve_excluding(retriever, queries: Sequence[str], k: int,
                 again.append(i)
         todo, fetch = again, (fetch * 4 if n is None else min(n, fetch * 4))
     return out  # type: ignore[return-value]
+
+
+def open_retriever(kind: str, kb_path):
+    """The retriever `kind` (``bm25`` | ``dense`` | ``none``, the ``--retrieval`` option) over the knowledge base at
+    `kb_path` (``--kb``); None for ``none``. BM25 needs the knowledge base's stored index (``rag index build --bm25``)."""
+    from rag.errors import KnowledgeBaseError
+
+    if kind == "none":
+        return None
+    if kb_path is None:
+        raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass --retrieval none")
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    if kind == "bm25":
+        from rag.knowledge.bm25 import BM25Retriever
+
+        kb = KnowledgeBase.open(kb_path)
+        if kb.bm25 is None:
+            raise KnowledgeBaseError(f"--kb {kb_path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
+                                     "`rag index build --bm25`, or pass --retrieval dense")
+        return BM25Retriever(kb.bm25, kb.get_passages, kb.version, knowledge_base=kb)
+    from rag.knowledge.retriever import DenseRetriever
+
+    return DenseRetriever.from_path(kb_path)
 
 
 def doc_text(p: Passage) -> str:
