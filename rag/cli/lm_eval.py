@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts (default 16)")
     p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=256, help="retrieved documents are cut to this many tokens")
-    p.add_argument("--batch-size", type=int, default=16, help="windows per forward pass")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8; raise it on a GPU)")
     p.add_argument("--no-exclude-own", dest="exclude_own", action="store_false",
                    help="allow retrieving passages of the evaluated text's own document (leakage guard off)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")

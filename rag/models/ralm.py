@@ -12,7 +12,6 @@ never cut. Without retrieval the windows are the plain sliding-window ("fixed-le
 
 from __future__ import annotations
 
-import inspect
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
@@ -26,10 +25,11 @@ from rag.knowledge.retriever import Retrieved
 
 __all__ = [
     "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "Reranker",
-    "chunk_spans", "query_spans", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text", "open_retriever",
+    "chunk_spans", "query_spans", "window_start", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text", "open_retriever",
 ]
 
 DEFAULT_MAX_LENGTH = 1024  # the paper's sequence length (§4.2)
+HEAD_ROWS = 1024  # scored positions per LM-head call: bounds the (rows, vocab) logits in memory
 
 
 @dataclass
@@ -48,8 +48,8 @@ class RalmConfig:
     """Documents retrieved per query when a reranker chooses among them (§6: top-16)."""
     exclude_own: bool = True
     """Leakage guard: never retrieve passages of the evaluated text's own document (same id or title)."""
-    batch_size: int = 16
-    """Windows per LM forward pass."""
+    batch_size: int = 8
+    """Windows per LM forward pass (CPU: small batches are fastest; GPU: raise it)."""
     retrieval_batch: int = 4096
     """Most queries per retrieval call (texts are grouped until this many)."""
 
@@ -104,16 +104,21 @@ def query_spans(spans: Sequence[tuple[int, int]], query_length: int) -> list[Opt
     return [None if a <= 1 else (max(1, a - query_length), a) for a, _ in spans]
 
 
+def window_start(start: int, end: int, doc_len: int, max_length: int) -> int:
+    """``c``: where the prefix kept before ``stream[start:end]`` begins when a document of ``doc_len`` tokens comes first."""
+    budget = max_length - doc_len - (end - start)
+    if budget < 1:
+        raise ConfigError(
+            f"a document of {doc_len} tokens + {end - start} scored tokens + 1 prefix token cannot fit the LM's window of "
+            f"{max_length} tokens; lower --doc-max-length or --stride, or raise --max-length"
+        )
+    return max(0, start - budget)
+
+
 def window_ids(stream: Sequence[int], start: int, end: int, doc: Sequence[int], max_length: int) -> list[int]:
     """``doc ∘ stream[c:end]``, the prefix ``stream[c:start]`` cut from the left so the window fits ``max_length``;
     the scored tokens ``stream[start:end]`` and the one token before them are always kept."""
-    budget = max_length - len(doc) - (end - start)
-    if budget < 1:
-        raise ConfigError(
-            f"a document of {len(doc)} tokens + {end - start} scored tokens + 1 prefix token cannot fit the LM's window of "
-            f"{max_length} tokens; lower --doc-max-length or --stride, or raise --max-length"
-        )
-    return list(doc) + list(stream[max(0, start - budget):end])
+    return list(doc) + list(stream[window_start(start, end, len(doc), max_length):end])
 
 
 def own_document_filter(text: EvalText) -> Optional[Callable[[Passage], bool]]:
@@ -201,10 +206,10 @@ def doc_text(p: Passage) -> str:
 
 
 class CausalScorer:
-    """A frozen causal LM + tokenizer that scores windows in left-padded batches, computing logits only for the
-    scored positions (``logits_to_keep`` where the model supports it)."""
+    """A frozen causal LM + tokenizer that scores windows in right-padded batches, computing logits only at the scored
+    positions."""
 
-    def __init__(self, model, tokenizer, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 16):
+    def __init__(self, model, tokenizer, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
         from rag.models.generator import check_generator_kind
 
         check_generator_kind(model, "causal", "In-Context RALM (--model / --rerank-model)")
@@ -221,7 +226,6 @@ class CausalScorer:
         if self.max_length > positions:
             raise ConfigError(f"--max-length {self.max_length} exceeds the LM's {positions} positions; lower it")
         self.doc_max_length, self.batch_size = int(doc_max_length), int(batch_size)
-        self._keep = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._doc_cache: dict[tuple[str, str, str], list[int]] = {}
 
     @property
@@ -247,37 +251,67 @@ class CausalScorer:
     def clear_cache(self) -> None:
         self._doc_cache.clear()
 
-    @torch.no_grad()
-    def score(self, windows: Sequence[Sequence[int]], n_scored: Sequence[int], *, progress=None) -> list[np.ndarray]:
-        """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them.
+    def _split_head(self):
+        """``(base, head)`` when ``head(base(x).last_hidden_state)`` reproduces the model's logits (checked once on a short
+        input), so logits can be computed only at the scored positions; else None (full logits, then gather)."""
+        base, head = getattr(self.model, "base_model", None), self.model.get_output_embeddings()
+        if base is None or base is self.model or head is None:
+            return None
+        x = torch.tensor([[self.ctx_id] * 4], device=self.device)
+        with torch.no_grad():
+            try:
+                ok = torch.allclose(head(base(input_ids=x).last_hidden_state).float(), self.model(input_ids=x).logits.float(), atol=1e-4, rtol=1e-4)
+            except (TypeError, AttributeError, RuntimeError):
+                ok = False
+        return (base, head) if ok else None
 
-        Windows are sorted by length and batched ``batch_size`` at a time, left-padded, with position ids that start at
-        0 on each window's first real token. Returns per window a ``(n_scored[i],)`` float64 array.
+    def score(self, windows: Sequence[Sequence[int]], n_scored: Sequence[int], *, progress=None) -> list[np.ndarray]:
+        """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them: ``(n_scored[i],)`` each."""
+        return self.score_positions(windows, [range(len(w) - m, len(w)) for w, m in zip(windows, n_scored)], progress=progress)
+
+    @torch.no_grad()
+    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
+        """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]`` (every ``t >= 1``): a float64 array per window.
+
+        Windows are sorted by length and run ``batch_size`` at a time, right-padded: a causal LM never attends to later
+        positions, so the pads cannot change a real position's output, and positions ids stay 0..len-1 (no attention
+        mask needed). The LM head runs only at the scored positions, ``HEAD_ROWS`` rows at a time.
         """
+        if not hasattr(self, "_head"):
+            self._head = self._split_head()
         order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
         out: list[Optional[np.ndarray]] = [None] * len(windows)
         dev = self.device
         for lo in range(0, len(order), self.batch_size):
             idx = order[lo:lo + self.batch_size]
             width = max(len(windows[i]) for i in idx)
-            m = max(n_scored[i] for i in idx)
             ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            mask = torch.zeros((len(idx), width), dtype=torch.long)
+            rows, cols = [], []
             for r, i in enumerate(idx):
-                w = windows[i]
-                if n_scored[i] >= len(w) or n_scored[i] < 1:
-                    raise RagError(f"window {i}: {n_scored[i]} scored tokens need at least one token before them")
-                ids[r, width - len(w):] = torch.as_tensor(w, dtype=torch.long)
-                mask[r, width - len(w):] = 1
-            pos = (mask.cumsum(-1) - 1).clamp_min(0)
-            kw = {"logits_to_keep": m + 1} if self._keep else {}
-            logits = self.model(input_ids=ids.to(dev), attention_mask=mask.to(dev), position_ids=pos.to(dev), **kw).logits
-            logits = logits[:, -(m + 1):-1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, width - m:].to(dev).unsqueeze(-1)).squeeze(-1).double().cpu()
-            for r, i in enumerate(idx):
-                out[i] = lp[r, m - n_scored[i]:].numpy()
+                w, pos = windows[i], list(positions[i])
+                if pos and (min(pos) < 1 or max(pos) >= len(w)):
+                    raise RagError(f"window {i}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
+                ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
+                rows += [r] * len(pos)
+                cols += pos
+            ids = ids.to(dev)
+            r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
+            if self._head is not None:
+                hidden = self._head[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
+                lp = torch.cat([torch.log_softmax(self._head[1](hidden[k:k + HEAD_ROWS]).float(), -1)
+                                .gather(-1, ids[r_t[k:k + HEAD_ROWS], c_t[k:k + HEAD_ROWS]].unsqueeze(-1)).squeeze(-1)
+                                for k in range(0, len(rows), HEAD_ROWS)]) if rows else torch.zeros(0)
+            else:
+                logits = self.model(input_ids=ids).logits[r_t, c_t - 1].float()
+                lp = torch.log_softmax(logits, -1).gather(-1, ids[r_t, c_t].unsqueeze(-1)).squeeze(-1)
+            lp = lp.double().cpu().numpy()
+            at = 0
+            for i in idx:
+                n = len(positions[i])
+                out[i] = lp[at:at + n]
+                at += n
             if progress is not None:
-                progress.update(sum(n_scored[i] for i in idx))
+                progress.update(len(rows))
         return out  # type: ignore[return-value]
 
 
@@ -370,17 +404,32 @@ class InContextRALM:
             for (g, j, _), c, b in zip(flat, cands, best):
                 chosen[(g, j)] = c[int(b)][0]
         docs = dict(zip(chosen, self.scorer.doc_tokens(chosen.values())))
-        windows, n_scored, owner = [], [], []
+        # Chunks of a text that read the same document after the same prefix cut have windows that are prefixes of one
+        # another (before the prefix needs cutting, every chunk that retrieved d reads d ∘ stream[0:b]): one window, the
+        # longest, scores them all — the causal LM gives each position the same context as in its own window.
+        merged: dict[tuple, list] = {}
+        L = self.scorer.max_length
         for g, ((_, stream), (spans, _)) in enumerate(zip(group, plans)):
             for j, (a, b) in enumerate(spans):
-                windows.append(window_ids(stream, a, b, docs.get((g, j), ()), self.scorer.max_length))
-                n_scored.append(b - a)
-                owner.append(g)
-        lps = self.scorer.score(windows, n_scored, progress=bar)
+                doc = docs.get((g, j), ())
+                p = chosen.get((g, j))
+                key = (g, None if p is None else (p.id, p.title, p.text), window_start(a, b, len(doc), L))
+                merged.setdefault(key, [doc, []])[1].append((j, a, b))
+        windows, positions, parts = [], [], []
+        for (g, _, c), (doc, chunks) in merged.items():
+            stream = group[g][1]
+            windows.append(list(doc) + list(stream[c:max(b for _, _, b in chunks)]))
+            positions.append([len(doc) + t - c for _, a, b in chunks for t in range(a, b)])
+            parts.append((g, chunks))
+        lps = self.scorer.score_positions(windows, positions, progress=bar)
         self.scorer.clear_cache()
-        pos = 0
+        per_chunk: dict[tuple[int, int], np.ndarray] = {}
+        for (g, chunks), lp in zip(parts, lps):
+            at = 0
+            for j, a, b in chunks:
+                per_chunk[(g, j)] = lp[at:at + b - a]
+                at += b - a
         for g, ((t, stream), (spans, _)) in enumerate(zip(group, plans)):
-            lp = np.concatenate(lps[pos:pos + len(spans)])
-            pos += len(spans)
+            lp = np.concatenate([per_chunk[(g, j)] for j in range(len(spans))])
             doc_ids = [chosen[(g, j)].id if (g, j) in chosen else None for j in range(len(spans))]
             yield TextScore(t.id, lp, np.asarray(stream[1:], dtype=np.int64), len(t.text.split()), len(t.text.encode("utf-8")), doc_ids)

@@ -174,3 +174,22 @@ def test_bad_inputs_name_the_option(lm, bm25, tiny_bart_dir):
     seq2seq, _, _ = load_generator(tiny_bart_dir)
     with pytest.raises(ConfigError, match="decoder-only"):
         CausalScorer(seq2seq, tok)
+
+
+def test_chunks_reading_the_same_document_share_one_window_and_the_head_split_is_exact(lm, bm25, demo_passages, monkeypatch):
+    model, tok = lm
+    texts = _texts(demo_passages, 3)
+    ralm = InContextRALM(model, tok, bm25, RalmConfig(stride=2, query_length=16, max_length=128, doc_max_length=40))
+    calls = []
+    real = ralm.scorer.score_positions
+    monkeypatch.setattr(ralm.scorer, "score_positions", lambda w, p, **kw: calls.append(len(w)) or real(w, p, **kw))
+    merged = [s.token_logprobs for s in ralm.score_texts(texts)]
+    n_chunks = sum(math.ceil(len(tok(t.text, add_special_tokens=False)["input_ids"]) / 2) for t in texts)
+    assert sum(calls) < n_chunks  # consecutive chunks often retrieve the same passage
+    assert ralm.scorer._head is not None  # GPT-2: base model + LM head reproduce the logits
+    ralm.scorer._head = None  # full logits, then gather
+    for a, b in zip(merged, (s.token_logprobs for s in ralm.score_texts(texts))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+    for t, lp in zip(texts, merged):
+        ref = _one_window_at_a_time(model, tok, bm25, t, 2, 16, 128, 40)
+        np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
