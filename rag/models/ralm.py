@@ -30,6 +30,7 @@ __all__ = [
 
 DEFAULT_MAX_LENGTH = 1024  # the paper's sequence length (§4.2)
 HEAD_ROWS = 1024  # scored positions per LM-head call: bounds the (rows, vocab) logits in memory
+WINDOW_SLICE = 4096  # windows built (as token lists) at a time
 
 
 @dataclass
@@ -415,20 +416,20 @@ class InContextRALM:
                 p = chosen.get((g, j))
                 key = (g, None if p is None else (p.id, p.title, p.text), window_start(a, b, len(doc), L))
                 merged.setdefault(key, [doc, []])[1].append((j, a, b))
-        windows, positions, parts = [], [], []
-        for (g, _, c), (doc, chunks) in merged.items():
-            stream = group[g][1]
-            windows.append(list(doc) + list(stream[c:max(b for _, _, b in chunks)]))
-            positions.append([len(doc) + t - c for _, a, b in chunks for t in range(a, b)])
-            parts.append((g, chunks))
-        lps = self.scorer.score_positions(windows, positions, progress=bar)
-        self.scorer.clear_cache()
         per_chunk: dict[tuple[int, int], np.ndarray] = {}
-        for (g, chunks), lp in zip(parts, lps):
-            at = 0
-            for j, a, b in chunks:
-                per_chunk[(g, j)] = lp[at:at + b - a]
-                at += b - a
+        items = list(merged.items())
+        for lo in range(0, len(items), WINDOW_SLICE):  # windows are built a slice at a time: a long text has many
+            windows, positions = [], []
+            for (g, _, c), (doc, chunks) in items[lo:lo + WINDOW_SLICE]:
+                windows.append(list(doc) + list(group[g][1][c:max(b for _, _, b in chunks)]))
+                positions.append([len(doc) + t - c for _, a, b in chunks for t in range(a, b)])
+            lps = self.scorer.score_positions(windows, positions, progress=bar)
+            for ((g, _, _), (_, chunks)), lp in zip(items[lo:lo + WINDOW_SLICE], lps):
+                at = 0
+                for j, a, b in chunks:
+                    per_chunk[(g, j)] = lp[at:at + b - a]
+                    at += b - a
+        self.scorer.clear_cache()
         for g, ((t, stream), (spans, _)) in enumerate(zip(group, plans)):
             lp = np.concatenate([per_chunk[(g, j)] for j in range(len(spans))])
             doc_ids = [chosen[(g, j)].id if (g, j) in chosen else None for j in range(len(spans))]

@@ -188,8 +188,27 @@ def test_chunks_reading_the_same_document_share_one_window_and_the_head_split_is
     assert sum(calls) < n_chunks  # consecutive chunks often retrieve the same passage
     assert ralm.scorer._head is not None  # GPT-2: base model + LM head reproduce the logits
     ralm.scorer._head = None  # full logits, then gather
+    monkeypatch.setattr("rag.models.ralm.WINDOW_SLICE", 3)  # and windows built 3 at a time
     for a, b in zip(merged, (s.token_logprobs for s in ralm.score_texts(texts))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for t, lp in zip(texts, merged):
         ref = _one_window_at_a_time(model, tok, bm25, t, 2, 16, 128, 40)
         np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_leakage_guard_digs_deeper_when_the_own_document_fills_the_top(tmp_path):
+    from rag.knowledge.bm25 import BM25Retriever
+    from rag.knowledge.passages import Passage
+    from rag.models.ralm import retrieve_excluding
+
+    own = [Passage(f"doc/tin-{i}", "Tin", f"tin solder pewter bronze part {i}") for i in range(12)]  # a document split in 12
+    others = [Passage("doc/lead", "Lead", "lead solder pipes"), Passage("doc/zinc", "Zinc", "zinc bronze brass"),
+              Passage("doc/neon", "Neon", "neon lights")]
+    r = BM25Retriever.from_passages(own + others, show_progress=False)
+    guard = own_document_filter(EvalText("...", "doc/tin", "Tin"))
+    (hits,) = retrieve_excluding(r, ["tin solder pewter bronze"], 2, [guard])  # the first 10 hits are all its own
+    assert [p.id for p, _ in hits] == ["doc/lead", "doc/zinc"] or [p.id for p, _ in hits] == ["doc/zinc", "doc/lead"]
+    (unguarded,) = retrieve_excluding(r, ["tin solder pewter bronze"], 2, [None])
+    assert all(p.id.startswith("doc/tin-") for p, _ in unguarded)
+    with pytest.raises(RagError, match="only 3 passages remain.*--rerank-k"):
+        retrieve_excluding(r, ["tin solder"], 4, [guard])
