@@ -26,7 +26,6 @@ ours, ...) over ``--rounds`` rounds; the median time is reported.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile

@@ -68,6 +68,11 @@ class LMReranker:
     def scores(self, ralm: InContextRALM, requests: Sequence[Request]) -> np.ndarray:
         """``(n, k)`` summed log-likelihoods of each request's last ``s'`` prefix tokens under each candidate."""
         scorer, streams = self._streams(ralm, requests)
+        if scorer.doc_max_length + self.rerank_tokens + 1 > scorer.max_length:
+            raise ConfigError(
+                f"zero-shot reranking reads a document of up to {scorer.doc_max_length} tokens + {self.rerank_tokens} prefix tokens "
+                f"(--rerank-tokens) + 1, more than the reranking LM's window of {scorer.max_length}; lower --rerank-tokens or --doc-max-length"
+            )
         k = len(requests[0][2]) if requests else 0
         windows, n_scored = [], []
         for (stream, a), (_, _, cands) in zip(streams, requests):

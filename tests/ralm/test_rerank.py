@@ -78,3 +78,10 @@ def test_a_smaller_reranking_lm_with_its_own_tokenizer(lm, bm25, demo_passages, 
         assert g == pytest.approx(_brute_force(sm, st, s2, len(s2), ids, 4, 64), rel=1e-5, abs=1e-4)
     (result,) = ralm.score_texts([text])
     assert len(result.token_logprobs) == len(stream) - 1
+
+
+def test_rerank_tokens_that_cannot_fit_are_refused(lm, bm25, demo_passages):
+    model, tok = lm
+    ralm = InContextRALM(model, tok, bm25, RalmConfig(stride=4, query_length=8, k=2, **SMALL), LMReranker(rerank_tokens=60))
+    with pytest.raises(ConfigError, match="--rerank-tokens"):
+        list(ralm.score_texts([EvalText(demo_passages[2].text, demo_passages[2].id)]))
