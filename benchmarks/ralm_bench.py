@@ -7,7 +7,7 @@ from the left ∘ the stride's tokens), so their token log-likelihoods must agre
 * reference: the shape of the authors' ``eval_lm.py`` loop — for every stride one retrieval call with one query,
   one tokenization of the retrieved document, one batch-1 forward pass computing logits over the whole window;
 * ours: :class:`rag.models.ralm.InContextRALM` — every query of a text group known up front and retrieved in one
-  call, documents tokenized once per group, windows left-padded into batches, logits only at the scored positions.
+  call, documents tokenized once per group, chunks that read the same document after the same prefix cut scored in one window, windows batched (right-padded), logits only at the scored positions.
 
 Data: the bundled Elements passages (rag/demo/elements.jsonl, 137 short encyclopaedia entries) as both the
 knowledge base and the evaluated texts, with the leakage guard excluding each text's own passage (so the
