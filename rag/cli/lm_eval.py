@@ -1,0 +1,82 @@
+"""`rag lm-eval`: perplexity of texts under a causal LM, with In-Context RALM retrieval (Ram et al. 2023) or without."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+DEFAULT_LM = "smollm2"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("lm-eval", help="perplexity (token, word, bits per byte) of texts under a causal LM, with In-Context RALM",
+                       description="Evaluate a causal LM's perplexity on texts, retrieving a document every --stride tokens "
+                                   "with the last --query-length tokens as query (In-Context RALM).")
+    p.add_argument("--model", default=DEFAULT_LM, help=f"causal LM directory or name (default: {DEFAULT_LM}, the demo LM)")
+    p.add_argument("--kb", default=None, help="knowledge-base directory (needed unless --retrieval none)")
+    p.add_argument("--data", required=True, help=".jsonl (field 'text', optional 'id'/'title'), a plain text file, or a datasets directory")
+    p.add_argument("--text-field", default="text", help="JSON / dataset field holding the text")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N texts")
+    p.add_argument("--stride", type=int, default=4, help="retrieval stride s: tokens between retrievals (default 4)")
+    p.add_argument("--query-length", type=int, default=32, help="retrieval query length ℓ in tokens (default 32)")
+    p.add_argument("--retrieval", choices=["bm25", "dense", "none"], default="bm25")
+    p.add_argument("--rerank", choices=["none", "zero-shot", "trained"], default="none",
+                   help="choose among the top --rerank-k documents: the LM's zero-shot reranking (§6.1) or a trained reranker (§6.2)")
+    p.add_argument("--rerank-model", default=None, help="zero-shot: a (smaller) causal LM, default the --model itself; trained: the reranker directory")
+    p.add_argument("--rerank-k", type=int, default=16, help="documents to rerank (default 16)")
+    p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts (default 16)")
+    p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
+    p.add_argument("--doc-max-length", type=int, default=256, help="retrieved documents are cut to this many tokens")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8; raise it on a GPU)")
+    p.add_argument("--no-exclude-own", dest="exclude_own", action="store_false",
+                   help="allow retrieving passages of the evaluated text's own document (leakage guard off)")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with perplexity, word_perplexity, bits_per_byte")
+    p.set_defaults(func=cmd_lm_eval)
+
+
+def cmd_lm_eval(args) -> int:
+    import torch
+
+    from rag.errors import ConfigError
+    from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
+    from rag.models.generator import load_generator
+    from rag.models.ralm import CausalScorer, InContextRALM, RalmConfig, open_retriever
+
+    if args.rerank != "none" and args.retrieval == "none":
+        raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")
+    if args.rerank == "trained" and not args.rerank_model:
+        raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config lightning_configs/ralm_reranker_tiny.yaml`)")
+    cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
+                     k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size)
+    cfg.check()
+    texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    model, tok, _ = load_generator(args.model, kind="causal")
+    retriever = open_retriever(args.retrieval, args.kb)
+    reranker = None
+    if args.rerank == "zero-shot":
+        from rag.models.rerank import LMReranker
+
+        scorer = None
+        if args.rerank_model:
+            rm, rt, _ = load_generator(args.rerank_model, kind="causal")
+            scorer = CausalScorer(rm.to(device), rt, max_length=args.max_length, doc_max_length=args.doc_max_length,
+                                  batch_size=args.batch_size)
+        reranker = LMReranker(scorer, rerank_tokens=args.rerank_tokens)
+    elif args.rerank == "trained":
+        from rag.models.rerank import PredictiveReranker
+
+        reranker = PredictiveReranker.load(args.rerank_model).to(device)
+    ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)
+    result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)
+    settings = {"model": str(args.model), "kb": args.kb, "retrieval": args.retrieval, "rerank": args.rerank,
+                "rerank_model": args.rerank_model, "stride": cfg.stride, "query_length": cfg.query_length,
+                "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own}
+    if args.json:
+        print(json.dumps({**result.to_dict(), "settings": settings}))
+    else:
+        print(f"texts {result.texts}  tokens {result.tokens}  words {result.words}  bytes {result.bytes}  "
+              f"retrieved chunks {result.retrieved_chunks}")
+        print(f"perplexity {result.perplexity:.4f}  word perplexity {result.word_perplexity:.4f}  bits per byte {result.bits_per_byte:.4f}")
+    return 0

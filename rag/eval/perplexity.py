@@ -1,0 +1,132 @@
+"""Perplexity of long texts under (retrieval-augmented) causal LMs: token-level, word-level, and bits per byte.
+
+Every text token is scored exactly once (see :mod:`rag.models.ralm`); the totals are summed over texts:
+
+* token perplexity ``exp(NLL / tokens)``;
+* word perplexity ``exp(NLL / words)`` (whitespace-separated words; comparable across tokenizers);
+* bits per byte ``NLL / ln 2 / UTF-8 bytes`` (comparable across tokenizers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+from rag.errors import CorpusError
+from rag.models.ralm import EvalText, InContextRALM, TextScore
+
+__all__ = ["PerplexityResult", "perplexity_totals", "evaluate_perplexity", "read_eval_texts"]
+
+
+@dataclass
+class PerplexityResult:
+    """Totals and the three normalisations of one evaluation."""
+
+    nll: float
+    """Total negative log-likelihood, nats."""
+    tokens: int
+    words: int
+    bytes: int
+    texts: int
+    retrieved_chunks: int = 0
+    """Chunks read after a retrieved document."""
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.nll / self.tokens)
+
+    @property
+    def word_perplexity(self) -> float:
+        return math.exp(self.nll / max(1, self.words))
+
+    @property
+    def bits_per_byte(self) -> float:
+        return self.nll / math.log(2) / max(1, self.bytes)
+
+    def to_dict(self) -> dict:
+        return {"perplexity": self.perplexity, "word_perplexity": self.word_perplexity, "bits_per_byte": self.bits_per_byte,
+                **asdict(self)}
+
+
+def perplexity_totals(scores: Iterable[TextScore]) -> PerplexityResult:
+    """Sum the per-text scores into one :class:`PerplexityResult`."""
+    nll, tokens, words, nbytes, texts, chunks = 0.0, 0, 0, 0, 0, 0
+    for s in scores:
+        nll -= float(s.token_logprobs.sum())
+        tokens += int(s.token_logprobs.size)
+        words += s.n_words
+        nbytes += s.n_bytes
+        texts += 1
+        chunks += sum(d is not None for d in s.doc_ids)
+    if tokens == 0:
+        raise CorpusError("no text to evaluate; give at least one non-empty text")
+    return PerplexityResult(nll, tokens, words, nbytes, texts, chunks)
+
+
+def evaluate_perplexity(ralm: InContextRALM, texts: Iterable[EvalText | str], *, progress: bool = False) -> PerplexityResult:
+    """Perplexity of `texts` under `ralm` (retrieval per its config; ``retriever=None`` is the plain sliding window)."""
+    return perplexity_totals(ralm.score_texts((t if isinstance(t, EvalText) else EvalText(t) for t in texts), progress=progress))
+
+
+def _record(obj, where: str, field: str) -> EvalText:
+    if not isinstance(obj, dict):
+        raise CorpusError(f"{where}: expected a JSON object with a {field!r} field")
+    text = obj.get(field)
+    if not isinstance(text, str) or not text.strip():
+        raise CorpusError(f"{where}: field {field!r} is missing or empty; each record needs its text there (--text-field)")
+    ident, title = obj.get("id"), obj.get("title")
+    return EvalText(text, None if ident is None else str(ident), None if title is None else str(title))
+
+
+def read_eval_texts(path: str | os.PathLike, *, field: str = "text", limit: Optional[int] = None) -> list[EvalText]:
+    """Texts to evaluate from ``path`` (``--data``):
+
+    * ``*.jsonl``: one object per line, the text in `field`, optional ``id`` / ``title`` naming its source document
+      (the leakage guard excludes passages of that document);
+    * a ``datasets`` directory (``save_to_disk``): rows with the same fields;
+    * any other file: one plain UTF-8 text (a WikiText-style token stream).
+    """
+    p = Path(path)
+    out: list[EvalText] = []
+    if p.is_dir():
+        import datasets
+
+        try:
+            ds = datasets.load_from_disk(str(p))
+        except (FileNotFoundError, ValueError) as e:
+            raise CorpusError(f"--data {p}: not a datasets directory ({e}); pass a .jsonl or text file, or a save_to_disk directory") from e
+        if isinstance(ds, datasets.DatasetDict):
+            if "test" not in ds:
+                raise CorpusError(f"--data {p}: a DatasetDict without a 'test' split; save the split to evaluate")
+            ds = ds["test"]
+        for i, row in enumerate(ds):
+            out.append(_record(row, f"{p}[{i}]", field))
+            if limit is not None and len(out) >= limit:
+                break
+    elif p.is_file():
+        try:
+            raw = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise CorpusError(f"--data {p}: not UTF-8 text ({e})") from e
+        if p.suffix == ".jsonl":
+            for n, line in enumerate(raw.splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise CorpusError(f"{p}:{n}: invalid JSON ({e.msg})") from e
+                out.append(_record(obj, f"{p}:{n}", field))
+                if limit is not None and len(out) >= limit:
+                    break
+        elif raw.strip():
+            out.append(EvalText(raw))
+    else:
+        raise CorpusError(f"--data {p}: no such file or directory")
+    if not out:
+        raise CorpusError(f"--data {p}: holds no text to evaluate")
+    return out

@@ -1,0 +1,267 @@
+"""Training the predictive reranker of In-Context RALM (Ram et al. 2023, §6.2) with ``rag fit``.
+
+:class:`RerankerDataModule` collects examples from the LM's own signal: for a prefix ``x_{≤s·j}`` of a training text
+it retrieves the top-k BM25 (or dense) documents for the query of the last ``ℓ`` tokens (leakage guard on) and
+scores the next stride ``y`` under each, ``log p_θ(y | [d_i; x_{≤s·j}])`` (Eq. 4), with the frozen LM.
+:class:`PredictiveRerankerModule` trains the cross-encoder :class:`~rag.models.rerank.PredictiveReranker` on them
+with Eq. 9, ``-log Σ_i p_rank(d_i | x) p_θ(y | [d_i; x])`` (or a soft-label cross-entropy against
+``softmax(log p_θ / τ)``), the LM frozen; ``export_dir`` receives the trained reranker for
+``rag lm-eval --rerank trained --rerank-model DIR``.
+
+Special LM value ``tiny:gpt2``: a random tiny GPT-2 with a tokenizer trained on the training texts (no hub), cached
+under ``$RAG_CACHE/tiny``. Special text / knowledge-base value ``demo``: the bundled Elements passages (BM25).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import logging
+import math
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from rag.errors import ConfigError
+from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood
+from rag.models.ralm import (EvalText, InContextRALM, RalmConfig, doc_text, open_retriever, own_document_filter, retrieve_excluding,
+                             window_ids)
+from rag.models.rerank import PredictiveReranker
+from rag.training.modules import _cache_root, warmup_linear_decay
+
+logger = logging.getLogger(__name__)
+
+DEMO = "demo"
+TINY_GPT2 = "tiny:gpt2"
+
+
+@dataclass
+class RerankExample:
+    """One prefix, its k retrieved documents (retriever order) and the LM's log-likelihood of the next stride under each."""
+
+    prefix: str
+    docs: list[str]
+    lm_loglik: list[float]
+
+
+def _demo_texts() -> list[EvalText]:
+    from rag.demo import load_demo_corpus
+
+    return [EvalText(p.text, p.id, p.title) for p in load_demo_corpus()]
+
+
+def read_training_texts(source: str) -> list[EvalText]:
+    """``demo`` (the Elements passages) or anything :func:`rag.eval.perplexity.read_eval_texts` reads."""
+    if source == DEMO:
+        return _demo_texts()
+    from rag.eval.perplexity import read_eval_texts
+
+    return read_eval_texts(source)
+
+
+def ensure_tiny_gpt2(texts: list[str], *, d_model: int = 64, layers: int = 2, vocab_size: int = 1000, max_positions: int = 256,
+                     seed: int = 0) -> str:
+    """Directory of a random tiny GPT-2 whose BPE tokenizer is trained on `texts`; built once, then reused."""
+    from rag.io import atomic_directory
+    from rag.models import tiny
+
+    key = json.dumps({"d": d_model, "l": layers, "v": vocab_size, "p": max_positions, "s": seed,
+                      "texts": hashlib.sha256("\x00".join(texts).encode()).hexdigest(), "format": 1}, sort_keys=True)
+    out = _cache_root() / "tiny" / f"gpt2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    if (out / "config.json").is_file():
+        return str(out)
+    tok = tiny.train_bpe_tokenizer(texts, vocab_size=vocab_size)
+    model = tiny.tiny_gpt2(tok, d_model=d_model, layers=layers, max_positions=max_positions, seed=seed)
+    try:
+        with atomic_directory(out) as tmp:
+            tiny.save(model, tok, tmp)
+    except FileExistsError:  # built concurrently by another process
+        pass
+    return str(out)
+
+
+def collect_examples(ralm: InContextRALM, texts: list[EvalText], *, chunks_per_text: int, prefix_tokens: int,
+                     seed: int = 0) -> list[RerankExample]:
+    """§6.2 "Collecting Training Examples": per text up to `chunks_per_text` random chunks ``j ≥ 1``; their top-k documents
+    in one retrieval call; ``log p_θ(y | [d_i; x])`` for all (chunk, document) windows in batched LM passes."""
+    rng = random.Random(seed)
+    cfg, scorer = ralm.config, ralm.scorer
+    picks = []  # (text, stream, a, b, query)
+    for t in texts:
+        stream = scorer.stream(t.text)
+        spans, queries = ralm.plan(stream)
+        js = [j for j in range(1, len(spans)) if queries[j] is not None]
+        for j in sorted(rng.sample(js, min(chunks_per_text, len(js)))):
+            picks.append((t, stream, spans[j][0], spans[j][1], queries[j]))
+    if not picks:
+        raise ConfigError("no training chunk: every text is at most one stride long; give longer texts or a smaller stride")
+    guards = [own_document_filter(t) if cfg.exclude_own else None for t, *_ in picks]
+    cands = retrieve_excluding(ralm.retriever, [q for *_, q in picks], cfg.k, guards)
+    windows, n_scored = [], []
+    for (_, stream, a, b, _), c in zip(picks, cands):
+        for doc in scorer.doc_tokens([p for p, _ in c]):
+            windows.append(window_ids(stream, a, b, doc, scorer.max_length))
+            n_scored.append(b - a)
+    lps = scorer.score(windows, n_scored)
+    prefixes = ralm.tokenizer.batch_decode([stream[max(1, a - prefix_tokens):a] for _, stream, a, _, _ in picks])
+    k = cfg.k
+    return [RerankExample(prefix, [doc_text(p) for p, _ in c], [float(lp.sum()) for lp in lps[i * k:(i + 1) * k]])
+            for i, (prefix, c) in enumerate(zip(prefixes, cands))]
+
+
+def collate(batch: list[RerankExample]) -> dict:
+    return {"prefixes": [e.prefix for e in batch], "docs": [e.docs for e in batch],
+            "lm_loglik": torch.tensor([e.lm_loglik for e in batch], dtype=torch.float32)}
+
+
+class RerankerDataModule(pl.LightningDataModule):
+    """Examples for the predictive reranker, made by the frozen LM (§6.2).
+
+    Args:
+        texts: training texts — ``demo`` or a .jsonl / text file / datasets directory (``id``/``title`` for the leakage guard).
+        lm: the causal LM whose signal trains the reranker: a directory, ``smollm2``, or ``tiny:gpt2`` (random, no hub).
+        knowledge_base: ``demo`` (BM25 over the Elements passages) or a knowledge-base directory.
+        retrieval: ``bm25`` (the paper's) or ``dense``.
+        k: documents per prefix (the paper: 16).
+        stride: ``s``; the scored continuation ``y`` is the next stride.
+        query_length: ``ℓ``, the retrieval query.
+        prefix_tokens: prefix tokens the reranker reads (keep equal to the module's ``query_tokens``).
+        max_length: the LM's window.
+        doc_max_length: document tokens.
+        chunks_per_text: prefixes sampled per text.
+        val_fraction: share of texts held out for validation (whole texts, so no prefix leaks into training).
+        batch_size: prefixes per batch.
+        seed: sampling seed.
+    """
+
+    def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO, retrieval: Literal["bm25", "dense"] = "bm25",
+                 k: int = 16, stride: int = 4, query_length: int = 32, prefix_tokens: int = 32, max_length: Optional[int] = None,
+                 doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8, seed: int = 0):
+        super().__init__()
+        if not 0.0 <= val_fraction < 1.0:
+            raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        self.save_hyperparameters()
+        self.train_examples: list[RerankExample] = []
+        self.val_examples: list[RerankExample] = []
+
+    def _retriever(self):
+        h = self.hparams
+        if h.knowledge_base == DEMO:
+            from rag.demo import load_demo_corpus
+            from rag.knowledge.bm25 import BM25Retriever
+
+            if h.retrieval != "bm25":
+                raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a knowledge-base directory")
+            return BM25Retriever.from_passages(load_demo_corpus(), show_progress=False)
+        return open_retriever(h.retrieval, h.knowledge_base)
+
+    def setup(self, stage: Optional[str] = None) -> None:
+        if self.train_examples:
+            return
+        from rag.models.generator import load_generator
+
+        h = self.hparams
+        texts = read_training_texts(h.texts)
+        lm = ensure_tiny_gpt2([t.text for t in texts]) if h.lm == TINY_GPT2 else h.lm
+        model, tok, _ = load_generator(lm, kind="causal")
+        ralm = InContextRALM(model, tok, self._retriever(), RalmConfig(stride=h.stride, query_length=h.query_length, k=h.k,
+                                                                       max_length=h.max_length, doc_max_length=h.doc_max_length))
+        order = list(range(len(texts)))
+        random.Random(h.seed).shuffle(order)
+        n_val = int(round(h.val_fraction * len(texts)))
+        val, train = [texts[i] for i in order[:n_val]], [texts[i] for i in order[n_val:]]
+        kw = dict(chunks_per_text=h.chunks_per_text, prefix_tokens=h.prefix_tokens, seed=h.seed)
+        self.train_examples = collect_examples(ralm, train, **kw)
+        self.val_examples = collect_examples(ralm, val, **kw) if val else []
+        logger.info("reranker examples: %d train, %d val (k=%d)", len(self.train_examples), len(self.val_examples), h.k)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_examples, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
+
+
+def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal", temperature: float = 1.0) -> torch.Tensor:
+    """Mean over the batch of Eq. 9, ``-log Σ_i p_rank(d_i|x) p_θ(y|[d_i; x])`` (``marginal``), or of the soft-label
+    cross-entropy ``-Σ_i softmax(log p_θ / τ)_i log p_rank(d_i|x)`` (``soft_label``). ``scores``, ``lm_loglik``: ``(B, K)``."""
+    log_rank = doc_log_prior(scores)
+    if kind == "marginal":
+        return -rag_sequence_log_likelihood(lm_loglik.unsqueeze(-1), log_rank).mean()
+    if kind == "soft_label":
+        return -(torch.softmax(lm_loglik / temperature, dim=-1) * log_rank).sum(-1).mean()
+    raise ConfigError(f"model.loss={kind!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
+
+
+class PredictiveRerankerModule(pl.LightningModule):
+    """Trains :class:`~rag.models.rerank.PredictiveReranker` (§6.2) on :class:`RerankerDataModule` examples.
+
+    Args:
+        encoder: BERT-family encoder to start from (``minilm``: the bundled all-MiniLM-L6-v2; the paper: RoBERTa-base).
+        pair_max_length: word pieces per (prefix, document) pair.
+        query_tokens: prefix tokens read at evaluation time (keep equal to ``data.prefix_tokens``).
+        loss: ``marginal`` (Eq. 9) or ``soft_label``.
+        temperature: ``τ`` of the soft labels.
+        lr: peak learning rate (warm-up then linear decay).
+        weight_decay: AdamW weight decay.
+        warmup_ratio: share of the steps spent warming up.
+        export_dir: where the trained reranker is written at the end of ``fit`` (None: only checkpoints).
+    """
+
+    def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
+                 temperature: float = 1.0, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
+                 export_dir: Optional[str] = None):
+        super().__init__()
+        if loss not in ("marginal", "soft_label"):
+            raise ConfigError(f"model.loss={loss!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
+        self.save_hyperparameters()
+        self.reranker = PredictiveReranker(encoder, max_length=pair_max_length, query_tokens=query_tokens).train()  # dropout on
+
+    def _step(self, batch: dict, stage: str) -> torch.Tensor:
+        scores = self.reranker(batch["prefixes"], batch["docs"])
+        ll = batch["lm_loglik"].to(scores.device)
+        loss = reranker_loss(scores, ll, self.hparams.loss, self.hparams.temperature)
+        b = ll.shape[0]
+        self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=b)
+        if stage != "train":
+            pick = scores.argmax(-1)
+            self.log(f"{stage}/top1", (pick == ll.argmax(-1)).float().mean(), batch_size=b)
+            # log-likelihood of the next stride gained over the retriever's first document (the paper's "BM25 top-1")
+            self.log(f"{stage}/loglik_gain", (ll.gather(1, pick[:, None]).squeeze(1) - ll[:, 0]).mean(), batch_size=b)
+            # the loss above its floor, reached by putting all mass on the best document (the top-k oracle)
+            self.log(f"{stage}/excess_loss", loss + ll.max(-1).values.mean(), batch_size=b)
+        return loss
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        return self._step(batch, "train")
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._step(batch, "val")
+
+    def configure_optimizers(self) -> dict:
+        h = self.hparams
+        decay = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim >= 2]
+        plain = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim < 2]
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay}, {"params": plain, "weight_decay": 0.0}], lr=h.lr)
+        total = self.trainer.estimated_stepping_batches
+        if not math.isfinite(total):
+            raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
+        fn = functools.partial(warmup_linear_decay, warmup_steps=int(round(h.warmup_ratio * total)), total_steps=int(total))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, fn), "interval": "step"}}
+
+    def on_train_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.reranker.save(self.hparams.export_dir, overwrite=True)
+            logger.info("trained reranker written to %s", self.hparams.export_dir)
+
+    def export(self, directory: str | os.PathLike) -> Path:
+        """Write the reranker for ``rag lm-eval --rerank trained --rerank-model DIR``."""
+        self.reranker.save(directory, overwrite=True)
+        return Path(directory)
