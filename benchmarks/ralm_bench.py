@@ -134,8 +134,8 @@ def main(argv=None) -> int:
         cfg = RalmConfig(stride=s, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
                          k=1, batch_size=args.batch_size)
         ralm = InContextRALM(model, tok, retriever, cfg)
-        ours_fn = lambda: [x.token_logprobs for x in ralm.score_texts(texts)]  # noqa: E731
-        ref_fn = lambda: [reference_loop(model, tok, retriever, t, s, args.query_length, args.max_length,  # noqa: E731
+        ours_fn = lambda ralm=ralm: [x.token_logprobs for x in ralm.score_texts(texts)]  # noqa: E731
+        ref_fn = lambda s=s: [reference_loop(model, tok, retriever, t, s, args.query_length, args.max_length,  # noqa: E731
                                          args.doc_max_length, device) for t in texts]
         ours_fn(), ref_fn()  # warm-up (and the equality check below uses the timed results)
         times = {"ours": [], "reference": []}

@@ -141,3 +141,8 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def cache_dir() -> Path:
+    """Where `rag` keeps derived artefacts (demo knowledge base, demo LM, tiny models): `$RAG_CACHE`, else `~/.cache/rag`."""
+    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()

@@ -6,12 +6,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rag.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
+
 DEFAULT_ENCODER = "minilm"
-
-
-def cache_dir() -> Path:
-    """Where `rag` keeps derived artefacts: `$RAG_CACHE`, else `~/.cache/rag`."""
-    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()
 
 
 def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = DEFAULT_ENCODER, index: str = "hnsw",

@@ -104,7 +104,7 @@ class GGUFTokenizerSpec:
 
 def demo_lm_dir() -> Path:
     """Where the converted demo LM lives: ``$RAG_CACHE/demo_lm/smollm2-135m-instruct`` (else under ``~/.cache/rag``)."""
-    from rag.demo.kb import cache_dir
+    from rag.io import cache_dir
 
     return cache_dir() / "demo_lm" / CACHE_NAME
 

@@ -193,9 +193,10 @@ def open_retriever(kind: str, kb_path):
             raise KnowledgeBaseError(f"--kb {kb_path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
                                      "`rag index build --bm25`, or pass --retrieval dense")
         return BM25Retriever(kb.bm25, kb.get_passages, kb.version, knowledge_base=kb)
-    from rag.knowledge.retriever import DenseRetriever
+    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
-    return DenseRetriever.from_path(kb_path)
+    kb = KnowledgeBase.open(kb_path)
+    return DenseRetriever(kb, default_query_encoder(kb))
 
 
 def doc_text(p: Passage) -> str:
@@ -410,7 +411,7 @@ class InContextRALM:
         # longest, scores them all — the causal LM gives each position the same context as in its own window.
         merged: dict[tuple, list] = {}
         L = self.scorer.max_length
-        for g, ((_, stream), (spans, _)) in enumerate(zip(group, plans)):
+        for g, (spans, _) in enumerate(plans):
             for j, (a, b) in enumerate(spans):
                 doc = docs.get((g, j), ())
                 p = chosen.get((g, j))

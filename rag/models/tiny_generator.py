@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 from rag.errors import ConfigError
+from rag.io import cache_dir as rag_cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -59,10 +60,6 @@ def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str |
     return generator
 
 
-def _cache_root() -> Path:
-    return Path(os.environ.get("RAG_CACHE", Path.home() / ".cache" / "rag")).expanduser()
-
-
 def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,
                           cache_dir: Optional[str | os.PathLike] = None) -> str:
     """Directory of a random tiny `kind` (``bart``/``t5``) generator whose tokenizer is trained
@@ -76,7 +73,7 @@ def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | 
     check_tiny_name(TINY_PREFIX + str(kind), "generator")
     kb = KnowledgeBase.open(knowledge_base, verify="none")
     key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
-    out = Path(cache_dir) if cache_dir is not None else _cache_root() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (out / "config.json").is_file():
         return str(out)
     passages = kb.get_passages(np.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).reshape(1, -1))[0]

@@ -31,10 +31,19 @@ from torch.utils.data import DataLoader
 
 from rag.errors import ConfigError
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood
-from rag.models.ralm import (EvalText, InContextRALM, RalmConfig, doc_text, open_retriever, own_document_filter, retrieve_excluding,
-                             window_ids)
+from rag.io import cache_dir
+from rag.models.ralm import (
+    EvalText,
+    InContextRALM,
+    RalmConfig,
+    doc_text,
+    open_retriever,
+    own_document_filter,
+    retrieve_excluding,
+    window_ids,
+)
 from rag.models.rerank import PredictiveReranker
-from rag.training.modules import _cache_root, warmup_linear_decay
+from rag.training.modules import warmup_linear_decay
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +83,7 @@ def ensure_tiny_gpt2(texts: list[str], *, d_model: int = 64, layers: int = 2, vo
 
     key = json.dumps({"d": d_model, "l": layers, "v": vocab_size, "p": max_positions, "s": seed,
                       "texts": hashlib.sha256("\x00".join(texts).encode()).hexdigest(), "format": 1}, sort_keys=True)
-    out = _cache_root() / "tiny" / f"gpt2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    out = cache_dir() / "tiny" / f"gpt2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
     if (out / "config.json").is_file():
         return str(out)
     tok = tiny.train_bpe_tokenizer(texts, vocab_size=vocab_size)

@@ -11,8 +11,17 @@ import torch
 
 from rag.errors import ConfigError, RagError
 from rag.eval.perplexity import evaluate_perplexity
-from rag.models.ralm import (CausalScorer, EvalText, InContextRALM, RalmConfig, chunk_spans, doc_text, own_document_filter,
-                             query_spans, window_ids)
+from rag.models.ralm import (
+    CausalScorer,
+    EvalText,
+    InContextRALM,
+    RalmConfig,
+    chunk_spans,
+    doc_text,
+    own_document_filter,
+    query_spans,
+    window_ids,
+)
 
 SMALL = dict(max_length=96, doc_max_length=40)
 

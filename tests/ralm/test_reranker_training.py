@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from rag.models.ralm import EvalText, InContextRALM, RalmConfig, window_ids
-from rag.training.reranker import (PredictiveRerankerModule, RerankerDataModule, RerankExample, collate, collect_examples,
-                                   reranker_loss)
+from rag.training.reranker import (
+    PredictiveRerankerModule,
+    RerankerDataModule,
+    RerankExample,
+    collate,
+    collect_examples,
+    reranker_loss,
+)
 
 CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "ralm_reranker_tiny.yaml"
 QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
