@@ -547,7 +547,7 @@ class KnowledgeBaseSlot:
                 warm: tuple[float, int] = (0.0, 0)) -> SwapResult:
         res = SwapResult(
             old_version=old_version,
-            new_version=new.version,
+            new_version=new.served_version,  # "+unverified" unless its files were all hashed
             seconds=time.perf_counter() - t0,
             load_seconds=load_s,
             commit_seconds=commit_s,

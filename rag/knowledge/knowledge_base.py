@@ -116,6 +116,39 @@ def _check_passages(passages: Sequence[Passage], where: str) -> None:
         seen[p.id] = i
 
 
+_FINITE_CHUNK = 64 << 20  # bytes of embeddings checked per step at open
+
+
+def check_finite(embeddings: np.ndarray, where: Path) -> None:
+    """IntegrityError if any stored embedding `(N, D)` holds NaN or ±inf.
+
+    Vectorised over row blocks of ~64 MiB, so a memory-mapped array is read once and never copied whole:
+    COST_NOTE
+    """
+    rows = max(1, _FINITE_CHUNK // max(1, embeddings.shape[-1] * embeddings.dtype.itemsize))
+    for start in range(0, embeddings.shape[0], rows):
+        block = np.asarray(embeddings[start:start + rows])
+        if not np.isfinite(block).all():
+            bad = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
+            raise IntegrityError(f"{where}: row {bad} holds NaN or inf (a knowledge base never stores them); rebuild the knowledge base")
+
+
+def _check_arrow_files(passages_dir: Path) -> None:
+    """The passages' ``state.json`` names its data files; each must stay inside the passages directory."""
+    from rag.checksums import confined_path
+
+    state = passages_dir / "state.json"
+    try:
+        data = json.loads(state.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise IntegrityError(f"{state}: cannot be read ({e}); rebuild the knowledge base") from e
+    entries = data.get("_data_files") if isinstance(data, dict) else None
+    if not isinstance(entries, list) or not entries:
+        raise IntegrityError(f"{state}: names no data files; rebuild the knowledge base")
+    for entry in entries:
+        confined_path(passages_dir, entry.get("filename") if isinstance(entry, dict) else entry, state)
+
+
 class KnowledgeBase:
     """An opened, verified knowledge-base directory. Thread-safe for concurrent reads.
 
@@ -135,11 +168,20 @@ class KnowledgeBase:
         self._use = threading.Condition(threading.Lock())  # guards _in_use / _closed
         self._in_use = 0
         self._closed = False
+        self.verified: Verify = "full"
+        """How its files were checked when opened: "full" (every SHA-256), "size" or "none" (see :meth:`open`)."""
 
     # ------------------------------------------------------------------ properties
     @property
     def version(self) -> str:
         return self.manifest.version
+
+    @property
+    def served_version(self) -> str:
+        """The version id to report with answers: :attr:`version` when every file was checked against its
+        SHA-256 (``verified == "full"``), else ``"<version>+unverified"`` — content opened with
+        ``verify="size"``/``"none"`` may differ from what the version id names."""
+        return self.version if self.verified == "full" else f"{self.version}+unverified"
 
     @property
     def dim(self) -> int:
@@ -434,7 +476,9 @@ class KnowledgeBase:
             )
             atomic_write_json(tmp / MANIFEST, manifest.to_dict())
         logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, len(passages))
-        return cls.open(out, verify="none")
+        kb = cls.open(out, verify="none")
+        kb.verified = "full"  # written and checksummed by this call from embeddings checked finite above
+        return kb
 
     def add(
         self,
@@ -508,6 +552,7 @@ class KnowledgeBase:
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as e:
             raise IntegrityError(f"{mpath}: not valid JSON ({e}); the file is damaged — rebuild the knowledge base") from e
         cls._verify_files(path, manifest, verify, hash_nice=hash_nice)
+        _check_arrow_files(path / PASSAGES)
         try:
             passages = datasets.load_from_disk(str(path / PASSAGES), keep_in_memory=not mmap)
         except Exception as e:  # datasets raises several types for damaged dirs
@@ -523,16 +568,22 @@ class KnowledgeBase:
                 f"{path}: sizes disagree (manifest count={n}, dim={manifest.dim}; passages={len(passages)}, "
                 f"embeddings={tuple(embeddings.shape)}, index ntotal={index.ntotal}); rebuild the knowledge base"
             )
+        if verify != "none":
+            check_finite(embeddings, path / EMBEDDINGS)
         bm25 = None
         if (path / BM25_DIR).is_dir():
             from rag.knowledge.bm25 import BM25Index
 
             bm25 = BM25Index.load(path / BM25_DIR)
-        return cls(path, manifest, passages, embeddings, index, bm25)
+        kb = cls(path, manifest, passages, embeddings, index, bm25)
+        kb.verified = verify
+        return kb
 
     @staticmethod
     def _verify_files(path: Path, manifest: Manifest, verify: Verify, *, hash_nice: Optional[int] = None) -> None:
+        # Every file open() reads must have a record: the arrays, the index, the passages' dataset and BM25.
         verify_files(path, manifest.files, verify, record=path / MANIFEST, hash_nice=hash_nice,
+                     required=(EMBEDDINGS, INDEX, f"{PASSAGES}/state.json"), dirs=(PASSAGES, BM25_DIR),
                      incomplete="the knowledge base is incomplete — rebuild it", fix="rebuild the knowledge base")
 
     # ------------------------------------------------------------------ reading
