@@ -13,8 +13,12 @@ is split into a DPR question encoder and a seq2seq generator, each loaded throug
 ``from_pretrained`` (so tied weights and legacy key names are handled by transformers), and
 assembled with a knowledge base into a RagModel with ``hf_compat=True``: contexts are built exactly
 as ``RagRetriever`` builds them (including the question's round trip through the question
-tokenizer and right truncation at ``max_combined_length``) and the loss is transformers'
-``get_nll``, quirks included (see :mod:`rag.generation.marginalize`).
+tokenizer and right truncation at ``max_combined_length``), answer strings are scored as transformers
+scores ``labels=tokenizer(text_target=answer).input_ids`` (fed ``<s> …``, scored from the second token:
+:func:`rag.generation.marginalize.hf_label_convention`), and the loss is transformers' ``get_nll``, quirks
+included (see :mod:`rag.generation.marginalize`). The decoding settings stored with the checkpoint
+(:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
+``model.safetensors.index.json`` must stay inside the checkpoint directory.
 
 Separate DPR and BART checkpoints need no importer: use ``RagModel.from_components``.
 

@@ -365,3 +365,27 @@ def test_stored_generation_settings_become_pipeline_defaults(setup, tmp_path):
         assert a.token_ids[1] == setup["gtok"].bos_token_id and len(a.token_ids) <= 9
     [short] = pipe.generate([QUESTIONS[0]], max_new_tokens=2, num_beams=1)  # explicit arguments win
     assert len(short.token_ids) <= 3
+
+
+def test_weights_read_from_a_file_stay_inside_and_garbage_is_an_integrity_error(setup, tmp_path):
+    """A sharded checkpoint's index names its shards: absolute or ../ names are refused (a real shard copied
+    outside would otherwise be loaded); non-safetensors bytes give an IntegrityError naming the checkpoint."""
+    import shutil
+
+    from rag.errors import IntegrityError
+
+    src = tmp_path / "sharded"
+    shutil.copytree(setup["hf"]["sequence"], src)
+    outside = tmp_path / "outside.safetensors"
+    (src / "model.safetensors").rename(outside)
+    for name in (str(outside), "../outside.safetensors"):
+        (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"rag.generator.x": name}}))
+        with pytest.raises(IntegrityError, match="points outside"):
+            load_hf_rag(src, setup["kb"])
+    shutil.copy(outside, src / "inside.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"rag.generator.x": "inside.safetensors"}}))
+    assert load_hf_rag(src, setup["kb"]).config.hf_compat  # an inside shard still loads
+    (src / "model.safetensors.index.json").unlink()
+    (src / "model.safetensors").write_bytes(b"not safetensors at all" * 8)
+    with pytest.raises(IntegrityError, match=f"{src}: cannot read the RAG weights.*download the checkpoint again"):
+        load_hf_rag(src, setup["kb"])
