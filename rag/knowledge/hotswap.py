@@ -237,8 +237,9 @@ class KnowledgeBaseSlot:
 
     @property
     def version(self) -> Optional[str]:
+        """The serving version as answers report it (``+unverified`` unless its files were all hashed)."""
         kb = self.current
-        return None if kb is None else kb.version
+        return None if kb is None else kb.served_version
 
     @property
     def history(self) -> list[dict]:
