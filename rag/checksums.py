@@ -20,7 +20,8 @@ from rag.errors import ConfigError, IntegrityError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Verify", "sha256_file", "sha256_files", "check_niceness", "file_checksums", "verify_files"]
+__all__ = ["Verify", "sha256_file", "sha256_files", "check_niceness", "confined_path", "file_checksums", "verify_files",
+           "uncovered_files"]
 
 Verify = Literal["full", "size", "none"]
 
@@ -162,16 +163,30 @@ def file_checksums(root: Path, files: Iterable[Path]) -> dict[str, dict]:
     return out
 
 
+def uncovered_files(root: Path, files: Any, required: Iterable[str] = (), dirs: Iterable[str] = ()) -> list[str]:
+    """What a loader would open under `root` that the checksum records `files` do not cover: each name of
+    `required` (relative posix paths, present or not) and every file found under each directory of `dirs`."""
+    names = set(files) if isinstance(files, dict) else set()
+    wanted = set(required)
+    for d in dirs:
+        base = Path(root) / d
+        if base.is_dir():
+            wanted.update(f.relative_to(root).as_posix() for f in base.rglob("*") if f.is_file() or f.is_symlink())
+    return sorted(wanted - names)
+
+
 def verify_files(root: Path, files: Any, verify: Verify, *, record: Path, incomplete: str, fix: str,
-                 hash_nice: Optional[int] = None) -> None:
+                 hash_nice: Optional[int] = None, required: Iterable[str] = (), dirs: Iterable[str] = ()) -> None:
     """Check the files under `root` against their checksum records `files` (as :func:`file_checksums` writes).
 
     `verify`: ``"full"`` hashes every file (in a child at niceness `hash_nice`, see :func:`sha256_files`),
-    ``"size"`` checks presence and sizes, ``"none"`` returns at once. Messages name the file and `record`
+    ``"size"`` checks presence and sizes, ``"none"`` returns at once. Records must cover what the loader opens:
+    every name in `required` and every file under the directories `dirs` (see :func:`uncovered_files`), so that
+    a record emptied or trimmed by hand cannot make verification vacuous. Messages name the file and `record`
     (the manifest / config file holding the checksums) and end with `incomplete` (a missing file) or `fix`.
 
     Raises:
-        IntegrityError: no records, a listed file missing, a size or SHA-256 that differs.
+        IntegrityError: no records, a loaded file without a record, a listed file missing, a size or SHA-256 that differs.
         ConfigError: `verify` is not one of the three choices.
     """
     if verify not in ("full", "size", "none"):
@@ -180,6 +195,10 @@ def verify_files(root: Path, files: Any, verify: Verify, *, record: Path, incomp
         return
     if not isinstance(files, dict) or not files:
         raise IntegrityError(f"{record}: records no file checksums; {incomplete}")
+    missing = uncovered_files(root, files, required, dirs)
+    if missing:
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise IntegrityError(f"{record}: records no checksum for {missing[:5]}{more}, which would be loaded unverified; {fix}")
     checked = []
     for rel, meta in files.items():
         f = confined_path(root, rel, record)

@@ -57,12 +57,16 @@ class Answer:
     score: float
     """log p(y|x) under the model's marginalization (and decoding approximation)."""
     kb_version: str
-    """Version id of the knowledge base every passage below came from."""
+    """Version id of the knowledge base every passage below came from; ``"<id>+unverified"`` when that
+    knowledge base was opened without checking every file's SHA-256 (``verify="size"``/``"none"``)."""
     passages: list[PassageProvenance]
     tokens: Optional[list[str]] = None
     """The answer's tokens (generator vocabulary), aligned with `token_doc_posterior`."""
     token_doc_posterior: Optional[list[list[float]]] = None
     """(T, K) p(z | x, y_<t, y_t) ∝ p(z|x) p(y_t|x,z,y_<t) per generated token (RAG-Token only)."""
+    token_ids: Optional[list[int]] = None
+    """The generated ids as transformers' ``generate`` returns them: the decoder start token first, through the
+    first EOS (padding dropped), for token-for-token comparisons."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -74,7 +78,7 @@ class Retrieval:
 
     question: str
     kb_version: str
-    """Version id of the knowledge base every passage below came from."""
+    """Version id of the knowledge base every passage below came from (``+unverified`` as in :class:`Answer`)."""
     passages: list[PassageProvenance]
     """Best first; `posterior` is None (nothing was generated)."""
 
@@ -100,7 +104,8 @@ class RagPipeline:
 
     @property
     def kb_version(self) -> str:
-        return self.knowledge_base.version
+        """The serving knowledge base's version id (``+unverified`` when it was not fully verified on opening)."""
+        return self.knowledge_base.served_version
 
     # ------------------------------------------------------------------ retrieval
     @torch.no_grad()
@@ -131,10 +136,10 @@ class RagPipeline:
         questions: Sequence[str],
         *,
         n_docs: Optional[int] = None,
-        num_beams: int = 1,
+        num_beams: Optional[int] = None,
         marginalization: Optional[Literal["sequence", "token"]] = None,
         decoding: Literal["thorough", "fast"] = "thorough",
-        max_new_tokens: int = 32,
+        max_new_tokens: Optional[int] = None,
         num_return_sequences: int = 1,
         **generation_kw,
     ) -> list[Answer]:
@@ -144,17 +149,25 @@ class RagPipeline:
             decoding, §2.5) or "token" (RAG-Token: beam search over the marginal transition); default
             the model's own. decoding: RAG-Sequence only. Further keywords go to
             :class:`~rag.generation.decoding.GenerationConfig` (min_length, length_penalty,
-            no_repeat_ngram_size, early_stopping, ...).
+            no_repeat_ngram_size, early_stopping, ...). Options left unset take the model's stored defaults
+            (``model.config.generation``, e.g. an imported transformers checkpoint's ``num_beams``, ``max_length``,
+            ``forced_bos_token_id``), then num_beams=1, max_new_tokens=32; an explicit ``max_new_tokens`` or
+            ``max_length`` replaces a stored ``max_length``.
         """
         from rag.generation.answer import generate_for_questions
         from rag.generation.decoding import GenerationConfig
 
         questions = check_strings(questions, "questions")
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
+        stored = dict(self.model.config.generation or {})
+        if max_new_tokens is not None or "max_length" in generation_kw:
+            stored.pop("max_length", None)
+        explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
+        generation_kw = {"num_beams": 1, "max_new_tokens": 32, **stored, **explicit, **generation_kw}
+        num_beams = generation_kw["num_beams"]
         if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
-        config = GenerationConfig(max_new_tokens=max_new_tokens, num_beams=num_beams,
-                                  num_return_sequences=num_return_sequences, **generation_kw)
+        config = GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
                                        decoding=decoding)
         return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
@@ -207,8 +220,16 @@ class RagPipeline:
                 PassageProvenance(p.id, p.title, p.text, float(s), float(pr), None if math.isnan(po) else float(po))
                 for p, s, pr, po in zip(inputs.retrieved.passages[b], inputs.doc_scores[b].tolist(), prior[b].tolist(), post)
             ]
-            answers.append(Answer(questions[b], text, score, inputs.retrieved.kb_version, passages, tokens, token_post))
+            answers.append(Answer(questions[b], text, score, inputs.retrieved.kb_version, passages, tokens, token_post,
+                                  _through_eos(seqs[r].tolist(), tok.eos_token_id)))
         return answers
+
+
+def _through_eos(ids: list[int], eos: Optional[int]) -> list[int]:
+    """`ids` (decoder start first) up to and including the first EOS after the start token."""
+    if eos is not None and eos in ids[1:]:
+        return ids[:ids.index(eos, 1) + 1]
+    return ids
 
 
 def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: int = 40) -> Path:
@@ -246,7 +267,9 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     `path_or_name`: a checkpoint directory written by `RagModel.save_pretrained`, a transformers
     RAG checkpoint directory (imported with exact transformers behaviour), a hub id where a hub
     is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use).
-    `knowledge_base` overrides the knowledge base the checkpoint references.
+    `knowledge_base` overrides the knowledge base the checkpoint references. `config_overrides` replace
+    :class:`~rag.models.config.RagModelConfig` fields (e.g. ``n_docs=2``) for every kind of checkpoint;
+    unknown names raise ConfigError with the valid list.
     """
     from rag.models.rag_model import RagModel
 
@@ -264,7 +287,7 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
         if is_hf_rag_checkpoint(path):
             if knowledge_base is None:
                 raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
-            model = load_hf_rag(path, knowledge_base)
+            model = load_hf_rag(path, knowledge_base, **config_overrides)
             return RagPipeline(model.to(device) if device else model)
     if not path.exists() and (os.sep in name or name.startswith(".")):
         raise RagError(f"{name}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")

@@ -7,7 +7,7 @@ Endpoints (JSON in, JSON out)::
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
-    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?, "verify"?}   (Bearer token)
+    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified fully)
     POST /admin/swap_back  {}                                                                      (Bearer token)
 
 Design:
@@ -144,13 +144,16 @@ class SwapRequest(_Body):
     path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_unicode)]
     allow_encoder_change: bool = False
     allow_metric_change: bool = False
-    verify: Literal["full", "size"] = "full"
+    verify: Literal["full"] = "full"
+    """Always "full": a swapped-in knowledge base is served under its version id only after every file's
+    SHA-256 matched (``"size"`` is refused with 422; size-only checks stay a local choice of
+    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` / ``KnowledgeBase.open``)."""
 
 
 class SwapBackRequest(_Body):
-    """Body of ``POST /admin/swap_back`` (may be omitted)."""
+    """Body of ``POST /admin/swap_back`` (may be omitted); re-opened knowledge bases are verified fully."""
 
-    verify: Literal["full", "size"] = "full"
+    verify: Literal["full"] = "full"
 
 
 # ---------------------------------------------------------------------------- paths
@@ -356,7 +359,7 @@ def create_app(
     @app.get("/health")
     async def health() -> dict:
         kb = slot.current
-        return {"status": "ok", "kb_version": kb.version, "kb_passages": len(kb), "swaps": slot.swap_count,
+        return {"status": "ok", "kb_version": kb.served_version, "kb_passages": len(kb), "swaps": slot.swap_count,
                 "history": [h["version"] for h in slot.history], "requests": runner.counters.snapshot()}
 
     @app.post("/generate")
@@ -383,7 +386,7 @@ def create_app(
         path = resolve_kb_path(req.path, roots)
         res = await anyio.to_thread.run_sync(
             functools.partial(slot.swap, path, allow_encoder_change=req.allow_encoder_change,
-                              allow_metric_change=req.allow_metric_change, verify=req.verify),
+                              allow_metric_change=req.allow_metric_change, verify="full"),
             limiter=swap_limiter,
         )
         logger.warning("knowledge base swapped: %s -> %s (%s)", res.old_version, res.new_version, res.path)
@@ -391,8 +394,7 @@ def create_app(
 
     @app.post("/admin/swap_back", dependencies=[Depends(admin)])
     async def swap_back(req: Optional[SwapBackRequest] = None) -> dict:
-        verify = req.verify if req is not None else "full"
-        res = await anyio.to_thread.run_sync(functools.partial(slot.swap_back, verify=verify), limiter=swap_limiter)
+        res = await anyio.to_thread.run_sync(functools.partial(slot.swap_back, verify="full"), limiter=swap_limiter)
         logger.warning("knowledge base swapped back: %s -> %s", res.old_version, res.new_version)
         return res.to_dict()
 

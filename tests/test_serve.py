@@ -277,9 +277,33 @@ def test_path_escapes_are_refused(client, layout, path, status):
 
 
 def test_absolute_path_inside_root_is_accepted(client, layout):
-    r = client.post("/admin/swap", json={"path": str(layout["root"] / "kb_b"), "verify": "size"}, headers=AUTH)
+    r = client.post("/admin/swap", json={"path": str(layout["root"] / "kb_b")}, headers=AUTH)
     assert r.status_code == 200 and layout["versions"][r.json()["new_version"]] == "B"
-    assert client.post("/admin/swap_back", headers=AUTH, json={"verify": "size"}).status_code == 200
+    assert client.post("/admin/swap_back", headers=AUTH, json={}).status_code == 200
+
+
+def test_admin_swap_always_verifies_fully(client, layout):
+    """A flipped byte passes a size-only check; the admin endpoint refuses to skip hashing, so the corrupt
+    knowledge base never serves under its (unmodified) version id."""
+    for path, body in (("/admin/swap", {"path": "kb_corrupt", "verify": "size"}), ("/admin/swap_back", {"verify": "size"})):
+        r = client.post(path, json=body, headers=AUTH)
+        assert r.status_code == 422 and "verify" in r.text
+    r = client.post("/admin/swap", json={"path": "kb_corrupt"}, headers=AUTH)
+    assert r.status_code == 400 and "SHA-256" in r.json()["detail"]
+
+
+def test_size_verified_knowledge_base_is_reported_unverified(layout):
+    """Opened locally with verify="size" (the opt-in fast path), its answers and retrievals say so."""
+    import rag.pipeline
+
+    kb = KnowledgeBase.open(layout["root"] / "kb_corrupt", verify="size")  # a flipped byte: sizes still match
+    assert kb.verified == "size" and kb.served_version == f"{kb.version}+unverified"
+    pipe = rag.pipeline.load(layout["model"], knowledge_base=kb)
+    [hits] = pipe.retrieve(["who discovered oxygen?"], k=2)
+    [ans] = pipe.generate(["who discovered oxygen?"], max_new_tokens=2)
+    assert hits.kb_version == ans.kb_version == pipe.kb_version == f"{kb.version}+unverified"
+    full = KnowledgeBase.open(layout["root"] / "kb_b")
+    assert full.verified == "full" and full.served_version == full.version
 
 
 # ---------------------------------------------------------------------------- bad requests

@@ -11,6 +11,11 @@ from rag.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 DEFAULT_ENCODER = "minilm"
 
 
+def demo_kb_path() -> Path:
+    """Where the demo knowledge base lives: ``<cache>/demo_kb`` (checkpoints refer to it by the name "demo")."""
+    return cache_dir() / "demo_kb"
+
+
 def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = DEFAULT_ENCODER, index: str = "hnsw",
                    bm25: bool = True, show_progress: bool = True):
     """Open the demo knowledge base at `path` (default `<cache>/demo_kb`), building it first if absent.
@@ -22,7 +27,7 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
-    path = Path(path) if path is not None else cache_dir() / "demo_kb"
+    path = Path(path) if path is not None else demo_kb_path()
     if (path / "manifest.json").is_file():
         return KnowledgeBase.open(path)
     return KnowledgeBase.build(

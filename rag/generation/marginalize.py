@@ -535,3 +535,24 @@ def shift_right(labels: Tensor, decoder_start_token_id: int, pad_token_id: int) 
     shifted[:, 1:] = labels[:, :-1]
     shifted[:, 0] = decoder_start_token_id
     return shifted.masked_fill(shifted < 0, pad_token_id)
+
+
+def hf_label_convention(labels: Tensor, label_mask: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """transformers' RAG convention for ``labels`` as its docs and fine-tuning script give them for BART
+    (``tokenizer(text_target=answer).input_ids`` = ``<s> … </s>``): the labels themselves are the decoder
+    input, and position t is scored against ``labels[:, t + 1]`` (a pad is appended at the end), so the
+    first label (``<s>``) is fed, never scored. ``RagSequenceForGeneration`` / ``RagTokenForGeneration``::
+
+        decoder_input_ids = labels;  target = cat(labels[:, 1:], pad)
+
+    Args:
+        labels: ``(batch, tgt_len)`` tokenized targets; label_mask: ``(batch, tgt_len)`` True on real tokens.
+
+    Returns:
+        ``(decoder_input_ids, target, target_mask)``, each ``(batch, tgt_len)``.
+    """
+    _check_dims("labels", labels, 2, "(batch, tgt_len)")
+    pad = labels.new_full((labels.shape[0], 1), pad_token_id)
+    target = torch.cat([labels[:, 1:], pad], dim=1)
+    mask = torch.cat([label_mask[:, 1:], torch.zeros_like(label_mask[:, :1])], dim=1)
+    return labels.masked_fill(labels < 0, pad_token_id), target, mask

@@ -344,7 +344,7 @@ class BM25Retriever:
             raise KnowledgeBaseError(
                 f"{kb.path}: its BM25 index covers {len(index)} passages but it holds {len(kb)}; rebuild the knowledge base"
             )
-        return BM25Source(index, kb.get_passages, str(kb.version), kb)
+        return BM25Source(index, kb.get_passages, str(kb.served_version), kb)
 
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None,
                            prepared: Optional[BM25Source] = None) -> None:
@@ -365,7 +365,7 @@ class BM25Retriever:
         built with one (`rag index build --bm25`), else one built in memory now (and on later
         swaps to knowledge bases without one)."""
         index = kb.bm25 if kb.bm25 is not None else BM25Index.build(kb.all_passages(), **build_kw)
-        return cls(index, kb.get_passages, kb_version=kb.version, knowledge_base=kb, build_missing=kb.bm25 is None)
+        return cls(index, kb.get_passages, kb_version=kb.served_version, knowledge_base=kb, build_missing=kb.bm25 is None)
 
     @classmethod
     def from_passages(cls, passages: Sequence[Passage], *, kb_version: str = "bm25", **build_kw) -> "BM25Retriever":

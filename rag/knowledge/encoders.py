@@ -132,14 +132,21 @@ def _sentence_transformers_settings(path: str) -> Optional[dict]:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ConfigError(f"{modules_file} must hold a JSON list of modules")
+    from rag.checksums import confined_path
+
     out: dict = {"transformer_dir": "", "pooling": None, "normalize": False, "unsupported": []}
     for m in modules:
+        if not isinstance(m, dict):
+            raise ConfigError(f"{modules_file}: module entry {m!r} is not an object; restore the file")
         kind = str(m.get("type", "")).rsplit(".", 1)[-1]
         sub = m.get("path", "") or ""
+        module_dir = confined_path(root, sub, modules_file) if sub else root  # a module's folder stays inside the model
         if kind == "Transformer":
             out["transformer_dir"] = sub
         elif kind == "Pooling":
-            cfg = _read_json(root / sub / "config.json")
+            cfg = _read_json(module_dir / "config.json")
+            if not isinstance(cfg, dict):
+                raise ConfigError(f"{module_dir / 'config.json'} must hold a JSON object of pooling settings")
             modes = [k for k, v in cfg.items() if k.startswith("pooling_mode_") and v]
             if modes == ["pooling_mode_cls_token"]:
                 out["pooling"] = "cls"

@@ -101,9 +101,12 @@ class HistoryEntry:
     path: Optional[str]
     replaced_at: str
     kb: Any = None
+    served_version: Optional[str] = None
+    """The version as it was reported while serving (``+unverified`` unless fully verified); `version` if None."""
 
     def describe(self) -> dict:
-        return {"version": self.version, "path": self.path, "replaced_at": self.replaced_at, "loaded": self.kb is not None}
+        return {"version": self.served_version or self.version, "path": self.path, "replaced_at": self.replaced_at,
+                "loaded": self.kb is not None}
 
 
 _GENTLE_CHUNK = 8 << 20  # bytes per madvise call when the background thread releases a knowledge base ...
@@ -234,8 +237,9 @@ class KnowledgeBaseSlot:
 
     @property
     def version(self) -> Optional[str]:
+        """The serving version as answers report it (``+unverified`` unless its files were all hashed)."""
         kb = self.current
-        return None if kb is None else kb.version
+        return None if kb is None else kb.served_version
 
     @property
     def history(self) -> list[dict]:
@@ -300,12 +304,12 @@ class KnowledgeBaseSlot:
                         unloaded.append(evicted.kb)
                         evicted.kb = None
                     del evicted
-                self._history.append(HistoryEntry(old.version, _path_of(old), _now(), old))
+                self._history.append(HistoryEntry(old.version, _path_of(old), _now(), old, old.served_version))
             unloaded += self._unload_old()
             commit_seconds = time.perf_counter() - tc
             self._swaps += 1
             seq = self._swaps
-        old_version, old_path = (None, None) if old is None else (old.version, _path_of(old))
+        old_version, old_path = (None, None) if old is None else (old.served_version, _path_of(old))
         del old, prepared  # this frame must not keep the old knowledge base alive
         self._release(unloaded)  # outside the lock
         return self._result(old_version, old_path, new, t0, load_seconds, commit_seconds, "swap", seq, warm)
@@ -362,7 +366,7 @@ class KnowledgeBaseSlot:
                 commit_seconds = time.perf_counter() - tc
                 self._swaps += 1
                 seq = self._swaps
-            old_version, old_path = (None, None) if old is None else (old.version, _path_of(old))
+            old_version, old_path = (None, None) if old is None else (old.served_version, _path_of(old))
             if old is not None:
                 unloaded.append(old)  # swap_back forgets the version it leaves: release it too
             del old, prepared
@@ -547,7 +551,7 @@ class KnowledgeBaseSlot:
                 warm: tuple[float, int] = (0.0, 0)) -> SwapResult:
         res = SwapResult(
             old_version=old_version,
-            new_version=new.version,
+            new_version=new.served_version,  # "+unverified" unless its files were all hashed
             seconds=time.perf_counter() - t0,
             load_seconds=load_s,
             commit_seconds=commit_s,

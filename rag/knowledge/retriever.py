@@ -62,7 +62,7 @@ class DenseRetriever:
     @property
     def kb_version(self) -> str:
         """Version id of the knowledge base serving now."""
-        return self._kb.version
+        return self._kb.served_version
 
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None) -> None:
         """Validate `kb` against the query encoder, then switch to it (one reference assignment)."""
@@ -80,7 +80,7 @@ class DenseRetriever:
             scores=torch.from_numpy(scores),
             passages=kb.get_passages(rows),
             doc_embeds=kb.get_embeddings(rows_t),
-            kb_version=kb.version,
+            kb_version=kb.served_version,
         )
 
     @torch.no_grad()

@@ -16,6 +16,7 @@ importer (:mod:`rag.models.hf_compat`) uses its directory and knowledge-base hel
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
 
-from rag.checksums import file_checksums, verify_files
+from rag.checksums import confined_path, file_checksums, verify_files
 from rag.errors import ConfigError, IntegrityError, RagError
 from rag.io import atomic_directory, atomic_write_json
 from rag.models.config import RagModelConfig, check_overrides
@@ -35,7 +36,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT", "save_rag_model", "load_rag_model", "resolve_checkpoint_dir",
-    "open_knowledge_base", "check_overrides", "is_hf_rag_checkpoint",
+    "open_knowledge_base", "check_overrides", "is_hf_rag_checkpoint", "knowledge_base_reference", "referenced_knowledge_base",
+    "readable_weights",
 ]
 
 CHECKPOINT_CONFIG = "rag_config.json"
@@ -106,7 +108,7 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
     kb_ref = None
     if kb is not None:
         kb_ref = {
-            "path": str(Path(kb.path).resolve()),
+            **knowledge_base_reference(Path(kb.path), path),
             "version": kb.version,
             "dim": kb.dim,
             "encoder": kb.encoder,
@@ -144,6 +146,60 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             "files": file_checksums(tmp, (f for sub in saved_dirs for f in (tmp / sub).rglob("*") if f.is_file())),
         }
         atomic_write_json(tmp / CHECKPOINT_CONFIG, meta)
+
+
+# --------------------------------------------------------------------------- knowledge-base references
+
+WELL_KNOWN_KBS = ("demo",)
+"""Knowledge bases a checkpoint may name instead of a path: "demo" is :func:`rag.demo.kb.ensure_demo_kb`'s
+(``$RAG_CACHE/demo_kb``, built from the bundled corpus on first use)."""
+
+_MAX_UP = 2  # a knowledge base at most this many directories above the checkpoint is referenced relatively
+
+
+def knowledge_base_reference(kb_path: Path, checkpoint: Path) -> dict:
+    """How ``rag_config.json`` refers to the knowledge base at `kb_path`, portably: ``{"name": "demo"}`` for the
+    demo knowledge base; else ``path``, relative to the `checkpoint` directory when the knowledge base lies inside
+    it or near it (sharing an ancestor at most two levels up), otherwise absolute, and ``saved_at``, its absolute
+    path when saved (tried second, so that a checkpoint copied alone still finds it on the same machine)."""
+    from rag.demo.kb import demo_kb_path
+
+    kb_abs = Path(kb_path).resolve()
+    if kb_abs == demo_kb_path().resolve():
+        return {"name": "demo", "path": None}
+    rel = Path(os.path.relpath(kb_abs, Path(checkpoint).resolve()))
+    if rel.parts.count("..") <= _MAX_UP and not rel.is_absolute():
+        return {"path": rel.as_posix(), "saved_at": str(kb_abs)}
+    return {"path": str(kb_abs)}
+
+
+def referenced_knowledge_base(root: Path, kb_ref: dict):
+    """The knowledge base the checkpoint at `root` references (``kb_ref``: its ``knowledge_base`` entry): the
+    well-known demo knowledge base (opened, or built on first use), or a directory — relative paths are taken
+    relative to the checkpoint. It is an external artefact, opened and verified against its own manifest.
+    ConfigError when it is not here, saying to pass ``--kb`` (CLI) / ``knowledge_base=`` (Python)."""
+    cfg_file = root / CHECKPOINT_CONFIG
+    how = "pass one with `--kb <directory>` (rag generate / rag serve) or knowledge_base=<directory> (rag.load, RagModel.from_pretrained)"
+    name = kb_ref.get("name")
+    if name is not None:
+        if name not in WELL_KNOWN_KBS:
+            raise ConfigError(f"{cfg_file}: names knowledge base {name!r}, not one of {list(WELL_KNOWN_KBS)}; {how}")
+        from rag.demo.kb import ensure_demo_kb
+
+        return ensure_demo_kb(show_progress=False)
+    path = kb_ref.get("path")
+    if not path:
+        raise ConfigError(f"{cfg_file}: records no knowledge base; {how}")
+    if not isinstance(path, str):
+        raise ConfigError(f"{cfg_file}: knowledge_base.path must be a string, got {type(path).__name__}; {how}")
+    tried = [Path(path) if Path(path).is_absolute() else root / path]
+    if isinstance(kb_ref.get("saved_at"), str) and Path(kb_ref["saved_at"]).is_absolute():
+        tried.append(Path(kb_ref["saved_at"]))
+    for kb_dir in tried:
+        if kb_dir.is_dir():
+            return kb_dir
+    raise ConfigError(f"{cfg_file}: references knowledge base {path!r}, which is not on this machine "
+                      f"(looked in {' and '.join(map(str, tried))}); {how}")
 
 
 def referenced_query_encoder(qenc) -> dict:
@@ -196,38 +252,69 @@ def load_rag_model(
         raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the checkpoint") from e
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} (expected {CHECKPOINT_FORMAT})")
-    verify_files(root, meta.get("files"), verify, record=cfg_file, incomplete=_INCOMPLETE, fix="restore the checkpoint")
+    gen_meta, qenc_meta, denc_meta = (_entry(meta, k, cfg_file) for k in ("generator", "question_encoder", "doc_encoder"))
+    if gen_meta is None:
+        raise ConfigError(f"{cfg_file}: has no 'generator' entry (e.g. {{\"dir\": \"{GENERATOR_DIR}\"}}); the file was edited or "
+                          "written by something else — restore it or save the model again with RagModel.save_pretrained")
+    # Component directories read from the file stay inside the checkpoint; every file in them is checksummed.
+    gen_dir = confined_path(root, gen_meta.get("dir", GENERATOR_DIR), cfg_file)
+    qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root, (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR), cfg_file)
+    denc_dir = confined_path(root, denc_meta.get("dir", DOC_ENCODER_DIR), cfg_file) if denc_meta else None
+    loaded = [d.relative_to(root).as_posix() for d in (gen_dir, qenc_dir, denc_dir) if d is not None]
+    verify_files(root, meta.get("files"), verify, record=cfg_file, incomplete=_INCOMPLETE, fix="restore the checkpoint",
+                 required=[f"{d}/config.json" for d in loaded], dirs=loaded)
     config = RagModelConfig.from_dict(meta.get("config", {}), str(cfg_file))
     if config_overrides:
         config = dataclasses.replace(config, **check_overrides(config_overrides))
 
-    kb_ref = meta.get("knowledge_base") or {}
-    kb_source = knowledge_base if knowledge_base is not None else kb_ref.get("path")
-    if kb_source is None:
-        raise ConfigError(f"{cfg_file}: records no knowledge base; pass knowledge_base=<directory>")
-    kb = open_knowledge_base(kb_source)
+    kb_ref = _entry(meta, "knowledge_base", cfg_file) or {}
+    kb = open_knowledge_base(knowledge_base if knowledge_base is not None else referenced_knowledge_base(root, kb_ref))
     if kb_ref.get("version") and kb.version != kb_ref["version"]:
         logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
 
-    qenc = _load_query_encoder(root, meta.get("question_encoder") or {}, verify)
+    with readable_weights(cfg_file):
+        qenc = _load_query_encoder(root, qenc_meta or {}, verify, qenc_dir)
     if config.retrieval == "dense":
         check_compatible(kb, qenc.dim, kb_ref.get("space"), allow_encoder_change=allow_encoder_change)
-    gen, tok, _ = load_generator(root / meta["generator"].get("dir", GENERATOR_DIR), kind="seq2seq")
-    denc_meta = meta.get("doc_encoder")
-    denc = TextEncoder.from_pretrained(root / denc_meta.get("dir", DOC_ENCODER_DIR)) if denc_meta and config.uses_doc_encoder else None
+    with readable_weights(cfg_file):
+        gen, tok, _ = load_generator(gen_dir, kind="seq2seq")
+        denc = TextEncoder.from_pretrained(denc_dir) if denc_dir is not None and config.uses_doc_encoder else None
     model = cls(qenc, gen, tok, kb, config, doc_encoder=denc)
     if config.retrieval == "dense":
         model.retriever.allow_encoder_change = allow_encoder_change
     return model.eval()
 
 
-def _load_query_encoder(root: Path, entry: dict, verify: str):
-    """The checkpoint's query encoder: its saved copy, or the encoder it references by name, whose
+def _entry(meta: dict, key: str, cfg_file: Path):
+    """``meta[key]``: None when absent or null, else it must be a JSON object."""
+    value = meta.get(key)
+    if value is not None and not isinstance(value, dict):
+        raise ConfigError(f"{cfg_file}: field {key!r} must be an object, got {type(value).__name__}; restore the file or save the model again")
+    return value
+
+
+@contextlib.contextmanager
+def readable_weights(record: Path):
+    """Turn a weights or config file that cannot be parsed (garbage in ``model.safetensors``, a truncated
+    ``config.json``) into an IntegrityError naming the checkpoint, instead of the parser's own exception."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except RagError:
+        raise
+    except (SafetensorError, OSError, ValueError, EOFError, RuntimeError, UnicodeDecodeError) as e:
+        raise IntegrityError(f"{record.parent}: a component file cannot be loaded ({type(e).__name__}: {e}); the checkpoint is "
+                             f"damaged — restore it, or save the model again (load with verify='full' to find the altered file)") from e
+
+
+def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None = None):
+    """The checkpoint's query encoder: its saved copy (in `qdir`), or the encoder it references by name, whose
     weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
     from rag.knowledge.encoders import TextEncoder, check_fingerprint
 
     if not entry.get("reference"):
-        return TextEncoder.from_pretrained(root / entry.get("dir", QUESTION_ENCODER_DIR))
+        return TextEncoder.from_pretrained(qdir if qdir is not None else root / QUESTION_ENCODER_DIR)
     cfg_file = root / CHECKPOINT_CONFIG
     missing = [k for k in ("name", "fingerprint", "pooling", "normalize", "max_length") if k not in entry]
     if missing:

@@ -9,7 +9,7 @@ from typing import Literal, Optional
 from rag.errors import ConfigError
 from rag.validate import check_positive_int
 
-__all__ = ["RagModelConfig", "check_overrides"]
+__all__ = ["RagModelConfig", "check_overrides", "check_generation_settings"]
 
 _MARGINALIZATIONS = ("sequence", "token")
 _RETRIEVALS = ("dense", "bm25")
@@ -55,6 +55,10 @@ class RagModelConfig:
     rerank_candidates: Optional[int] = None
     """Stale-index re-ranking: search this many candidates (>= n_docs) in the index, re-embed them with the
     current document encoder and keep the n_docs best by fresh score. None: no re-ranking. Dense retrieval only."""
+    generation: Optional[dict] = None
+    """Decoding defaults stored with the model (GenerationConfig field -> value, e.g. ``num_beams``, ``max_length``,
+    ``no_repeat_ngram_size``, ``forced_bos_token_id``; the transformers importer carries those of the checkpoint):
+    :meth:`RagPipeline.generate <rag.pipeline.RagPipeline.generate>` uses them where the caller passes no value."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -84,6 +88,8 @@ class RagModelConfig:
                     f"RagModelConfig.rerank_candidates={self.rerank_candidates} is smaller than n_docs={self.n_docs}; "
                     "re-ranking keeps the best n_docs of rerank_candidates, so give at least n_docs (or null to disable)"
                 )
+        if self.generation is not None:
+            check_generation_settings(self.generation, "RagModelConfig.generation")
         if self.retrieval == "bm25" and self.uses_doc_encoder:
             raise ConfigError(
                 "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (document vectors); "
@@ -120,3 +126,16 @@ def check_overrides(overrides: dict) -> dict:
     if unknown:
         raise ConfigError(f"unknown RagModelConfig field(s) {unknown}; valid fields are {sorted(known)}")
     return overrides
+
+
+def check_generation_settings(settings, where: str) -> dict:
+    """`settings` unchanged if it maps GenerationConfig field names to values, else ConfigError naming the bad keys."""
+    from rag.generation.decoding import GenerationConfig
+
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{where} must be an object of decoding options, got {type(settings).__name__}")
+    known = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown decoding option(s) {unknown}; valid options are {sorted(known)}")
+    return settings

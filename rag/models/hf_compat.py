@@ -13,8 +13,12 @@ is split into a DPR question encoder and a seq2seq generator, each loaded throug
 ``from_pretrained`` (so tied weights and legacy key names are handled by transformers), and
 assembled with a knowledge base into a RagModel with ``hf_compat=True``: contexts are built exactly
 as ``RagRetriever`` builds them (including the question's round trip through the question
-tokenizer and right truncation at ``max_combined_length``) and the loss is transformers'
-``get_nll``, quirks included (see :mod:`rag.generation.marginalize`).
+tokenizer and right truncation at ``max_combined_length``), answer strings are scored as transformers
+scores ``labels=tokenizer(text_target=answer).input_ids`` (fed ``<s> …``, scored from the second token:
+:func:`rag.generation.marginalize.hf_label_convention`), and the loss is transformers' ``get_nll``, quirks
+included (see :mod:`rag.generation.marginalize`). The decoding settings stored with the checkpoint
+(:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
+``model.safetensors.index.json`` must stay inside the checkpoint directory.
 
 Separate DPR and BART checkpoints need no importer: use ``RagModel.from_components``.
 
@@ -33,21 +37,23 @@ from typing import Optional, Union
 from rag.errors import ConfigError, IntegrityError
 from rag.models.checkpoint import is_hf_rag_checkpoint, open_knowledge_base, resolve_checkpoint_dir
 
-__all__ = ["is_hf_rag_checkpoint", "rag_config_from_hf", "split_hf_rag", "load_hf_rag", "convert_hf_rag"]
+__all__ = ["is_hf_rag_checkpoint", "rag_config_from_hf", "stored_generation_settings", "split_hf_rag", "load_hf_rag",
+           "convert_hf_rag"]
 
 _ARCHITECTURES = {"RagSequenceForGeneration": "sequence", "RagTokenForGeneration": "token"}
 _QUESTION_TOKENIZER_DIR = "question_encoder_tokenizer"
 _GENERATOR_TOKENIZER_DIR = "generator_tokenizer"
 
 
-def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overrides):
+def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, generation: Optional[dict] = None, **overrides):
     """The :class:`RagModelConfig` that reproduces a transformers ``RagConfig``.
 
     `marginalization` defaults to the one the config's ``architectures`` imply
     (RagSequenceForGeneration -> "sequence", RagTokenForGeneration -> "token").
     ``reduce_loss`` is a per-call choice in transformers (its fine-tuning script passes
     ``reduce_loss=True``), so imports default to a scalar loss (summed, as transformers sums);
-    pass ``reduce_loss=False`` for per-example losses.
+    pass ``reduce_loss=False`` for per-example losses. `generation`: the checkpoint's decoding options
+    (:func:`stored_generation_settings`), kept as the pipeline's defaults.
     """
     from rag.models.config import RagModelConfig, check_overrides
 
@@ -76,14 +82,57 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, **overr
         title_sep=hf_config.title_sep,
         doc_sep=hf_config.doc_sep,
     )
+    if generation:
+        fields["generation"] = generation
     fields.update(check_overrides(overrides))
     return RagModelConfig(**fields)
+
+
+# Decoding options a transformers checkpoint stores (generation_config.json / config.json) that GenerationConfig
+# reproduces; the released BART-based RAG checkpoints set several of them.
+GENERATION_KEYS = ("num_beams", "max_length", "min_length", "no_repeat_ngram_size", "length_penalty", "early_stopping",
+                   "forced_bos_token_id", "forced_eos_token_id")
+
+
+def stored_generation_settings(root: Union[str, os.PathLike]) -> dict:
+    """The decoding options stored with a transformers RAG checkpoint at `root` (the subset of
+    :data:`GENERATION_KEYS` it sets), for :attr:`RagModelConfig.generation`. Each is taken from the first of:
+    ``generation_config.json`` (what transformers' ``generate`` reads first), the RAG ``config.json``, its
+    ``generator`` sub-config (where checkpoints saved by older transformers keep BART's ``forced_bos_token_id``,
+    ``no_repeat_ngram_size``, ``num_beams``, ``max_length``...). Unreadable files are skipped; the import of
+    ``config.json`` itself reports those."""
+    root = Path(root)
+    sources = []
+    for name in ("generation_config.json", "config.json"):
+        try:
+            data = json.loads((root / name).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(data, dict):
+            sources.append(data)
+            if name == "config.json" and isinstance(data.get("generator"), dict):
+                sources.append(data["generator"])
+    out = {}
+    for key in GENERATION_KEYS:
+        for src in sources:
+            value = src.get(key)
+            if value is not None:
+                out[key] = value
+                break
+    if out.get("early_stopping") not in (None, True, False, "never"):
+        out.pop("early_stopping")
+    if isinstance(out.get("max_length"), int) and out["max_length"] < 2:
+        out.pop("max_length")
+    return out
 
 
 def _load_state_dict(root: Path) -> dict:
     """All tensors of a transformers checkpoint directory (safetensors, sharded safetensors, or .bin)."""
     import torch
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from rag.checksums import confined_path
 
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
@@ -92,14 +141,21 @@ def _load_state_dict(root: Path) -> dict:
         if single.is_file():
             return load_file(single)
         if index.is_file():
-            shards = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise IntegrityError(f"{index}: 'weight_map' is not an object; download the checkpoint again")
+            # Shard names come from a file: each must stay inside the checkpoint directory.
+            shards = sorted({confined_path(root, name, index) for name in weight_map.values()})
             out: dict = {}
             for shard in shards:
-                out.update(load_file(root / shard))
+                out.update(load_file(shard))
             return out
         if legacy.is_file():
-            return torch.load(legacy, map_location="cpu", weights_only=True)
-    except (OSError, ValueError, KeyError, RuntimeError) as e:
+            try:
+                return torch.load(legacy, map_location="cpu", weights_only=True)
+            except Exception as e:  # torch raises its unpickler's own error types for damaged or disallowed content
+                raise RuntimeError(f"{legacy.name}: {e}") from e
+    except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, UnicodeDecodeError, SafetensorError) as e:
         raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the checkpoint again") from e
     raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the checkpoint is incomplete")
 
@@ -166,7 +222,7 @@ def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[s
     from rag.models.rag_model import RagModel
 
     hf_config = RagConfig.from_pretrained(src)
-    config = rag_config_from_hf(hf_config, marginalization, **overrides)
+    config = rag_config_from_hf(hf_config, marginalization, stored_generation_settings(src), **overrides)
     qdir, gdir = split_hf_rag(src, work)
     kb = open_knowledge_base(knowledge_base)
     qenc = TextEncoder(str(qdir), role="question")
@@ -181,7 +237,11 @@ def load_hf_rag(src: Union[str, os.PathLike], knowledge_base, *, marginalization
     """Load a transformers RAG checkpoint (local directory, or hub id where a hub is reachable) as a
     RagModel with ``hf_compat=True`` over `knowledge_base` (a directory or KnowledgeBase).
 
-    `config_overrides` replace RagModelConfig fields (e.g. ``n_docs=10``). Returns the model in eval mode.
+    `config_overrides` replace RagModelConfig fields (e.g. ``n_docs=10``; unknown names are refused with the
+    valid list). The decoding options stored with the checkpoint (``generation_config.json``, the generator
+    config: ``num_beams``, ``max_length``, ``no_repeat_ngram_size``, ``forced_bos_token_id``...) become
+    ``config.generation``, the defaults of :meth:`RagPipeline.generate <rag.pipeline.RagPipeline.generate>`.
+    Returns the model in eval mode.
     """
     root = resolve_checkpoint_dir(src, "transformers RAG checkpoint")
     with tempfile.TemporaryDirectory(prefix="rag-hf-import-") as work:

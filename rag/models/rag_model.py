@@ -33,9 +33,12 @@ Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``R
 * **Single-token targets / document prior**: every target token is scored and log p(z|x) enters each document's
   sequence score once (Eq. 1); transformers attaches the prior to the second target position, so for one-token
   targets it (and every retriever gradient) vanishes — the full list is in :mod:`rag.generation.marginalize`.
-* **Targets**: ``forward`` takes strings, tokenized by the generator tokenizer (BART ``<s> … </s>``, T5 ``… </s>``),
-  all scored, decoded shifted right after ``decoder_start_token_id``; transformers expects ``labels`` that begin
-  with the start token (its fine-tuning script prepends it) — the scored tokens are the same.
+* **Targets** (two conventions): ``forward`` takes strings, tokenized by the generator tokenizer (BART ``<s> … </s>``,
+  T5 ``… </s>``). Default (new models): every token is scored, decoded shifted right after ``decoder_start_token_id``
+  (BART: ``</s> <s> …``), exactly as generation decodes. ``hf_compat``: transformers' convention for labels as its docs
+  and fine-tuning script pass them for BART (``tokenizer(text_target=answer).input_ids``): ``<s> …`` is fed and
+  scored from the second token (:func:`~rag.generation.marginalize.hf_label_convention`); up to several nats apart
+  from the default on the same answer. T5 targets (no ``<s>``) score alike under both.
 * **Reduction**: ``reduce_loss=True`` averages over the batch; transformers (and ``hf_compat``) sums.
 * **Padding**: contexts are padded to the batch's longest, not to 300 tokens, and the generator runs on length
   buckets of them (:mod:`rag.generation.buckets`), so its cost follows the real context tokens.
@@ -375,6 +378,23 @@ class RagModel(nn.Module):
         device = _device_of(self.generator)
         return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
 
+    def training_targets(self, targets: Sequence[str]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """``(decoder_input_ids, labels, label_mask)`` that :meth:`forward` decodes and scores for target strings.
+
+        Default: decoder_input_ids None (labels shifted right after the start token, as generation decodes;
+        every tokenized target token is scored). Under ``hf_compat`` with a tokenizer that starts targets with
+        BOS (BART): transformers' convention for ``labels=tokenizer(text_target=answer).input_ids``
+        (:func:`~rag.generation.marginalize.hf_label_convention`: ``<s> …`` fed, scored from the second token).
+        T5-style targets (no BOS) are scored the same way under both conventions (transformers' fine-tuning
+        script prepends the start token for them)."""
+        from rag.generation.marginalize import hf_label_convention
+
+        labels, label_mask = self.tokenize_targets(targets)
+        bos = self.bos_token_id
+        if self.config.hf_compat and bos is not None and labels.shape[1] > 1 and bool((labels[:, 0] == bos).all()):
+            return hf_label_convention(labels, label_mask, self.pad_token_id)
+        return None, labels, label_mask
+
     def forward(self, questions: Sequence[str], targets: Sequence[str], n_docs: Optional[int] = None) -> RagOutput:
         """Negative marginal log-likelihood −log p(y|x) of each target (§2.4), over the top-k passages.
 
@@ -392,8 +412,8 @@ class RagModel(nn.Module):
             raise RagError(f"got {len(questions)} questions but {len(targets)} targets; give exactly one target per question")
         k = self._n_docs(n_docs)
         inputs = self._prepare(questions, k)
-        labels, label_mask = self.tokenize_targets(targets)
-        logits = self.generator_logits(inputs, labels)  # (B, K, T, V)
+        decoder_inputs, labels, label_mask = self.training_targets(targets)
+        logits = self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs)  # (B, K, T, V)
         loss = self.loss_from_logits(logits, labels, label_mask, inputs.doc_scores)
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
@@ -420,12 +440,14 @@ class RagModel(nn.Module):
         device = _device_of(self.generator)
         scores = torch.zeros(len(questions), 1, device=device)
         inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
-        labels, label_mask = self.tokenize_targets(targets)
-        return self.loss_from_logits(self.generator_logits(inputs, labels), labels, label_mask, scores)
+        decoder_inputs, labels, label_mask = self.training_targets(targets)
+        return self.loss_from_logits(self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs), labels, label_mask, scores)
 
-    def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS) -> torch.Tensor:
+    def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS,
+                         decoder_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Teacher-forced generator logits ``(B, K, T, V)``: every context row ``b*K + k`` decodes the
-        targets ``labels`` ``(B, T)`` (decoder input = labels shifted right after the start token).
+        targets ``labels`` ``(B, T)`` (decoder input = labels shifted right after the start token, or
+        `decoder_input_ids` ``(B, T)`` when given, see :meth:`training_targets`).
 
         The encoder runs once per (question, passage). The B·K contexts are grouped into at most
         `max_buckets` length buckets (:func:`rag.generation.buckets.length_buckets`) and the generator
@@ -441,7 +463,8 @@ class RagModel(nn.Module):
         b, t = labels.shape
         k = inputs.doc_scores.shape[1]
         ids, mask = inputs.context_input_ids, inputs.context_attention_mask
-        decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)  # (B, T)
+        if decoder_input_ids is None:
+            decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)  # (B, T)
 
         def run(bucket) -> torch.Tensor:  # (n, T, V) for the bucket's rows
             out = self.generator(

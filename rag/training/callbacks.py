@@ -373,7 +373,7 @@ class IndexRefresh(pl.Callback):
     def _restore_serving(self, model) -> None:
         """On resume, serve the refreshed knowledge base the checkpoint was trained against."""
         path, version = self._restored.get("serving_path"), self._restored.get("serving_version")
-        if not path or (self._slot.current is not None and self._slot.version == version):
+        if not path or (self._slot.current is not None and self._slot.current.version == version):
             return
         try:
             self._slot.swap(path, allow_encoder_change=True, verify=self.verify)

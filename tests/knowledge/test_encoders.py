@@ -274,3 +274,27 @@ def test_dpr_role_and_passage_pairs(tmp_path, wordpiece):
     with torch.no_grad():
         expected = enc.model(**batch).pooler_output
     np.testing.assert_allclose(got, expected.numpy(), atol=1e-5)
+
+
+@pytest.mark.parametrize("module_path", ["../outside", "/etc", "1_Pooling/../../outside"])
+def test_sentence_transformers_module_paths_stay_inside_the_model(tiny_bert_dir, tmp_path, module_path):
+    """modules.json is input: a module folder outside the model directory is refused, not read."""
+    import json
+    import shutil
+
+    from rag.errors import IntegrityError
+    from rag.knowledge.encoders import TextEncoder
+
+    model = tmp_path / "st_model"
+    shutil.copytree(tiny_bert_dir, model)
+    (tmp_path / "outside").mkdir()
+    (tmp_path / "outside" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": module_path, "type": "sentence_transformers.models.Pooling"}]))
+    with pytest.raises(IntegrityError, match="outside"):
+        TextEncoder(str(model))
+    (model / "modules.json").write_text(json.dumps([
+        {"idx": 0, "name": "0", "path": module_path, "type": "sentence_transformers.models.Transformer"}]))
+    with pytest.raises(IntegrityError, match="outside"):
+        TextEncoder(str(model))

@@ -235,3 +235,78 @@ def test_manifest_file_entries_never_leave_the_directory(toy_kb, entry):
     for verify in ("full", "size"):
         with pytest.raises(IntegrityError, match="outside"):
             KnowledgeBase.open(root, verify=verify)
+
+
+def _rewrite_manifest(root: Path, edit) -> None:
+    manifest = json.loads((root / MANIFEST).read_text())
+    edit(manifest)
+    (root / MANIFEST).write_text(json.dumps(manifest))
+
+
+def _rechecksum(root: Path, rel: str) -> None:
+    """Update the manifest's record of `rel` to the file's current content (a consistent tampering)."""
+    from rag.checksums import file_checksums
+
+    _rewrite_manifest(root, lambda m: m["files"].update(file_checksums(root, [root / rel])))
+
+
+@pytest.mark.parametrize("edit, what", [
+    (lambda m: m.update(files={}), "records no file checksums"),
+    (lambda m: m["files"].pop(EMBEDDINGS), "records no checksum for ['embeddings.npy']"),
+    (lambda m: m["files"].pop(INDEX), "records no checksum for ['index.faiss']"),
+    (lambda m: m["files"].pop("passages/state.json"), "records no checksum for ['passages/state.json']"),
+])
+def test_verification_covers_every_file_open_reads(toy_kb, edit, what):
+    """Emptying or trimming the manifest's records cannot make verification vacuous: a corrupted file whose
+    record was removed is refused, by the full and the size check alike."""
+    root = Path(toy_kb.path)
+    emb = root / EMBEDDINGS
+    data = bytearray(emb.read_bytes())
+    data[-1] ^= 0x01
+    emb.write_bytes(bytes(data))
+    _rewrite_manifest(root, edit)
+    for verify in ("full", "size"):
+        with pytest.raises(IntegrityError) as e:
+            KnowledgeBase.open(root, verify=verify)
+        assert what in str(e.value) and str(root / MANIFEST) in str(e.value)
+
+
+def test_unrecorded_file_in_a_loaded_directory_is_refused(tmp_path, bert_encoder, demo_passages):
+    kb = KnowledgeBase.build(demo_passages[:8], bert_encoder, tmp_path / "kb", index="flat", bm25=True, show_progress=False)
+    for extra in ("passages/extra.arrow", "bm25/extra.json"):
+        (kb.path / extra).write_bytes(b"{}")
+        with pytest.raises(IntegrityError, match=f"records no checksum for \\['{extra}'\\]"):
+            KnowledgeBase.open(kb.path, verify="size")
+        (kb.path / extra).unlink()
+    assert len(KnowledgeBase.open(kb.path)) == 8
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_non_finite_embeddings_are_refused_at_open(toy_kb, value, monkeypatch):
+    """A knowledge base whose records agree with NaN/Inf embeddings (written by another tool, or re-checksummed)
+    is refused on opening; the check reads the memory map in blocks (forced small here)."""
+    import rag.knowledge.knowledge_base as kbm
+
+    root = Path(toy_kb.path)
+    emb = np.load(root / EMBEDDINGS)
+    emb[5, 2] = value
+    np.save(root / EMBEDDINGS, emb)
+    _rechecksum(root, EMBEDDINGS)
+    monkeypatch.setattr(kbm, "_FINITE_CHUNK", 16)  # one row per block: the bad row is found in a later block
+    for verify in ("full", "size"):
+        with pytest.raises(IntegrityError, match="row 5 holds NaN or inf"):
+            KnowledgeBase.open(root, verify=verify)
+    assert KnowledgeBase.open(root, verify="none").verified == "none"  # "none" trusts the directory
+
+
+def test_passages_data_file_names_stay_inside(toy_kb):
+    """passages/state.json names the Arrow files datasets reads: a name leaving the directory is refused, even when
+    the manifest's records were updated to match."""
+    root = Path(toy_kb.path)
+    state = root / "passages" / "state.json"
+    data = json.loads(state.read_text())
+    data["_data_files"][0]["filename"] = "../../outside.arrow"
+    state.write_text(json.dumps(data))
+    _rechecksum(root, "passages/state.json")
+    with pytest.raises(IntegrityError, match="outside"):
+        KnowledgeBase.open(root)

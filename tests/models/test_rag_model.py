@@ -240,7 +240,7 @@ def test_save_load_round_trip_gives_identical_loss(model, tmp_path, kb_dir):
     meta = json.loads((tmp_path / "ckpt" / CHECKPOINT_CONFIG).read_text())
     kb = KnowledgeBase.open(kb_dir)
     assert meta["knowledge_base"]["version"] == kb.version
-    assert meta["knowledge_base"]["path"] == str(kb.path.resolve())
+    assert (tmp_path / "ckpt" / meta["knowledge_base"]["path"]).resolve() == kb.path.resolve()  # relative: it is near
     assert meta["config"] == model.config.to_dict()
     assert "generator/model.safetensors" in meta["files"] and "question_encoder/model.safetensors" in meta["files"]
     assert not list((tmp_path / "ckpt").rglob("*.npy")) and not list((tmp_path / "ckpt").rglob("*.faiss"))  # KB not copied
