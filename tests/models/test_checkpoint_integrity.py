@@ -65,12 +65,12 @@ def test_component_dirs_read_from_the_config_stay_inside(ckpt, capsys):
     shutil.copytree(ckpt / "generator", other / "generator")
     for key, value in (("generator", "../other/generator"), ("generator", str(other / "generator")),
                        ("question_encoder", "../other/generator")):
-        _edit(ckpt, lambda m: m[key].update(dir=value))
+        _edit(ckpt, lambda m, key=key, value=value: m[key].update(dir=value))
         with pytest.raises(IntegrityError, match="points outside"):
             RagModel.from_pretrained(ckpt)
         code, err = _cli(capsys, "--model", str(ckpt))
         assert code == 2 and "points outside" in err and "Traceback" not in err
-        _edit(ckpt, lambda m: m[key].update(dir=key))
+        _edit(ckpt, lambda m, key=key: m[key].update(dir=key))
     assert RagModel.from_pretrained(ckpt) is not None
 
 
