@@ -118,6 +118,8 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
     OutputExistsError (a FileExistsError); with it, only a directory that `replaces`
     recognises as the writer's own `kind` is replaced — pass a predicate in every writer.
     """
+    if overwrite and replaces is None:
+        raise TypeError("atomic_directory(overwrite=True) needs replaces=: a predicate recognising the writer's own kind")
     final = check_output_dir(final, overwrite, replaces=replaces, kind=kind)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)

@@ -92,6 +92,11 @@ def open_knowledge_base(kb, verify: str = "full"):
 # --------------------------------------------------------------------------- saving
 
 
+def is_checkpoint_dir(path: Path) -> bool:
+    """True for a directory holding a RagModel checkpoint (its ``rag_config.json``): the only kind a save replaces."""
+    return (Path(path) / CHECKPOINT_CONFIG).is_file()
+
+
 def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: bool = False, *,
                    reference_query_encoder: bool = False) -> None:
     """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
@@ -102,8 +107,9 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
     if path.exists():
         if not path.is_dir():
             raise RagError(f"{path} exists and is not a directory; choose another path")
-        if any(path.iterdir()) and not (path / CHECKPOINT_CONFIG).is_file() and not overwrite:
-            raise RagError(f"{path} holds files that are not a RagModel checkpoint; choose another path or pass overwrite=True")
+        if any(path.iterdir()) and not is_checkpoint_dir(path):
+            raise RagError(f"{path} holds files that are not a RagModel checkpoint, so it is never replaced (not even with "
+                           "overwrite=True); choose another path")
     kb = model.knowledge_base
     kb_ref = None
     if kb is not None:
@@ -115,7 +121,7 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             "space": getattr(model.retriever, "space", kb.encoder.get("fingerprint")),
         }
     qenc_meta = referenced_query_encoder(model.question_encoder) if reference_query_encoder else None
-    with atomic_directory(path, overwrite=True) as tmp:
+    with atomic_directory(path, overwrite=True, replaces=is_checkpoint_dir, kind="RagModel checkpoint") as tmp:
         if qenc_meta is None:
             model.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
             qenc_meta = {"dir": QUESTION_ENCODER_DIR, **model.question_encoder.identity()}

@@ -402,7 +402,7 @@ def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
             return out
         log.warning("demo LM cache %s is not usable (%s); converting again", out, problem)
     with tqdm(total=1, desc=f"converting {gguf_path.name}", disable=not show_progress, unit="model") as bar:
-        with atomic_directory(out, overwrite=True) as tmp:
+        with atomic_directory(out, overwrite=True, replaces=lambda p: force or (p / MANIFEST).is_file(), kind="demo LM cache") as tmp:
             manifest = _convert(gguf_path, gguf_sha, tmp, show_progress)
             atomic_write_json(tmp / MANIFEST, manifest)
         bar.update(1)

@@ -329,8 +329,9 @@ class RagModel(nn.Module):
         (RAG-Frozen), this keeps a checkpoint small (all-MiniLM-L6-v2 alone is ~90 MB in fp32). It is
         refused unless loading the encoder by its name now gives exactly the current weights.
 
-        An existing directory is replaced only if it is empty, holds an earlier RagModel
-        checkpoint, or `overwrite` is true.
+        An existing directory is replaced only if it is empty or holds an earlier RagModel
+        checkpoint; anything else is refused, with or without `overwrite` (kept for compatibility:
+        it never replaces other data).
 
         Raises:
             RagError: `path` is unsuitable, or the query encoder cannot be referenced (its weights

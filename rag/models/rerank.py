@@ -86,6 +86,11 @@ class LMReranker:
         return np.asarray([lp.sum() for lp in lps], dtype=np.float64).reshape(len(requests), k)
 
 
+def is_reranker_dir(path: Path) -> bool:
+    """True for a directory written by :meth:`PredictiveReranker.save` (the only kind its save replaces)."""
+    return (Path(path) / RERANKER_FILE).is_file()
+
+
 class PredictiveReranker(nn.Module):
     """Cross-encoder ``f(x_{≤s·j}, d_i)`` (§6.2): a BERT-family encoder over ``[CLS] prefix [SEP] doc [SEP]`` and a linear
     head on the ``[CLS]`` state; ``p_rank(d_i | x) = softmax_i f`` (Eq. 7).
@@ -145,7 +150,7 @@ class PredictiveReranker(nn.Module):
         """Write encoder, tokenizer and head to `directory` atomically."""
         from safetensors.torch import save_file
 
-        with atomic_directory(directory, overwrite=overwrite) as tmp:
+        with atomic_directory(directory, overwrite=overwrite, replaces=is_reranker_dir, kind="predictive reranker") as tmp:
             self.encoder.save_pretrained(tmp / "encoder")
             self.tokenizer.save_pretrained(tmp / "encoder")
             save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(tmp / HEAD_FILE))

@@ -402,3 +402,22 @@ def test_unchanged_query_encoder_is_saved_by_reference_and_verified_on_load(tmp_
     shutil.rmtree(qdir)
     with pytest.raises(ConfigError, match="references the query encoder"):
         RagModel.from_pretrained(tmp_path / "ckpt")
+
+
+def test_save_never_replaces_other_data_even_with_overwrite(model, tmp_path):
+    """A checkpoint save replaces an earlier checkpoint, never a folder of the user's files (overwrite or not)."""
+    from rag.io import atomic_directory
+
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "n.txt").write_text("precious")
+    for overwrite in (False, True):
+        with pytest.raises(RagError, match="never replaced"):
+            model.save_pretrained(notes, overwrite=overwrite)
+    assert (notes / "n.txt").read_text() == "precious" and sorted(p.name for p in notes.iterdir()) == ["n.txt"]
+    model.save_pretrained(tmp_path / "ckpt")
+    model.save_pretrained(tmp_path / "ckpt")  # an earlier checkpoint is replaced
+    assert (tmp_path / "ckpt" / CHECKPOINT_CONFIG).is_file()
+    with pytest.raises(TypeError, match="replaces="):  # every writer must say what it may replace
+        with atomic_directory(tmp_path / "x", overwrite=True):
+            pass
