@@ -28,6 +28,8 @@ def add_parser(sub) -> None:
     p.add_argument("--query-length", type=int, default=None, help="causal LM: the last this-many tokens are the query (default 32)")
     p.add_argument("--retrieval", choices=["bm25", "dense"], default=None,
                    help="causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, else dense)")
+    p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
+    p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
     p.add_argument("--sample", action="store_true", help="causal LM: sample instead of greedy decoding (see --seed)")
     p.add_argument("--seed", type=int, default=None, help="causal LM: seed of --sample")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -64,11 +66,18 @@ def cmd_generate(args) -> int:
 
     from rag.pipeline import load, plot_token_posterior
 
-    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length")
+    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length", "doc_max_length", "max_length")
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
     queries = read_queries(args)  # checked before the model is loaded
-    pipe = load(args.model, knowledge_base=args.kb)
+    settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
+    if settings:
+        from rag.models.generator import checkpoint_generator_kind
+
+        if checkpoint_generator_kind(args.model) != "causal":
+            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
+                              "is not one: drop them, or pass a causal LM directory or 'smollm2'")
+    pipe = load(args.model, knowledge_base=args.kb, **settings)
     n_written = 0
 
     def run(batch: list[str]) -> None:
