@@ -11,6 +11,16 @@ Each answer carries the passages it was generated from with their prior p(z|x) a
 posterior p(z|x,y), the version of the knowledge base that answered, and for
 RAG-Token the per-token document posterior (the paper's Figure 2), which
 :func:`plot_token_posterior` draws as a heatmap.
+
+A causal LM (a directory, or the demo LM ``"smollm2"``) with a knowledge base reads with
+In-Context RALM (Ram et al. 2023) through the same API::
+
+    pipe = rag.load("smollm2", knowledge_base="kb/")
+    [a] = pipe.generate(["The capital of France is"], stride=4, query_length=32, retrieval="bm25")
+    a.text, a.segments[0].title, a.segments[0].start, a.segments[0].end   # which document for which tokens
+
+The pipeline holds a :class:`Reader`: :class:`RagReader` (a seq2seq :class:`~rag.models.rag_model.RagModel`)
+or :class:`RalmReader` (a frozen causal LM, re-retrieving every ``stride`` generated tokens).
 """
 
 from __future__ import annotations
@@ -19,7 +29,7 @@ import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
 
@@ -29,6 +39,8 @@ from rag.validate import check_positive_int, check_strings
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.models.rag_model import RagModel
+    from rag.models.ralm import DocumentScorer, RalmConfig
+    from rag.models.ralm_generate import SegmentProvenance
 
 DEMO_NAMES = ("demo",)
 
@@ -67,6 +79,10 @@ class Answer:
     token_ids: Optional[list[int]] = None
     """The generated ids as transformers' ``generate`` returns them: the decoder start token first, through the
     first EOS (padding dropped), for token-for-token comparisons."""
+    segments: Optional[list["SegmentProvenance"]] = None
+    """In-Context RALM only: per stride segment, the generated-token span ``[start, end)`` (indices into `tokens`) and
+    the passage in context for it (id, title, retrieval score, query, knowledge-base version). `passages` then lists
+    each passage read once (prior 1: one document per segment; no posterior)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -86,16 +102,76 @@ class Retrieval:
         return asdict(self)
 
 
-class RagPipeline:
-    """A :class:`~rag.models.rag_model.RagModel` ready to answer questions.
+@runtime_checkable
+class Reader(Protocol):
+    """What a :class:`RagPipeline` holds: a generator with its retrieval, answering with provenance.
+
+    ``kind``: the generator kind (``"seq2seq"`` | ``"causal"``, :mod:`rag.models.generator`); options of the other kind
+    (:data:`READER_OPTIONS`) are refused by the pipeline, naming them. ``retriever``: what a
+    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps (``knowledge_base``, ``set_knowledge_base``). ``model``:
+    the underlying model. ``retrieve`` / ``generate`` take checked lists of strings; every result of one call comes
+    from one knowledge-base version, named in its ``kb_version``.
+    """
+
+    kind: str
+    model: Any
+
+    @property
+    def retriever(self) -> Any: ...
+
+    @property
+    def kb_version(self) -> str: ...
+
+    def retrieve(self, questions: Sequence[str], k: int = 5, **options) -> list[Retrieval]: ...
+
+    def generate(self, questions: Sequence[str], **options) -> list[Answer]: ...
+
+
+READER_OPTIONS = {
+    "seq2seq": {"n_docs": "--n-docs", "marginalization": "--marginalization", "decoding": "--decoding"},
+    "causal": {"stride": "--stride", "query_length": "--query-length", "retrieval": "--retrieval"},
+}
+"""Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
+
+_READS = {"seq2seq": "a seq2seq RAG model (RAG-Sequence / RAG-Token over n_docs passages)",
+          "causal": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
+
+
+def check_k(k, name: str, kb) -> int:
+    """`k` (option `name`) as a positive integer no larger than the knowledge base `kb`."""
+    check_positive_int(k, name)
+    n = len(kb)
+    if k > n:
+        raise RagError(f"{name}={k} exceeds the {n} passages of knowledge base {kb.path}; use {name} <= {n}")
+    return k
+
+
+def retrievals(questions: Sequence[str], kb_version: str, passages, scores: torch.Tensor) -> list[Retrieval]:
+    """One :class:`Retrieval` per question: its passages with their scores ``(B, K)`` and priors (softmax over K)."""
+    prior = torch.softmax(scores.float(), dim=1)
+    return [
+        Retrieval(q, kb_version,
+                  [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)])
+        for q, ps, srow, prow in zip(questions, passages, scores.tolist(), prior.tolist())
+    ]
+
+
+class RagReader:
+    """The seq2seq reader: a :class:`~rag.models.rag_model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020).
 
     Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
     reference once (inside retrieval) and builds every answer (or retrieval) from that one
     version, which it names in ``kb_version``.
     """
 
+    kind = "seq2seq"
+
     def __init__(self, model: "RagModel"):
         self.model = model.eval()
+
+    @property
+    def retriever(self):
+        return self.model.retriever
 
     # ------------------------------------------------------------------ knowledge base
     @property
@@ -115,19 +191,10 @@ class RagPipeline:
         same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
         questions = check_strings(questions, "questions")
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
-        prior = torch.softmax(doc_scores.float(), dim=1)
-        return [
-            Retrieval(q, retrieved.kb_version,
-                      [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)])
-            for q, ps, srow, prow in zip(questions, retrieved.passages, doc_scores.tolist(), prior.tolist())
-        ]
+        return retrievals(questions, retrieved.kb_version, retrieved.passages, doc_scores)
 
     def _check_k(self, k, name: str) -> int:
-        check_positive_int(k, name)
-        n = len(self.knowledge_base)
-        if k > n:
-            raise RagError(f"{name}={k} exceeds the {n} passages of knowledge base {self.knowledge_base.path}; use {name} <= {n}")
-        return k
+        return check_k(k, name, self.knowledge_base)
 
     # ------------------------------------------------------------------ generation
     @torch.no_grad()
@@ -232,6 +299,190 @@ def _through_eos(ids: list[int], eos: Optional[int]) -> list[int]:
     return ids
 
 
+class RalmReader:
+    """The causal reader: a frozen decoder-only LM with In-Context RALM (Ram et al. 2023) over a knowledge base.
+
+    Generation re-retrieves every ``stride`` generated tokens with the last ``query_length`` tokens as the query and
+    prepends the document (:func:`rag.models.ralm_generate.ralm_generate`); BM25 or dense retrieval per call. A call
+    pins one knowledge-base version (:class:`~rag.knowledge.retriever_kinds.KnowledgeBaseRetrievers`), so all its
+    retrievals, and every answer's ``kb_version``, come from that version even while the knowledge base is swapped.
+
+    Args:
+        model, tokenizer: the causal LM (:func:`~rag.models.generator.load_generator` with ``kind="causal"``).
+        knowledge_base: an open KnowledgeBase or its directory.
+        config: stride, query length, window and document lengths (:class:`~rag.models.ralm.RalmConfig`).
+        retrieval: the default ``bm25`` | ``dense`` (None: BM25 when the knowledge base has a BM25 index).
+        reranker: optional §6 reranker choosing among ``config.k`` retrieved documents.
+    """
+
+    kind = "causal"
+
+    def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
+                 config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
+                 reranker: Optional["DocumentScorer"] = None):
+        from rag.knowledge.knowledge_base import KnowledgeBase
+        from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
+        from rag.models.ralm import InContextRALM, RalmConfig
+
+        if knowledge_base is None:
+            raise ConfigError("a causal LM carries no knowledge base: pass knowledge_base=<directory> (--kb DIR)")
+        kb = knowledge_base if isinstance(knowledge_base, KnowledgeBase) else KnowledgeBase.open(knowledge_base)
+        self.model, self.tokenizer, self.reranker = model.eval(), tokenizer, reranker
+        self.config = config or RalmConfig()
+        self._retriever = KnowledgeBaseRetrievers(kb, retrieval)
+        InContextRALM(model, tokenizer, self._retriever, self.config, reranker)  # checks the settings now, not per call
+
+    @property
+    def retriever(self):
+        return self._retriever
+
+    @property
+    def knowledge_base(self) -> "KnowledgeBase":
+        return self._retriever.knowledge_base
+
+    @property
+    def kb_version(self) -> str:
+        return self.knowledge_base.served_version
+
+    @torch.no_grad()
+    def retrieve(self, questions: Sequence[str], k: int = 5, *, retrieval: Optional[str] = None) -> list[Retrieval]:
+        """Top-k passages per question (BM25 or dense, `retrieval`), prior = softmax of the scores."""
+        questions = check_strings(questions, "questions")
+        served = self._retriever.pin()
+        r = served.retriever(retrieval).retrieve(questions, check_k(k, "k", served.knowledge_base))
+        return retrievals(questions, r.kb_version, r.passages, r.scores)
+
+    @torch.no_grad()
+    def generate(self, questions: Sequence[str], *, stride: Optional[int] = None, query_length: Optional[int] = None,
+                 retrieval: Optional[str] = None, max_new_tokens: Optional[int] = None, num_beams: Optional[int] = None,
+                 num_return_sequences: int = 1, seed: Optional[int] = None, **generation_kw) -> list[Answer]:
+        """Continue each prompt (`questions`) with In-Context RALM; B * `num_return_sequences` answers.
+
+        stride / query_length: ``s`` and ``ℓ`` (default: the reader's config); retrieval: ``bm25`` | ``dense``.
+        Greedy by default; ``do_sample=True`` samples (``seed`` makes it reproducible; ``temperature``, ``top_k``,
+        ``top_p``); ``num_beams > 1`` runs beam search in which every beam re-retrieves for its own prefix. Further
+        keywords go to :class:`~rag.generation.search.GenerationConfig` (``min_new_tokens``, ``no_repeat_ngram_size``).
+        """
+        from dataclasses import replace
+
+        from rag.generation.search import GenerationConfig
+        from rag.models.ralm import InContextRALM
+        from rag.models.ralm_generate import ralm_generate
+
+        questions = check_strings(questions, "questions")
+        cfg = replace(self.config, stride=self.config.stride if stride is None else stride,
+                      query_length=self.config.query_length if query_length is None else query_length)
+        config = GenerationConfig(max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
+                                  num_beams=1 if num_beams is None else num_beams,
+                                  num_return_sequences=num_return_sequences, **generation_kw)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        served = self._retriever.pin()  # one knowledge-base version for every retrieval of this call
+        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, self.reranker)
+        rng = None
+        if seed is not None:
+            rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
+        found = ralm_generate(ralm, questions, config, rng=rng)
+        return [self._answer(ralm, c, served.kb_version) for c in found]
+
+    def _answer(self, ralm, c, kb_version: str) -> Answer:
+        tok = self.tokenizer
+        versions = {s.kb_version for s in c.segments}
+        if versions - {kb_version}:  # cannot happen: the call's retriever serves one pinned version
+            raise RuntimeError(f"one generation read passages of several knowledge bases: {sorted(versions)}")
+        prompt_ids = ralm.scorer.stream(c.prompt)[1:]
+        special = set(tok.all_special_ids)
+        shown = [t for t in c.token_ids if t not in special]
+        before = tok.decode(prompt_ids, skip_special_tokens=True)
+        full = tok.decode(prompt_ids + shown, skip_special_tokens=True)
+        text = full[len(before):] if full.startswith(before) else tok.decode(shown, skip_special_tokens=True)
+        seen: dict = {}
+        for p, seg in zip(c.passages, c.segments):
+            seen.setdefault((p.id, p.title, p.text), PassageProvenance(p.id, p.title, p.text, seg.score, 1.0))
+        return Answer(c.prompt, text, c.log_likelihood, kb_version, list(seen.values()),
+                      tokens=tok.convert_ids_to_tokens(c.token_ids), segments=c.segments)
+
+    @classmethod
+    def load(cls, path_or_name, knowledge_base, *, device=None, retrieval: Optional[str] = None,
+             reranker: Optional["DocumentScorer"] = None, **config_overrides) -> "RalmReader":
+        """A causal LM directory or name (:func:`~rag.models.generator.load_generator`, e.g. ``"smollm2"``) over
+        `knowledge_base`; `config_overrides` are :class:`~rag.models.ralm.RalmConfig` fields (``stride=4``, ...)."""
+        from dataclasses import fields
+
+        from rag.models.generator import load_generator
+        from rag.models.ralm import RalmConfig
+
+        known = {f.name for f in fields(RalmConfig)}
+        unknown = sorted(set(config_overrides) - known)
+        if unknown:
+            raise ConfigError(f"{path_or_name}: is a causal LM (In-Context RALM), which takes no {unknown}; "
+                              f"its settings are {sorted(known)} and retrieval=")
+        config = RalmConfig(**config_overrides)
+        config.check()
+        if knowledge_base is None:
+            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass knowledge_base=<directory> (--kb DIR)")
+        model, tok, _ = load_generator(path_or_name, kind="causal")
+        if device is not None:
+            model = model.to(device)
+        return cls(model, tok, knowledge_base, config, retrieval=retrieval, reranker=reranker)
+
+
+class RagPipeline:
+    """Questions (or prompts) in, answers with provenance out, through one :class:`Reader`.
+
+    ``RagPipeline(rag_model)`` wraps a :class:`~rag.models.rag_model.RagModel` in a :class:`RagReader`;
+    ``RagPipeline(reader)`` takes any :class:`Reader` (:class:`RalmReader` for a causal LM). Thread-safe with respect
+    to knowledge-base swaps: every answer (or retrieval) of a call comes from one version, named in ``kb_version``.
+    """
+
+    def __init__(self, reader: Union[Reader, "RagModel"]):
+        self.reader = reader if isinstance(reader, Reader) else RagReader(reader)
+
+    @property
+    def kind(self) -> str:
+        """The reader's generator kind: ``"seq2seq"`` or ``"causal"``."""
+        return self.reader.kind
+
+    @property
+    def model(self):
+        """The reader's model (a RagModel, or the causal LM)."""
+        return self.reader.model
+
+    @property
+    def retriever(self):
+        """What a :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps."""
+        return self.reader.retriever
+
+    @property
+    def knowledge_base(self) -> "KnowledgeBase":
+        return self.reader.retriever.knowledge_base
+
+    @property
+    def kb_version(self) -> str:
+        return self.reader.kb_version
+
+    def _check_options(self, options: dict) -> None:
+        for kind, names in READER_OPTIONS.items():
+            if kind == self.reader.kind:
+                continue
+            for name, flag in names.items():
+                if options.get(name) is not None:
+                    raise ConfigError(f"{name}= ({flag}) applies to {_READS[kind]}, but this pipeline reads with "
+                                      f"{_READS[self.reader.kind]}; drop {flag}, or load a {kind} model")
+
+    def retrieve(self, questions: Sequence[str], k: int = 5, **options) -> list[Retrieval]:
+        """Top-k passages per question with scores and priors (no generation), one :class:`Retrieval` each, all from one
+        knowledge-base version. `options`: ``retrieval="bm25"|"dense"`` for a causal reader."""
+        self._check_options(options)
+        return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
+
+    def generate(self, questions: Sequence[str], **options) -> list[Answer]:
+        """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
+        :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input."""
+        self._check_options(options)
+        return self.reader.generate(questions, **options)
+
+
 def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: int = 40) -> Path:
     """Draw a RAG-Token answer's per-token document posterior (paper Fig. 2) as a heatmap PNG."""
     import matplotlib
@@ -262,14 +513,16 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
 
 def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
-    """Load a RAG model as a :class:`RagPipeline`.
+    """Load a RAG model, or a causal LM with In-Context RALM, as a :class:`RagPipeline`.
 
     `path_or_name`: a checkpoint directory written by `RagModel.save_pretrained`, a transformers
     RAG checkpoint directory (imported with exact transformers behaviour), a hub id where a hub
-    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use).
-    `knowledge_base` overrides the knowledge base the checkpoint references. `config_overrides` replace
-    :class:`~rag.models.config.RagModelConfig` fields (e.g. ``n_docs=2``) for every kind of checkpoint;
-    unknown names raise ConfigError with the valid list.
+    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use);
+    or a causal LM directory (``save_pretrained``) or demo LM name (``"smollm2"``), read with
+    :class:`RalmReader` over `knowledge_base` (required). `knowledge_base` overrides the knowledge base
+    the checkpoint references. `config_overrides` replace :class:`~rag.models.config.RagModelConfig`
+    fields (e.g. ``n_docs=2``) for every kind of RAG checkpoint, or are :class:`~rag.models.ralm.RalmConfig`
+    fields and ``retrieval`` for a causal LM; unknown names raise ConfigError with the valid list.
     """
     from rag.models.rag_model import RagModel
 
@@ -289,6 +542,15 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
                 raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
             model = load_hf_rag(path, knowledge_base, **config_overrides)
             return RagPipeline(model.to(device) if device else model)
+    from rag.models.generator import checkpoint_generator_kind
+
+    kind = checkpoint_generator_kind(path_or_name)
+    if kind == "causal":
+        return RagPipeline(RalmReader.load(path_or_name, knowledge_base, device=device, **config_overrides))
+    if kind == "seq2seq":
+        raise ConfigError(f"{name}: is a seq2seq generator (such as BART or T5), not a RAG checkpoint; --model / rag.load take a "
+                          "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). Build a RAG model "
+                          "around it (`rag fit --model.generator DIR`, or RagModel.from_components) and save that")
     if not path.exists() and (os.sep in name or name.startswith(".")):
         raise RagError(f"{name}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")
     model = RagModel.from_pretrained(path_or_name, knowledge_base=knowledge_base, **config_overrides)

@@ -3,7 +3,8 @@
 Endpoints (JSON in, JSON out)::
 
     POST /generate         {"questions": [...], "n_docs"?, "num_beams"?, "marginalization"?, "decoding"?,
-                            "max_new_tokens"?, "num_return_sequences"?, ...}
+                            "max_new_tokens"?, "num_return_sequences"?, ...}             (a RAG model)
+                           {"questions": [...], "stride"?, "query_length"?, "retrieval"?, ...}  (a causal LM)
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
@@ -121,6 +122,12 @@ class GenerateRequest(_Body):
     length_penalty: float = Field(1.0, ge=-10.0, le=10.0)
     no_repeat_ngram_size: int = Field(0, ge=0, le=16)
     early_stopping: Union[bool, Literal["never"]] = False
+    stride: Optional[int] = Field(None, ge=1, le=MAX_NEW_TOKENS)
+    """In-Context RALM (a causal LM): generated tokens between retrievals."""
+    query_length: Optional[int] = Field(None, ge=1, le=MAX_QUESTION_CHARS)
+    """In-Context RALM: the last this-many tokens are the retrieval query."""
+    retrieval: Optional[Literal["bm25", "dense"]] = None
+    """In-Context RALM: the retriever (default: the server's)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "GenerateRequest":
@@ -368,7 +375,7 @@ def create_app(
         runner.check_within("max_n_docs", req.n_docs, "n_docs")
         runner.check_within("max_beams", req.num_beams, "num_beams")
         runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
-        kw = req.model_dump(exclude={"questions"})
+        kw = req.model_dump(exclude={"questions"}, exclude_unset=True)  # unset: the reader's defaults (each kind has its own)
         answers = await runner.run(request.receive,
                                    lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
         # All answers come from one knowledge-base version (see generate_one_version).

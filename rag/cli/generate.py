@@ -1,4 +1,4 @@
-"""`rag generate`: answer questions with a RAG model, with provenance."""
+"""`rag generate`: answer questions with a RAG model, or continue prompts with a causal LM (In-Context RALM), with provenance."""
 
 from __future__ import annotations
 
@@ -11,16 +11,27 @@ from rag.errors import ConfigError
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("generate", help="answer questions (arguments, --file, or one per line on stdin) with a RAG model",
-                       description="Answer questions with a RAG model. Default model: the bundled demo.")
+    p = sub.add_parser("generate", help="answer questions (arguments, --file, or one per line on stdin) with a RAG model, "
+                                        "or continue prompts with a causal LM (In-Context RALM)",
+                       description="Answer questions with a RAG model (default: the bundled demo), or continue prompts with a "
+                                   "causal LM (a directory, or 'smollm2') over --kb, re-retrieving every --stride tokens.")
     p.add_argument("queries", nargs="*", metavar="questions", help="questions; none = read --file or stdin")
-    p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, or 'demo' (default)")
+    p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, 'demo' (default), "
+                                                     "or a causal LM directory / 'smollm2' (In-Context RALM; needs --kb)")
     p.add_argument("--kb", default=None, help="knowledge-base directory (default: the one the checkpoint references)")
     p.add_argument("--file", default=None, help="read questions from this file, one per line")
     p.add_argument("--n-docs", type=int, default=None, help="passages to retrieve per question (default: the model's)")
     p.add_argument("--num-beams", type=int, default=1)
     p.add_argument("--marginalization", choices=["sequence", "token"], default=None, help="default: the model's")
-    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough", help="RAG-Sequence decoding (§2.5)")
+    p.add_argument("--decoding", choices=["thorough", "fast"], default=None, help="RAG-Sequence decoding (§2.5; default thorough)")
+    p.add_argument("--stride", type=int, default=None, help="causal LM: generated tokens between retrievals (default 4)")
+    p.add_argument("--query-length", type=int, default=None, help="causal LM: the last this-many tokens are the query (default 32)")
+    p.add_argument("--retrieval", choices=["bm25", "dense"], default=None,
+                   help="causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, else dense)")
+    p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
+    p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
+    p.add_argument("--sample", action="store_true", help="causal LM: sample instead of greedy decoding (see --seed)")
+    p.add_argument("--seed", type=int, default=None, help="causal LM: seed of --sample")
     p.add_argument("--max-new-tokens", type=int, default=32)
     p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
@@ -36,6 +47,10 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
         print(json.dumps(a.to_dict(), ensure_ascii=False))
         return
     print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
+    if a.segments:  # In-Context RALM: the document in context for each stride of generated tokens
+        for s in a.segments:
+            print(f"   tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
+        return
     ranked = sorted(a.passages, key=lambda p: -(p.posterior if p.posterior is not None else p.prior))
     for p in ranked[:show_passages]:
         post = f"{p.posterior:.3f}" if p.posterior is not None else "  -  "
@@ -51,17 +66,26 @@ def cmd_generate(args) -> int:
 
     from rag.pipeline import load, plot_token_posterior
 
-    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size")
+    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length", "doc_max_length", "max_length")
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
     queries = read_queries(args)  # checked before the model is loaded
-    pipe = load(args.model, knowledge_base=args.kb)
+    settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
+    if settings:
+        from rag.models.generator import checkpoint_generator_kind
+
+        if checkpoint_generator_kind(args.model) != "causal":
+            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
+                              "is not one: drop them, or pass a causal LM directory or 'smollm2'")
+    pipe = load(args.model, knowledge_base=args.kb, **settings)
     n_written = 0
 
     def run(batch: list[str]) -> None:
         nonlocal n_written
-        answers = pipe.generate(batch, n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization,
-                                decoding=args.decoding, max_new_tokens=args.max_new_tokens)
+        options = dict(n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization, decoding=args.decoding,
+                       max_new_tokens=args.max_new_tokens, stride=args.stride, query_length=args.query_length,
+                       retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed)
+        answers = pipe.generate(batch, **{k: v for k, v in options.items() if v is not None})
         for a in answers:
             heatmap = None
             if args.heatmap_dir and a.token_doc_posterior:

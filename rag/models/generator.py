@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 
 from rag.errors import ConfigError, IntegrityError, RagError
 
-__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "load_generator", "check_generator_kind"]
+__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind"]
 
 GeneratorKind = Literal["seq2seq", "causal"]
 GENERATOR_KINDS: tuple[str, ...] = ("seq2seq", "causal")
@@ -52,6 +52,34 @@ def _read_config(path: Path) -> Optional[dict]:
     if not isinstance(cfg, dict):
         raise IntegrityError(f"{cfg_file}: is not a JSON object; restore the generator directory")
     return cfg
+
+
+def checkpoint_generator_kind(path: Union[str, os.PathLike]) -> Optional[GeneratorKind]:
+    """The kind of a plain generator checkpoint — a demo LM alias (causal), or a directory with a transformers
+    ``config.json`` or a warm-start generator — without loading weights; None for anything else (a RagModel or
+    transformers RAG checkpoint, a hub id, a missing path)."""
+    from rag.models.demo_lm import DEMO_LM_NAMES
+    from rag.models.warm_start import WARM_START_KEY
+
+    name = os.fspath(path)
+    if name in DEMO_LM_NAMES and not os.path.isdir(name):
+        return "causal"
+    local = Path(name)
+    if not local.is_dir() or (local / "rag_config.json").is_file():
+        return None
+    raw = _read_config(local)
+    if raw is None or raw.get("model_type") == "rag":
+        return None
+    if WARM_START_KEY in raw:
+        return "seq2seq"
+    if "is_encoder_decoder" in raw:
+        return "seq2seq" if raw["is_encoder_decoder"] else "causal"
+    from transformers import AutoConfig
+
+    try:
+        return generator_kind(AutoConfig.from_pretrained(name))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"cannot read the model config in {name!r}: {e}; pass a directory written by save_pretrained") from e
 
 
 def _ensure_pad_token(tokenizer, model, where: str) -> None:

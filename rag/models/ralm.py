@@ -24,7 +24,7 @@ from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 
 __all__ = [
-    "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "Reranker",
+    "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "DocumentScorer",
     "chunk_spans", "query_spans", "window_start", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text", "open_retriever",
 ]
 
@@ -177,26 +177,14 @@ def retrieve_excluding(retriever, queries: Sequence[str], k: int,
 def open_retriever(kind: str, kb_path):
     """The retriever `kind` (``bm25`` | ``dense`` | ``none``, the ``--retrieval`` option) over the knowledge base at
     `kb_path` (``--kb``); None for ``none``. BM25 needs the knowledge base's stored index (``rag index build --bm25``)."""
-    from rag.errors import KnowledgeBaseError
-
     if kind == "none":
         return None
     if kb_path is None:
         raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass --retrieval none")
     from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.retriever_kinds import retriever_for_kind
 
-    if kind == "bm25":
-        from rag.knowledge.bm25 import BM25Retriever
-
-        kb = KnowledgeBase.open(kb_path)
-        if kb.bm25 is None:
-            raise KnowledgeBaseError(f"--kb {kb_path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
-                                     "`rag index build --bm25`, or pass --retrieval dense")
-        return BM25Retriever(kb.bm25, kb.get_passages, kb.version, knowledge_base=kb)
-    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
-
-    kb = KnowledgeBase.open(kb_path)
-    return DenseRetriever(kb, default_query_encoder(kb))
+    return retriever_for_kind(kind, KnowledgeBase.open(kb_path))
 
 
 def doc_text(p: Passage) -> str:
@@ -317,8 +305,10 @@ class CausalScorer:
         return out  # type: ignore[return-value]
 
 
-class Reranker(Protocol):
-    """Chooses among a chunk's retrieved candidates (§6): scores ``(n_requests, k)``, higher = better."""
+class DocumentScorer(Protocol):
+    """Scores a chunk's retrieved candidate documents for In-Context RALM's reranking (§6): ``(n_requests, k)``, higher =
+    better (:class:`~rag.models.rerank.LMReranker`, :class:`~rag.models.rerank.PredictiveReranker`). Not the retrieval
+    :class:`~rag.knowledge.types.Reranker`, which reorders a :class:`Retrieved` for query strings."""
 
     def scores(self, ralm: "InContextRALM", requests: Sequence[tuple[list[int], int, list[Passage]]]) -> np.ndarray:
         """`requests`: ``(stream, a, candidates)`` — the main LM's stream, the chunk start, the k candidates."""
@@ -334,7 +324,7 @@ class InContextRALM:
     ``retriever=None`` gives the plain sliding-window LM; `reranker` (§6) chooses among the top ``config.k``.
     """
 
-    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[Reranker] = None):
+    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[DocumentScorer] = None):
         self.config = config or RalmConfig()
         self.config.check()
         self.scorer = CausalScorer(model, tokenizer, max_length=self.config.max_length, doc_max_length=self.config.doc_max_length,
