@@ -9,7 +9,16 @@ import torch
 
 from rag.errors import ConfigError
 from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig, chunk_spans, own_document_filter, query_spans, retrieve_excluding, window_ids
+from rag.models.ralm import (
+    EvalText,
+    InContextRALM,
+    RalmConfig,
+    chunk_spans,
+    own_document_filter,
+    query_spans,
+    retrieve_excluding,
+    window_ids,
+)
 
 SMALL = dict(max_length=96, doc_max_length=40, stride=6, query_length=8)
 
