@@ -135,7 +135,7 @@ def test_bundled_config_runs_with_index_refresh(tmp_path, monkeypatch, demo_pass
 
     monkeypatch.chdir(tmp_path)
     cfg = yaml.safe_load(CONFIG.read_text())
-    cfg["trainer"].update(max_steps=4, val_check_interval=2, limit_val_batches=1)
+    cfg["trainer"].update(max_steps=4, val_check_interval=2, limit_val_batches=1, log_every_n_steps=1)
     cfg["trainer"]["callbacks"][0]["init_args"]["every"] = 2
     p = tmp_path / "cfg.yaml"
     p.write_text(yaml.safe_dump(cfg))
