@@ -25,6 +25,12 @@ def add_parser(sub) -> None:
     p.add_argument("--rerank-model", default=None, help="zero-shot: a (smaller) causal LM, default the --model itself; trained: the reranker directory")
     p.add_argument("--rerank-k", type=int, default=16, help="documents to rerank (default 16)")
     p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts (default 16)")
+    p.add_argument("--ensemble", type=int, default=None, metavar="K",
+                   help="REPLUG (Shi et al. 2023): read each chunk after each of its top-K documents separately and mix the K "
+                        "next-token distributions with weights softmax(scores / --temperature)")
+    p.add_argument("--temperature", type=float, default=1.0, help="REPLUG: temperature of the retrieval-score weights (default 1)")
+    p.add_argument("--random-docs", action="store_true", help="REPLUG control: K random passages with equal weights instead of the top-K")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-docs")
     p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=256, help="retrieved documents are cut to this many tokens")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8; raise it on a GPU)")
@@ -47,8 +53,11 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")
     if args.rerank == "trained" and not args.rerank_model:
         raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config lightning_configs/ralm_reranker_tiny.yaml`)")
+    if args.ensemble is not None and (args.rerank != "none" or args.retrieval == "none"):
+        raise ConfigError("--ensemble K (REPLUG) mixes the top-K retrieved documents: pass --retrieval bm25 or dense, without --rerank")
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
-                     k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size)
+                     k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size, ensemble=args.ensemble,
+                     temperature=args.temperature, random_docs=args.random_docs, seed=args.seed)
     cfg.check()
     texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -72,7 +81,8 @@ def cmd_lm_eval(args) -> int:
     result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)
     settings = {"model": str(args.model), "kb": args.kb, "retrieval": args.retrieval, "rerank": args.rerank,
                 "rerank_model": args.rerank_model, "stride": cfg.stride, "query_length": cfg.query_length,
-                "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own}
+                "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own,
+                "ensemble": cfg.ensemble, "temperature": cfg.temperature, "random_docs": cfg.random_docs}
     if args.json:
         print(json.dumps({**result.to_dict(), "settings": settings}))
     else:

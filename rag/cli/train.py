@@ -32,6 +32,7 @@ def _imports():
 
     import rag.training.data  # noqa: F401
     import rag.training.modules  # noqa: F401
+    import rag.training.replug_lsr  # noqa: F401
     import rag.training.reranker  # noqa: F401
 
     return pl, LightningCLI

@@ -83,6 +83,7 @@ __all__ = [
     "rag_sequence_log_likelihood",
     "rag_token_log_likelihood",
     "token_marginal_logprobs",
+    "token_marginal_target_logprobs",
     "rag_sequence_nll",
     "rag_token_nll",
     "rag_nll_from_logits",
@@ -289,6 +290,23 @@ def rag_token_log_likelihood(target_logprobs: Tensor, doc_log_prior: Tensor, *, 
     Returns:
         ``(batch,)`` log p(y|x).
     """
+    return token_marginal_target_logprobs(target_logprobs, doc_log_prior, mask=mask).sum(-1)
+
+
+def token_marginal_target_logprobs(target_logprobs: Tensor, doc_log_prior: Tensor, *, mask: Tensor | None = None) -> Tensor:
+    """Per-token mixture of Eq. 2 at the target tokens: log Σ_z p_η(z|x) p_θ(y_t | x, z, y_<t).
+
+    REPLUG's ensemble of one text token (Shi et al. 2023, §3.2: p(y|x, D') = Σ_d λ(d, x) p(y | d ∘ x)),
+    computed in probability space (``logsumexp`` of log-prior + log-prob), not by averaging logits.
+
+    Args:
+        target_logprobs: ``(batch, n_docs, tgt_len)`` gathered target log-probabilities.
+        doc_log_prior: ``(batch, n_docs)`` log p_η(z|x) (REPLUG: log λ).
+        mask: ``(batch, tgt_len)`` bool, True where scored (None: every position).
+
+    Returns:
+        ``(batch, tgt_len)`` log p(y_t | x, y_<t); 0 where `mask` is False.
+    """
     _check_dims("target_logprobs", target_logprobs, 3, "(batch, n_docs, tgt_len)")
     _check_prior(target_logprobs, doc_log_prior, "target_logprobs")
     lp = _promote(target_logprobs)
@@ -300,7 +318,7 @@ def rag_token_log_likelihood(target_logprobs: Tensor, doc_log_prior: Tensor, *, 
     per_token = torch.logsumexp(lp + _promote(doc_log_prior).unsqueeze(-1), dim=1)  # (B, T)
     if mask is not None:
         per_token = torch.where(mask, per_token, per_token.new_zeros(()))
-    return per_token.sum(-1)
+    return per_token
 
 
 def token_marginal_logprobs(token_logprobs: Tensor, doc_log_prior: Tensor) -> Tensor:

@@ -12,6 +12,7 @@ never cut. Without retrieval the windows are the plain sliding-window ("fixed-le
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
@@ -25,7 +26,8 @@ from rag.knowledge.retriever import Retrieved
 
 __all__ = [
     "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "DocumentScorer",
-    "chunk_spans", "query_spans", "window_start", "window_ids", "own_document_filter", "retrieve_excluding", "doc_text", "open_retriever",
+    "chunk_spans", "query_spans", "window_start", "window_ids", "own_document_filter", "retrieve_excluding", "random_passages",
+    "doc_text", "open_retriever",
 ]
 
 DEFAULT_MAX_LENGTH = 1024  # the paper's sequence length (§4.2)
@@ -53,6 +55,16 @@ class RalmConfig:
     """Windows per LM forward pass (CPU: small batches are fastest; GPU: raise it)."""
     retrieval_batch: int = 4096
     """Most queries per retrieval call (texts are grouped until this many)."""
+    ensemble: Optional[int] = None
+    """REPLUG (Shi et al. 2023, §3.2) (``--ensemble K``): each chunk is read after each of its top-K documents
+    separately and the K next-token distributions are mixed in probability space with weights
+    λ = softmax(scores / temperature). None: In-Context RALM's single document."""
+    temperature: float = 1.0
+    """REPLUG: retrieval-score temperature of the weights λ (``--temperature``)."""
+    random_docs: bool = False
+    """REPLUG control (Fig. 4, ``--random-docs``): K random passages with equal weights instead of the top-K."""
+    seed: int = 0
+    """Seed of the random passages of ``random_docs``."""
 
     def check(self) -> None:
         for name, flag in (("stride", "--stride"), ("query_length", "--query-length"), ("doc_max_length", "--doc-max-length"),
@@ -62,6 +74,13 @@ class RalmConfig:
                 raise ConfigError(f"{name} ({flag}) must be an integer >= 1, got {v!r}")
         if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
             raise ConfigError(f"max_length (--max-length) must be an integer >= 2, got {self.max_length!r}")
+        if self.ensemble is not None and (not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1):
+            raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents per chunk), got {self.ensemble!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"temperature (--temperature) must be a number > 0, got {t!r}")
+        if self.random_docs and self.ensemble is None:
+            raise ConfigError("random_docs (--random-docs) replaces REPLUG's top-K documents; pass --ensemble K too")
 
 
 @dataclass(frozen=True)
@@ -172,6 +191,35 @@ def retrieve_excluding(retriever, queries: Sequence[str], k: int,
                 again.append(i)
         todo, fetch = again, (fetch * 4 if n is None else min(n, fetch * 4))
     return out  # type: ignore[return-value]
+
+
+def random_passages(retriever, n_queries: int, k: int, exclude: Sequence[Optional[Callable[[Passage], bool]]], *,
+                    seed: int = 0) -> list[list[Passage]]:
+    """`k` distinct passages drawn uniformly from the retriever's corpus per query, skipping those ``exclude[i]`` rejects
+    (REPLUG's random-document control, Shi et al. 2023 Fig. 4)."""
+    n = _corpus_size(retriever)
+    kb = getattr(retriever, "knowledge_base", None)
+    lookup = kb.get_passages if kb is not None else getattr(getattr(retriever, "_source", None), "lookup", None)
+    if n is None or lookup is None:
+        raise ConfigError(f"--random-docs needs a retriever over a knowledge base of known size; {type(retriever).__name__} has none")
+    if k > n:
+        raise ConfigError(f"--ensemble {k} random documents per chunk but the knowledge base holds {n}; lower --ensemble")
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n_queries):
+        keep: list[Passage] = []
+        order = rng.permutation(n)
+        for lo in range(0, n, k + 8):  # a few spare rows per lookup, for the excluded ones
+            block = order[lo:lo + k + 8]
+            keep += [p for p in lookup(block[None, :].astype(np.int64))[0] if exclude[i] is None or not exclude[i](p)]
+            if len(keep) >= k:
+                keep = keep[:k]
+                break
+        if len(keep) < k:
+            raise RagError(f"only {len(keep)} passages remain after excluding the evaluated text's own document; lower --ensemble "
+                           "or pass --no-exclude-own")
+        out.append(keep)
+    return out
 
 
 def open_retriever(kind: str, kb_path):
@@ -330,6 +378,9 @@ class InContextRALM:
         self.scorer = CausalScorer(model, tokenizer, max_length=self.config.max_length, doc_max_length=self.config.doc_max_length,
                                    batch_size=self.config.batch_size)
         self.retriever, self.reranker = retriever, reranker
+        if self.config.ensemble is not None and (reranker is not None or retriever is None):
+            raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval (--retrieval bm25|dense) "
+                              "and no --rerank")
         need = (self.config.doc_max_length if retriever is not None else 0) + self.config.stride + 1
         if need > self.scorer.max_length:
             raise ConfigError(
@@ -379,49 +430,99 @@ class InContextRALM:
         finally:
             bar.close()
 
+    def _chunk_documents(self, group, plans, flat) -> dict[tuple[int, int], tuple[list[Passage], Optional[np.ndarray]]]:
+        """Per retrieving chunk ``(g, j)``: the documents it is read after, and (REPLUG ensembles) their retrieval scores
+        (None: equal weights). In-Context RALM: one document, the retriever's first or the reranker's choice."""
+        cfg = self.config
+        guards = [own_document_filter(group[g][0]) if cfg.exclude_own else None for g, _, _ in flat]
+        if cfg.ensemble is not None:
+            n = _corpus_size(self.retriever)
+            if n is not None and cfg.ensemble > n:
+                raise ConfigError(f"--ensemble {cfg.ensemble} documents per chunk but the knowledge base holds {n}; lower --ensemble")
+            if cfg.random_docs:
+                picks = random_passages(self.retriever, len(flat), cfg.ensemble, guards, seed=cfg.seed)
+                return {(g, j): (ps, None) for (g, j, _), ps in zip(flat, picks)}
+            cands = retrieve_excluding(self.retriever, [q for _, _, q in flat], cfg.ensemble, guards)
+            return {(g, j): ([p for p, _ in c], np.asarray([s for _, s in c], dtype=np.float64)) for (g, j, _), c in zip(flat, cands)}
+        k = cfg.k if self.reranker is not None else 1
+        cands = retrieve_excluding(self.retriever, [q for _, _, q in flat], k, guards)
+        if self.reranker is not None:
+            reqs = [(group[g][1], plans[g][0][j][0], [p for p, _ in c]) for (g, j, _), c in zip(flat, cands)]
+            best = np.asarray(self.reranker.scores(self, reqs)).argmax(axis=1)
+        else:
+            best = np.zeros(len(flat), dtype=np.int64)
+        return {(g, j): ([c[int(b)][0]], None) for (g, j, _), c, b in zip(flat, cands, best)}
+
     def _score_group(self, group: list[tuple[EvalText, list[int]]], bar) -> Iterator[TextScore]:
         cfg = self.config
         plans = [self.plan(stream) for _, stream in group]
         flat = [(g, j, q) for g, (_, qs) in enumerate(plans) for j, q in enumerate(qs) if q is not None]
-        chosen: dict[tuple[int, int], Passage] = {}
-        if flat:
-            k = cfg.k if self.reranker is not None else 1
-            guards = [own_document_filter(group[g][0]) if cfg.exclude_own else None for g, _, _ in flat]
-            cands = retrieve_excluding(self.retriever, [q for _, _, q in flat], k, guards)
-            if self.reranker is not None:
-                reqs = [(group[g][1], plans[g][0][j][0], [p for p, _ in c]) for (g, j, _), c in zip(flat, cands)]
-                best = np.asarray(self.reranker.scores(self, reqs)).argmax(axis=1)
-            else:
-                best = np.zeros(len(flat), dtype=np.int64)
-            for (g, j, _), c, b in zip(flat, cands, best):
-                chosen[(g, j)] = c[int(b)][0]
-        docs = dict(zip(chosen, self.scorer.doc_tokens(chosen.values())))
+        chosen = self._chunk_documents(group, plans, flat) if flat else {}
+        unique = {(p.id, p.title, p.text): p for ps, _ in chosen.values() for p in ps}
+        tokens = dict(zip(unique, self.scorer.doc_tokens(unique.values())))
         # Chunks of a text that read the same document after the same prefix cut have windows that are prefixes of one
         # another (before the prefix needs cutting, every chunk that retrieved d reads d ∘ stream[0:b]): one window, the
-        # longest, scores them all — the causal LM gives each position the same context as in its own window.
+        # longest, scores them all — the causal LM gives each position the same context as in its own window. A REPLUG
+        # chunk has one window per document; all of them are scored in the same batched passes.
         merged: dict[tuple, list] = {}
         L = self.scorer.max_length
         for g, (spans, _) in enumerate(plans):
             for j, (a, b) in enumerate(spans):
-                doc = docs.get((g, j), ())
-                p = chosen.get((g, j))
-                key = (g, None if p is None else (p.id, p.title, p.text), window_start(a, b, len(doc), L))
-                merged.setdefault(key, [doc, []])[1].append((j, a, b))
-        per_chunk: dict[tuple[int, int], np.ndarray] = {}
+                for i, p in enumerate(chosen[(g, j)][0] if (g, j) in chosen else [None]):
+                    key = None if p is None else (p.id, p.title, p.text)
+                    doc = tokens[key] if p is not None else ()
+                    merged.setdefault((g, key, window_start(a, b, len(doc), L)), [doc, []])[1].append((j, i, a, b))
+        per_doc: dict[tuple[int, int, int], np.ndarray] = {}
         items = list(merged.items())
         for lo in range(0, len(items), WINDOW_SLICE):  # windows are built a slice at a time: a long text has many
             windows, positions = [], []
             for (g, _, c), (doc, chunks) in items[lo:lo + WINDOW_SLICE]:
-                windows.append(list(doc) + list(group[g][1][c:max(b for _, _, b in chunks)]))
-                positions.append([len(doc) + t - c for _, a, b in chunks for t in range(a, b)])
+                windows.append(list(doc) + list(group[g][1][c:max(b for *_, b in chunks)]))
+                positions.append([len(doc) + t - c for _, _, a, b in chunks for t in range(a, b)])
             lps = self.scorer.score_positions(windows, positions, progress=bar)
             for ((g, _, _), (_, chunks)), lp in zip(items[lo:lo + WINDOW_SLICE], lps):
                 at = 0
-                for j, a, b in chunks:
-                    per_chunk[(g, j)] = lp[at:at + b - a]
+                for j, i, a, b in chunks:
+                    per_doc[(g, j, i)] = lp[at:at + b - a]
                     at += b - a
         self.scorer.clear_cache()
+        per_chunk = self._mix(plans, chosen, per_doc)
         for g, ((t, stream), (spans, _)) in enumerate(zip(group, plans)):
             lp = np.concatenate([per_chunk[(g, j)] for j in range(len(spans))])
-            doc_ids = [chosen[(g, j)].id if (g, j) in chosen else None for j in range(len(spans))]
+            doc_ids = [None if (g, j) not in chosen else (chosen[(g, j)][0][0].id if cfg.ensemble is None else [p.id for p in chosen[(g, j)][0]])
+                       for j in range(len(spans))]
             yield TextScore(t.id, lp, np.asarray(stream[1:], dtype=np.int64), len(t.text.split()), len(t.text.encode("utf-8")), doc_ids)
+
+    def _mix(self, plans, chosen, per_doc) -> dict[tuple[int, int], np.ndarray]:
+        """Per chunk, the log-probabilities of its tokens: its one window's, or (REPLUG) the per-token mixture
+        log Σ_d λ(d, x) p(y | d ∘ x) of its documents' windows (:func:`~rag.generation.marginalize.token_marginal_target_logprobs`),
+        all chunks of the group in one call."""
+        from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
+
+        out: dict[tuple[int, int], np.ndarray] = {}
+        mixed = []
+        for g, (spans, _) in enumerate(plans):
+            for j in range(len(spans)):
+                if self.config.ensemble is None or (g, j) not in chosen:
+                    out[(g, j)] = per_doc[(g, j, 0)]  # one window (chunk 0 has no retrieval)
+                else:
+                    mixed.append((g, j))
+        if mixed:
+            k = self.config.ensemble
+            width = max(len(per_doc[(g, j, 0)]) for g, j in mixed)
+            lp = torch.zeros(len(mixed), k, width, dtype=torch.float64)
+            mask = torch.zeros(len(mixed), width, dtype=torch.bool)
+            scores = torch.zeros(len(mixed), k, dtype=torch.float64)
+            for r, (g, j) in enumerate(mixed):
+                for i in range(k):
+                    row = per_doc[(g, j, i)]
+                    lp[r, i, :len(row)] = torch.from_numpy(row)
+                mask[r, :len(per_doc[(g, j, 0)])] = True
+                s = chosen[(g, j)][1]
+                if s is not None:
+                    scores[r] = torch.from_numpy(s)
+            prior = doc_log_prior(scores, temperature=self.config.temperature)  # (chunks, K) log λ(d, x)
+            mix = token_marginal_target_logprobs(lp, prior, mask=mask).numpy()
+            for r, (g, j) in enumerate(mixed):
+                out[(g, j)] = mix[r, :mask[r].sum()]
+        return out
