@@ -44,7 +44,8 @@ def cmd_prepare(args) -> int:
 
     cli = make_cli(["fit", "--config", str(args.config), "--model.export_dir", str(out)], run=True)
     result = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]
-    cli.model.export(out, snli_test={k: round(float(v), 4) for k, v in result.items()})
+    cli.model.export(out, test={"data": cli.datamodule.hparams.test, "pairs": len(cli.datamodule.splits["test"]),
+                                **{k: round(float(v), 4) for k, v in result.items()}})
     info = json.loads((out / EXPORT_INFO).read_text())
     print(f"NLI model: {out}")
     print(f"  {_summary(info)}")
@@ -52,7 +53,7 @@ def cmd_prepare(args) -> int:
 
 
 def _summary(info: dict) -> str:
-    test = info.get("snli_test", {})
-    acc = f"SNLI test accuracy {test['test/acc']:.4f}" if "test/acc" in test else "not tested"
+    test = info.get("test", {})
+    acc = f"test accuracy {test['test/acc']:.4f} on {test['pairs']:,} pairs of {test['data']}" if "test/acc" in test else "not tested"
     return (f"{info.get('encoder')} fine-tuned {info.get('global_step')} steps of {info.get('train_batch_size')} pairs "
             f"({info.get('fit_cpu_seconds', '?')} CPU-s); {acc}")

@@ -43,3 +43,26 @@ def test_nli_module_rejects_bad_options():
         NLIModule(warmup_ratio=1.5)
     with pytest.raises(ConfigError, match="export"):
         NLIModule().export("/nonexistent/never-written")
+
+
+def test_rag_nli_prepare_trains_tests_and_is_then_a_no_op(tmp_path, monkeypatch, capsys, make_snli_sdist):
+    """`rag nli prepare` with a local sdist (the tiny layout of test_snli) and the tiny recipe."""
+    from rag.cli import main
+    from rag.io import sha256_file
+    from rag.training import snli
+    from rag.training.nli import EXPORT_INFO
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
+    sdist = make_snli_sdist(tmp_path / "s.tar.gz")
+    monkeypatch.setattr(snli, "SNLI_SDIST_SHA256", sha256_file(sdist))
+    out = tmp_path / "model"
+    args = ["nli", "prepare", "--sdist", str(sdist), "--config", str(CONFIG), "--out", str(out)]
+    assert main(args) == 0
+    assert (tmp_path / "cache" / "snli" / "train.jsonl").is_file()
+    info = json.loads((out / EXPORT_INFO).read_text())
+    assert info["test"]["data"] == "elements:test" and info["test"]["pairs"] == 48 and 0 <= info["test"]["test/acc"] <= 1
+    assert "test accuracy" in capsys.readouterr().out
+    mtime = (out / "model.safetensors").stat().st_mtime_ns
+    assert main(args) == 0 and "exists" in capsys.readouterr().out
+    assert (out / "model.safetensors").stat().st_mtime_ns == mtime

