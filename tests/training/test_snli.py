@@ -11,6 +11,7 @@ from rag.training import snli
 from rag.training.nli_data import NLIDataModule, elements_nli_pairs, qa_statement
 from rag.training.snli import LABELS, SNLI_MEMBERS, NLIPair, fetch_snli, load_snli, read_snli_sdist
 
+
 def test_read_sdist_maps_labels_and_counts_dropped(tmp_path, make_snli_sdist):
     out = read_snli_sdist(make_snli_sdist(tmp_path / "s.tar.gz"))
     train, dropped = out["train"]
