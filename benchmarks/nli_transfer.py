@@ -5,7 +5,8 @@ per question, the element's own passage ("Selenium. Symbol: Se. Atomic number: 3
 question-answer hypothesis ("The chemical symbol of selenium is Se.") is *entailed*; a random other passage of the
 held-out elements with the same hypothesis is *not entailed* (the back-off's irrelevant context); and, reported
 apart, the own passage with another element's answer is *not entailed* either (a wrong answer from a relevant context).
-Scores: ROC AUC of P(entailment) and accuracy at the threshold (paper: 0.5), for each hypothesis style:
+Scores: ROC AUC of P(entailment), accuracy at the threshold (paper: 0.5) and, to separate calibration from ranking,
+the best accuracy of any threshold chosen on these same pairs (an oracle, not a result), for each hypothesis style:
 ``statement`` (a declarative sentence) and ``qa`` (the paper's ``Q: ... A: ...``).
 
     python benchmarks/nli_transfer.py MODEL_DIR [MODEL_DIR ...] [--threshold 0.5] [--out benchmarks/results/nli_transfer.json]
@@ -28,9 +29,12 @@ from rag.training.nli_data import ENTAILMENT, NEUTRAL, elements_nli_pairs
 def score(scorer: NLIScorer, pairs, threshold: float) -> dict:
     probs = scorer.entailment_probs([p.premise for p in pairs], [p.hypothesis for p in pairs])
     gold = torch.tensor([p.label == ENTAILMENT for p in pairs])
+    # the best accuracy any threshold reaches (an oracle: it is chosen on these very pairs), to tell calibration from ranking
+    best_acc, best_t = max((float(((probs >= t) == gold).float().mean()), float(t)) for t in probs)
     return {"pairs": len(pairs), "entailed": int(gold.sum()), "auc": round(float(binary_auroc(probs, gold.long())), 4),
             "accuracy": round(float(((probs >= threshold) == gold).float().mean()), 4),
-            "mean_p_entailed": round(float(probs[gold].mean()), 4), "mean_p_not_entailed": round(float(probs[~gold].mean()), 4)}
+            "mean_p_entailed": round(float(probs[gold].mean()), 4), "mean_p_not_entailed": round(float(probs[~gold].mean()), 4),
+            "oracle_threshold": round(best_t, 4), "oracle_accuracy": round(best_acc, 4)}
 
 
 def main() -> None:
