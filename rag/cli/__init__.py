@@ -3,6 +3,7 @@
     rag index build|info|search ...     knowledge bases (rag.cli.index)
     rag lm prepare [--force]            the demo causal LM, converted and verified (rag.cli.lm)
     rag lm-eval ...                     perplexity with In-Context RALM (rag.cli.lm_eval)
+    rag nli prepare [--force]           the default NLI model, trained on SNLI (rag.cli.nli)
     rag fit|validate|test|predict ...   training and evaluation with LightningCLI
 
 Each subcommand module exposes `add_parser(subparsers)`; Lightning's subcommands are
@@ -26,7 +27,7 @@ from rag.errors import RagError
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
 COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve",
-            "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval"}
+            "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -32,6 +32,8 @@ def _imports():
 
     import rag.training.data  # noqa: F401
     import rag.training.modules  # noqa: F401
+    import rag.training.nli  # noqa: F401
+    import rag.training.nli_data  # noqa: F401
     import rag.training.replug_lsr  # noqa: F401
     import rag.training.reranker  # noqa: F401
 

@@ -132,6 +132,20 @@ def tiny_bert(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn
     return BertModel(_bert_config(tokenizer, d_model, layers, heads, ffn, max_positions))
 
 
+def tiny_bert_classifier(tokenizer, id2label: dict[int, str], d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64,
+                         max_positions: int = 512, seed: int = 0):
+    """A randomly initialised `BertForSequenceClassification` with the given `id2label` (e.g. a tiny NLI model)."""
+    import torch
+    from transformers import BertForSequenceClassification
+
+    config = _bert_config(tokenizer, d_model, layers, heads, ffn, max_positions)
+    config.id2label = {int(i): str(n) for i, n in id2label.items()}
+    config.label2id = {n: i for i, n in config.id2label.items()}
+    config.num_labels = len(config.id2label)
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(config)
+
+
 def tiny_dpr(tokenizer, kind: str = "question", d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
     """A randomly initialised DPR question (`kind="question"`) or context encoder."""
     import torch

