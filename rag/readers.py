@@ -1,0 +1,330 @@
+"""The readers a pipeline holds: ``RagReader`` (a seq2seq RagModel) and ``RalmReader`` (a causal LM with In-Context RALM).
+
+Both satisfy the :class:`Reader` protocol (``kind``, ``model``, ``retriever``, ``kb_version``, ``retrieve``,
+``generate``), so :class:`~rag.pipeline.RagPipeline`, ``rag serve`` and hot swap take either; options only
+one kind takes are listed in :data:`READER_OPTIONS` and refused for the other, naming the flag.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Union, runtime_checkable
+
+import torch
+
+from rag.errors import ConfigError, RagError
+from rag.validate import check_strings
+
+if TYPE_CHECKING:  # pragma: no cover
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models.rag_model import RagModel
+    from rag.models.ralm import DocumentScorer, RalmConfig
+
+from rag.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals
+
+
+@runtime_checkable
+class Reader(Protocol):
+    """What a :class:`RagPipeline` holds: a generator with its retrieval, answering with provenance.
+
+    ``kind``: the generator kind (``"seq2seq"`` | ``"causal"``, :mod:`rag.models.generator`); options of the other kind
+    (:data:`READER_OPTIONS`) are refused by the pipeline, naming them. ``retriever``: what a
+    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps (``knowledge_base``, ``set_knowledge_base``). ``model``:
+    the underlying model. ``retrieve`` / ``generate`` take checked lists of strings; every result of one call comes
+    from one knowledge-base version, named in its ``kb_version``.
+    """
+
+    kind: str
+    model: Any
+
+    @property
+    def retriever(self) -> Any: ...
+
+    @property
+    def kb_version(self) -> str: ...
+
+    def retrieve(self, questions: Sequence[str], k: int = 5, **options) -> list[Retrieval]: ...
+
+    def generate(self, questions: Sequence[str], **options) -> list[Answer]: ...
+
+
+READER_OPTIONS = {
+    "seq2seq": {"n_docs": "--n-docs", "marginalization": "--marginalization", "decoding": "--decoding"},
+    "causal": {"stride": "--stride", "query_length": "--query-length", "retrieval": "--retrieval"},
+}
+"""Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
+
+READS = {"seq2seq": "a seq2seq RAG model (RAG-Sequence / RAG-Token over n_docs passages)",
+          "causal": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
+
+
+class RagReader:
+    """The seq2seq reader: a :class:`~rag.models.rag_model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020).
+
+    Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
+    reference once (inside retrieval) and builds every answer (or retrieval) from that one
+    version, which it names in ``kb_version``.
+    """
+
+    kind = "seq2seq"
+
+    def __init__(self, model: "RagModel"):
+        self.model = model.eval()
+
+    @property
+    def retriever(self):
+        return self.model.retriever
+
+    # ------------------------------------------------------------------ knowledge base
+    @property
+    def knowledge_base(self) -> "KnowledgeBase":
+        return self.model.knowledge_base
+
+    @property
+    def kb_version(self) -> str:
+        """The serving knowledge base's version id (``+unverified`` when it was not fully verified on opening)."""
+        return self.knowledge_base.served_version
+
+    # ------------------------------------------------------------------ retrieval
+    @torch.no_grad()
+    def retrieve(self, questions: Sequence[str], k: int = 5) -> list[Retrieval]:
+        """Top-k passages per question with their scores and priors (no generation), one
+        :class:`Retrieval` per question naming the knowledge-base version they came from (the
+        same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
+        questions = check_strings(questions, "questions")
+        retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
+        return retrievals(questions, retrieved.kb_version, retrieved.passages, doc_scores)
+
+    def _check_k(self, k, name: str) -> int:
+        return check_k(k, name, self.knowledge_base)
+
+    # ------------------------------------------------------------------ generation
+    @torch.no_grad()
+    def generate(
+        self,
+        questions: Sequence[str],
+        *,
+        n_docs: Optional[int] = None,
+        num_beams: Optional[int] = None,
+        marginalization: Optional[Literal["sequence", "token"]] = None,
+        decoding: Literal["thorough", "fast"] = "thorough",
+        max_new_tokens: Optional[int] = None,
+        num_return_sequences: int = 1,
+        **generation_kw,
+    ) -> list[Answer]:
+        """Answer B questions; returns B * `num_return_sequences` answers, best first per question.
+
+        marginalization: "sequence" (RAG-Sequence: beam search per passage, then Thorough or Fast
+            decoding, §2.5) or "token" (RAG-Token: beam search over the marginal transition); default
+            the model's own. decoding: RAG-Sequence only. Further keywords go to
+            :class:`~rag.generation.decoding.GenerationConfig` (min_length, length_penalty,
+            no_repeat_ngram_size, early_stopping, ...). Options left unset take the model's stored defaults
+            (``model.config.generation``, e.g. an imported transformers checkpoint's ``num_beams``, ``max_length``,
+            ``forced_bos_token_id``), then num_beams=1, max_new_tokens=32; an explicit ``max_new_tokens`` or
+            ``max_length`` replaces a stored ``max_length``.
+        """
+        from rag.generation.answer import generate_for_questions
+        from rag.generation.decoding import GenerationConfig
+
+        questions = check_strings(questions, "questions")
+        k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
+        stored = dict(self.model.config.generation or {})
+        if max_new_tokens is not None or "max_length" in generation_kw:
+            stored.pop("max_length", None)
+        explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
+        generation_kw = {"num_beams": 1, "max_new_tokens": 32, **stored, **explicit, **generation_kw}
+        num_beams = generation_kw["num_beams"]
+        if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
+            raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
+        config = GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
+        found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
+                                       decoding=decoding)
+        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
+                             found.marginalization)
+
+    def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
+        from rag.generation.decoding import teacher_forced_logprobs
+        from rag.generation.detokenize import decode_answer, lowercases, restore_case
+
+        tok = self.model.generator_tokenizer
+        batch, k = inputs.doc_scores.shape
+        log_prior = torch.log_softmax(inputs.doc_scores.float(), dim=1)
+        prior = log_prior.exp()
+        seqs = out.sequences
+        rows = torch.arange(batch, device=seqs.device).repeat_interleave(n_ret)
+        # Per-token, per-passage log p(y_t|x,z,y_<t) of every returned answer: one teacher-forced pass
+        # on the stored encoder states (no re-encoding). Gives RAG-Token's Figure-2 posteriors and,
+        # for RAG-Token answers, the sequence-level posterior p(z|x,y) ∝ p(z|x) Π_t p(y_t|x,z,y_<t).
+        token_lp = None
+        if seqs.shape[1] >= 2 and (marg == "token" or out.doc_posteriors is None):
+            ctx = rows[:, None] * k + torch.arange(k, device=seqs.device)
+            token_lp = teacher_forced_logprobs(self.model.generator, contexts, seqs, ctx)  # (R, K, T-1)
+        special = set(tok.all_special_ids)
+        uncased = lowercases(tok)
+        answers = []
+        for r in range(seqs.shape[0]):
+            b = int(rows[r])
+            ids = seqs[r, 1:].tolist()
+            keep = [t for t in range(len(ids)) if ids[t] not in special]
+            text = decode_answer(tok, [ids[t] for t in keep])
+            tokens = token_post = None
+            if out.doc_posteriors is not None:
+                post = out.doc_posteriors[r].tolist()
+            elif token_lp is not None:
+                real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
+                seq_terms = log_prior[b] + token_lp[r][:, real].sum(-1)
+                post = torch.softmax(seq_terms, 0).tolist()
+            else:
+                post = [float("nan")] * k
+            if uncased:  # take the answer's casing from the passages it was read from, best first
+                order = sorted(range(k), key=lambda j: -(post[j] if not math.isnan(post[j]) else prior[b, j].item()))
+                text = restore_case(text, [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}" for j in order])
+            if marg == "token" and token_lp is not None and keep:
+                real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
+                per_tok = log_prior[b][:, None] + token_lp[r][:, real]  # (K, T)
+                token_post = torch.softmax(per_tok, dim=0).T.tolist()  # (T, K)
+                tokens = tok.convert_ids_to_tokens([ids[t] for t in keep])
+            score = float(out.log_likelihood[r])
+            passages = [
+                PassageProvenance(p.id, p.title, p.text, float(s), float(pr), None if math.isnan(po) else float(po))
+                for p, s, pr, po in zip(inputs.retrieved.passages[b], inputs.doc_scores[b].tolist(), prior[b].tolist(), post)
+            ]
+            answers.append(Answer(questions[b], text, score, inputs.retrieved.kb_version, passages, tokens, token_post,
+                                  _through_eos(seqs[r].tolist(), tok.eos_token_id)))
+        return answers
+
+
+def _through_eos(ids: list[int], eos: Optional[int]) -> list[int]:
+    """`ids` (decoder start first) up to and including the first EOS after the start token."""
+    if eos is not None and eos in ids[1:]:
+        return ids[:ids.index(eos, 1) + 1]
+    return ids
+
+
+class RalmReader:
+    """The causal reader: a frozen decoder-only LM with In-Context RALM (Ram et al. 2023) over a knowledge base.
+
+    Generation re-retrieves every ``stride`` generated tokens with the last ``query_length`` tokens as the query and
+    prepends the document (:func:`rag.models.ralm_generate.ralm_generate`); BM25 or dense retrieval per call. A call
+    pins one knowledge-base version (:class:`~rag.knowledge.retriever_kinds.KnowledgeBaseRetrievers`), so all its
+    retrievals, and every answer's ``kb_version``, come from that version even while the knowledge base is swapped.
+
+    Args:
+        model, tokenizer: the causal LM (:func:`~rag.models.generator.load_generator` with ``kind="causal"``).
+        knowledge_base: an open KnowledgeBase or its directory.
+        config: stride, query length, window and document lengths (:class:`~rag.models.ralm.RalmConfig`).
+        retrieval: the default ``bm25`` | ``dense`` (None: BM25 when the knowledge base has a BM25 index).
+        reranker: optional §6 reranker choosing among ``config.k`` retrieved documents.
+    """
+
+    kind = "causal"
+
+    def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
+                 config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
+                 reranker: Optional["DocumentScorer"] = None):
+        from rag.knowledge.knowledge_base import KnowledgeBase
+        from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
+        from rag.models.ralm import InContextRALM, RalmConfig
+
+        if knowledge_base is None:
+            raise ConfigError("a causal LM carries no knowledge base: pass knowledge_base=<directory> (--kb DIR)")
+        kb = knowledge_base if isinstance(knowledge_base, KnowledgeBase) else KnowledgeBase.open(knowledge_base)
+        self.model, self.tokenizer, self.reranker = model.eval(), tokenizer, reranker
+        self.config = config or RalmConfig()
+        self._retriever = KnowledgeBaseRetrievers(kb, retrieval)
+        InContextRALM(model, tokenizer, self._retriever, self.config, reranker)  # checks the settings now, not per call
+
+    @property
+    def retriever(self):
+        return self._retriever
+
+    @property
+    def knowledge_base(self) -> "KnowledgeBase":
+        return self._retriever.knowledge_base
+
+    @property
+    def kb_version(self) -> str:
+        return self.knowledge_base.served_version
+
+    @torch.no_grad()
+    def retrieve(self, questions: Sequence[str], k: int = 5, *, retrieval: Optional[str] = None) -> list[Retrieval]:
+        """Top-k passages per question (BM25 or dense, `retrieval`), prior = softmax of the scores."""
+        questions = check_strings(questions, "questions")
+        served = self._retriever.pin()
+        r = served.retriever(retrieval).retrieve(questions, check_k(k, "k", served.knowledge_base))
+        return retrievals(questions, r.kb_version, r.passages, r.scores)
+
+    @torch.no_grad()
+    def generate(self, questions: Sequence[str], *, stride: Optional[int] = None, query_length: Optional[int] = None,
+                 retrieval: Optional[str] = None, max_new_tokens: Optional[int] = None, num_beams: Optional[int] = None,
+                 num_return_sequences: int = 1, seed: Optional[int] = None, **generation_kw) -> list[Answer]:
+        """Continue each prompt (`questions`) with In-Context RALM; B * `num_return_sequences` answers.
+
+        stride / query_length: ``s`` and ``ℓ`` (default: the reader's config); retrieval: ``bm25`` | ``dense``.
+        Greedy by default; ``do_sample=True`` samples (``seed`` makes it reproducible; ``temperature``, ``top_k``,
+        ``top_p``); ``num_beams > 1`` runs beam search in which every beam re-retrieves for its own prefix. Further
+        keywords go to :class:`~rag.generation.search.GenerationConfig` (``min_new_tokens``, ``no_repeat_ngram_size``).
+        """
+        from dataclasses import replace
+
+        from rag.generation.search import GenerationConfig
+        from rag.models.ralm import InContextRALM
+        from rag.models.ralm_generate import ralm_generate
+
+        questions = check_strings(questions, "questions")
+        cfg = replace(self.config, stride=self.config.stride if stride is None else stride,
+                      query_length=self.config.query_length if query_length is None else query_length)
+        config = GenerationConfig(max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
+                                  num_beams=1 if num_beams is None else num_beams,
+                                  num_return_sequences=num_return_sequences, **generation_kw)
+        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        served = self._retriever.pin()  # one knowledge-base version for every retrieval of this call
+        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, self.reranker)
+        rng = None
+        if seed is not None:
+            rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
+        found = ralm_generate(ralm, questions, config, rng=rng)
+        return [self._answer(ralm, c, served.kb_version) for c in found]
+
+    def _answer(self, ralm, c, kb_version: str) -> Answer:
+        tok = self.tokenizer
+        versions = {s.kb_version for s in c.segments}
+        if versions - {kb_version}:  # cannot happen: the call's retriever serves one pinned version
+            raise RuntimeError(f"one generation read passages of several knowledge bases: {sorted(versions)}")
+        prompt_ids = ralm.scorer.stream(c.prompt)[1:]
+        special = set(tok.all_special_ids)
+        shown = [t for t in c.token_ids if t not in special]
+        before = tok.decode(prompt_ids, skip_special_tokens=True)
+        full = tok.decode(prompt_ids + shown, skip_special_tokens=True)
+        text = full[len(before):] if full.startswith(before) else tok.decode(shown, skip_special_tokens=True)
+        seen: dict = {}
+        for p, seg in zip(c.passages, c.segments):
+            seen.setdefault((p.id, p.title, p.text), PassageProvenance(p.id, p.title, p.text, seg.score, 1.0))
+        return Answer(c.prompt, text, c.log_likelihood, kb_version, list(seen.values()),
+                      tokens=tok.convert_ids_to_tokens(c.token_ids), segments=c.segments)
+
+    @classmethod
+    def load(cls, path_or_name, knowledge_base, *, device=None, retrieval: Optional[str] = None,
+             reranker: Optional["DocumentScorer"] = None, **config_overrides) -> "RalmReader":
+        """A causal LM directory or name (:func:`~rag.models.generator.load_generator`, e.g. ``"smollm2"``) over
+        `knowledge_base`; `config_overrides` are :class:`~rag.models.ralm.RalmConfig` fields (``stride=4``, ...)."""
+        from dataclasses import fields
+
+        from rag.models.generator import load_generator
+        from rag.models.ralm import RalmConfig
+
+        known = {f.name for f in fields(RalmConfig)}
+        unknown = sorted(set(config_overrides) - known)
+        if unknown:
+            raise ConfigError(f"{path_or_name}: is a causal LM (In-Context RALM), which takes no {unknown}; "
+                              f"its settings are {sorted(known)} and retrieval=")
+        config = RalmConfig(**config_overrides)
+        config.check()
+        if knowledge_base is None:
+            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass knowledge_base=<directory> (--kb DIR)")
+        model, tok, _ = load_generator(path_or_name, kind="causal")
+        if device is not None:
+            model = model.to(device)
+        return cls(model, tok, knowledge_base, config, retrieval=retrieval, reranker=reranker)
