@@ -60,6 +60,23 @@ def warmup_constant(step: int, warmup_steps: int, total_steps: int) -> float:
 SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
 
 
+def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, warmup_ratio: Optional[float] = None,
+                  warmup_steps: int = 0, schedule: str = "linear") -> dict:
+    """Lightning's ``lr_scheduler`` entry for `optimizer`: warmup then `schedule` (:data:`SCHEDULES`) over the run's
+    optimizer steps, stepped every step. `warmup_ratio` (of the run) wins over `warmup_steps`.
+
+    Raises:
+        ConfigError: the run has no finite length (neither trainer.max_steps nor trainer.max_epochs).
+    """
+    total = trainer.estimated_stepping_batches
+    if not math.isfinite(total):
+        raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
+    total = max(1, int(total))
+    warmup = int(round(warmup_ratio * total)) if warmup_ratio is not None else warmup_steps
+    fn = functools.partial(SCHEDULES[schedule], warmup_steps=warmup, total_steps=total)
+    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fn), "interval": "step", "frequency": 1}
+
+
 # ---------------------------------------------------------------------------- decoding
 
 
@@ -331,14 +348,8 @@ class RagModule(pl.LightningModule):
         if not param_groups:
             raise ConfigError("nothing to train: the query encoder is frozen and the generator has no trainable parameters")
         optimizer = torch.optim.AdamW(param_groups, eps=h.adam_epsilon)
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
-        total = int(total)
-        warmup = int(round(h.warmup_ratio * total)) if h.warmup_ratio is not None else h.warmup_steps
-        fn = functools.partial(SCHEDULES[h.schedule], warmup_steps=warmup, total_steps=total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1}}
+        return {"optimizer": optimizer, "lr_scheduler": step_schedule(optimizer, self.trainer, warmup_ratio=h.warmup_ratio,
+                                                                      warmup_steps=h.warmup_steps, schedule=h.schedule)}
 
     # ------------------------------------------------------------------ checkpoints
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -20,7 +20,7 @@ import torchmetrics
 from rag.errors import ConfigError
 from rag.io import atomic_directory
 from rag.models.nli import encode_nli_pairs
-from rag.training.modules import warmup_linear_decay
+from rag.training.modules import step_schedule
 from rag.training.snli import LABELS
 
 __all__ = ["NLIModule", "EXPORT_INFO"]
@@ -93,10 +93,7 @@ class NLIModule(pl.LightningModule):
             (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
                                  {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.learning_rate)
-        total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(self.hparams.warmup_ratio * total)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: warmup_linear_decay(step, warmup, total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=self.hparams.warmup_ratio)}
 
     def on_fit_start(self) -> None:
         self._fit_started = time.process_time()

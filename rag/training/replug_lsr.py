@@ -18,9 +18,7 @@ The LM never receives gradients (it is not a submodule: checkpoints hold the ret
 
 from __future__ import annotations
 
-import functools
 import logging
-import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +31,7 @@ from rag.errors import ConfigError
 from rag.generation.lsr import lsr_loss
 from rag.models.lm_scorer import LMScorer, ScoreCache, document_logprobs
 from rag.models.ralm import doc_text
-from rag.training.modules import warmup_linear_decay
+from rag.training.modules import step_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -255,11 +253,7 @@ class ReplugLSRModule(pl.LightningModule):
             groups.append({"params": [p for p in self.model.doc_encoder.parameters() if p.requires_grad], "lr": h.doc_encoder_lr,
                            "name": "doc_encoder"})
         opt = torch.optim.AdamW(groups, weight_decay=h.weight_decay)
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
-        fn = functools.partial(warmup_linear_decay, warmup_steps=int(round(h.warmup_ratio * total)), total_steps=int(total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, fn), "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
 
     def on_train_end(self) -> None:
         if self.hparams.export_dir and self.trainer.is_global_zero:

@@ -14,11 +14,9 @@ under ``$RAG_CACHE/tiny``. Special text / knowledge-base value ``demo``: the bun
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import logging
-import math
 import os
 import random
 from dataclasses import dataclass
@@ -43,7 +41,7 @@ from rag.models.ralm import (
     window_ids,
 )
 from rag.models.rerank import PredictiveReranker
-from rag.training.modules import warmup_linear_decay
+from rag.training.modules import step_schedule
 
 logger = logging.getLogger(__name__)
 
@@ -259,11 +257,7 @@ class PredictiveRerankerModule(pl.LightningModule):
         decay = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim >= 2]
         plain = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim < 2]
         opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay}, {"params": plain, "weight_decay": 0.0}], lr=h.lr)
-        total = self.trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
-        fn = functools.partial(warmup_linear_decay, warmup_steps=int(round(h.warmup_ratio * total)), total_steps=int(total))
-        return {"optimizer": opt, "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.LambdaLR(opt, fn), "interval": "step"}}
+        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
 
     def on_train_end(self) -> None:
         if self.hparams.export_dir and self.trainer.is_global_zero:
