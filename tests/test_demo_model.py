@@ -142,6 +142,7 @@ def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, mo
     assert "| RAG-Token |" in (out / "results.md").read_text()
 
 
+@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
 def test_rag_generate_does_not_warn_about_the_models_own_context_length(demo_cache):
     """The demo model's max_context_length shortens its passages on every question by design: `rag generate` says
     nothing about it unless -v (then it does: the warning is still issued)."""
