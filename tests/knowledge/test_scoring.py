@@ -32,7 +32,7 @@ class Settings:
 def setup(tiny_bert_dir, demo_passages, tmp_path_factory):
     from rag.knowledge.encoders import TextEncoder
 
-    enc = TextEncoder(tiny_bert_dir, pooling="cls")
+    enc = TextEncoder(tiny_bert_dir, pooling="mean")
     kb = KnowledgeBase.build(demo_passages[:20], enc, tmp_path_factory.mktemp("scoring") / "kb", index="flat", show_progress=False)
     return enc, kb
 
@@ -63,14 +63,20 @@ def test_reranking_keeps_the_best_by_fresh_score(setup, tiny_bert_dir):
     from rag.knowledge.encoders import TextEncoder
 
     enc, kb = setup
-    doc_encoder = TextEncoder(tiny_bert_dir, pooling="cls")  # a fresh copy: the scorer freezes it
+    doc_encoder = TextEncoder(tiny_bert_dir, pooling="mean")  # a fresh copy: the scorer freezes it
     scorer = RetrievalScorer(enc, kb, Settings(rerank_candidates=8), doc_encoder=doc_encoder)
     with torch.no_grad():
         retrieved, scores = scorer.score(QUESTIONS, 3)
         wide, wide_scores = RetrievalScorer(enc, kb, Settings()).score(QUESTIONS, 8)
     # the document encoder has the index's weights here, so re-ranking 8 keeps the index's top 3
-    assert torch.equal(retrieved.rows, wide.rows[:, :3])
     torch.testing.assert_close(scores, wide_scores[:, :3], atol=1e-4, rtol=1e-4)
+    # same rows, except where two candidates tie within float noise (a random tiny encoder makes near-ties, and
+    # re-embedding vs the index's stored vectors may order them either way depending on the kernel's rounding)
+    wide_score_of = {(b, int(r)): float(s) for b in range(len(QUESTIONS)) for r, s in zip(wide.rows[b], wide_scores[b])}
+    for b in range(len(QUESTIONS)):
+        for k in range(3):
+            got, want = int(retrieved.rows[b, k]), int(wide.rows[b, k])
+            assert got == want or abs(wide_score_of[(b, got)] - wide_score_of[(b, want)]) < 1e-4, (b, k, got, want)
 
 
 def test_settings_are_read_at_every_call_and_bad_retrievers_refused(setup):
