@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
 import torch
+from torch import Tensor
 
 from rag.errors import ConfigError
 from rag.generation.decoding import (
@@ -22,7 +23,7 @@ from rag.generation.decoding import (
     rag_token_generate,
 )
 
-__all__ = ["RagGeneration", "generate_for_questions"]
+__all__ = ["RagGeneration", "generate_for_questions", "unmasked_contexts"]
 
 
 @dataclass(frozen=True)
@@ -48,7 +49,9 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
 
     marginalization: "token" (RAG-Token: greedy / beam over the marginal transition) or "sequence"
     (RAG-Sequence: per-passage search, then `decoding` = "thorough" or "fast" rescoring, Lewis et al. 2020 §2.5);
-    None: the model's own. n_docs: passages per question (None: the model's).
+    None: the model's own. n_docs: passages per question (None: the model's). With
+    ``model.config.mask_padded_contexts`` False, RAG-Sequence's per-passage search runs on `unmasked_contexts`
+    (transformers' behaviour); rescoring and the returned `contexts` stay masked.
     """
     marg = marginalization or model.config.marginalization
     if marg not in ("sequence", "token"):
@@ -59,5 +62,23 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     if marg == "token":
         out = rag_token_generate(generator, contexts, inputs.doc_scores, config)
     else:
-        out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding)
+        search = None
+        if not model.config.mask_padded_contexts:  # transformers' per-passage search (set by the hf_compat import)
+            search = unmasked_contexts(generator, model.generator_tokenizer, inputs.context_input_ids,
+                                       inputs.context_attention_mask, model.config.max_context_length)
+        out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding, search_contexts=search)
     return RagGeneration(inputs=inputs, contexts=contexts, output=out, marginalization=marg)
+
+
+@torch.no_grad()
+def unmasked_contexts(generator, tokenizer, context_input_ids: Tensor, context_attention_mask: Tensor,
+                      width: int) -> EncodedContexts:
+    """The contexts as transformers' ``RagSequenceForGeneration.generate`` searches each passage: every context's
+    tokens padded to `width` (its ``max_combined_length``; with the tokenizer's pad token, on its padding side, as
+    ``RagRetriever`` pads) and encoded with NO attention mask, so the encoder and the decoder's cross-attention
+    attend to the pads. context_input_ids / context_attention_mask `(N, L)` with `L <= width`; returns
+    `(N, width)` encodings (all-ones mask) for ``rag_sequence_generate(search_contexts=...)``."""
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(context_input_ids, context_attention_mask)]
+    padded = tokenizer.pad({"input_ids": rows}, padding="max_length", max_length=max(width, context_input_ids.shape[1]),
+                           return_attention_mask=False, return_tensors="pt")["input_ids"].to(context_input_ids.device)
+    return encode_contexts(generator, padded, torch.ones_like(padded))

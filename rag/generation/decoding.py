@@ -91,13 +91,13 @@ class DocumentHypotheses:
 
 
 
-def _check_contexts(contexts: EncodedContexts, doc_scores: Tensor) -> tuple[int, int]:
+def _check_contexts(contexts: EncodedContexts, doc_scores: Tensor, name: str = "contexts") -> tuple[int, int]:
     if doc_scores.dim() != 2:
         raise RagError(f"doc_scores must be (batch, n_docs), got shape {tuple(doc_scores.shape)}")
     batch, n_docs = doc_scores.shape
     if len(contexts) != batch * n_docs:
         raise RagError(
-            f"contexts hold {len(contexts)} rows but doc_scores is {tuple(doc_scores.shape)}: "
+            f"{name} hold {len(contexts)} rows but doc_scores is {tuple(doc_scores.shape)}: "
             f"expected batch * n_docs = {batch * n_docs} context rows (question-major, one per retrieved passage)")
     return batch, n_docs
 
@@ -241,7 +241,8 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
                           config: GenerationConfig = GenerationConfig(),
                           decoding: Literal["thorough", "fast"] = "thorough", dedup: bool = True,
                           convention: Literal["transformers", "paper"] = "transformers",
-                          rescore_batch_size: int | None = None) -> GenerationOutput:
+                          rescore_batch_size: int | None = None,
+                          search_contexts: EncodedContexts | None = None) -> GenerationOutput:
     """RAG-Sequence decoding (§2.5): search every passage, pool the hypotheses, rank by `p(y|x)` (Eq. 1).
 
     1. `generate_per_document`: `num_beams` hypotheses per (question, passage), scored by `p(y|x, z)` alone
@@ -270,10 +271,12 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
         forced BOS/EOS tokens count log 1 (as in the search), the prior is added once per passage.
     Fast decoding always uses the paper's definition (the beam log-likelihoods).
 
-    Remaining difference to transformers 5: its per-passage search drops `context_attention_mask`
-    (`generate(attention_mask=None)`, and v5 infers no mask for encoder-decoder models), so padded contexts
-    attend to their pads there but not in rescoring; here the mask is always used, so outputs match it only
-    for unpadded contexts. It also re-encodes every context once per candidate during rescoring.
+    `search_contexts`: what the per-passage search (step 1) attends to; None: `contexts`, the masked encodings.
+    transformers 5's per-passage search drops `context_attention_mask` (`generate(attention_mask=None)`, and v5
+    infers no mask for encoder-decoder models), so its padded contexts attend to their pads there but not in
+    rescoring: pass the contexts encoded without a mask, as it pads them (`rag.generation.answer.unmasked_contexts`;
+    `RagModelConfig.mask_padded_contexts=False` does this), to reproduce that; rescoring always uses `contexts`.
+    (transformers also re-encodes every context once per candidate during rescoring.)
 
     Returns `GenerationOutput` (`batch * num_return_sequences` rows) with `doc_posteriors` `p(z|x, y)`
     (fast decoding: zero for passages that did not produce `y`).
@@ -283,10 +286,14 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     if convention not in ("transformers", "paper"):
         raise ConfigError(f"convention must be 'transformers' or 'paper', got {convention!r}")
     batch, n_docs = _check_contexts(contexts, doc_scores)
+    search = contexts if search_contexts is None else search_contexts
+    if search is not contexts:
+        _check_contexts(search, doc_scores, "search_contexts")
     spec, _ = _seq2seq_spec(config, generator)
     device = doc_scores.device
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
-    hyps, cross_kv = _per_document(generator, contexts, config, keep_cross_kv=decoding == "thorough")
+    # The search's cross-attention keys/values serve rescoring only when both attend to the same encodings.
+    hyps, cross_kv = _per_document(generator, search, config, keep_cross_kv=decoding == "thorough" and search is contexts)
     beams, width = config.num_beams, hyps.sequences.shape[-1]
     per_q = n_docs * beams
     flat_seqs = hyps.sequences.reshape(batch, per_q, width)

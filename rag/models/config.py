@@ -44,6 +44,11 @@ class RagModelConfig:
     """keep_question: shorten the passage so the question always fits; hf: cut on the right like transformers."""
     hf_compat: bool = False
     """Reproduce transformers' RAG exactly (contexts, question round trip, loss quirks, summed loss)."""
+    mask_padded_contexts: bool = True
+    """RAG-Sequence's per-passage search attends only to each context's own tokens. False reproduces
+    transformers' ``RagSequenceForGeneration.generate`` (the importer sets it): its search runs on contexts padded
+    to ``max_context_length`` with no attention mask, so encoder and cross-attention attend to the pad tokens;
+    rescoring stays masked, as there. RAG-Token decoding always masks (transformers does too)."""
     title_sep: str = " / "
     """Separator between a passage's title and its text in the generator input."""
     doc_sep: str = " // "
@@ -75,7 +80,8 @@ class RagModelConfig:
         if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"RagModelConfig.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
         self.label_smoothing = float(self.label_smoothing)
-        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "train_doc_encoder"):
+        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "mask_padded_contexts",
+                     "train_doc_encoder"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("title_sep", "doc_sep"):

@@ -16,7 +16,9 @@ as ``RagRetriever`` builds them (including the question's round trip through the
 tokenizer and right truncation at ``max_combined_length``), answer strings are scored as transformers
 scores ``labels=tokenizer(text_target=answer).input_ids`` (fed ``<s> …``, scored from the second token:
 :func:`rag.generation.marginalize.hf_label_convention`), and the loss is transformers' ``get_nll``, quirks
-included (see :mod:`rag.generation.marginalize`). The decoding settings stored with the checkpoint
+included (see :mod:`rag.generation.marginalize`). RAG-Sequence's per-passage search runs as transformers runs it
+(``mask_padded_contexts=False``: contexts padded to ``max_combined_length``, no attention mask, so padded contexts
+attend to their pads; pass ``mask_padded_contexts=True`` as an override to mask them). The decoding settings stored with the checkpoint
 (:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
 ``model.safetensors.index.json`` must stay inside the checkpoint directory.
 
@@ -79,6 +81,8 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, generat
         max_question_length=int(getattr(qcfg, "max_position_embeddings", 512) or 512),
         truncation="hf",
         hf_compat=True,
+        # transformers' per-passage RAG-Sequence search passes attention_mask=None: padded contexts attend to pads.
+        mask_padded_contexts=False,
         title_sep=hf_config.title_sep,
         doc_sep=hf_config.doc_sep,
     )

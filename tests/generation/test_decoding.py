@@ -152,6 +152,34 @@ def test_rag_sequence_thorough_matches_transformers(tiny, num_beams, ret, dedup)
     assert torch.allclose(out.doc_posteriors.sum(-1), torch.ones(batch * ret))
 
 
+@pytest.mark.parametrize("num_beams", [4, 1])
+def test_unmasked_search_matches_transformers_on_padded_contexts(tiny, num_beams):
+    """transformers searches each passage with no attention mask (padded contexts attend to their pads) and rescores
+    with the mask: `search_contexts=unmasked_contexts(...)` reproduces that token for token, where the default
+    (masked) search gives other answers; fast decoding pools the unmasked search's hypotheses."""
+    from rag.generation.answer import unmasked_contexts
+
+    tok, gen, _ = tiny
+    batch, n_docs = 2, 5
+    ids, mask, scores = _contexts(tok, batch, n_docs, padded=True, duplicate=True)
+    _, rag_seq = _hf_models(tiny, n_docs)
+    options = dict(max_length=12, num_beams=num_beams, num_return_sequences=2)
+    config = GenerationConfig(**options)
+    ref = rag_seq.generate(context_input_ids=ids, context_attention_mask=mask, doc_scores=scores, n_docs=n_docs, **options)
+    contexts = encode_contexts(gen, ids, mask)
+    unmasked = unmasked_contexts(gen, tok, ids, mask, ids.shape[1])
+    assert unmasked.attention_mask.shape == ids.shape and unmasked.attention_mask.all()  # already padded to width
+    out = rag_sequence_generate(gen, contexts, scores, config, search_contexts=unmasked)
+    assert torch.equal(out.sequences, ref)
+    masked = rag_sequence_generate(gen, contexts, scores, config)
+    assert not torch.equal(masked.sequences, ref)
+    fast = rag_sequence_generate(gen, contexts, scores, config, decoding="fast", search_contexts=unmasked)
+    pool = generate_per_document(gen, unmasked, config).sequences.reshape(batch, n_docs * num_beams, -1)
+    for q, row in enumerate(fast.sequences.view(batch, 2, -1)):
+        assert all((pool[q] == seq).all(1).any() for seq in row)
+    assert not torch.equal(fast.sequences, rag_sequence_generate(gen, contexts, scores, config, decoding="fast").sequences)
+
+
 def test_rag_sequence_with_options_matches_transformers(tiny):
     tok, gen, _ = tiny
     ids, mask, scores = _contexts(tok, 3, 3, padded=False)

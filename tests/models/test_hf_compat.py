@@ -107,11 +107,13 @@ def hf_labels(gtok, decoder_start: int, answers) -> torch.Tensor:
 
 
 def attach_retriever(hf, model: RagModel, setup, questions) -> dict:
-    """Give `hf` a real RagRetriever whose index lookup returns the passages `model` retrieves;
+    """Give `hf` a real RagRetriever whose index lookup returns the passages `model` retrieves for the question
+    whose query vector is nearest (RagSequenceForGeneration.generate looks up one question's copies at a time);
     returns a dict that collects the context strings transformers tokenizes and its query vectors."""
     from transformers import RagRetriever
 
     retrieved, _ = model.retrieve(questions)
+    ours = torch.from_numpy(model.question_encoder.encode(list(questions), show_progress=False))
     seen: dict = {}
 
     class Capture:  # the generator tokenizer, recording the strings it is given
@@ -127,8 +129,10 @@ def attach_retriever(hf, model: RagModel, setup, questions) -> dict:
 
     def lookup(question_hidden_states, n_docs):
         seen["query_vectors"] = question_hidden_states
-        docs = [{"title": [p.title for p in row], "text": [p.text for p in row]} for row in retrieved.passages]
-        return retrieved.doc_embeds.numpy(), retrieved.rows.numpy(), docs
+        which = torch.cdist(torch.from_numpy(question_hidden_states), ours).argmin(1)
+        docs = [{"title": [p.title for p in retrieved.passages[i]], "text": [p.text for p in retrieved.passages[i]]}
+                for i in which.tolist()]
+        return retrieved.doc_embeds[which].numpy(), retrieved.rows[which].numpy(), docs
 
     retriever.retrieve = lookup
     hf.set_retriever(retriever)
@@ -173,7 +177,7 @@ def configured(model: RagModel, **changes) -> RagModel:
 def test_import_maps_config_and_weights(setup, imported, references):
     for name in ("sequence", "token"):
         m, hf = imported[name], references[name]
-        assert m.config.hf_compat and m.config.effective_truncation == "hf"
+        assert m.config.hf_compat and m.config.effective_truncation == "hf" and m.config.mask_padded_contexts is False
         assert m.config.marginalization == name
         assert (m.config.n_docs, m.config.max_context_length) == (K, MAX_COMBINED)
         assert (m.config.title_sep, m.config.doc_sep) == (" / ", " // ")
@@ -272,6 +276,7 @@ def test_convert_then_load_gives_the_same_loss(setup, imported, tmp_path):
     dst = convert_hf_rag(setup["hf"]["token"], tmp_path / "converted", setup["kb"])
     meta = json.loads((dst / CHECKPOINT_CONFIG).read_text())
     assert meta["config"]["hf_compat"] is True and meta["config"]["marginalization"] == "token"
+    assert meta["config"]["mask_padded_contexts"] is False  # the converted checkpoint keeps transformers' search
     loaded = RagModel.from_pretrained(dst)
     with torch.no_grad():
         torch.testing.assert_close(loaded(QUESTIONS, ANSWERS).loss, m(QUESTIONS, ANSWERS).loss, atol=0, rtol=0)
@@ -396,3 +401,59 @@ def test_weights_read_from_a_file_stay_inside_and_garbage_is_an_integrity_error(
     (src / "model.safetensors").write_bytes(b"not safetensors at all" * 8)
     with pytest.raises(IntegrityError, match=f"{src}: cannot read the RAG weights.*download the checkpoint again"):
         load_hf_rag(src, setup["kb"])
+
+
+# --------------------------------------------------------------------------- RAG-Sequence per-passage search
+
+# Questions of different lengths; with max_combined_length 128 over these passages some contexts are cut, most padded.
+SEARCH_QUESTIONS = QUESTIONS + ["Is helium a noble gas?", "Why is the sky blue on a clear day at noon?", "Gold?"]
+SEARCH_COMBINED = 128
+
+
+@pytest.fixture(scope="module")
+def long_context_sequence(setup, tmp_path_factory):
+    """The RAG-Sequence checkpoint with max_combined_length 128 (48 cuts every context here, so none is padded)."""
+    import shutil
+
+    src = tmp_path_factory.mktemp("hf_long") / "hf_rag_sequence"
+    shutil.copytree(setup["hf"]["sequence"], src)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["max_combined_length"] = SEARCH_COMBINED
+    (src / "config.json").write_text(json.dumps(cfg))
+    return src
+
+
+def _hf_sequence_generate(hf, model, setup, questions, **options) -> list[list[int]]:
+    """transformers' RagSequenceForGeneration.generate from the questions (its retriever returning the passages
+    `model` retrieves, so it builds and pads the contexts itself), each row cut after its first EOS."""
+    attach_retriever(hf, model, setup, questions)
+    q = setup["qtok"](list(questions), padding=True, return_tensors="pt")
+    with torch.no_grad():
+        seqs = hf.generate(input_ids=q["input_ids"], attention_mask=q["attention_mask"], **options)
+    eos = setup["gtok"].eos_token_id
+    return [row[:row.index(eos, 1) + 1] if eos in row[1:] else row for row in seqs.tolist()]
+
+
+@pytest.mark.parametrize("num_beams", [4, 1])
+def test_rag_sequence_generate_matches_transformers_on_padded_contexts(setup, long_context_sequence, num_beams):
+    """An imported RAG-Sequence checkpoint decodes as RagSequenceForGeneration.generate does, token for token, on
+    contexts of different lengths: transformers' per-passage search attends to the pads of its max_combined_length
+    contexts (attention_mask=None), and the import reproduces that (mask_padded_contexts=False). The default, masked
+    search gives other answers on these inputs, so the quirk is really what is reproduced."""
+    from transformers import RagSequenceForGeneration
+
+    import rag
+
+    pipe = rag.load(long_context_sequence, knowledge_base=setup["kb"])
+    assert pipe.model.config.mask_padded_contexts is False and pipe.model.config.max_context_length == SEARCH_COMBINED
+    inputs = pipe.model.prepare_inputs(SEARCH_QUESTIONS)
+    lengths = inputs.context_attention_mask.sum(1)
+    assert len(set(lengths.tolist())) > 5 and inputs.n_truncated > 0 and int(lengths.min()) < SEARCH_COMBINED  # uneven padding
+    hf = RagSequenceForGeneration.from_pretrained(long_context_sequence).eval()
+    options = dict(num_beams=num_beams, max_length=10)
+    expected = _hf_sequence_generate(hf, pipe.model, setup, SEARCH_QUESTIONS, **options)
+    answers = pipe.generate(SEARCH_QUESTIONS, **options)
+    assert [a.token_ids for a in answers] == expected
+    masked = rag.load(long_context_sequence, knowledge_base=setup["kb"], mask_padded_contexts=True)
+    masked_ids = [a.token_ids for a in masked.generate(SEARCH_QUESTIONS, **options)]
+    assert masked_ids != expected

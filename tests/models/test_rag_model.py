@@ -331,6 +331,9 @@ def test_config_validation():
     with pytest.raises(ConfigError, match="unknown field"):
         RagModelConfig.from_dict({"n_doc": 3})
     assert RagModelConfig(hf_compat=True).effective_truncation == "hf"
+    assert RagModelConfig().mask_padded_contexts is True  # only the transformers importer turns it off
+    with pytest.raises(ConfigError, match="mask_padded_contexts must be true or false"):
+        RagModelConfig(mask_padded_contexts="no")
 
 
 def test_label_smoothing_changes_loss_and_keeps_gradients(make_model):
