@@ -42,6 +42,9 @@ Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``R
 * **Reduction**: ``reduce_loss=True`` averages over the batch; transformers (and ``hf_compat``) sums.
 * **Padding**: contexts are padded to the batch's longest, not to 300 tokens, and the generator runs on length
   buckets of them (:mod:`rag.generation.buckets`), so its cost follows the real context tokens.
+* **RAG-Sequence search**: each passage's search attends only to its context's tokens; transformers searches
+  contexts padded to ``max_combined_length`` with no attention mask, so they attend to the pads
+  (``mask_padded_contexts=False``, set by the importer: :func:`rag.generation.answer.unmasked_contexts`).
 """
 
 from __future__ import annotations
