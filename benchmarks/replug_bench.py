@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=12)
     ap.add_argument("--k", type=int, default=10)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--retrieval-temperature", dest="temperature", type=float, default=1.0)
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--query-length", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=256)
@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     print(f"LM: random GPT-2 d_model={args.d_model} layers={args.layers}; {len(texts)} texts, k={args.k}, stride {args.stride}, "
           f"window {args.max_length}, documents <= {args.doc_max_length} tokens; device {device}, {args.threads} thread(s)")
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
-                     batch_size=args.batch_size, ensemble=args.k, temperature=args.temperature)
+                     batch_size=args.batch_size, ensemble=args.k, retrieval_temperature=args.temperature)
     ralm = InContextRALM(model, tok, retriever, cfg)
     ours_fn = lambda: [x.token_logprobs for x in ralm.score_texts(texts)]  # noqa: E731
     ref_fn = lambda: [reference_replug(model, tok, retriever, t, args.k, args.temperature, args.stride, args.query_length,  # noqa: E731

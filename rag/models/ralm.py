@@ -58,9 +58,10 @@ class RalmConfig:
     ensemble: Optional[int] = None
     """REPLUG (Shi et al. 2023, §3.2) (``--ensemble K``): each chunk is read after each of its top-K documents
     separately and the K next-token distributions are mixed in probability space with weights
-    λ = softmax(scores / temperature). None: In-Context RALM's single document."""
-    temperature: float = 1.0
-    """REPLUG: retrieval-score temperature of the weights λ (``--temperature``)."""
+    λ = softmax(scores / retrieval_temperature). None: In-Context RALM's single document."""
+    retrieval_temperature: float = 1.0
+    """REPLUG: temperature of the retrieval scores in the weights λ (``--retrieval-temperature``); the same setting as
+    RAG's ``RagModelConfig.retrieval_temperature`` and REPLUG LSR's ``retrieval_temperature`` (γ)."""
     random_docs: bool = False
     """REPLUG control (Fig. 4, ``--random-docs``): K random passages with equal weights instead of the top-K."""
     seed: int = 0
@@ -76,9 +77,9 @@ class RalmConfig:
             raise ConfigError(f"max_length (--max-length) must be an integer >= 2, got {self.max_length!r}")
         if self.ensemble is not None and (not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1):
             raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents per chunk), got {self.ensemble!r}")
-        t = self.temperature
+        t = self.retrieval_temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"temperature (--temperature) must be a number > 0, got {t!r}")
+            raise ConfigError(f"retrieval_temperature (--retrieval-temperature) must be a number > 0, got {t!r}")
         if self.random_docs and self.ensemble is None:
             raise ConfigError("random_docs (--random-docs) replaces REPLUG's top-K documents; pass --ensemble K too")
 
@@ -521,7 +522,7 @@ class InContextRALM:
                 s = chosen[(g, j)][1]
                 if s is not None:
                     scores[r] = torch.from_numpy(s)
-            prior = doc_log_prior(scores, temperature=self.config.temperature)  # (chunks, K) log λ(d, x)
+            prior = doc_log_prior(scores, temperature=self.config.retrieval_temperature)  # (chunks, K) log λ(d, x)
             mix = token_marginal_target_logprobs(lp, prior, mask=mask).numpy()
             for r, (g, j) in enumerate(mixed):
                 out[(g, j)] = mix[r, :mask[r].sum()]
