@@ -30,7 +30,7 @@ from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihoo
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.models.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
 
-__all__ = ["replug_weights", "replug_score_options", "replug_generate"]
+__all__ = ["replug_weights", "replug_score_options", "replug_generate", "replug_search"]
 
 
 def _check_docs(documents: Sequence[Sequence[str]], batch: int) -> int:
@@ -122,7 +122,6 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
         sequences ``(B * num_return_sequences, T)`` — x's tokens (left-padded, after the BOS/EOS context token) followed by
         the generated ones — and their scores (log-likelihood under the mixture, or the length-penalised beam score).
     """
-    from rag.generation.causal import CausalLMDecoder
     from rag.models.generator import check_generator_kind
 
     check_generator_kind(model, "causal", "replug_generate")
@@ -140,12 +139,36 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
     flat_docs = [d for ds in documents for d in ds]
     d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True, max_length=doc_max_length)["input_ids"] if flat_docs else []
     # the context token separates document and input, as In-Context RALM's windows do
-    prompts = [list(d_tok[i * k + j]) + x_tok[i] for i in range(b) for j in range(k)]  # row (input, document)
-    start, _ = _left_pad(x_tok, pad)
+    windows = [[list(d_tok[i * k + j]) + x_tok[i] for j in range(k)] for i in range(b)]
+    return replug_search(model, x_tok, windows, prior, config, pad=pad, rng=rng)
+
+
+@torch.no_grad()
+def replug_search(model, streams: Sequence[Sequence[int]], windows: Sequence[Sequence[Sequence[int]]], log_prior: Tensor,
+                  config: GenerationConfig, *, pad: int, rng: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """The search of :func:`replug_generate` on token ids: B input streams, each read after k documents.
+
+    Args:
+        streams: B token lists x (the ctx token first); the returned sequences start with them (left-padded).
+        windows: B lists of k token lists ``d ∘ x`` (each ending with its stream's last token), one KV cache each.
+        log_prior: ``(B, k)`` log λ(d, x).
+        config: greedy, beam search (``num_beams``) or sampling (``do_sample``, `rng`); pad: the padding id.
+
+    Returns:
+        ``(B * num_return_sequences, T)`` sequences and their scores, as :func:`replug_generate`.
+    """
+    from rag.generation.causal import CausalLMDecoder
+
+    b, k = log_prior.shape
+    if len(windows) != b or any(len(w) != k for w in windows):
+        raise RagError(f"windows must be {b} lists of {k} token lists, one per (input, document)")
+    eos = config_token_id(config, model, "eos_token_id", True)
+    start, _ = _left_pad([list(s) for s in streams], pad)
     spec = resolve_spec(config, model, prompt_len=start.shape[1], pad_fallback=eos)
     beams = config.num_beams
     dev = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad)
+    ids, mask = _left_pad([list(w) for ws in windows for w in ws], pad)  # rows (input, document)
+    prior = log_prior.float()
     if beams == 1:
         if config.num_return_sequences != 1:
             raise ConfigError("GenerationConfig.num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")

@@ -117,8 +117,8 @@ def test_random_docs_control_and_bad_input(lm, bm25, demo_passages):
         assert not any(pid == t.id for ids in s.doc_ids if ids for pid in ids)
     with pytest.raises(ConfigError, match="--ensemble"):
         RalmConfig(ensemble=0).check()
-    with pytest.raises(ConfigError, match="--temperature"):
-        RalmConfig(ensemble=2, temperature=0.0).check()
+    with pytest.raises(ConfigError, match="--retrieval-temperature"):
+        RalmConfig(ensemble=2, retrieval_temperature=0.0).check()
     with pytest.raises(ConfigError, match="--ensemble K"):
         RalmConfig(random_docs=True).check()
     with pytest.raises(ConfigError, match="knowledge base holds"):
