@@ -348,6 +348,9 @@ class RalmReader:
         log_prior = replug_weights(found.scores.float(), temperature=cfg.retrieval_temperature)  # (B, K) log λ
         docs = scorer.doc_tokens([p for ps in found.passages for p in ps])
         k, L, new = cfg.ensemble, scorer.max_length, config.max_new_tokens
+        if max(map(len, docs)) + new + 1 > L:
+            raise ConfigError(f"REPLUG generation reads every document, at least one prompt token and all {new} new tokens in one "
+                              f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length ({cfg.doc_max_length})")
         windows = [[docs[i * k + j] + s[window_start(len(s), len(s) + new, len(docs[i * k + j]), L):] for j in range(k)]
                    for i, s in enumerate(streams)]
         eos = tok.eos_token_id if config.eos_token_id is None else config.eos_token_id

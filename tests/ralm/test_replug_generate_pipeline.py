@@ -118,3 +118,8 @@ def test_serve_generate_ensemble_is_bounded(pipe, kb):
         assert r.status_code == 422 and "max_n_docs" in r.text
         for bad in ({"ensemble": 0}, {"ensemble": 2, "retrieval_temperature": 0}):
             assert client.post("/generate", json={"questions": PROMPTS[:1], **bad}).status_code == 422
+
+
+def test_new_tokens_that_cannot_fit_the_window_are_named(pipe):
+    with pytest.raises(ConfigError, match="--max-new-tokens"):  # window 96, documents <= 24 tokens
+        pipe.generate(PROMPTS[:1], ensemble=2, max_new_tokens=90)
