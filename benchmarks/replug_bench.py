@@ -8,13 +8,16 @@ aborts unless the token log-likelihoods agree, ``allclose`` rtol = atol = 1e-4, 
   forward pass over ``document ∘ prefix`` with logits over the whole window, then the mixture of the k probabilities;
 * ours: :class:`rag.models.ralm.InContextRALM` with ``RalmConfig(ensemble=k)`` — all queries of a group in one retrieval
   call, every (chunk, document) window of the group batched (chunks sharing a document and prefix cut share a window),
-  logits only at scored positions, one batched mixture (:func:`rag.generation.marginalize.token_marginal_target_logprobs`).
+  logits only at scored positions, one batched mixture (:func:`rag.generation.marginalize.token_marginal_target_logprobs`);
+  a document retrieved for several texts (or prefix cuts) runs through the LM once per block, its KV cache shared by its
+  windows (:func:`rag.models.prefix_scoring.score_after_documents`).
 
 LSR: :class:`rag.training.replug_lsr.ReplugLSRModule` steps (MiniLM query encoder over the Elements passages, a random
 GPT-2 as the frozen LM, k documents per question) over a few epochs of the same questions: with the score cache the LM
 is asked once per (document, question, answer); without it, every step.
 
-    .venv/bin/python benchmarks/replug_bench.py                 # k = 10, CPU, 1 thread
+    .venv/bin/python benchmarks/replug_bench.py                 # k = 10, CPU, 1 thread, a random GPT-2
+    .venv/bin/python benchmarks/replug_bench.py --model smollm2 --texts 4 --max-length 512 --lsr-questions 8 --lsr-epochs 2
 """
 
 from __future__ import annotations
@@ -88,11 +91,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--texts", type=int, default=12)
     ap.add_argument("--k", type=int, default=10)
-    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--retrieval-temperature", dest="temperature", type=float, default=1.0)
     ap.add_argument("--stride", type=int, default=16)
     ap.add_argument("--query-length", type=int, default=32)
     ap.add_argument("--max-length", type=int, default=256)
     ap.add_argument("--doc-max-length", type=int, default=64)
+    ap.add_argument("--model", default=None, help="a causal LM directory or name (e.g. smollm2, the demo LM); default: a random "
+                                                  "GPT-2 of --d-model / --layers with a BPE tokenizer trained on the corpus")
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--batch-size", type=int, default=16)
@@ -113,14 +118,22 @@ def main(argv=None) -> int:
     passages = load_demo_corpus()
     retriever = BM25Retriever.from_passages(passages, show_progress=False)
     tmp = tempfile.TemporaryDirectory()
-    model, tok = build_lm(passages, args.d_model, args.layers, args.max_length, Path(tmp.name) / "lm")
+    if args.model:
+        from rag.models.generator import load_generator
+
+        model, tok, _ = load_generator(args.model, kind="causal")
+        lm_dir, lm_name = args.model, args.model
+    else:
+        lm_dir = str(Path(tmp.name) / "lm")
+        model, tok = build_lm(passages, args.d_model, args.layers, args.max_length, Path(lm_dir))
+        lm_name = f"random GPT-2 d_model={args.d_model} layers={args.layers}"
     texts = [EvalText(p.text, p.id, p.title) for p in passages
              if len(tok(p.text, add_special_tokens=False)["input_ids"]) >= args.stride][:args.texts]
     model = model.to(device)
-    print(f"LM: random GPT-2 d_model={args.d_model} layers={args.layers}; {len(texts)} texts, k={args.k}, stride {args.stride}, "
+    print(f"LM: {lm_name}; {len(texts)} texts, k={args.k}, stride {args.stride}, "
           f"window {args.max_length}, documents <= {args.doc_max_length} tokens; device {device}, {args.threads} thread(s)")
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
-                     batch_size=args.batch_size, ensemble=args.k, temperature=args.temperature)
+                     batch_size=args.batch_size, ensemble=args.k, retrieval_temperature=args.temperature)
     ralm = InContextRALM(model, tok, retriever, cfg)
     ours_fn = lambda: [x.token_logprobs for x in ralm.score_texts(texts)]  # noqa: E731
     ref_fn = lambda: [reference_replug(model, tok, retriever, t, args.k, args.temperature, args.stride, args.query_length,  # noqa: E731
@@ -138,7 +151,7 @@ def main(argv=None) -> int:
     n_tok = sum(len(a) for a in results["ours"])
     med = {k: statistics.median(v) for k, v in times.items()}
     diff = float(max(np.abs(a - b).max() for a, b in zip(results["ours"], results["reference"])))
-    row = {"k": args.k, "tokens": n_tok, **{f"{s}_tokens_per_s": n_tok / med[s] for s in med}, **{f"{s}_peak_mib": max(peaks[s]) for s in peaks},
+    row = {"k": args.k, "lm": lm_name, "tokens": n_tok, **{f"{s}_tokens_per_s": n_tok / med[s] for s in med}, **{f"{s}_peak_mib": max(peaks[s]) for s in peaks},
            "speedup": med["reference"] / med["ours"], "max_abs_diff": diff}
     print(f"perplexity k={args.k}: tokens {n_tok}  reference {row['reference_tokens_per_s']:.0f} tok/s (peak +{row['reference_peak_mib']:.0f} MiB)  "
           f"ours {row['ours_tokens_per_s']:.0f} tok/s (peak +{row['ours_peak_mib']:.0f} MiB)  speedup {row['speedup']:.2f}x  "
@@ -153,7 +166,7 @@ def main(argv=None) -> int:
     KnowledgeBase.build(passages, TextEncoder(minilm), kb_dir, index="flat", show_progress=False)
     qa = load_demo_qa("train")[:args.lsr_questions]
     qs, ans = [q["question"] for q in qa], [q["answers"][0] for q in qa]
-    lsr = {c: lsr_steps_per_s(kb_dir, str(Path(tmp.name) / "lm"), minilm, qs, ans, args.k, args.lsr_epochs, c) for c in (False, True)}
+    lsr = {c: lsr_steps_per_s(kb_dir, lm_dir, minilm, qs, ans, args.k, args.lsr_epochs, c) for c in (False, True)}
     row.update(lsr_steps_per_s_uncached=lsr[False], lsr_steps_per_s_cached=lsr[True])
     print(f"LSR k={args.k}, batch 8, {args.lsr_epochs} epochs of {len(qs)} questions: uncached {lsr[False]:.2f} steps/s, "
           f"cached {lsr[True]:.2f} steps/s ({lsr[True] / lsr[False]:.2f}x)")

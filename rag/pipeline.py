@@ -19,6 +19,11 @@ In-Context RALM (Ram et al. 2023) through the same API::
     [a] = pipe.generate(["The capital of France is"], stride=4, query_length=32, retrieval="bm25")
     a.text, a.segments[0].title, a.segments[0].start, a.segments[0].end   # which document for which tokens
 
+or with a REPLUG ensemble (Shi et al. 2023): K documents read separately, their next-token distributions mixed::
+
+    [a] = pipe.generate(["The capital of France is"], ensemble=4, retrieval_temperature=1.0)
+    [(p.title, p.prior) for p in a.passages]                                 # the K documents and their weights λ
+
 The pipeline holds a :class:`Reader`: :class:`RagReader` (a seq2seq :class:`~rag.models.rag_model.RagModel`)
 or :class:`RalmReader` (a frozen causal LM, re-retrieving every ``stride`` generated tokens).
 """

@@ -111,6 +111,8 @@ class RagReader:
         decoding: Literal["thorough", "fast"] = "thorough",
         max_new_tokens: Optional[int] = None,
         num_return_sequences: int = 1,
+        ensemble: Optional[int] = None,
+        retrieval_temperature: Optional[float] = None,
         **generation_kw,
     ) -> list[Answer]:
         """Answer B questions; returns B * `num_return_sequences` answers, best first per question.
@@ -123,11 +125,22 @@ class RagReader:
             (``model.config.generation``, e.g. an imported transformers checkpoint's ``num_beams``, ``max_length``,
             ``forced_bos_token_id``), then num_beams=1, max_new_tokens=32; an explicit ``max_new_tokens`` or
             ``max_length`` replaces a stored ``max_length``.
+
+        ensemble: REPLUG's ensemble of K documents with a frozen seq2seq generator *is* RAG-Token decoding over K passages
+            (the next-token distributions mixed with the retrieval prior at every step), so ``ensemble=K`` means
+            ``n_docs=K, marginalization="token"``; combined with a different ``n_docs`` or ``marginalization="sequence"``
+            it is refused. retrieval_temperature: a RAG model's is part of its config (``RagModelConfig.retrieval_temperature``,
+            set when loading: ``rag.load(path, retrieval_temperature=T)``); passing it here is refused.
         """
         from rag.generation.answer import generate_for_questions
         from rag.generation.decoding import GenerationConfig
 
         questions = check_strings(questions, "questions")
+        if retrieval_temperature is not None:
+            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
+                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
+        if ensemble is not None:
+            n_docs, marginalization = _ensemble_as_rag_token(ensemble, n_docs, marginalization)
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         stored = dict(self.model.config.generation or {})
         if max_new_tokens is not None or "max_length" in generation_kw:
@@ -195,6 +208,19 @@ class RagReader:
         return answers
 
 
+def _ensemble_as_rag_token(ensemble, n_docs: Optional[int], marginalization: Optional[str]) -> tuple[int, str]:
+    """A REPLUG ``ensemble=K`` for a seq2seq RAG model: RAG-Token over K passages, ``(n_docs, "token")``."""
+    if not isinstance(ensemble, int) or isinstance(ensemble, bool) or ensemble < 1:
+        raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents mixed per step), got {ensemble!r}")
+    if marginalization == "sequence":
+        raise ConfigError("ensemble= (--ensemble, REPLUG) with a RAG model is RAG-Token decoding over K passages; it cannot be "
+                          "combined with marginalization='sequence' (--marginalization sequence): drop one of them")
+    if n_docs is not None and n_docs != ensemble:
+        raise ConfigError(f"ensemble={ensemble} (--ensemble) with a RAG model means n_docs={ensemble} with RAG-Token decoding; "
+                          f"it contradicts n_docs={n_docs} (--n-docs): pass only one of them")
+    return ensemble, "token"
+
+
 def _through_eos(ids: list[int], eos: Optional[int]) -> list[int]:
     """`ids` (decoder start first) up to and including the first EOS after the start token."""
     if eos is not None and eos in ids[1:]:
@@ -258,13 +284,19 @@ class RalmReader:
     @torch.no_grad()
     def generate(self, questions: Sequence[str], *, stride: Optional[int] = None, query_length: Optional[int] = None,
                  retrieval: Optional[str] = None, max_new_tokens: Optional[int] = None, num_beams: Optional[int] = None,
-                 num_return_sequences: int = 1, seed: Optional[int] = None, **generation_kw) -> list[Answer]:
-        """Continue each prompt (`questions`) with In-Context RALM; B * `num_return_sequences` answers.
+                 num_return_sequences: int = 1, seed: Optional[int] = None, ensemble: Optional[int] = None,
+                 retrieval_temperature: Optional[float] = None, **generation_kw) -> list[Answer]:
+        """Continue each prompt (`questions`) with In-Context RALM, or with a REPLUG ensemble; B * `num_return_sequences` answers.
 
         stride / query_length: ``s`` and ``ℓ`` (default: the reader's config); retrieval: ``bm25`` | ``dense``.
         Greedy by default; ``do_sample=True`` samples (``seed`` makes it reproducible; ``temperature``, ``top_k``,
         ``top_p``); ``num_beams > 1`` runs beam search in which every beam re-retrieves for its own prefix. Further
         keywords go to :class:`~rag.generation.search.GenerationConfig` (``min_new_tokens``, ``no_repeat_ngram_size``).
+
+        ensemble: REPLUG (Shi et al. 2023, §3): the top-K documents for the prompt's last ``ℓ`` tokens are retrieved once,
+        each is prepended separately (one KV cache per document) and the K next-token distributions are mixed at every
+        step with weights λ = softmax(scores / retrieval_temperature) (default: the reader's config, 1); each answer's
+        ``passages`` are the K documents with ``prior`` = λ. Default: the reader's ``config.ensemble`` (None: In-Context RALM).
         """
         from dataclasses import replace
 
@@ -273,32 +305,86 @@ class RalmReader:
         from rag.models.ralm_generate import ralm_generate
 
         questions = check_strings(questions, "questions")
-        cfg = replace(self.config, stride=self.config.stride if stride is None else stride,
-                      query_length=self.config.query_length if query_length is None else query_length)
         config = GenerationConfig(max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
                                   num_beams=1 if num_beams is None else num_beams,
                                   num_return_sequences=num_return_sequences, **generation_kw)
         if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
             raise ConfigError(f"seed must be an integer, got {seed!r}")
+        given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
+        cfg = replace(self.config, **{name: v for name, v in given.items() if v is not None})
+        cfg.check()
         served = self._retriever.pin()  # one knowledge-base version for every retrieval of this call
-        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, self.reranker)
+        if cfg.ensemble is not None:
+            check_k(cfg.ensemble, "ensemble", served.knowledge_base)
+            if self.reranker is not None:
+                raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader has a reranker "
+                                  "choosing one document: drop the reranker or the ensemble")
+        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, None if cfg.ensemble else self.reranker)
         rng = None
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
+        if cfg.ensemble is not None:
+            return self._replug(ralm, questions, config, rng, served.kb_version)
         found = ralm_generate(ralm, questions, config, rng=rng)
         return [self._answer(ralm, c, served.kb_version) for c in found]
+
+    def _replug(self, ralm, prompts: list[str], config, rng, kb_version: str) -> list[Answer]:
+        """REPLUG generation (:func:`~rag.models.replug.replug_search`): windows ``doc ∘ stream`` laid out as In-Context
+        RALM's first segment (the prefix cut from the left to fit the window with all new tokens), one retrieval call."""
+        from dataclasses import replace
+
+        from rag.models.ralm import window_start
+        from rag.models.ralm_generate import _through_eos, check_new_token_lengths
+        from rag.models.replug import replug_search, replug_weights
+
+        scorer, cfg, tok = ralm.scorer, ralm.config, self.tokenizer
+        check_new_token_lengths(config)
+        streams = [scorer.stream(p) for p in prompts]
+        ql = cfg.query_length
+        queries = tok.batch_decode([s[max(1, len(s) - ql):] for s in streams])
+        found = ralm.retriever.retrieve(queries, cfg.ensemble)
+        if found.kb_version != kb_version:  # cannot happen: the call's retriever serves one pinned version
+            raise RuntimeError(f"REPLUG retrieval read knowledge base {found.kb_version}, not the pinned {kb_version}")
+        log_prior = replug_weights(found.scores.float(), temperature=cfg.retrieval_temperature)  # (B, K) log λ
+        docs = scorer.doc_tokens([p for ps in found.passages for p in ps])
+        k, L, new = cfg.ensemble, scorer.max_length, config.max_new_tokens
+        if max(map(len, docs)) + new + 1 > L:
+            raise ConfigError(f"REPLUG generation reads every document, at least one prompt token and all {new} new tokens in one "
+                              f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length ({cfg.doc_max_length})")
+        windows = [[docs[i * k + j] + s[window_start(len(s), len(s) + new, len(docs[i * k + j]), L):] for j in range(k)]
+                   for i, s in enumerate(streams)]
+        eos = tok.eos_token_id if config.eos_token_id is None else config.eos_token_id
+        config = replace(config, eos_token_id=eos, pad_token_id=scorer.pad_id if config.pad_token_id is None else config.pad_token_id)
+        seqs, scores = replug_search(self.model, streams, windows, log_prior.to(scorer.device), config, pad=scorer.pad_id, rng=rng)
+        width = max(map(len, streams))
+        n_ret = config.num_return_sequences
+        lam = log_prior.exp()
+        answers = []
+        for row in range(seqs.shape[0]):
+            i = row // n_ret
+            gen = _through_eos(seqs[row, width:].tolist(), eos)
+            passages = [PassageProvenance(p.id, p.title, p.text, float(sc), float(w))
+                        for p, sc, w in zip(found.passages[i], found.scores[i].tolist(), lam[i].tolist())]
+            answers.append(Answer(prompts[i], self._continuation_text(streams[i], gen), float(scores[row]), kb_version, passages,
+                                  tokens=tok.convert_ids_to_tokens(gen)))
+        return answers
+
+    def _continuation_text(self, stream: list[int], generated: list[int]) -> str:
+        """The generated tokens' text as it continues the prompt (``stream`` = ctx + prompt tokens)."""
+        tok = self.tokenizer
+        prompt_ids = stream[1:]
+        special = set(tok.all_special_ids)
+        shown = [t for t in generated if t not in special]
+        before = tok.decode(prompt_ids, skip_special_tokens=True)
+        full = tok.decode(prompt_ids + shown, skip_special_tokens=True)
+        return full[len(before):] if full.startswith(before) else tok.decode(shown, skip_special_tokens=True)
 
     def _answer(self, ralm, c, kb_version: str) -> Answer:
         tok = self.tokenizer
         versions = {s.kb_version for s in c.segments}
         if versions - {kb_version}:  # cannot happen: the call's retriever serves one pinned version
             raise RuntimeError(f"one generation read passages of several knowledge bases: {sorted(versions)}")
-        prompt_ids = ralm.scorer.stream(c.prompt)[1:]
-        special = set(tok.all_special_ids)
-        shown = [t for t in c.token_ids if t not in special]
-        before = tok.decode(prompt_ids, skip_special_tokens=True)
-        full = tok.decode(prompt_ids + shown, skip_special_tokens=True)
-        text = full[len(before):] if full.startswith(before) else tok.decode(shown, skip_special_tokens=True)
+        text = self._continuation_text(ralm.scorer.stream(c.prompt), c.token_ids)
         seen: dict = {}
         for p, seg in zip(c.passages, c.segments):
             seen.setdefault((p.id, p.title, p.text), PassageProvenance(p.id, p.title, p.text, seg.score, 1.0))

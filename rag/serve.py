@@ -5,6 +5,7 @@ Endpoints (JSON in, JSON out)::
     POST /generate         {"questions": [...], "n_docs"?, "num_beams"?, "marginalization"?, "decoding"?,
                             "max_new_tokens"?, "num_return_sequences"?, ...}             (a RAG model)
                            {"questions": [...], "stride"?, "query_length"?, "retrieval"?, ...}  (a causal LM)
+                           {"questions": [...], "ensemble"?, "retrieval_temperature"?, ...}  (REPLUG; RAG: RAG-Token)
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
@@ -128,6 +129,11 @@ class GenerateRequest(_Body):
     """In-Context RALM: the last this-many tokens are the retrieval query."""
     retrieval: Optional[Literal["bm25", "dense"]] = None
     """In-Context RALM: the retriever (default: the server's)."""
+    ensemble: Optional[int] = Field(None, ge=1, le=MAX_N_DOCS)
+    """REPLUG: mix the next-token distributions of the top-K documents (a RAG model: RAG-Token over K passages);
+    bounded by ``max_n_docs``."""
+    retrieval_temperature: Optional[float] = Field(None, gt=0.0, le=1e6)
+    """REPLUG (a causal LM): temperature of the weights softmax(scores / T)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "GenerateRequest":
@@ -373,6 +379,7 @@ def create_app(
     async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
         runner.check_within("max_batch", len(req.questions), "len(questions)")
         runner.check_within("max_n_docs", req.n_docs, "n_docs")
+        runner.check_within("max_n_docs", req.ensemble, "ensemble")
         runner.check_within("max_beams", req.num_beams, "num_beams")
         runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
         kw = req.model_dump(exclude={"questions"}, exclude_unset=True)  # unset: the reader's defaults (each kind has its own)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from rag.errors import RagError
+from rag.errors import ConfigError, RagError
 from rag.pipeline import RagPipeline, load, plot_token_posterior
 
 
@@ -136,3 +136,20 @@ def test_load_round_trip_and_missing_path(pipe, tmp_path):
     assert again.generate(q, max_new_tokens=4)[0].text == pipe.generate(q, max_new_tokens=4)[0].text
     with pytest.raises(RagError, match="no such"):
         load(str(tmp_path / "missing" / "ckpt"))
+
+
+def test_ensemble_with_a_rag_model_is_rag_token_over_k_passages(pipe):
+    """REPLUG's ensemble with a frozen seq2seq generator is RAG-Token decoding: ensemble=K means n_docs=K, token."""
+    q = ["what is the atomic number of argon?"]
+    [a] = pipe.generate(q, ensemble=2, max_new_tokens=6)
+    [b] = pipe.generate(q, n_docs=2, marginalization="token", max_new_tokens=6)
+    assert a.text == b.text and a.score == pytest.approx(b.score) and len(a.passages) == 2
+    assert [p.id for p in a.passages] == [p.id for p in b.passages] and a.token_doc_posterior == b.token_doc_posterior
+    with pytest.raises(ConfigError, match="marginalization='sequence'"):
+        pipe.generate(q, ensemble=2, marginalization="sequence")
+    with pytest.raises(ConfigError, match="n_docs=3"):
+        pipe.generate(q, ensemble=2, n_docs=3)
+    with pytest.raises(ConfigError, match="ensemble"):
+        pipe.generate(q, ensemble=0)
+    with pytest.raises(ConfigError, match="retrieval_temperature"):
+        pipe.generate(q, ensemble=2, retrieval_temperature=0.5)

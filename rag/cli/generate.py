@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 from rag.cli.index import check_positive, read_queries
+from rag.cli.options import add_retrieval_temperature
 from rag.errors import ConfigError
 
 
@@ -30,6 +31,13 @@ def add_parser(sub) -> None:
                    help="causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, else dense)")
     p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
+    p.add_argument("--ensemble", type=int, default=None, metavar="K",
+                   help="causal LM: REPLUG (Shi et al. 2023): retrieve the top-K documents once, read the prompt after each "
+                        "(one KV cache per document) and mix the K next-token distributions with weights "
+                        "softmax(scores / --retrieval-temperature); a RAG model: RAG-Token decoding over K passages (= --n-docs K "
+                        "--marginalization token)")
+    add_retrieval_temperature(p, "causal LM with --ensemble: temperature T of the REPLUG weights softmax(scores / T) (default 1); "
+                                 "a RAG model's is part of its config", deprecated_alias=False)
     p.add_argument("--sample", action="store_true", help="causal LM: sample instead of greedy decoding (see --seed)")
     p.add_argument("--seed", type=int, default=None, help="causal LM: seed of --sample")
     p.add_argument("--max-new-tokens", type=int, default=32)
@@ -66,7 +74,8 @@ def cmd_generate(args) -> int:
 
     from rag.pipeline import load, plot_token_posterior
 
-    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length", "doc_max_length", "max_length")
+    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length", "doc_max_length", "max_length",
+                   "ensemble")
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
     queries = read_queries(args)  # checked before the model is loaded
@@ -84,7 +93,8 @@ def cmd_generate(args) -> int:
         nonlocal n_written
         options = dict(n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization, decoding=args.decoding,
                        max_new_tokens=args.max_new_tokens, stride=args.stride, query_length=args.query_length,
-                       retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed)
+                       retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed, ensemble=args.ensemble,
+                       retrieval_temperature=args.retrieval_temperature)
         answers = pipe.generate(batch, **{k: v for k, v in options.items() if v is not None})
         for a in answers:
             heatmap = None

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import sys
 
+from rag.cli.options import add_retrieval_temperature, retrieval_temperature
+
 DEFAULT_LM = "smollm2"
 
 
@@ -27,8 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts (default 16)")
     p.add_argument("--ensemble", type=int, default=None, metavar="K",
                    help="REPLUG (Shi et al. 2023): read each chunk after each of its top-K documents separately and mix the K "
-                        "next-token distributions with weights softmax(scores / --temperature)")
-    p.add_argument("--temperature", type=float, default=1.0, help="REPLUG: temperature of the retrieval-score weights (default 1)")
+                        "next-token distributions with weights softmax(scores / --retrieval-temperature)")
+    add_retrieval_temperature(p, "REPLUG: temperature of the retrieval-score weights λ = softmax(scores / T) (default 1)")
     p.add_argument("--random-docs", action="store_true", help="REPLUG control: K random passages with equal weights instead of the top-K")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-docs")
     p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
@@ -55,9 +57,10 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config lightning_configs/ralm_reranker_tiny.yaml`)")
     if args.ensemble is not None and (args.rerank != "none" or args.retrieval == "none"):
         raise ConfigError("--ensemble K (REPLUG) mixes the top-K retrieved documents: pass --retrieval bm25 or dense, without --rerank")
+    temperature = retrieval_temperature(args)
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
                      k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size, ensemble=args.ensemble,
-                     temperature=args.temperature, random_docs=args.random_docs, seed=args.seed)
+                     retrieval_temperature=temperature, random_docs=args.random_docs, seed=args.seed)
     cfg.check()
     texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -82,7 +85,7 @@ def cmd_lm_eval(args) -> int:
     settings = {"model": str(args.model), "kb": args.kb, "retrieval": args.retrieval, "rerank": args.rerank,
                 "rerank_model": args.rerank_model, "stride": cfg.stride, "query_length": cfg.query_length,
                 "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own,
-                "ensemble": cfg.ensemble, "temperature": cfg.temperature, "random_docs": cfg.random_docs}
+                "ensemble": cfg.ensemble, "retrieval_temperature": cfg.retrieval_temperature, "random_docs": cfg.random_docs}
     if args.json:
         print(json.dumps({**result.to_dict(), "settings": settings}))
     else:

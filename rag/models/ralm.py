@@ -58,9 +58,10 @@ class RalmConfig:
     ensemble: Optional[int] = None
     """REPLUG (Shi et al. 2023, §3.2) (``--ensemble K``): each chunk is read after each of its top-K documents
     separately and the K next-token distributions are mixed in probability space with weights
-    λ = softmax(scores / temperature). None: In-Context RALM's single document."""
-    temperature: float = 1.0
-    """REPLUG: retrieval-score temperature of the weights λ (``--temperature``)."""
+    λ = softmax(scores / retrieval_temperature). None: In-Context RALM's single document."""
+    retrieval_temperature: float = 1.0
+    """REPLUG: temperature of the retrieval scores in the weights λ (``--retrieval-temperature``); the same setting as
+    RAG's ``RagModelConfig.retrieval_temperature`` and REPLUG LSR's ``retrieval_temperature`` (γ)."""
     random_docs: bool = False
     """REPLUG control (Fig. 4, ``--random-docs``): K random passages with equal weights instead of the top-K."""
     seed: int = 0
@@ -76,9 +77,9 @@ class RalmConfig:
             raise ConfigError(f"max_length (--max-length) must be an integer >= 2, got {self.max_length!r}")
         if self.ensemble is not None and (not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1):
             raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents per chunk), got {self.ensemble!r}")
-        t = self.temperature
+        t = self.retrieval_temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"temperature (--temperature) must be a number > 0, got {t!r}")
+            raise ConfigError(f"retrieval_temperature (--retrieval-temperature) must be a number > 0, got {t!r}")
         if self.random_docs and self.ensemble is None:
             raise ConfigError("random_docs (--random-docs) replaces REPLUG's top-K documents; pass --ensemble K too")
 
@@ -303,6 +304,24 @@ class CausalScorer:
                 ok = False
         return (base, head) if ok else None
 
+    @property
+    def head_split(self):
+        """``(base, head)`` of :meth:`_split_head`, checked once; None: the model's full logits are used."""
+        if not hasattr(self, "_head"):
+            self._head = self._split_head()
+        return self._head
+
+    def target_logprobs(self, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) ``(rows,)`` float32 from ``(rows, hidden)`` states (LM head split) or ``(rows, vocab)`` logits; the
+        head runs ``HEAD_ROWS`` rows at a time."""
+        if not len(targets):
+            return torch.zeros(0)
+        if self.head_split is None:
+            return torch.log_softmax(states.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        head = self.head_split[1]
+        return torch.cat([torch.log_softmax(head(states[k:k + HEAD_ROWS]).float(), -1).gather(-1, targets[k:k + HEAD_ROWS, None]).squeeze(-1)
+                          for k in range(0, len(targets), HEAD_ROWS)])
+
     def score(self, windows: Sequence[Sequence[int]], n_scored: Sequence[int], *, progress=None) -> list[np.ndarray]:
         """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them: ``(n_scored[i],)`` each."""
         return self.score_positions(windows, [range(len(w) - m, len(w)) for w, m in zip(windows, n_scored)], progress=progress)
@@ -315,8 +334,6 @@ class CausalScorer:
         positions, so the pads cannot change a real position's output, and positions ids stay 0..len-1 (no attention
         mask needed). The LM head runs only at the scored positions, ``HEAD_ROWS`` rows at a time.
         """
-        if not hasattr(self, "_head"):
-            self._head = self._split_head()
         order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
         out: list[Optional[np.ndarray]] = [None] * len(windows)
         dev = self.device
@@ -334,15 +351,11 @@ class CausalScorer:
                 cols += pos
             ids = ids.to(dev)
             r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
-            if self._head is not None:
-                hidden = self._head[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
-                lp = torch.cat([torch.log_softmax(self._head[1](hidden[k:k + HEAD_ROWS]).float(), -1)
-                                .gather(-1, ids[r_t[k:k + HEAD_ROWS], c_t[k:k + HEAD_ROWS]].unsqueeze(-1)).squeeze(-1)
-                                for k in range(0, len(rows), HEAD_ROWS)]) if rows else torch.zeros(0)
+            if self.head_split is not None:
+                states = self.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
             else:
-                logits = self.model(input_ids=ids).logits[r_t, c_t - 1].float()
-                lp = torch.log_softmax(logits, -1).gather(-1, ids[r_t, c_t].unsqueeze(-1)).squeeze(-1)
-            lp = lp.double().cpu().numpy()
+                states = self.model(input_ids=ids).logits[r_t, c_t - 1]
+            lp = self.target_logprobs(states, ids[r_t, c_t]).double().cpu().numpy()
             at = 0
             for i in idx:
                 n = len(positions[i])
@@ -475,11 +488,7 @@ class InContextRALM:
         per_doc: dict[tuple[int, int, int], np.ndarray] = {}
         items = list(merged.items())
         for lo in range(0, len(items), WINDOW_SLICE):  # windows are built a slice at a time: a long text has many
-            windows, positions = [], []
-            for (g, _, c), (doc, chunks) in items[lo:lo + WINDOW_SLICE]:
-                windows.append(list(doc) + list(group[g][1][c:max(b for *_, b in chunks)]))
-                positions.append([len(doc) + t - c for _, _, a, b in chunks for t in range(a, b)])
-            lps = self.scorer.score_positions(windows, positions, progress=bar)
+            lps = self._score_windows(group, items[lo:lo + WINDOW_SLICE], bar)
             for ((g, _, _), (_, chunks)), lp in zip(items[lo:lo + WINDOW_SLICE], lps):
                 at = 0
                 for j, i, a, b in chunks:
@@ -492,6 +501,33 @@ class InContextRALM:
             doc_ids = [None if (g, j) not in chosen else (chosen[(g, j)][0][0].id if cfg.ensemble is None else [p.id for p in chosen[(g, j)][0]])
                        for j in range(len(spans))]
             yield TextScore(t.id, lp, np.asarray(stream[1:], dtype=np.int64), len(t.text.split()), len(t.text.encode("utf-8")), doc_ids)
+
+    def _score_windows(self, group, items, bar) -> list[np.ndarray]:
+        """Log-probabilities of the windows ``doc ∘ stream[c:b]`` of `items` (``((g, doc key, c), (doc, chunks))``) at
+        their chunks' positions. Windows after a document share its keys and values
+        (:func:`~rag.models.prefix_scoring.score_after_documents`: a document retrieved for several texts or cuts runs
+        through the LM once per block); windows without one (the first chunk) are scored whole."""
+        from rag.models.prefix_scoring import score_after_documents
+
+        out: list = [None] * len(items)
+        plain, after, doc_index, docs = [], [], {}, []
+        for n, ((g, key, c), (doc, chunks)) in enumerate(items):
+            suffix = list(group[g][1][c:max(b for *_, b in chunks)])
+            positions = [len(doc) + t - c for _, _, a, b in chunks for t in range(a, b)]
+            if key is None:
+                plain.append((n, suffix, positions))
+                continue
+            if key not in doc_index:
+                doc_index[key] = len(docs)
+                docs.append(list(doc))
+            after.append((n, (doc_index[key], suffix, positions)))
+        if plain:
+            for (n, _, _), lp in zip(plain, self.scorer.score_positions([w for _, w, _ in plain], [p for *_, p in plain], progress=bar)):
+                out[n] = lp
+        if after:
+            for (n, _), lp in zip(after, score_after_documents(self.scorer, docs, [w for _, w in after], progress=bar)):
+                out[n] = lp
+        return out
 
     def _mix(self, plans, chosen, per_doc) -> dict[tuple[int, int], np.ndarray]:
         """Per chunk, the log-probabilities of its tokens: its one window's, or (REPLUG) the per-token mixture
@@ -521,7 +557,7 @@ class InContextRALM:
                 s = chosen[(g, j)][1]
                 if s is not None:
                     scores[r] = torch.from_numpy(s)
-            prior = doc_log_prior(scores, temperature=self.config.temperature)  # (chunks, K) log λ(d, x)
+            prior = doc_log_prior(scores, temperature=self.config.retrieval_temperature)  # (chunks, K) log λ(d, x)
             mix = token_marginal_target_logprobs(lp, prior, mask=mask).numpy()
             for r, (g, j) in enumerate(mixed):
                 out[(g, j)] = mix[r, :mask[r].sum()]

@@ -178,6 +178,13 @@ def _through_eos(ids: list[int], eos: int) -> list[int]:
 
 
 @torch.no_grad()
+def check_new_token_lengths(config: GenerationConfig) -> None:
+    """Refuse ``max_length`` / ``min_length``: a generation whose window holds a document counts new tokens."""
+    if config.max_length is not None or config.min_length:
+        raise ConfigError("In-Context RALM / REPLUG generation counts new tokens: use max_new_tokens / min_new_tokens, not "
+                          "max_length / min_length (the window holds a retrieved document before the prompt)")
+
+
 def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: GenerationConfig = GenerationConfig(), *,
                   retriever=None, rng: Optional[torch.Generator] = None) -> list[Continuation]:
     """Continue each prompt with In-Context RALM: re-retrieval every ``ralm.config.stride`` generated tokens with a query
@@ -189,9 +196,7 @@ def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: Generatio
     retriever: overrides ``ralm.retriever`` (e.g. one knowledge-base version pinned for the call).
     Returns ``len(prompts) * num_return_sequences`` continuations, best first per prompt.
     """
-    if config.max_length is not None or config.min_length:
-        raise ConfigError("In-Context RALM generation counts new tokens: use max_new_tokens / min_new_tokens, not "
-                          "max_length / min_length (the window's document changes every stride)")
+    check_new_token_lengths(config)
     scorer = ralm.scorer
     model = scorer.model
     streams = [scorer.stream(p) for p in prompts]

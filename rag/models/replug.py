@@ -1,5 +1,5 @@
 """REPLUG inference (Shi et al. 2023, §3): a frozen (black-box) LM reads each of the top-k documents separately and the k
-outputs are mixed in probability space, p(y | x) = Σ_d λ(d, x) p(y | d ∘ x), λ = softmax(s(d, x) / temperature).
+outputs are mixed in probability space, p(y | x) = Σ_d λ(d, x) p(y | d ∘ x), λ = softmax(s(d, x) / retrieval_temperature).
 
 The mixtures are :mod:`rag.generation.marginalize`'s (REPLUG's per-token ensemble is RAG-Token's marginal, its sequence
 scoring RAG-Sequence's); this module only lays out the k inputs:
@@ -13,7 +13,7 @@ scoring RAG-Sequence's); this module only lays out the k inputs:
   KV cache) per (input, document), greedy / beam search / sampling.
 
 Seq2seq generators: RAG-Token decoding with the generator frozen is the same ensemble — ``rag_token_generate(generator,
-encode_contexts(...), doc_scores / temperature, config)`` (:mod:`rag.generation.decoding`), i.e. a RAG-Token pipeline.
+encode_contexts(...), doc_scores / retrieval_temperature, config)`` (:mod:`rag.generation.decoding`), i.e. a RAG-Token pipeline.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihoo
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.models.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
 
-__all__ = ["replug_weights", "replug_score_options", "replug_generate"]
+__all__ = ["replug_weights", "replug_score_options", "replug_generate", "replug_search"]
 
 
 def _check_docs(documents: Sequence[Sequence[str]], batch: int) -> int:
@@ -49,7 +49,7 @@ def replug_weights(scores: Tensor, *, temperature: float = 1.0) -> Tensor:
 
 
 def replug_score_options(lm: LMScorer, question: str, options: Sequence[str], documents: Sequence[str], scores, *,
-                         temperature: float = 1.0, marginalization: Literal["token", "sequence"] = "token",
+                         retrieval_temperature: float = 1.0, marginalization: Literal["token", "sequence"] = "token",
                          cache: Optional[ScoreCache] = None) -> Tensor:
     """Log-likelihood of each answer option under the REPLUG ensemble of `documents` (multiple choice, §6.2).
 
@@ -59,7 +59,7 @@ def replug_score_options(lm: LMScorer, question: str, options: Sequence[str], do
         options: the answer continuations y (start them with a space, e.g. ``" A"``).
         documents: the k retrieved documents' texts.
         scores: ``(k,)`` their retrieval scores.
-        temperature: λ = softmax(scores / temperature).
+        retrieval_temperature: λ = softmax(scores / retrieval_temperature).
         marginalization: ``token``: Σ_t log Σ_d λ_d p(y_t | d ∘ x, y_<t) (the per-token ensemble, as in generation);
             ``sequence``: log Σ_d λ_d p(y | d ∘ x). Equal for one-token options (the paper's answer letters).
         cache: a :class:`~rag.models.lm_scorer.ScoreCache` (the (document, question, option) pairs are asked once).
@@ -75,7 +75,7 @@ def replug_score_options(lm: LMScorer, question: str, options: Sequence[str], do
     k = len(documents)
     if k < 1:
         raise ConfigError("REPLUG needs k >= 1 documents; give at least one retrieved document")
-    prior = replug_weights(torch.as_tensor(scores, dtype=torch.float64).reshape(1, -1), temperature=temperature)
+    prior = replug_weights(torch.as_tensor(scores, dtype=torch.float64).reshape(1, -1), temperature=retrieval_temperature)
     if prior.shape[1] != k:
         raise RagError(f"{prior.shape[1]} scores for {k} documents; give one retrieval score per document")
     lps = document_logprobs(lm, [d for _ in options for d in documents], [question] * (k * len(options)),
@@ -104,7 +104,7 @@ def _left_pad(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
 
 @torch.no_grad()
 def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence[Sequence[str]], scores, *,
-                    temperature: float = 1.0, config: GenerationConfig = GenerationConfig(),
+                    retrieval_temperature: float = 1.0, config: GenerationConfig = GenerationConfig(),
                     rng: Optional[torch.Generator] = None, doc_max_length: int = 256) -> tuple[Tensor, Tensor]:
     """REPLUG generation with a causal LM: at every step the next-token distributions of the k prompts ``d ∘ x`` are mixed,
     Σ_d λ(d, x) p(· | d ∘ x, y_<t), and the search (greedy, beam, or sampling with ``config.do_sample``) runs on the mixture.
@@ -115,13 +115,13 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
     Args:
         inputs: B input texts x.
         documents: B lists of k document texts (cut to `doc_max_length` tokens).
-        scores: ``(B, k)`` retrieval scores; temperature: λ = softmax(scores / temperature).
+        scores: ``(B, k)`` retrieval scores; retrieval_temperature: λ = softmax(scores / retrieval_temperature)
+            (``config.temperature`` is the sampling temperature of the mixed distribution).
 
     Returns:
         sequences ``(B * num_return_sequences, T)`` — x's tokens (left-padded, after the BOS/EOS context token) followed by
         the generated ones — and their scores (log-likelihood under the mixture, or the length-penalised beam score).
     """
-    from rag.generation.causal import CausalLMDecoder
     from rag.models.generator import check_generator_kind
 
     check_generator_kind(model, "causal", "replug_generate")
@@ -129,7 +129,7 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
         check_text(x, "an input text")
     b = len(inputs)
     k = _check_docs(documents, b)
-    prior = replug_weights(torch.as_tensor(scores, dtype=torch.float32).reshape(b, -1), temperature=temperature).float()
+    prior = replug_weights(torch.as_tensor(scores, dtype=torch.float32).reshape(b, -1), temperature=retrieval_temperature).float()
     if prior.shape[1] != k:
         raise RagError(f"scores have {prior.shape[1]} columns for {k} documents per input")
     ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -139,12 +139,36 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
     flat_docs = [d for ds in documents for d in ds]
     d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True, max_length=doc_max_length)["input_ids"] if flat_docs else []
     # the context token separates document and input, as In-Context RALM's windows do
-    prompts = [list(d_tok[i * k + j]) + x_tok[i] for i in range(b) for j in range(k)]  # row (input, document)
-    start, _ = _left_pad(x_tok, pad)
+    windows = [[list(d_tok[i * k + j]) + x_tok[i] for j in range(k)] for i in range(b)]
+    return replug_search(model, x_tok, windows, prior, config, pad=pad, rng=rng)
+
+
+@torch.no_grad()
+def replug_search(model, streams: Sequence[Sequence[int]], windows: Sequence[Sequence[Sequence[int]]], log_prior: Tensor,
+                  config: GenerationConfig, *, pad: int, rng: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    """The search of :func:`replug_generate` on token ids: B input streams, each read after k documents.
+
+    Args:
+        streams: B token lists x (the ctx token first); the returned sequences start with them (left-padded).
+        windows: B lists of k token lists ``d ∘ x`` (each ending with its stream's last token), one KV cache each.
+        log_prior: ``(B, k)`` log λ(d, x).
+        config: greedy, beam search (``num_beams``) or sampling (``do_sample``, `rng`); pad: the padding id.
+
+    Returns:
+        ``(B * num_return_sequences, T)`` sequences and their scores, as :func:`replug_generate`.
+    """
+    from rag.generation.causal import CausalLMDecoder
+
+    b, k = log_prior.shape
+    if len(windows) != b or any(len(w) != k for w in windows):
+        raise RagError(f"windows must be {b} lists of {k} token lists, one per (input, document)")
+    eos = config_token_id(config, model, "eos_token_id", True)
+    start, _ = _left_pad([list(s) for s in streams], pad)
     spec = resolve_spec(config, model, prompt_len=start.shape[1], pad_fallback=eos)
     beams = config.num_beams
     dev = next(model.parameters()).device
-    ids, mask = _left_pad(prompts, pad)
+    ids, mask = _left_pad([list(w) for ws in windows for w in ws], pad)  # rows (input, document)
+    prior = log_prior.float()
     if beams == 1:
         if config.num_return_sequences != 1:
             raise ConfigError("GenerationConfig.num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")

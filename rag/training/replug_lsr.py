@@ -7,7 +7,7 @@ y = answer; or any text split into a context and its continuation):
    the only gradient path into the retriever);
 2. score log P_LM(y | d ∘ x) with the frozen LM — a local transformers LM or an OpenAI-compatible completions endpoint
    (:mod:`rag.models.lm_scorer`), every (LM, document, input, continuation) asked once (:class:`~rag.models.lm_scorer.ScoreCache`);
-3. minimise KL(P_R ‖ Q_LM) (:func:`rag.generation.lsr.lsr_loss`, temperatures γ and β);
+3. minimise KL(P_R ‖ Q_LM) (:func:`rag.generation.lsr.lsr_loss`, temperatures γ (`retrieval_temperature`) and β);
 4. with ``train_doc_encoder`` the retrieved documents are re-embedded with gradients, and the
    :class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus, rebuilds the index and hot-swaps it every
    T steps (§4.4).
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -117,7 +118,8 @@ class ReplugLSRModule(pl.LightningModule):
         build_knowledge_base_from: build `knowledge_base` first from this corpus when missing (``demo`` or a path).
         knowledge_base_index: FAISS spec of that build.
         k: documents retrieved per input (paper: 20).
-        gamma: γ, temperature of P_R (paper: 0.1).
+        retrieval_temperature: γ, temperature of P_R (paper: 0.1); the same setting as REPLUG's and RAG's.
+        gamma: deprecated alias of `retrieval_temperature` (warns).
         beta: β, temperature of Q_LM (paper: 0.1).
         train_doc_encoder: re-embed the retrieved documents with gradients (pair with IndexRefresh).
         document_encoder: the document encoder to train (default: the knowledge base's).
@@ -132,14 +134,18 @@ class ReplugLSRModule(pl.LightningModule):
     def __init__(self, lm: str = TINY_GPT2, lm_endpoint: Optional[str] = None, lm_endpoint_model: Optional[str] = None,
                  lm_timeout: float = 30.0, lm_max_retries: int = 3, lm_batch_size: int = 16, cache_lm_scores: bool = True,
                  question_encoder: Optional[str] = "minilm", knowledge_base: str = "kb", build_knowledge_base_from: Optional[str] = None,
-                 knowledge_base_index: str = "flat", k: int = 20, gamma: float = 0.1, beta: float = 0.1,
+                 knowledge_base_index: str = "flat", k: int = 20, retrieval_temperature: float = 0.1, beta: float = 0.1,
                  train_doc_encoder: bool = False, document_encoder: Optional[str] = None, max_question_length: int = 64,
                  query_encoder_lr: float = 2e-5, doc_encoder_lr: float = 1e-5, weight_decay: float = 0.0, warmup_ratio: float = 0.1,
-                 export_dir: Optional[str] = None):
+                 export_dir: Optional[str] = None, gamma: Optional[float] = None):
         super().__init__()
+        if gamma is not None:
+            warnings.warn("model.gamma is deprecated: it is now model.retrieval_temperature (one name for RAG, REPLUG and LSR)",
+                          FutureWarning, stacklevel=2)
+            retrieval_temperature, gamma = gamma, None
         if isinstance(k, bool) or not isinstance(k, int) or k < 1:
             raise ConfigError(f"model.k={k!r} must be an integer >= 1 (documents retrieved per input)")
-        for name, v in (("gamma", gamma), ("beta", beta)):
+        for name, v in (("retrieval_temperature", retrieval_temperature), ("beta", beta)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ConfigError(f"model.{name}={v!r} must be a number > 0 (a softmax temperature, §4.1-4.2; the paper uses 0.1)")
         for name, v in (("query_encoder_lr", query_encoder_lr), ("doc_encoder_lr", doc_encoder_lr)):
@@ -220,7 +226,7 @@ class ReplugLSRModule(pl.LightningModule):
         inputs, targets = batch["questions"], batch["targets"]
         retrieved, doc_scores = self.model(inputs, self.hparams.k)
         ll = lm_scores(self.lm, retrieved.passages, inputs, targets, cache=self.cache).to(doc_scores.device)
-        return lsr_loss(doc_scores, ll, gamma=self.hparams.gamma, beta=self.hparams.beta), doc_scores, ll
+        return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature, beta=self.hparams.beta), doc_scores, ll
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)
@@ -239,7 +245,7 @@ class ReplugLSRModule(pl.LightningModule):
         # log-likelihood of y under the REPLUG ensemble with the retriever's weights (temperature γ)
         from rag.generation.marginalize import doc_log_prior
 
-        mix = torch.logsumexp(doc_log_prior(scores.detach(), temperature=self.hparams.gamma) + ll, dim=-1)
+        mix = torch.logsumexp(doc_log_prior(scores.detach(), temperature=self.hparams.retrieval_temperature) + ll, dim=-1)
         self.log("val/replug_loglik", mix.mean(), batch_size=b)
 
     # ------------------------------------------------------------------ optimisation

@@ -89,10 +89,12 @@ def test_bad_input_exits_2_naming_the_option(capsys, tiny_gpt2_dir, tiny_bart_di
 
 def test_cli_lm_eval_replug_ensemble(capsys, tiny_gpt2_dir, kbs, data):
     base = ["lm-eval", "--model", tiny_gpt2_dir, "--kb", kbs["bm25"], "--data", data, "--retrieval", "bm25", "--json", *ARGS]
-    code, out, _ = _run(capsys, base + ["--ensemble", "3", "--temperature", "2"])
+    code, out, _ = _run(capsys, base + ["--ensemble", "3", "--retrieval-temperature", "2"])
     assert code == 0
     top = json.loads(out)
-    assert top["settings"]["ensemble"] == 3 and top["settings"]["temperature"] == 2.0 and top["bits_per_byte"] > 0
+    assert top["settings"]["ensemble"] == 3 and top["settings"]["retrieval_temperature"] == 2.0 and top["bits_per_byte"] > 0
+    code, out, err = _run(capsys, base + ["--ensemble", "3", "--temperature", "2"])  # the deprecated alias works, and says so
+    assert code == 0 and json.loads(out) == top and "FutureWarning: --temperature is deprecated: use --retrieval-temperature" in err
     code, out, _ = _run(capsys, base + ["--ensemble", "3", "--random-docs"])
     rnd = json.loads(out)
     assert code == 0 and rnd["settings"]["random_docs"] is True and rnd["bits_per_byte"] != top["bits_per_byte"]

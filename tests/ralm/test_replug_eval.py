@@ -30,7 +30,7 @@ def _texts(demo_passages, n=3):
 def _reference(model, tok, retriever, text: EvalText, k: int, temperature: float) -> np.ndarray:
     """The straightforward REPLUG loop: per chunk, per document, one LM pass over doc ∘ prefix (batch 1), then
     log Σ_d softmax(s/τ)_d p(y_t | d ∘ x) per token."""
-    ralm = InContextRALM(model, tok, retriever, RalmConfig(ensemble=k, temperature=temperature, **SMALL))
+    ralm = InContextRALM(model, tok, retriever, RalmConfig(ensemble=k, retrieval_temperature=temperature, **SMALL))
     sc = ralm.scorer
     stream = sc.stream(text.text)
     spans = chunk_spans(len(stream) - 1, SMALL["stride"])
@@ -61,7 +61,7 @@ def _reference(model, tok, retriever, text: EvalText, k: int, temperature: float
 def test_ensemble_equals_the_one_window_at_a_time_loop(lm, bm25, demo_passages, k, temperature):
     model, tok = lm
     texts = _texts(demo_passages, 2)
-    ralm = InContextRALM(model, tok, bm25, RalmConfig(ensemble=k, temperature=temperature, batch_size=5, **SMALL))
+    ralm = InContextRALM(model, tok, bm25, RalmConfig(ensemble=k, retrieval_temperature=temperature, batch_size=5, **SMALL))
     for score, t in zip(ralm.score_texts(texts), texts):
         ref = _reference(model, tok, bm25, t, k, temperature)
         np.testing.assert_allclose(score.token_logprobs, ref, atol=1e-5)
@@ -72,7 +72,7 @@ def test_ensemble_of_one_equals_in_context_ralm(lm, bm25, demo_passages):
     model, tok = lm
     texts = _texts(demo_passages)
     plain = list(InContextRALM(model, tok, bm25, RalmConfig(**SMALL)).score_texts(texts))
-    one = list(InContextRALM(model, tok, bm25, RalmConfig(ensemble=1, temperature=0.3, **SMALL)).score_texts(texts))
+    one = list(InContextRALM(model, tok, bm25, RalmConfig(ensemble=1, retrieval_temperature=0.3, **SMALL)).score_texts(texts))
     for a, b in zip(plain, one):
         np.testing.assert_array_equal(a.token_logprobs, b.token_logprobs)
         assert [None if d is None else [d] for d in a.doc_ids] == b.doc_ids
@@ -117,8 +117,8 @@ def test_random_docs_control_and_bad_input(lm, bm25, demo_passages):
         assert not any(pid == t.id for ids in s.doc_ids if ids for pid in ids)
     with pytest.raises(ConfigError, match="--ensemble"):
         RalmConfig(ensemble=0).check()
-    with pytest.raises(ConfigError, match="--temperature"):
-        RalmConfig(ensemble=2, temperature=0.0).check()
+    with pytest.raises(ConfigError, match="--retrieval-temperature"):
+        RalmConfig(ensemble=2, retrieval_temperature=0.0).check()
     with pytest.raises(ConfigError, match="--ensemble K"):
         RalmConfig(random_docs=True).check()
     with pytest.raises(ConfigError, match="knowledge base holds"):

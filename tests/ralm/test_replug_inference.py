@@ -34,7 +34,7 @@ def test_options_equal_scores_mean_and_weights(lm, marginalization):
     for scores, tau in (([1.0, 1.0, 1.0], 1.0), ([2.0, 0.5, -1.0], 0.5), ([2.0, 0.5, -1.0], 3.0)):
         lam = np.exp(np.asarray(scores) / tau)
         lam /= lam.sum()
-        got = replug_score_options(scorer, QUESTION, OPTIONS, DOCS, scores, temperature=tau, marginalization=marginalization)
+        got = replug_score_options(scorer, QUESTION, OPTIONS, DOCS, scores, retrieval_temperature=tau, marginalization=marginalization)
         for o, rows in enumerate(per_doc):
             p = np.exp(np.stack(rows))  # (k, T)
             want = np.log(lam @ p).sum() if marginalization == "token" else math.log(lam @ p.prod(1))
@@ -63,7 +63,7 @@ def test_generation_mixes_next_token_distributions_in_probability_space(lm):
     x = "Hydrogen and helium are"
     scores = torch.tensor([[1.0, 0.2, -0.5]])
     cfg = GenerationConfig(max_new_tokens=4)
-    seqs, loglik = replug_generate(model, tok, [x], [DOCS], scores, temperature=0.7, config=cfg)
+    seqs, loglik = replug_generate(model, tok, [x], [DOCS], scores, retrieval_temperature=0.7, config=cfg)
     lam = torch.softmax(scores[0] / 0.7, 0)
     gen = seqs[0, -4:].tolist()
     want = 0.0
@@ -92,4 +92,4 @@ def test_generation_sampling_is_seeded_and_batched(lm):
     with pytest.raises(ConfigError, match="empty or whitespace"):
         replug_generate(model, tok, [" "], [DOCS[:1]], [[0.0]])
     with pytest.raises(ConfigError, match="temperature"):
-        replug_generate(model, tok, ["x"], [DOCS[:1]], [[0.0]], temperature=0.0)
+        replug_generate(model, tok, ["x"], [DOCS[:1]], [[0.0]], retrieval_temperature=0.0)

@@ -29,12 +29,12 @@ def test_lsr_loss_by_hand():
             q = [math.exp(v / beta) for v in ll[b].tolist()]
             p, q = [x / sum(p) for x in p], [x / sum(q) for x in q]
             want += sum(pi * math.log(pi / qi) for pi, qi in zip(p, q)) / 2
-        assert lsr_loss(s, ll, gamma=gamma, beta=beta).item() == pytest.approx(want, rel=1e-5)
+        assert lsr_loss(s, ll, retrieval_temperature=gamma, beta=beta).item() == pytest.approx(want, rel=1e-5)
     lsr_loss(s, ll).backward()
     assert s.grad is not None and s.grad.abs().sum() > 0 and ll.grad is None  # Q_LM is a fixed target
-    assert lsr_loss(ll.detach(), ll.detach(), gamma=0.5, beta=0.5).item() == pytest.approx(0.0, abs=1e-6)
-    with pytest.raises(ConfigError, match="gamma"):
-        lsr_loss(s, ll, gamma=0.0)
+    assert lsr_loss(ll.detach(), ll.detach(), retrieval_temperature=0.5, beta=0.5).item() == pytest.approx(0.0, abs=1e-6)
+    with pytest.raises(ConfigError, match="retrieval_temperature"):
+        lsr_loss(s, ll, retrieval_temperature=0.0)
     with pytest.raises(ConfigError, match="beta"):
         lsr_loss(s, ll, beta=-1.0)
     with pytest.raises(RagError, match="non-finite"):
@@ -70,7 +70,7 @@ def test_gradient_reaches_the_query_encoder_only(small_kb, minilm_path, tiny_gpt
 
 def test_toy_run_moves_the_retriever_toward_the_helpful_document(small_kb, minilm_path, tiny_gpt2_dir):
     torch.manual_seed(0)
-    m = _module(small_kb, minilm_path, tiny_gpt2_dir, gamma=0.1, beta=0.02)  # Q_LM ≈ one-hot on the best document
+    m = _module(small_kb, minilm_path, tiny_gpt2_dir, retrieval_temperature=0.1, beta=0.02)  # Q_LM ≈ one-hot on the best document
     m.model.eval()  # no dropout: the comparison before / after is deterministic
     batch = {"questions": [QUESTION], "targets": [ANSWER]}
     with torch.no_grad():
@@ -106,7 +106,7 @@ def test_endpoint_failure_stops_training(small_kb, minilm_path, server):
 
 
 def test_bad_settings_are_named(small_kb, minilm_path, tiny_gpt2_dir):
-    for kw, match in (({"k": 0}, "model.k"), ({"gamma": 0.0}, "model.gamma"), ({"beta": -0.1}, "model.beta"),
+    for kw, match in (({"k": 0}, "model.k"), ({"retrieval_temperature": 0.0}, "model.retrieval_temperature"), ({"beta": -0.1}, "model.beta"),
                       ({"lm_endpoint": "http://x/v1"}, "lm_endpoint_model")):
         with pytest.raises(ConfigError, match=match):
             ReplugLSRModule(**kw)
@@ -124,7 +124,15 @@ def test_config_parses_lazily(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     cli = make_cli(["--config", str(CONFIG)], run=False)
     assert isinstance(cli.model, ReplugLSRModule) and isinstance(cli.datamodule, QADataModule)
-    assert cli.model.model is None and cli.model.hparams.k == 4 and cli.model.hparams.gamma == 0.1
+    assert cli.model.model is None and cli.model.hparams.k == 4 and cli.model.hparams.retrieval_temperature == 0.1
+
+
+def test_gamma_is_a_deprecated_alias_of_retrieval_temperature():
+    with pytest.warns(FutureWarning, match="retrieval_temperature"):
+        m = ReplugLSRModule(gamma=0.3)
+    assert m.hparams.retrieval_temperature == 0.3 and m.hparams.gamma is None
+    with pytest.warns(FutureWarning), pytest.raises(ConfigError, match="model.retrieval_temperature"):
+        ReplugLSRModule(gamma=0.0)
 
 
 @pytest.mark.slow
