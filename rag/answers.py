@@ -85,9 +85,11 @@ def check_k(k, name: str, kb) -> int:
     return k
 
 
-def retrievals(questions: Sequence[str], kb_version: str, passages, scores: torch.Tensor) -> list[Retrieval]:
-    """One :class:`Retrieval` per question: its passages with their scores ``(B, K)`` and priors (softmax over K)."""
-    prior = torch.softmax(scores.float(), dim=1)
+def retrievals(questions: Sequence[str], kb_version: str, passages, scores: torch.Tensor, *,
+               temperature: float = 1.0) -> list[Retrieval]:
+    """One :class:`Retrieval` per question: its passages with their scores ``(B, K)`` and priors
+    (softmax over K of ``scores / temperature``, the reader's retrieval temperature)."""
+    prior = torch.softmax(scores.float() / temperature, dim=1)
     return [
         Retrieval(q, kb_version,
                   [PassageProvenance(p.id, p.title, p.text, float(s), float(pr)) for p, s, pr in zip(ps, srow, prow)])

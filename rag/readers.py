@@ -94,7 +94,8 @@ class RagReader:
         same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
         questions = check_strings(questions, "questions")
         retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
-        return retrievals(questions, retrieved.kb_version, retrieved.passages, doc_scores)
+        return retrievals(questions, retrieved.kb_version, retrieved.passages, doc_scores,
+                          temperature=self.model.retrieval_temperature)
 
     def _check_k(self, k, name: str) -> int:
         return check_k(k, name, self.knowledge_base)
@@ -162,7 +163,7 @@ class RagReader:
 
         tok = self.model.generator_tokenizer
         batch, k = inputs.doc_scores.shape
-        log_prior = torch.log_softmax(inputs.doc_scores.float(), dim=1)
+        log_prior = torch.log_softmax(self.model.retrieval_logits(inputs.doc_scores).float(), dim=1)
         prior = log_prior.exp()
         seqs = out.sequences
         rows = torch.arange(batch, device=seqs.device).repeat_interleave(n_ret)

@@ -60,13 +60,14 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     generator = model.generator
     contexts = encode_contexts(generator, inputs.context_input_ids, inputs.context_attention_mask)
     if marg == "token":
-        out = rag_token_generate(generator, contexts, inputs.doc_scores, config)
+        out = rag_token_generate(generator, contexts, model.retrieval_logits(inputs.doc_scores), config)
     else:
         search = None
         if not model.config.mask_padded_contexts:  # transformers' per-passage search (set by the hf_compat import)
             search = unmasked_contexts(generator, model.generator_tokenizer, inputs.context_input_ids,
                                        inputs.context_attention_mask, model.config.max_context_length)
-        out = rag_sequence_generate(generator, contexts, inputs.doc_scores, config, decoding=decoding, search_contexts=search)
+        out = rag_sequence_generate(generator, contexts, model.retrieval_logits(inputs.doc_scores), config, decoding=decoding,
+                                    search_contexts=search)
     return RagGeneration(inputs=inputs, contexts=contexts, output=out, marginalization=marg)
 
 

@@ -139,7 +139,8 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             saved_dirs.append(DOC_ENCODER_DIR)
         meta = {
             "format": CHECKPOINT_FORMAT,
-            "config": model.config.to_dict(),
+            # a learned retrieval temperature is saved as the value it reached
+            "config": {**model.config.to_dict(), "retrieval_temperature": model.retrieval_temperature},
             "question_encoder": qenc_meta,
             "generator": {
                 "dir": GENERATOR_DIR,

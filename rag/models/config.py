@@ -49,6 +49,14 @@ class RagModelConfig:
     transformers' ``RagSequenceForGeneration.generate`` (the importer sets it): its search runs on contexts padded
     to ``max_context_length`` with no attention mask, so encoder and cross-attention attend to the pad tokens;
     rescoring stays masked, as there. RAG-Token decoding always masks (transformers does too)."""
+    retrieval_temperature: float = 1.0
+    """τ > 0 dividing the retrieval scores before the document prior, p(z|x) = softmax(s(z, x) / τ), in both
+    marginalizations (training loss) and in decoding. 1 is the paper's plain softmax. With L2-normalised encoders
+    (all-MiniLM-L6-v2) scores lie in [-1, 1], so the prior over K passages stays nearly flat unless τ is small
+    (e.g. 0.05). The same setting as REPLUG's λ and LSR's γ (``retrieval_temperature`` there)."""
+    learn_retrieval_temperature: bool = False
+    """Learn τ (a log-scale parameter, like CLIP's logit scale, clamped to [0.01, 100]) with the query encoder's
+    learning rate, starting at ``retrieval_temperature``; the learned value is saved as ``retrieval_temperature``."""
     title_sep: str = " / "
     """Separator between a passage's title and its text in the generator input."""
     doc_sep: str = " // "
@@ -84,6 +92,13 @@ class RagModelConfig:
                      "train_doc_encoder"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        t = self.retrieval_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.01 <= t <= 100:
+            raise ConfigError(f"RagModelConfig.retrieval_temperature must be a number in [0.01, 100], got {t!r} "
+                              "(1: the plain softmax over retrieval scores; smaller: a sharper document prior)")
+        self.retrieval_temperature = float(t)
+        if not isinstance(self.learn_retrieval_temperature, bool):
+            raise ConfigError(f"RagModelConfig.learn_retrieval_temperature must be true or false, got {self.learn_retrieval_temperature!r}")
         for name in ("title_sep", "doc_sep"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")

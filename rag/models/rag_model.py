@@ -50,6 +50,7 @@ Deliberate differences from ``transformers``' ``RagSequenceForGeneration`` / ``R
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from typing import TYPE_CHECKING, Literal, Optional, Sequence, Union
 
@@ -65,6 +66,8 @@ from rag.models.checkpoint import CHECKPOINT_CONFIG, CHECKPOINT_FORMAT, load_rag
 from rag.models.config import RagModelConfig, check_overrides
 from rag.models.generator import check_generator_kind, load_generator
 from rag.validate import check_positive_int, check_strings
+
+_LOG_TAU_MIN, _LOG_TAU_MAX = math.log(0.01), math.log(100.0)  # a learned retrieval temperature stays in [0.01, 100]
 
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
@@ -129,6 +132,8 @@ class RagModel(nn.Module):
             self.question_encoder.requires_grad_(False)
             self.question_encoder.eval()
         self.doc_encoder = self.scoring.doc_encoder
+        if config.learn_retrieval_temperature:
+            self.log_retrieval_temperature = nn.Parameter(torch.tensor(math.log(config.retrieval_temperature)))
 
     @property
     def config(self) -> RagModelConfig:
@@ -248,7 +253,36 @@ class RagModel(nn.Module):
         }
         if self.config.train_doc_encoder and self.doc_encoder is not None:
             groups["doc_encoder"] = [p for p in self.doc_encoder.parameters() if p.requires_grad]
+        if self.config.learn_retrieval_temperature:  # the retrieval side's learning rate, frozen encoder or not
+            groups["query_encoder"].append(self._log_temperature())
         return groups
+
+    # ------------------------------------------------------------------ retrieval temperature
+    def _log_temperature(self) -> nn.Parameter:
+        param = getattr(self, "log_retrieval_temperature", None)
+        if param is None:
+            raise ConfigError("learn_retrieval_temperature was switched on after the model was built; set it in the "
+                              "RagModelConfig the model is built (or loaded) with")
+        return param
+
+    @property
+    def retrieval_temperature(self) -> float:
+        """τ in force: ``config.retrieval_temperature``, or the learned value with ``learn_retrieval_temperature``."""
+        if not self.config.learn_retrieval_temperature:
+            return self.config.retrieval_temperature
+        return float(self._log_temperature().detach().clamp(_LOG_TAU_MIN, _LOG_TAU_MAX).exp())
+
+    def retrieval_logits(self, doc_scores: torch.Tensor) -> torch.Tensor:
+        """``(B, K)`` retrieval scores → the logits whose softmax is the document prior p(z|x): ``scores / τ``.
+
+        Every consumer of the prior (both marginalizations' loss, RAG-Token and RAG-Sequence decoding, answer
+        provenance) goes through here; τ = 1 returns `doc_scores` itself. A learned τ is differentiable.
+        """
+        if self.config.learn_retrieval_temperature:
+            log_tau = self._log_temperature().clamp(_LOG_TAU_MIN, _LOG_TAU_MAX)
+            return doc_scores / log_tau.exp().to(device=doc_scores.device, dtype=doc_scores.dtype)
+        tau = self.config.retrieval_temperature
+        return doc_scores if tau == 1.0 else doc_scores / tau
 
     # ------------------------------------------------------------------ retrieval
     def _n_docs(self, n_docs: Optional[int]) -> int:
@@ -418,7 +452,7 @@ class RagModel(nn.Module):
         inputs = self._prepare(questions, k)
         decoder_inputs, labels, label_mask = self.training_targets(targets)
         logits = self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs)  # (B, K, T, V)
-        loss = self.loss_from_logits(logits, labels, label_mask, inputs.doc_scores)
+        loss = self.loss_from_logits(logits, labels, label_mask, self.retrieval_logits(inputs.doc_scores))
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
     def generator_loss(self, questions: Sequence[str], targets: Sequence[str], passages: Optional[Sequence] = None) -> torch.Tensor:

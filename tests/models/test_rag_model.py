@@ -424,3 +424,76 @@ def test_save_never_replaces_other_data_even_with_overwrite(model, tmp_path):
     with pytest.raises(TypeError, match="replaces="):  # every writer must say what it may replace
         with atomic_directory(tmp_path / "x", overwrite=True):
             pass
+
+
+# ---------------------------------------------------------------- retrieval temperature τ: p(z|x) = softmax(s / τ)
+@pytest.mark.parametrize("tau", [0.5, 0.05])
+def test_temperature_divides_scores_in_both_marginalizations(make_model, tau):
+    model = make_model(retrieval_temperature=tau, reduce_loss=False).eval()
+    per_doc, doc_scores = _brute_force_logprobs(model, QUESTIONS, ANSWERS)
+    prior = torch.log_softmax(doc_scores / tau, -1)
+    seq = torch.stack([-torch.logsumexp(prior[b] + per_doc[b].sum(-1), 0) for b in range(3)])
+    tok = torch.stack([-torch.logsumexp(prior[b].unsqueeze(-1) + per_doc[b], 0).sum() for b in range(3)])
+    with torch.no_grad():
+        torch.testing.assert_close(model(QUESTIONS, ANSWERS).loss, seq, atol=1e-5, rtol=1e-5)
+        token = make_model(retrieval_temperature=tau, reduce_loss=False, marginalization="token").eval()
+        torch.testing.assert_close(token(QUESTIONS, ANSWERS).loss, tok, atol=1e-5, rtol=1e-5)
+        plain = make_model(reduce_loss=False).eval()
+        assert not torch.allclose(plain(QUESTIONS, ANSWERS).loss, seq, atol=1e-4)  # τ changes the loss
+
+
+@pytest.mark.parametrize("marginalization", ["token", "sequence"])
+def test_decoding_and_provenance_use_the_temperature(make_model, marginalization):
+    from rag.generation.answer import generate_for_questions
+    from rag.generation.decoding import encode_contexts, rag_sequence_generate, rag_token_generate
+    from rag.generation.search import GenerationConfig
+    from rag.readers import RagReader
+
+    tau = 0.05
+    model = make_model(retrieval_temperature=tau, marginalization=marginalization).eval()
+    config = GenerationConfig(num_beams=2, max_length=6)
+    got = generate_for_questions(model, QUESTIONS, config)
+    contexts = encode_contexts(model.generator, got.inputs.context_input_ids, got.inputs.context_attention_mask)
+    logits = got.inputs.doc_scores / tau
+    if marginalization == "token":
+        want = rag_token_generate(model.generator, contexts, logits, config)
+    else:
+        want = rag_sequence_generate(model.generator, contexts, logits, config)
+    assert torch.equal(got.output.sequences, want.sequences)
+    # provenance: raw retrieval scores, priors from scores / τ
+    [retrieval] = RagReader(model).retrieve(QUESTIONS[:1], k=3)
+    scores = torch.tensor([p.score for p in retrieval.passages])
+    torch.testing.assert_close(torch.tensor([p.prior for p in retrieval.passages]), torch.softmax(scores / tau, 0))
+    [answer] = RagReader(model).generate(QUESTIONS[:1], n_docs=3, max_new_tokens=5)
+    priors = torch.tensor([p.prior for p in answer.passages])
+    torch.testing.assert_close(priors, torch.softmax(torch.tensor([p.score for p in answer.passages]) / tau, 0))
+
+
+def test_learned_temperature_trains_and_is_saved_as_its_value(make_model, tmp_path):
+    model = make_model(learn_retrieval_temperature=True, retrieval_temperature=0.5)
+    assert model.retrieval_temperature == pytest.approx(0.5)
+    param = model.log_retrieval_temperature
+    assert any(p is param for p in model.parameter_groups()["query_encoder"])
+    model(QUESTIONS, ANSWERS).loss.backward()
+    assert param.grad is not None and param.grad.abs() > 0
+    with torch.no_grad():
+        param.fill_(torch.log(torch.tensor(0.2)))
+        param.grad = None
+    model.eval()
+    model.save_pretrained(tmp_path / "ckpt")
+    saved = json.loads((tmp_path / "ckpt" / CHECKPOINT_CONFIG).read_text())["config"]
+    assert saved["retrieval_temperature"] == pytest.approx(0.2) and saved["learn_retrieval_temperature"] is True
+    loaded = RagModel.from_pretrained(tmp_path / "ckpt").eval()
+    assert loaded.retrieval_temperature == pytest.approx(0.2)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(QUESTIONS, ANSWERS).loss, model(QUESTIONS, ANSWERS).loss)
+    fixed = RagModel.from_pretrained(tmp_path / "ckpt", learn_retrieval_temperature=False)
+    assert fixed.retrieval_temperature == pytest.approx(0.2) and not hasattr(fixed, "log_retrieval_temperature")
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, 1000, True, "0.1"])
+def test_bad_temperature_is_a_config_error_naming_the_field(bad):
+    with pytest.raises(ConfigError, match="retrieval_temperature"):
+        RagModelConfig(retrieval_temperature=bad)
+    with pytest.raises(ConfigError, match="learn_retrieval_temperature"):
+        RagModelConfig(learn_retrieval_temperature="yes")
