@@ -9,7 +9,8 @@ import pytorch_lightning as pl
 
 class DumpParameters(pl.Callback):
     """Write ``out_dir/{start,end}-rank{R}.safetensors`` (the model's trainable parameters on rank R) and
-    ``out_dir/batches-rank{R}.txt`` (the questions of each training batch, one Python list literal a line)."""
+    ``out_dir/batches-rank{R}.txt`` (the questions of each training batch, one Python list literal a line) and
+    ``out_dir/versions-rank{R}.txt`` (the knowledge-base version each step retrieved from, and the one serving at the end)."""
 
     def __init__(self, out_dir: str) -> None:
         super().__init__()
@@ -27,8 +28,14 @@ class DumpParameters(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         self._dump(trainer, pl_module, "end")
+        self._version(trainer, pl_module, "end")
+
+    def _version(self, trainer, pl_module, when: str) -> None:
+        with open(Path(self.out_dir) / f"versions-rank{trainer.global_rank}.txt", "a") as f:
+            f.write(f"{when} {pl_module.model.knowledge_base.version}\n")
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         Path(self.out_dir).mkdir(parents=True, exist_ok=True)
         with open(Path(self.out_dir) / f"batches-rank{trainer.global_rank}.txt", "a") as f:
             f.write(repr(batch["questions"]) + "\n")
+        self._version(trainer, pl_module, f"step{trainer.global_step}")

@@ -17,21 +17,25 @@ STEPS = 3
 PER_RANK_BATCH = 4
 
 
-def _config(tmp_path: Path, name: str, *, batch_size: int, generator: str, question_encoder: str, kb: str) -> Path:
+def _config(tmp_path: Path, name: str, *, batch_size: int, generator: str, question_encoder: str, kb: str,
+            rag: dict | None = None, callbacks: list | None = None, **model) -> Path:
     cfg = {
         "seed_everything": 1234,
         "trainer": {
             "accelerator": "cpu", "devices": 1, "max_steps": STEPS, "logger": False, "enable_checkpointing": False,
             "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0, "limit_val_batches": 0,
             "default_root_dir": str(tmp_path / name),
-            "callbacks": [{"class_path": "ddp_dump.DumpParameters", "init_args": {"out_dir": str(tmp_path / name / "params")}}],
+            # the dump last: its on_train_end then sees what IndexRefresh swapped in at train end
+            "callbacks": [*(callbacks or []),
+                          {"class_path": "ddp_dump.DumpParameters", "init_args": {"out_dir": str(tmp_path / name / "params")}}],
         },
         "model": {"class_path": "rag.training.modules.RagModule", "init_args": {
             "generator": generator, "question_encoder": question_encoder, "knowledge_base": kb,
-            "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
+            "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16, **(rag or {})},
             # adam_epsilon 1: AdamW's update becomes ~ lr × gradient, so gradients are compared, not amplified float noise
             # (with eps 1e-8 an element whose gradient is ~0 moves by ±lr with the sign of its rounding error)
             "query_encoder_lr": 0.1, "generator_lr": 0.1, "adam_epsilon": 1.0, "warmup_steps": 0, "schedule": "constant", "max_new_tokens": 3,
+            **model,
         }},
         "data": {"class_path": "rag.training.data.QADataModule", "init_args": {
             "train": "demo:train", "batch_size": batch_size, "shuffle": False}},
@@ -86,6 +90,28 @@ def test_ddp_two_ranks_equal_one_process_on_the_global_batch(tmp_path, tiny_bart
     for n in single:
         torch.testing.assert_close(ranks[1][n], ranks[0][n], rtol=0, atol=0, msg=n)
         torch.testing.assert_close(ranks[0][n], single[n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+@pytest.mark.slow  # ~25 s: two ranks train, rank 0 spawns the re-encoding build
+def test_ddp_index_refresh_builds_on_rank_0_and_every_rank_swaps_at_the_same_step(tmp_path, tiny_bart_dir,
+                                                                                   tiny_dpr_question_dir, tiny_kb_dir):
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    old = KnowledgeBase.open(tiny_kb_dir)
+    refresh = {"class_path": "rag.training.callbacks.IndexRefresh",
+               "init_args": {"every": "0-2:1", "output_dir": str(tmp_path / "refresh"), "worker_nice": 0, "at_train_end": "wait"}}
+    cfg = _config(tmp_path, "refresh", batch_size=PER_RANK_BATCH, generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir,
+                  kb=tiny_kb_dir, rag={"train_doc_encoder": True}, callbacks=[refresh], doc_encoder_lr=0.05)
+    run = _fit(cfg, "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu")
+    assert run.returncode == 0, run.stderr[-4000:]
+    versions = [(tmp_path / "refresh" / "params" / f"versions-rank{r}.txt").read_text().split("\n") for r in (0, 1)]
+    assert versions[0] == versions[1]  # the same version at every step on both ranks
+    steps = dict(line.split() for line in versions[0] if line)
+    assert steps["step0"] == steps["step1"] == old.version
+    built = sorted((tmp_path / "refresh").glob("step-*/kb"))
+    assert [b.parent.name for b in built] == ["step-00000001"]  # one build, by rank 0 (rank 1 started none)
+    new = KnowledgeBase.open(built[0])
+    assert steps["end"] == new.version != old.version and new.manifest.parent == old.version
 
 
 class _Strategy:
