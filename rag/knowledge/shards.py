@@ -114,7 +114,7 @@ def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
                                  f"{n_shards}; build them with `rag index build --shard i/{n_shards}` (same options) and pass every "
                                  "shard directory to `rag index merge`")
     ordered = [by_index[i] for i in range(n_shards)]
-    for i, kb in enumerate(ordered):
+    for kb in ordered:
         info = kb.manifest.build["shard"]
         if info["stop"] - info["start"] != len(kb):
             raise KnowledgeBaseError(f"{kb.path}: holds {len(kb)} passages but its shard record says rows {info['start']}–{info['stop']}")
