@@ -105,13 +105,12 @@ def cmd_build(args) -> int:
     from rag.devices import check_device
     from rag.io import check_output_dir
     from rag.knowledge.encoders import TextEncoder
-
-    # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     from rag.knowledge.index import IndexSpec, check_fits
     from rag.knowledge.knowledge_base import KnowledgeBase, is_knowledge_base
     from rag.knowledge.passages import load_corpus
     from rag.knowledge.shards import parse_shard, shard_info, shard_passages
 
+    # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
     shard = parse_shard(args.shard) if args.shard is not None else None
     check_positive(args, "batch_size", "max_length")
