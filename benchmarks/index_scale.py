@@ -88,7 +88,9 @@ def fit(rows: list[dict], target: int) -> dict:
     t = np.array([r["build_s"] for r in rows], float)
     e, logc = np.polyfit(np.log(n), np.log(t), 1) if len(rows) > 1 else (1.0, np.log(t[0] / n[0]))
     out["build_exponent"] = float(e)
-    out["build_s"] = float(np.exp(logc) * target ** e)
+    # A power law is only believable where build time grows with N (HNSW: ~N^1.4-1.6); a build dominated by fixed
+    # costs (IVF-PQ's k-means and PQ training on a sample) or by noise gets no extrapolation.
+    out["build_s"] = float(np.exp(logc) * target ** e) if 0.8 <= e <= 3 else None
     return out
 
 
@@ -108,8 +110,9 @@ def plot(rows: list[dict], fits: dict, path: Path, target: int) -> None:
         axes[0].loglog(grid, (f["kb_bytes"] - f["kb_bytes_per_vector"] * (target - grid)) / 1e9, "-", color=c, label=f"{spec} (KB)")
         axes[0].loglog(grid, (f["index_bytes"] - f["index_bytes_per_vector"] * (target - grid)) / 1e9, ":", color=c)
         axes[1].loglog(n, [r["build_s"] / 3600 for r in pts], "o", color=c)
-        axes[1].loglog(grid, f["build_s"] * (grid / target) ** f["build_exponent"] / 3600, "-", color=c,
-                       label=f"{spec} (∝ N^{f['build_exponent']:.2f})")
+        if f["build_s"] is not None:
+            axes[1].loglog(grid, f["build_s"] * (grid / target) ** f["build_exponent"] / 3600, "-", color=c,
+                           label=f"{spec} (∝ N^{f['build_exponent']:.2f})")
     for label, b in ANCHORS.items():
         axes[0].plot([target], [b / 1e9], "k*", markersize=10)
         axes[0].annotate(label.split(" (")[0], (target, b / 1e9), fontsize=7, ha="right", va="bottom")
@@ -129,7 +132,8 @@ def plot(rows: list[dict], fits: dict, path: Path, target: int) -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--spec", action="append", required=True, metavar="SPEC:N1,N2,...",
+    p.add_argument("--replot", default=None, metavar="JSON", help="redo the fits, table and plot from a previous run's JSON")
+    p.add_argument("--spec", action="append", default=[], metavar="SPEC:N1,N2,...",
                    help="an index spec and the sizes to measure it at, e.g. hnsw:5000,10000,20000 (spec options after the "
                         "sizes are not supported; the spec's defaults are used)")
     p.add_argument("--dim", type=int, default=768)
@@ -141,6 +145,15 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     t0 = time.perf_counter()
     rows, fits = [], {}
+    if args.replot:
+        import json
+
+        old = json.loads(Path(args.replot).read_text())
+        rows = old["rows"]
+        for spec in dict.fromkeys(r["spec"] for r in rows):
+            fits[spec] = fit([r for r in rows if r["spec"] == spec], args.target)
+    elif not args.spec:
+        p.error("give --spec SPEC:N1,N2,... (or --replot JSON)")
     for item in args.spec:
         spec, _, sizes = item.rpartition(":")
         if not spec or not sizes:
@@ -158,15 +171,17 @@ def main(argv: list[str] | None = None) -> dict:
     for spec, f in fits.items():
         ns = ", ".join(f"{r['n'] // 1000}k" for r in rows if r["spec"] == spec)
         lines.append(f"| {spec} | {ns} | {f['index_bytes_per_vector']:.0f} | {f['kb_bytes_per_vector']:.0f} | {f['build_exponent']:.2f} | "
-                     f"{f['index_bytes'] / 1e9:.1f} GB | {f['kb_bytes'] / 1e9:.1f} GB | {f['build_s'] / 3600:.1f} h |")
+                     f"{f['index_bytes'] / 1e9:.1f} GB | {f['kb_bytes'] / 1e9:.1f} GB | "
+                     + (f"{f['build_s'] / 3600:.1f} h |" if f["build_s"] is not None else "not extrapolated |"))
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     result = {
-        "command": "python benchmarks/index_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": old["command"] if args.replot else "python benchmarks/index_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
-        "rows": rows, "fits": fits, "anchors_bytes": ANCHORS, "table": table, "total_s": round(time.perf_counter() - t0, 1),
+        "rows": rows, "fits": fits, "anchors_bytes": ANCHORS, "table": table,
+        "total_s": old["total_s"] if args.replot else round(time.perf_counter() - t0, 1),
     }
     atomic_write_json(out / f"{args.name}.json", result)
     plot(rows, fits, out / f"{args.name}.png", args.target)
