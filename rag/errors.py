@@ -25,3 +25,7 @@ class ConfigError(RagError):
 
 class OutputExistsError(RagError, FileExistsError):
     """An output path exists and may not be replaced (no overwrite asked, or it is not the writer's own kind)."""
+
+
+class RetrievalError(RagError):
+    """A remote retrieval service failed: its cluster is unreachable, or a query failed on its retry too."""

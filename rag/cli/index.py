@@ -1,4 +1,4 @@
-"""`rag index build | info | search`: build, inspect and query knowledge bases."""
+"""`rag index build | merge | info | search`: build (whole or in shards), merge, inspect and query knowledge bases."""
 
 from __future__ import annotations
 
@@ -38,8 +38,23 @@ def add_parser(sub) -> None:
     b.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="autocast dtype for encoding")
     b.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
     b.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at --out (atomically; never anything else)")
+    b.add_argument("--shard", default=None, metavar="i/N",
+                   help="encode only slice i of N of the corpus into --out (a shard, flat index); run i = 0..N-1 on several "
+                        "processes or machines, then `rag index merge`")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_build)
+
+    m = isub.add_parser("merge", help="merge the shards of `rag index build --shard i/N` into one knowledge base",
+                        description="Verify every shard's checksums, check that they are the N slices of one corpus encoded by one "
+                                    "encoder, and write one knowledge base (the same version id as a one-shot build).")
+    m.add_argument("out", help="knowledge-base directory to create")
+    m.add_argument("shards", nargs="+", help="the N shard directories (any order)")
+    m.add_argument("--index", default=None, help="index spec of the merged knowledge base (default: the --index the shards were built with)")
+    m.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
+    m.add_argument("--verify", default="full", choices=["full", "size", "none"], help="how each shard is checked (default: every SHA-256)")
+    m.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at OUT (atomically; never anything else)")
+    m.add_argument("--quiet", action="store_true", help="no progress bars")
+    m.set_defaults(func=cmd_merge)
 
     i = isub.add_parser("info", help="print a knowledge base's manifest after verifying its checksums")
     i.add_argument("kb", help="knowledge-base directory")
@@ -90,12 +105,14 @@ def cmd_build(args) -> int:
     from rag.devices import check_device
     from rag.io import check_output_dir
     from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.index import IndexSpec
+    from rag.knowledge.index import IndexSpec, check_fits
     from rag.knowledge.knowledge_base import KnowledgeBase, is_knowledge_base
     from rag.knowledge.passages import load_corpus
+    from rag.knowledge.shards import parse_shard, shard_info, shard_passages
 
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
+    shard = parse_shard(args.shard) if args.shard is not None else None
     check_positive(args, "batch_size", "max_length")
     if args.words_per_passage < 0:
         raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive number of words")
@@ -114,14 +131,35 @@ def cmd_build(args) -> int:
         corpus, words_per_passage=args.words_per_passage or None, format=args.format, title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
     )
+    build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage}
+    if shard is not None:  # this slice, flat-indexed; `rag index merge` builds `spec` over all of them
+        check_fits(spec, len(passages), encoder.dim)
+        build_info["shard"] = shard_info(passages, shard, args.index)
+        passages, spec = shard_passages(passages, shard), IndexSpec.parse("flat")
     kb = KnowledgeBase.build(
         passages, encoder, args.out, index=spec, batch_size=args.batch_size, device=args.device,
         dtype=getattr(torch, args.dtype) if args.dtype else None, query_encoder=args.query_encoder, bm25=args.bm25,
-        show_progress=not args.quiet, overwrite=args.overwrite,
-        build_info={"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage},
+        show_progress=not args.quiet, overwrite=args.overwrite, build_info=build_info,
     )
+    if shard is not None:
+        print(f"built shard {shard} at {kb.path} ({kb.version}): {len(kb)} passages, rows {build_info['shard']['start']}–"
+              f"{build_info['shard']['stop']} of {build_info['shard']['corpus_passages']}, "
+              f"{kb.manifest.build.get('encode_seconds', 0):.1f}s encoding")
+        return 0
     print(f"built {kb.path} ({kb.version}): {len(kb)} passages, dim {kb.dim}, index {kb.index_spec.kind}, "
           f"{kb.manifest.build.get('encode_seconds', 0):.1f}s encoding + {kb.manifest.build['index_seconds']:.1f}s indexing")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from rag.knowledge.shards import merge_shards
+
+    for shard in args.shards:
+        _check_not_an_input(args.out, [shard])
+    kb = merge_shards(args.out, args.shards, index=args.index, bm25=args.bm25, verify=args.verify,
+                      show_progress=not args.quiet, overwrite=args.overwrite)
+    print(f"merged {len(args.shards)} shards into {kb.path} ({kb.version}): {len(kb)} passages, dim {kb.dim}, index "
+          f"{kb.index_spec.kind}, {kb.manifest.build['index_seconds']:.1f}s indexing")
     return 0
 
 

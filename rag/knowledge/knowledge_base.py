@@ -241,6 +241,7 @@ class KnowledgeBase:
         self._embeddings = embeddings
         self._index = index
         self._bm25 = bm25
+        self._gpu = None  # a faiss GPU copy of the index (use_gpu), searched instead of it
         self._spec = IndexSpec.from_dict(manifest.index)
         self._use = threading.Condition(threading.Lock())  # guards _in_use / _closed
         self._in_use = 0
@@ -429,7 +430,7 @@ class KnowledgeBase:
             addresses = self.mapped_addresses()
             if addresses:
                 pagecache.madvise_dontneed(addresses, chunk, pause)
-        self._index = self._embeddings = self._passages = self._bm25 = None  # freed here (unless a caller kept, e.g., the embeddings array)
+        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = None  # freed here (unless a caller kept, e.g., the embeddings array)
         logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
 
@@ -692,7 +693,20 @@ class KnowledgeBase:
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= len(self):
             raise RagError(f"k={k!r} must be an integer between 1 and the number of passages in {self.path} ({len(self)})")
         with self.in_use():
+            gpu = self._gpu
+            if gpu is not None:
+                return gpu.search(q, int(k))
             return search_index(self._index, q, int(k), self._spec)
+
+    def use_gpu(self, devices="all", *, shard: bool = False, fp16: bool = False) -> bool:
+        """Search on GPUs from now on (:func:`rag.knowledge.gpu.to_gpu`: ``devices`` "all", an id or a list; ``shard``
+        the vectors over them instead of replicating; ``fp16`` storage). True when it did; False, with a warning, when
+        search stays on the CPU (faiss without GPU support, no CUDA device, or an HNSW index)."""
+        from rag.knowledge.gpu import to_gpu
+
+        with self.in_use():
+            self._gpu = to_gpu(self._index, self._spec, devices, shard=shard, fp16=fp16)
+        return self._gpu is not None
 
     def get_embeddings(self, rows: torch.Tensor | np.ndarray) -> torch.Tensor:
         """Stored embeddings of `rows` (any shape S) as a float32 tensor of shape `(*S, D)`."""

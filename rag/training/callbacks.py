@@ -21,6 +21,11 @@ stale. A build that crashes or is killed is logged and training goes on with the
 worker writes its knowledge base into a hidden temporary directory that is renamed into place only
 when complete, and the callback swaps only after a zero exit status *and* a full verification, so
 no half-built index is ever swapped in.
+
+Under DDP (``--trainer.strategy ddp --trainer.devices N``) only rank 0 snapshots, builds and verifies; after
+each step rank 0 broadcasts the directory it swapped in (or nothing), and every other rank swaps the same
+directory in before its next step, so all ranks retrieve from one version at every step (checked before each
+step by :func:`rag.training.distributed.check_same_knowledge_base`, which refuses to step on a disagreement).
 """
 
 from __future__ import annotations
@@ -289,9 +294,6 @@ class IndexRefresh(pl.Callback):
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         from rag.knowledge.hotswap import KnowledgeBaseSlot
 
-        if trainer.world_size > 1:
-            raise ConfigError("IndexRefresh supports single-process training only (world_size=1) for now; "
-                              "remove the callback or train on one device")
         model = _rag_model(pl_module)
         if getattr(model, "doc_encoder", None) is None:
             raise ConfigError(
@@ -315,8 +317,8 @@ class IndexRefresh(pl.Callback):
         if step == self._last_step:
             return  # mid gradient accumulation: the micro-batches of one optimizer step share one index
         self._last_step = step
-        self._poll(pl_module)
-        if self.schedule.due(step):
+        self._poll(pl_module, trainer)
+        if self.schedule.due(step) and trainer.is_global_zero:  # under DDP rank 0 builds; every rank swaps (_poll)
             if self._job is not None and self._pending_step is None:
                 logger.info("index refresh due at step %d deferred: the build started at step %d is still running",
                             step, self._job.step)
@@ -332,12 +334,16 @@ class IndexRefresh(pl.Callback):
 
     def on_train_end(self, trainer, pl_module) -> None:
         job = self._job
-        if job is None:
+        wait = job is not None and self.at_train_end == "wait"
+        if trainer.world_size > 1:  # every rank must reach the same broadcasts: rank 0 says whether a build is awaited
+            wait = bool(trainer.strategy.broadcast(wait, src=0))
+        if job is None and not wait:
             return
-        if self.at_train_end == "wait":
-            logger.info("training ended with the index refresh from step %d still running; waiting for it", job.step)
-            concurrent.futures.wait([job.future])
-            self._poll(pl_module)
+        if wait:
+            if job is not None:
+                logger.info("training ended with the index refresh from step %d still running; waiting for it", job.step)
+                concurrent.futures.wait([job.future])
+            self._poll(pl_module, trainer)
         else:
             logger.info("training ended; cancelling the index refresh from step %d", job.step)
             self._cancel(job)
@@ -462,33 +468,60 @@ class IndexRefresh(pl.Callback):
             raise RefreshFailed(f"{job.kb_dir}: was encoded by {kb.encoder.get('name')!r}, not by the snapshot {job.encoder_dir}")
         return kb
 
-    def _poll(self, pl_module) -> None:
-        """If the running build has finished: swap its knowledge base in, or log its failure."""
+    def _poll(self, pl_module, trainer: Optional["pl.Trainer"] = None) -> None:
+        """If the running build has finished: swap its knowledge base in, or log its failure.
+
+        Under DDP (``trainer.world_size > 1``) a collective: only rank 0 builds; it broadcasts the knowledge base it
+        swapped in (or None), and every other rank swaps the same directory in before its next step. A rank whose swap
+        fails keeps its old version, and the version check before the next step (:mod:`rag.training.distributed`)
+        stops every rank with an error naming the disagreement."""
+        swapped = self._poll_own(pl_module)
+        if trainer is None or trainer.world_size <= 1:
+            return
+        msg = trainer.strategy.broadcast((str(swapped[0].path), swapped[1]) if swapped else None, src=0)
+        if msg is None or trainer.is_global_zero:
+            return
+        path, step = msg
+        t0 = time.perf_counter()
+        try:
+            # rank 0 has just verified every file's SHA-256 (self.verify); the others check sizes and finiteness
+            result = self._slot.swap(path, allow_encoder_change=True, verify="size" if self.verify == "full" else self.verify)
+        except RagError as e:
+            self._record_failure(step, f"rank {trainer.global_rank}: swap of rank 0's refreshed knowledge base {path} refused: {e}",
+                                 time.perf_counter() - t0)
+            return
+        self._swapped(pl_module, self._slot.current, step, result, path, time.perf_counter() - t0)
+
+    def _poll_own(self, pl_module):
+        """This process's build, if finished: swap it in and return ``(kb, step)``, or log its failure and return None."""
         job = self._job
         if job is None or not job.future.done():
-            return
+            return None
         self._job = None
         seconds = time.perf_counter() - job.started
         try:
             kb = job.future.result()
         except Exception as e:  # noqa: BLE001 - RefreshFailed, or anything unexpected in the waiter
             self._record_failure(job.step, str(e), seconds, job)
-            return
-        model = _rag_model(pl_module)
+            return None
         try:
             result = self._slot.swap(kb, allow_encoder_change=True, verify="none")  # verified by the waiter
         except RagError as e:
             self._record_failure(job.step, f"swap refused: {e}", seconds, job)
-            return
-        # The retriever now lives in the refreshed encoder's space: later swaps are checked against it.
-        model.retriever.space = kb.encoder.get("fingerprint")
-        self.swaps += 1
-        self._serving_step = job.step
-        self.history.append({"step": job.step, "ok": True, "version": kb.version, "parent": result.old_version,
-                             "path": str(job.kb_dir), "seconds": round(seconds, 3), "swap": result.to_dict()})
-        logger.info("index refresh from step %d swapped in: %s -> %s after %.1f s (lock held %.6f s)",
-                    job.step, result.old_version, kb.version, seconds, result.commit_seconds)
+            return None
+        self._swapped(pl_module, kb, job.step, result, job.kb_dir, seconds)
         self._prune()
+        return kb, job.step
+
+    def _swapped(self, pl_module, kb, step: int, result, path, seconds: float) -> None:
+        # The retriever now lives in the refreshed encoder's space: later swaps are checked against it.
+        _rag_model(pl_module).retriever.space = kb.encoder.get("fingerprint")
+        self.swaps += 1
+        self._serving_step = step
+        self.history.append({"step": step, "ok": True, "version": kb.version, "parent": result.old_version,
+                             "path": str(path), "seconds": round(seconds, 3), "swap": result.to_dict()})
+        logger.info("index refresh from step %d swapped in: %s -> %s after %.1f s (lock held %.6f s)",
+                    step, result.old_version, kb.version, seconds, result.commit_seconds)
 
     def _record_failure(self, step: int, message: str, seconds: float, job: Optional[_Job] = None) -> None:
         self.failures += 1

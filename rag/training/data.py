@@ -393,6 +393,8 @@ class QADataModule(pl.LightningDataModule):
         eval_batch_size: batch size for val/test/predict (default: `batch_size`).
         max_eval_examples: evaluate on the first N questions only (quick validation).
         num_workers: DataLoader workers.
+        shuffle: shuffle the training pairs each epoch (off: file order; under DDP rank r then reads pairs
+            r, r + N, r + 2N, ... so N ranks' batches together are one single-process batch of N × `batch_size`).
     """
 
     def __init__(
@@ -409,6 +411,7 @@ class QADataModule(pl.LightningDataModule):
         eval_batch_size: Optional[int] = None,
         max_eval_examples: Optional[int] = None,
         num_workers: int = 0,
+        shuffle: bool = True,
     ) -> None:
         super().__init__()
         for name, v in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
@@ -430,6 +433,7 @@ class QADataModule(pl.LightningDataModule):
         self.eval_batch_size = eval_batch_size or batch_size
         self.max_eval_examples = max_eval_examples
         self.num_workers = num_workers
+        self.shuffle = shuffle
         self._datasets: dict[str, Dataset] = {}
 
     def _read(self, split: str) -> list[QAExample]:
@@ -464,14 +468,21 @@ class QADataModule(pl.LightningDataModule):
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if split not in self._datasets:
             self.setup({"train": "fit", "val": "validate", "test": "test", "predict": "predict"}[split])
+        sampler = None
+        trainer = getattr(self, "trainer", None)
+        if split == "train" and not shuffle and trainer is not None and trainer.world_size > 1:
+            # Lightning's own distributed sampler always shuffles the training set; keep the file order across ranks.
+            from torch.utils.data.distributed import DistributedSampler
+
+            sampler = DistributedSampler(self._datasets[split], num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
         return DataLoader(
             self._datasets[split], batch_size=self.batch_size if split == "train" else self.eval_batch_size,
-            shuffle=shuffle, num_workers=self.num_workers, collate_fn=collate_qa,
+            shuffle=shuffle if sampler is None else None, sampler=sampler, num_workers=self.num_workers, collate_fn=collate_qa,
             persistent_workers=self.num_workers > 0,
         )
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader("train", shuffle=True)
+        return self._loader("train", shuffle=self.shuffle)
 
     def val_dataloader(self):
         if self.sources["val"] is None:

@@ -229,6 +229,12 @@ class RagModule(pl.LightningModule):
     def forward(self, questions: Sequence[str], targets: Sequence[str]):
         return self._require_model()(list(questions), list(targets))
 
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under DDP, refuse to step unless every rank retrieves from the same knowledge-base version."""
+        from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
+
+        check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
+
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         out = self(batch["questions"], batch["targets"])
         self._count_contexts("train", out)

@@ -23,7 +23,7 @@ import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
@@ -227,6 +227,12 @@ class ReplugLSRModule(pl.LightningModule):
         retrieved, doc_scores = self.model(inputs, self.hparams.k)
         ll = lm_scores(self.lm, retrieved.passages, inputs, targets, cache=self.cache).to(doc_scores.device)
         return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature, beta=self.hparams.beta), doc_scores, ll
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        """Under DDP, refuse to step unless every rank retrieves from the same knowledge-base version."""
+        from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
+
+        check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)

@@ -1,0 +1,175 @@
+"""Sharded knowledge-base builds: encode slice i of N of a corpus on its own process or machine, then merge.
+
+``rag index build --shard i/N --out SHARD_i ...`` encodes the contiguous slice
+``passages[i·n/N : (i+1)·n/N]`` of the corpus and writes it as an ordinary knowledge base (flat index, its own
+manifest and SHA-256 checksums, written atomically) whose manifest's ``build.shard`` records ``i``, ``N``, the
+corpus size and the SHA-256 of the whole corpus's passages, and the index spec asked for. ``rag index merge OUT
+SHARD_0 ... SHARD_{N-1}`` verifies every shard (every file's checksum), checks that they are the N slices of one
+corpus encoded by one encoder, concatenates them in slice order and writes OUT with the requested index: the
+same passages, embeddings and index spec as a one-shot build, hence the same content-addressed version id and
+the same manifest guarantees.
+
+Faults: a shard killed mid-build leaves only a hidden temporary directory (nothing :meth:`KnowledgeBase.open`
+accepts); re-running its command rebuilds it. A missing shard, a missing or damaged file in one, shards of other
+corpora or encoders, or a shard given twice: a clear error before anything is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from rag.errors import ConfigError, KnowledgeBaseError
+from rag.io import check_output_dir
+
+__all__ = ["ShardSpec", "parse_shard", "shard_passages", "shard_info", "merge_shards"]
+
+_SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Slice `index` (0-based) of `count` equal contiguous slices of a corpus."""
+
+    index: int
+    count: int
+
+    def bounds(self, n: int) -> tuple[int, int]:
+        """``[start, stop)`` rows of this slice of `n` passages (slices differ in size by at most one)."""
+        return self.index * n // self.count, (self.index + 1) * n // self.count
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+
+def parse_shard(text: str, option: str = "--shard") -> ShardSpec:
+    """``"i/N"`` (0 <= i < N) -> ShardSpec; ConfigError naming `option` otherwise."""
+    m = _SHARD.match(str(text))
+    if not m or not 0 <= int(m.group(1)) < int(m.group(2)):
+        raise ConfigError(f"{option} {text!r}: expected i/N with 0 <= i < N (e.g. 0/4 … 3/4 for four shards)")
+    return ShardSpec(int(m.group(1)), int(m.group(2)))
+
+
+def shard_passages(passages: Sequence, shard: ShardSpec) -> list:
+    """This shard's slice of `passages`; ConfigError when the corpus has fewer passages than shards."""
+    if len(passages) < shard.count:
+        raise ConfigError(f"--shard {shard}: the corpus has {len(passages)} passages, fewer than {shard.count} shards; use fewer shards")
+    start, stop = shard.bounds(len(passages))
+    return list(passages[start:stop])
+
+
+def shard_info(passages: Sequence, shard: ShardSpec, index: str) -> dict:
+    """The manifest's ``build.shard`` record for `shard` of the whole corpus `passages`."""
+    from rag.knowledge.knowledge_base import _passages_digest
+
+    start, stop = shard.bounds(len(passages))
+    return {"index": shard.index, "count": shard.count, "start": start, "stop": stop, "corpus_passages": len(passages),
+            "corpus_digest": _passages_digest(passages), "index_spec": index}
+
+
+def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
+    """Open and verify the shard knowledge bases, ordered by slice; KnowledgeBaseError unless they are exactly the N
+    slices of one corpus encoded by one encoder."""
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    if not dirs:
+        raise ConfigError("rag index merge: give the shard directories that `rag index build --shard i/N` wrote")
+    shards = []
+    for d in dirs:
+        kb = KnowledgeBase.open(d, verify=verify)  # a missing or damaged file: IntegrityError naming it
+        info = kb.manifest.build.get("shard")
+        if not isinstance(info, dict):
+            raise KnowledgeBaseError(f"{d}: is a knowledge base but not a shard (its manifest has no build.shard record); "
+                                     "give the directories written by `rag index build --shard i/N`")
+        shards.append((info, kb))
+    first_info, first = shards[0]
+    n_shards = first_info["count"]
+    for info, kb in shards:
+        for key, what in (("count", "number of shards"), ("corpus_digest", "corpus"), ("corpus_passages", "corpus size"),
+                          ("index_spec", "index spec")):
+            if info.get(key) != first_info.get(key):
+                raise KnowledgeBaseError(f"{kb.path}: its {what} ({info.get(key)}) differs from {first.path}'s "
+                                         f"({first_info.get(key)}); all shards must come from one `rag index build --shard i/N` "
+                                         "command line, varying only i")
+        if kb.encoder.get("fingerprint") != first.encoder.get("fingerprint") or kb.manifest.query_encoder != first.manifest.query_encoder:
+            raise KnowledgeBaseError(f"{kb.path}: was encoded by {kb.encoder.get('name')} (fingerprint "
+                                     f"{str(kb.encoder.get('fingerprint'))[:12]}), {first.path} by {first.encoder.get('name')} "
+                                     f"({str(first.encoder.get('fingerprint'))[:12]}); rebuild the shards with one encoder")
+    by_index: dict[int, object] = {}
+    for info, kb in shards:
+        if info["index"] in by_index:
+            raise KnowledgeBaseError(f"shard {info['index']}/{n_shards} is given twice: {by_index[info['index']].path} and {kb.path}")
+        by_index[info["index"]] = kb
+    missing = [i for i in range(n_shards) if i not in by_index]
+    if missing:
+        raise KnowledgeBaseError(f"shard(s) {', '.join(f'{i}/{n_shards}' for i in missing)} missing: got {len(shards)} of "
+                                 f"{n_shards}; build them with `rag index build --shard i/{n_shards}` (same options) and pass every "
+                                 "shard directory to `rag index merge`")
+    ordered = [by_index[i] for i in range(n_shards)]
+    for kb in ordered:
+        info = kb.manifest.build["shard"]
+        if info["stop"] - info["start"] != len(kb):
+            raise KnowledgeBaseError(f"{kb.path}: holds {len(kb)} passages but its shard record says rows {info['start']}–{info['stop']}")
+    return ordered
+
+
+def merge_shards(
+    out: str | os.PathLike,
+    shard_dirs: Sequence[str | os.PathLike],
+    *,
+    index: Optional[str] = None,
+    bm25: bool = False,
+    verify: str = "full",
+    show_progress: bool = True,
+    overwrite: bool = False,
+):
+    """Merge the shard knowledge bases `shard_dirs` (any order) into one knowledge base at `out`.
+
+    The embeddings are concatenated into a memory-mapped temporary file beside `out` (not into RAM), so the merge
+    needs the disk of the result twice over but memory only for the passages' text and the index. `index` overrides
+    the spec recorded in the shards. Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
+    """
+    from rag.knowledge.index import IndexSpec, check_fits
+    from rag.knowledge.knowledge_base import KnowledgeBase, _passages_digest, is_knowledge_base
+
+    out = Path(out)
+    check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
+    shards = _open_shards(shard_dirs, verify)
+    first = shards[0]
+    info = first.manifest.build["shard"]
+    spec = IndexSpec.parse(index or info["index_spec"])
+    n = sum(len(kb) for kb in shards)
+    check_fits(spec, n, first.dim)
+    passages = [p for kb in shards for p in kb.all_passages()]
+    if len(passages) != info["corpus_passages"] or _passages_digest(passages) != info["corpus_digest"]:
+        raise KnowledgeBaseError(f"the {len(shards)} shards hold {len(passages)} passages whose digest differs from the corpus "
+                                 f"they record ({info['corpus_passages']} passages); rebuild the shards")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.merge-", dir=out.parent))
+    try:
+        vectors = np.lib.format.open_memmap(scratch / "embeddings.npy", mode="w+", dtype=np.float32, shape=(n, first.dim))
+        row = 0
+        for kb in shards:
+            vectors[row:row + len(kb)] = kb.embeddings()
+            row += len(kb)
+        vectors.flush()
+        build = {k: v for k, v in first.manifest.build.items() if k not in ("shard", "index_seconds", "bytes_per_vector")}
+        build["merged_shards"] = [{"path": str(Path(kb.path).resolve()), "version": kb.version} for kb in shards]
+        build["encode_seconds"] = round(sum(float(kb.manifest.build.get("encode_seconds", 0.0)) for kb in shards), 3)
+        merged = KnowledgeBase.from_embeddings(
+            passages, vectors, first.encoder, out, index=spec, query_encoder=first.manifest.query_encoder, bm25=bm25,
+            show_progress=show_progress, overwrite=overwrite, build_info=build,
+        )
+        del vectors
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(scratch)
+    return merged

@@ -1,0 +1,109 @@
+"""RayRetrievalPool on a local Ray: the same results as local search, surviving a killed actor, clear errors."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from rag.errors import RetrievalError  # noqa: E402
+from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
+from rag.knowledge.passages import Passage  # noqa: E402
+from rag.knowledge.ray_pool import RayRetrievalPool  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starting a local Ray takes ~10-20 s on 2 busy cores
+
+
+@pytest.fixture(scope="module")
+def kb_dir(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    passages = [Passage(f"p{i}", f"title {i}", f"text {i}") for i in range(200)]
+    out = tmp_path_factory.mktemp("raykb") / "kb"
+    KnowledgeBase.from_embeddings(passages, rng.standard_normal((200, 16)).astype(np.float32), {"name": "random", "dim": 16},
+                                  out, index="flat", show_progress=False)
+    return out
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def test_pool_matches_local_search_and_survives_a_killed_actor(kb_dir, local_ray):
+    kb = KnowledgeBase.open(kb_dir)
+    pool = RayRetrievalPool(kb_dir, n_actors=2, timeout=30)
+    try:
+        assert len(pool) == 2 and pool.version == kb.version
+        q = np.random.default_rng(1).standard_normal((8, 16)).astype(np.float32)
+        want = kb.search(q, 5)
+        for _ in range(2):  # both actors (round-robin)
+            got = pool.search(q, 5)
+            np.testing.assert_array_equal(got[1], want[1])
+            np.testing.assert_allclose(got[0], want[0], rtol=1e-6)
+        pids = pool.actor_pids()
+        os.kill(pids[0], signal.SIGKILL)  # one actor dies mid-service
+        for _ in range(4):  # queries go on: retried on the live actor while Ray restarts the dead one
+            np.testing.assert_array_equal(pool.search(q, 5)[1], want[1])
+        deadline = time.monotonic() + 60
+        while True:  # the restarted actor serves again, in a new process
+            try:
+                new_pids = pool.actor_pids()
+                break
+            except Exception:
+                assert time.monotonic() < deadline, "the killed actor was not restarted"
+                time.sleep(0.5)
+        assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
+        np.testing.assert_array_equal(pool.search(q, 5)[1], want[1])
+        # every actor gone for good: the query is retried once, then fails clearly
+        for a in pool.actors:
+            ray.kill(a, no_restart=True)
+        with pytest.raises(RetrievalError, match="failed on two retrieval actors"):
+            pool.search(q, 5)
+    finally:
+        pool.close()
+
+
+def test_search_errors_of_the_knowledge_base_pass_through(kb_dir, local_ray):
+    from rag.errors import KnowledgeBaseError, RagError
+
+    pool = RayRetrievalPool(kb_dir, n_actors=1, timeout=30)
+    try:
+        with pytest.raises(KnowledgeBaseError, match="dim=16"):
+            pool.search(np.zeros((1, 3), np.float32), 2)
+        with pytest.raises(RagError, match="k=500"):
+            pool.search(np.zeros((1, 16), np.float32), 500)
+    finally:
+        pool.close()
+    with pytest.raises(RetrievalError, match="could not open the knowledge base"):
+        RayRetrievalPool(kb_dir.parent / "missing", n_actors=1, timeout=30)
+
+
+def test_unreachable_cluster_is_a_clear_error(kb_dir):
+    if ray.is_initialized():
+        ray.shutdown()
+    with socket_free_port() as port:
+        with pytest.raises(RetrievalError, match=f"Ray cluster at 127.0.0.1:{port} is not reachable"):
+            RayRetrievalPool(kb_dir, address=f"127.0.0.1:{port}", timeout=2)
+
+
+class socket_free_port:
+    """A local TCP port that nothing listens on (bound, then released)."""
+
+    def __enter__(self) -> int:
+        import socket
+
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        self.port = s.getsockname()[1]
+        s.close()
+        return self.port
+
+    def __exit__(self, *exc) -> None:
+        return None

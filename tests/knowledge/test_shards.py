@@ -1,0 +1,100 @@
+"""Sharded builds: `rag index build --shard i/N` + `rag index merge` give the knowledge base of a one-shot build."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from rag.cli import main
+from rag.demo import CORPUS_PATH
+from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.shards import ShardSpec, merge_shards, parse_shard
+
+N = 3
+
+
+def _build(out, encoder, *extra):
+    argv = ["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", encoder, "--out", str(out), "--quiet",
+            "--index", "hnsw:m=8", "--device", "cpu", *extra]
+    assert main(argv) == 0
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_dpr_context_dir):
+    root = tmp_path_factory.mktemp("shards")
+    _build(root / "one", tiny_dpr_context_dir)
+    for i in (2, 0, 1):  # any order, as independent processes would finish
+        _build(root / f"shard{i}", tiny_dpr_context_dir, "--shard", f"{i}/{N}")
+    return root
+
+
+def test_parse_shard_and_bounds():
+    assert parse_shard("2/4") == ShardSpec(2, 4) and str(ShardSpec(2, 4)) == "2/4"
+    for bad in ("4/4", "-1/4", "1", "a/b", "0/0"):
+        with pytest.raises(ConfigError, match="--shard"):
+            parse_shard(bad)
+    bounds = [ShardSpec(i, 3).bounds(10) for i in range(3)]
+    assert bounds == [(0, 3), (3, 6), (6, 10)]
+
+
+def test_merged_shards_equal_a_one_shot_build(built, tmp_path, capsys):
+    shards = [built / f"shard{i}" for i in (1, 2, 0)]
+    assert [len(KnowledgeBase.open(s)) for s in sorted(shards)] == [52, 52, 53]  # the 157 passages of the demo corpus
+    assert main(["index", "merge", str(tmp_path / "merged"), *map(str, shards), "--quiet"]) == 0
+    assert "merged 3 shards" in capsys.readouterr().out
+    one, merged = KnowledgeBase.open(built / "one"), KnowledgeBase.open(tmp_path / "merged")
+    assert merged.index_spec == one.index_spec and merged.index_spec.kind == "hnsw" and len(merged) == len(one)
+    assert merged.all_passages() == one.all_passages()  # same rows in the same order
+    # The encoder batches passages by length, so a shard's batches differ from a one-shot build's: float rounding only
+    np.testing.assert_allclose(merged.embeddings(), one.embeddings(), rtol=1e-5, atol=1e-6)
+    q = np.random.default_rng(0).standard_normal((16, merged.dim)).astype(np.float32)
+    s1, r1 = one.search(q, 5)
+    s2, r2 = merged.search(q, 5)
+    np.testing.assert_array_equal(r2, r1)
+    np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-5)
+    # the manifest guarantees of any build: every file checksummed, a content-addressed version (a re-merge reproduces it)
+    assert set(merged.manifest.files) == set(one.manifest.files) and merged.verified == "full"
+    again = merge_shards(tmp_path / "again", shards[::-1], show_progress=False)
+    assert again.version == merged.version and again.manifest.files["embeddings.npy"] == merged.manifest.files["embeddings.npy"]
+    assert [m["version"] for m in merged.manifest.build["merged_shards"]] == [KnowledgeBase.open(built / f"shard{i}").version for i in range(N)]
+    assert not list(tmp_path.glob(".merged.*"))  # the scratch embeddings are gone
+
+
+def test_missing_shard_or_shard_file_is_a_clear_error_and_writes_nothing(built, tmp_path):
+    with pytest.raises(KnowledgeBaseError, match=r"shard\(s\) 1/3 missing: got 2 of 3"):
+        merge_shards(tmp_path / "m", [built / "shard0", built / "shard2"], show_progress=False)
+    with pytest.raises(KnowledgeBaseError, match="given twice"):
+        merge_shards(tmp_path / "m", [built / "shard0", built / "shard0", built / "shard2"], show_progress=False)
+    with pytest.raises(KnowledgeBaseError, match="not a shard"):
+        merge_shards(tmp_path / "m", [built / "one", built / "shard0"], show_progress=False)
+    damaged = tmp_path / "shard1"
+    shutil.copytree(built / "shard1", damaged)
+    (damaged / "embeddings.npy").unlink()
+    with pytest.raises(IntegrityError, match="embeddings.npy"):
+        merge_shards(tmp_path / "m", [built / "shard0", damaged, built / "shard2"], show_progress=False)
+    assert main(["index", "merge", str(tmp_path / "m"), str(built / "shard0"), str(built / "shard2"), "--quiet"]) == 2
+    assert not (tmp_path / "m").exists() and not list(tmp_path.glob(".m.*"))
+
+
+def test_killed_shard_is_refused_then_rebuilt_by_rerunning_it(built, tmp_path, tiny_dpr_context_dir):
+    partial = tmp_path / "shard1"  # what a build killed before its final rename leaves: no manifest
+    shutil.copytree(built / "shard1", partial)
+    (partial / "manifest.json").unlink()
+    with pytest.raises(KnowledgeBaseError, match="manifest.json: missing"):
+        merge_shards(tmp_path / "m", [built / "shard0", partial, built / "shard2"], show_progress=False)
+    shutil.rmtree(partial)
+    _build(partial, tiny_dpr_context_dir, "--shard", f"1/{N}")  # re-run the killed shard's command
+    merged = merge_shards(tmp_path / "m", [built / "shard0", partial, built / "shard2"], show_progress=False)
+    original = merge_shards(tmp_path / "original", [built / f"shard{i}" for i in range(N)], show_progress=False)
+    assert merged.version == original.version  # the rebuilt shard holds exactly what the killed one would have
+
+
+def test_shards_of_another_split_or_corpus_are_refused(built, tmp_path, tiny_dpr_context_dir):
+    _build(tmp_path / "half0", tiny_dpr_context_dir, "--shard", "0/2")
+    with pytest.raises(KnowledgeBaseError, match="number of shards"):
+        merge_shards(tmp_path / "m", [tmp_path / "half0", built / "shard1", built / "shard2"], show_progress=False)
+    assert main(["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", tiny_dpr_context_dir, "--out",
+                 str(tmp_path / "x"), "--shard", "3/3", "--quiet"]) == 2
