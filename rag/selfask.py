@@ -97,19 +97,21 @@ _IGNORED = (QUESTION, NEEDED, "Context:")
 
 
 def _split_markers(text: str) -> list[tuple[Optional[str], str]]:
-    """(kind, value) per marker occurrence, also when several share a line; (None, line) for unmarked text."""
-    pattern = "|".join(re.escape(m) for m, _ in _MARKERS)
+    """(kind, value) per marker occurrence, also when several share a line; (None, line) for unmarked text. Markers
+    match in any case and spacing (an uncased reader writes ``follow up :``)."""
+    pattern = re.compile("(" + "|".join(re.escape(m).replace(r"\ ", r"\s*") for m, _ in _MARKERS) + ")", re.I)
+    kinds = {re.sub(r"\s+", "", m.lower()): kind for m, kind in _MARKERS}
     out: list[tuple[Optional[str], str]] = []
     for line in text.splitlines():
         line = line.strip()
-        if not line or line.startswith(_IGNORED):
+        if not line or line.lower().startswith(tuple(m.lower() for m in _IGNORED)):
             continue
-        parts = re.split(f"({pattern})", line)
+        parts = pattern.split(line)
         head = parts[0].strip()
         if head:
             out.append((None, head))
         for marker, value in zip(parts[1::2], parts[2::2]):
-            out.append((dict(_MARKERS)[marker], _clean(value)))
+            out.append((kinds[re.sub(r"\s+", "", marker.lower())], _clean(value)))
     return out
 
 

@@ -61,6 +61,8 @@ def test_next_action():
     assert next_action("Intermediate answer: O") == ("malformed", "intermediate: O")
     assert next_action("the answer is O") == ("malformed", "the answer is O")
     assert next_action("   ") == ("malformed", "")
+    assert next_action("follow up : which element has atomic number 8?") == ("follow_up", "which element has atomic number 8?")
+    assert next_action("so the final answer is : o") == ("final", "o")
 
 
 class ScriptedReader:
