@@ -99,7 +99,7 @@ _IGNORED = (QUESTION, NEEDED, "Context:")
 def _split_markers(text: str) -> list[tuple[Optional[str], str]]:
     """(kind, value) per marker occurrence, also when several share a line; (None, line) for unmarked text. Markers
     match in any case and spacing (an uncased reader writes ``follow up :``)."""
-    pattern = re.compile("(" + "|".join(re.escape(m).replace(r"\ ", r"\s*") for m, _ in _MARKERS) + ")", re.I)
+    pattern = re.compile("(" + "|".join(r"\s*".join(map(re.escape, m[:-1].split())) + r"\s*:" for m, _ in _MARKERS) + ")", re.I)
     kinds = {re.sub(r"\s+", "", m.lower()): kind for m, kind in _MARKERS}
     out: list[tuple[Optional[str], str]] = []
     for line in text.splitlines():
