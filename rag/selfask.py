@@ -58,7 +58,8 @@ class ParsedChain:
 @dataclass
 class SelfAskResult:
     """The outcome of :func:`self_ask`: the final `answer` (None when the chain stopped without one), every `steps`
-    entry, why it `stopped`, the reader calls made and the full chain text (`prompt`)."""
+    entry, why it `stopped`, the reader calls made, the full chain text (`prompt`) and, when it stopped on a malformed
+    or repeated continuation, what the reader wrote (`last_output`)."""
 
     question: str
     answer: Optional[str]
@@ -66,11 +67,12 @@ class SelfAskResult:
     stopped: StopReason
     reader_calls: int
     prompt: str
+    last_output: Optional[str] = None
 
     def provenance(self) -> dict:
         """JSON-ready record: answer, stop reason, and every (question, answer, premise) step."""
         return {"question": self.question, "answer": self.answer, "stopped": self.stopped, "reader_calls": self.reader_calls,
-                "steps": [{"question": s.question, "answer": s.answer, "premise": s.premise} for s in self.steps]}
+                "last_output": self.last_output, "steps": [{"question": s.question, "answer": s.answer, "premise": s.premise} for s in self.steps]}
 
 
 def format_chain(question: str, steps: Sequence[SelfAskStep | tuple[str, str]] = (), final: Optional[str] = None, *,
@@ -181,13 +183,14 @@ def self_ask(question: str, write: Callable[[str], str], answer: Callable[[str],
         if len(steps) >= max_steps:
             return SelfAskResult(question, None, steps, "step_limit", calls, chain)
         calls += 1
-        kind, value = next_action(write(chain))
+        written = write(chain)
+        kind, value = next_action(written)
         if kind == "final":
             return SelfAskResult(question, value, steps, "final_answer", calls, chain + f"{FINAL} {value}\n")
         if kind == "malformed":
-            return SelfAskResult(question, None, steps, "malformed", calls, chain)
+            return SelfAskResult(question, None, steps, "malformed", calls, chain, written)
         if any(s.question.lower() == value.lower() for s in steps):
-            return SelfAskResult(question, None, steps, "repeated_follow_up", calls, chain)
+            return SelfAskResult(question, None, steps, "repeated_follow_up", calls, chain, written)
         text, premise = answer(value)
         steps.append(SelfAskStep(value, text, premise))
 

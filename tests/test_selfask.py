@@ -105,7 +105,8 @@ def test_reader_that_never_finishes_stops_at_the_step_limit():
 
 def test_malformed_and_repeated_continuations_stop_with_the_reason():
     r = self_ask(Q, ScriptedReader(["I do not know"]), _retrieve_and_read)
-    assert (r.answer, r.stopped, r.steps) == (None, "malformed", [])
+    assert (r.answer, r.stopped, r.steps, r.last_output) == (None, "malformed", [], "I do not know")
+    assert r.provenance()["last_output"] == "I do not know"
     r = self_ask(Q, ScriptedReader([f"{FOLLOW_UP} {STEPS[0].question}"]), _retrieve_and_read, max_steps=10)
     assert (r.stopped, len(r.steps), r.reader_calls) == ("repeated_follow_up", 1, 2)
 
