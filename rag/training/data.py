@@ -44,6 +44,7 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 from rag.errors import ConfigError, RagError
+from rag.training.context_mixing import ContextMixing
 from rag.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -339,17 +340,28 @@ def expand_answers(examples: Sequence[QAExample]) -> list[tuple[str, str]]:
 
 
 class QAPairsDataset(Dataset):
-    """Training items ``{"question", "target"}``: one per (question, gold answer)."""
+    """Training items ``{"question", "target"}``: one per (question, gold answer).
 
-    def __init__(self, examples: Sequence[QAExample]) -> None:
+    With `contexts` (one passage per pair) and `context_kinds`, items also hold ``"context"`` and
+    ``"context_kind"`` (RetRobust context mixing, :mod:`rag.training.context_mixing`).
+    """
+
+    def __init__(self, examples: Sequence[QAExample], contexts: Optional[Sequence[Any]] = None,
+                 context_kinds: Optional[Sequence[str]] = None) -> None:
         self.pairs = expand_answers(examples)
+        if contexts is not None and (len(contexts) != len(self.pairs) or len(context_kinds or ()) != len(self.pairs)):
+            raise RagError(f"{len(self.pairs)} training pairs but {len(contexts)} contexts; give one context (and kind) per pair")
+        self.contexts, self.context_kinds = contexts, context_kinds
 
     def __len__(self) -> int:
         return len(self.pairs)
 
     def __getitem__(self, i: int) -> dict:
         q, a = self.pairs[i]
-        return {"question": q, "target": a}
+        item = {"question": q, "target": a}
+        if self.contexts is not None:
+            item["context"], item["context_kind"] = self.contexts[i], self.context_kinds[i]
+        return item
 
 
 class QAEvalDataset(Dataset):
@@ -368,10 +380,14 @@ class QAEvalDataset(Dataset):
 
 
 def collate_qa(items: list[dict]) -> dict:
-    """Batch of dicts -> dict of lists: ``questions`` (B), ``targets`` (B)[, ``answers`` (B lists)]."""
+    """Batch of dicts -> dict of lists: ``questions`` (B), ``targets`` (B)[, ``answers`` (B lists)]
+    [, ``contexts`` (B passages) and ``context_kinds`` (B of ``top1``/``low``/``random``) under context mixing]."""
     batch = {"questions": [it["question"] for it in items], "targets": [it["target"] for it in items]}
     if items and "answers" in items[0]:
         batch["answers"] = [it["answers"] for it in items]
+    if items and "context" in items[0]:
+        batch["contexts"] = [it["context"] for it in items]
+        batch["context_kinds"] = [it["context_kind"] for it in items]
     return batch
 
 
@@ -395,6 +411,11 @@ class QADataModule(pl.LightningDataModule):
         num_workers: DataLoader workers.
         shuffle: shuffle the training pairs each epoch (off: file order; under DDP rank r then reads pairs
             r, r + N, r + 2N, ... so N ranks' batches together are one single-process batch of N × `batch_size`).
+        context_mixing: RetRobust training contexts (Yoran et al. 2024, §2.2): each training pair gets its
+            question's top-1, a low-ranked or a random passage (:class:`~rag.training.context_mixing.ContextMixing`),
+            drawn once (seeded) in ``setup``; batches then hold ``contexts`` and ``context_kinds`` and
+            :class:`~rag.training.modules.RagModule` trains the generator on that one passage instead of
+            retrieving. A decoder-only reader reads the same fields (one passage per question).
     """
 
     def __init__(
@@ -412,8 +433,11 @@ class QADataModule(pl.LightningDataModule):
         max_eval_examples: Optional[int] = None,
         num_workers: int = 0,
         shuffle: bool = True,
+        context_mixing: Optional[ContextMixing] = None,
     ) -> None:
         super().__init__()
+        if context_mixing is not None:
+            context_mixing.validate()
         for name, v in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
                         ("max_eval_examples", max_eval_examples)):
             if v is not None:
@@ -434,6 +458,7 @@ class QADataModule(pl.LightningDataModule):
         self.max_eval_examples = max_eval_examples
         self.num_workers = num_workers
         self.shuffle = shuffle
+        self.context_mixing = context_mixing
         self._datasets: dict[str, Dataset] = {}
 
     def _read(self, split: str) -> list[QAExample]:
@@ -458,12 +483,28 @@ class QADataModule(pl.LightningDataModule):
             if not examples:
                 raise QADataError(f"{self.sources[split]}: no usable examples for {split}")
             if split == "train":
-                self._datasets[split] = QAPairsDataset(examples)
+                self._datasets[split] = self._train_dataset(examples)
                 logger.info("train: %d questions -> %d (question, answer) pairs", len(examples), len(self._datasets[split]))
             else:
                 if self.max_eval_examples is not None:
                     examples = examples[: self.max_eval_examples]
                 self._datasets[split] = QAEvalDataset(examples)
+
+    def _train_dataset(self, examples: list[QAExample]) -> QAPairsDataset:
+        mixing = self.context_mixing
+        if mixing is None:
+            return QAPairsDataset(examples)
+        from rag.training.context_mixing import open_knowledge_base, retrieve_rows, sample_context_choices
+
+        kb = open_knowledge_base(mixing.knowledge_base)
+        questions = list(dict.fromkeys(ex.question for ex in examples))
+        rows = dict(zip(questions, retrieve_rows(kb, questions, mixing.top_k, mixing.query_encoder)))
+        pairs = expand_answers(examples)
+        choices = sample_context_choices([rows[q] for q, _ in pairs], mixing)
+        passages = kb.get_passages([[c.row for c in choices]])[0]
+        kinds = [c.kind for c in choices]
+        logger.info("context mixing: %s", {k: kinds.count(k) for k in ("top1", "low", "random")})
+        return QAPairsDataset(examples, passages, kinds)
 
     def _loader(self, split: str, shuffle: bool) -> DataLoader:
         if split not in self._datasets:

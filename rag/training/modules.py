@@ -236,6 +236,10 @@ class RagModule(pl.LightningModule):
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if "contexts" in batch:  # RetRobust context mixing: the generator reads the one drawn passage (no retrieval)
+            loss = self._require_model().generator_loss(batch["questions"], batch["targets"], batch["contexts"])
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
+            return loss
         out = self(batch["questions"], batch["targets"])
         self._count_contexts("train", out)
         self.log("train/loss", out.loss, prog_bar=True, batch_size=len(batch["questions"]))
