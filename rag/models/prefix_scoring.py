@@ -74,7 +74,9 @@ def score_after_documents(scorer, docs: Sequence[Sequence[int]], windows: Sequen
                 n = len(docs[d])
                 inp[r, :len(suffix)] = torch.as_tensor(suffix, dtype=torch.long)
                 mask[r, n:width] = 0  # the document's right padding in the shared cache
-                position_ids[r] = torch.arange(n, n + s_width)
+                m = len(suffix)  # the suffix's right padding repeats its last position: n + s_width could pass the
+                position_ids[r, :m] = torch.arange(n, n + m)  # LM's window when a shorter document's row is wider
+                position_ids[r, m:] = n + m - 1
                 rows += [r] * len(pos)
                 cols += [t - 1 - n for t in pos]  # the state that predicts window token t
                 targets += [suffix[t - n] for t in pos]

@@ -33,3 +33,19 @@ def test_shared_document_cache_equals_whole_windows(lm, split_head):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     with pytest.raises(RagError, match="scored positions"):
         score_after_documents(scorer, docs, [(0, [5, 6], [len(docs[0])])])  # predicted from the document's last token
+
+
+def test_windows_that_fill_the_lm_window_in_one_batch(lm):
+    """A long document with a short suffix batched with a short document and a long suffix: each window fits the
+    LM's positions, the padded batch would not (the long-stream In-Context RALM case)."""
+    model, tok = lm
+    limit = model.config.n_positions
+    scorer = CausalScorer(model, tok, batch_size=4)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (limit - 4, 3)]
+    suffixes = [torch.randint(5, len(tok), (n,), generator=g).tolist() for n in (4, limit - 3)]
+    windows = [(d, s, list(range(len(docs[d]) + 1, len(docs[d]) + len(s)))) for d, s in enumerate(suffixes)]
+    got = score_after_documents(scorer, docs, windows)
+    want = scorer.score_positions([docs[d] + s for d, s, _ in windows], [p for *_, p in windows])
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
