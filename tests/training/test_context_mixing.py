@@ -112,3 +112,55 @@ def test_cli_reads_context_mixing(tmp_path, monkeypatch, capsys):
     with pytest.raises((SystemExit, ValueError)) as e:  # jsonargparse reports the ConfigError's message
         make_cli(["--config", str(tmp_path / "d.yaml")], run=False)
     assert "data.context_mixing.p_top1 + p_low + p_random = 1.25" in str(e.value) + capsys.readouterr().err
+
+
+def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
+    """The toy version of RetRobust's claim (§2.2, Fig. 4): 12 entities with a code each, one passage per entity.
+    A tiny BART trained on its question's own passage only learns to copy from whatever it reads, so a random
+    passage makes it answer that passage's code; trained on contexts drawn by the RetRobust sampler (1/3 top-1,
+    1/3 low-ranked, 1/3 random) it must also know the codes, and a random passage hurts it far less."""
+    import torch
+
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.passages import Passage
+    from rag.models.rag_model import RagModel
+    from rag.models.tiny import save, tiny_bart, tiny_dpr, train_bpe_tokenizer
+
+    names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]
+    codes = ["red", "blue", "green", "black", "white", "pink", "gray", "brown", "gold", "cyan", "lime", "navy"]
+    passages = [Passage(id=n, title=n, text=f"{n} code is {c}") for n, c in zip(names, codes)]
+    questions = [f"code of {n} ?" for n in names]
+    tok = train_bpe_tokenizer([f"{q} {p.title} {p.text}" for q, p in zip(questions, passages)] * 20, vocab_size=300)
+    gen_dir = save(tiny_bart(tok), tok, tmp_path / "generator")
+    q_dir = save(tiny_dpr(tok, "question"), tok, tmp_path / "question")
+    kb = KnowledgeBase.build(passages, TextEncoder(save(tiny_dpr(tok, "context"), tok, tmp_path / "context")),
+                             tmp_path / "kb", index="flat", show_progress=False)
+    top_rows = [[i, (i + 1) % 12] for i in range(12)]  # an oracle retriever: own passage first, a neighbour second
+
+    def train(mixing: ContextMixing, steps: int = 150):
+        torch.manual_seed(0)
+        model = RagModel.from_components(q_dir, gen_dir, kb, n_docs=1, freeze_query_encoder=True)
+        opt = torch.optim.AdamW(model.generator.parameters(), lr=3e-3)
+        for step in range(steps):  # a fresh draw of contexts per step, as epochs of a mixed DataModule would give
+            mixing.seed = step
+            rows = [c.row for c in sample_context_choices(top_rows, mixing)]
+            loss = model.generator_loss(questions, codes, [passages[r] for r in rows])
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        return model.eval()
+
+    def answer_nll(model, shift: int) -> float:  # mean NLL of the right code with passage (i + shift) % 12
+        model.config.reduce_loss = False
+        with torch.no_grad():
+            nll = model.generator_loss(questions, codes, [passages[(i + shift) % 12] for i in range(12)])
+        return float(nll.mean())
+
+    top1_only = train(ContextMixing(top_k=2, p_top1=1.0, p_low=0.0, p_random=0.0))
+    mixed = train(ContextMixing(top_k=2, low_rank_start=1))
+    own = answer_nll(top1_only, 0), answer_nll(mixed, 0)
+    random_ctx = answer_nll(top1_only, 5), answer_nll(mixed, 5)
+    assert own[0] < 1.0 and own[1] < 1.0, own  # both read their own passage well
+    assert random_ctx[0] > 3.0, random_ctx  # the top-1 reader copies the wrong code
+    assert random_ctx[1] < random_ctx[0] / 3, random_ctx  # the RetRobust reader is far less hurt
