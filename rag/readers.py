@@ -124,6 +124,23 @@ class RagReader:
             ``forced_bos_token_id``), then num_beams=1, max_new_tokens=32; an explicit ``max_new_tokens`` or
             ``max_length`` replaces a stored ``max_length``.
         """
+        questions, found = self._generate(questions, False, n_docs, num_beams, marginalization, decoding, max_new_tokens,
+                                          num_return_sequences, **generation_kw)
+        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
+                             found.marginalization)
+
+    @torch.no_grad()
+    def generate_with_and_without_retrieval(self, questions: Sequence[str], **options) -> tuple[list[Answer], list[Answer]]:
+        """:meth:`generate`'s answers (same `options`), and the generator's answers to the bare questions (no passage),
+        decoded in one batch (the RetRobust back-off's two generations, Yoran et al. 2024 §2.1). The no-retrieval answers
+        list no passages; their ``kb_version`` is the call's (nothing was read from it)."""
+        questions, found = self._generate(questions, True, **options)
+        n_ret = options.get("num_return_sequences", 1)
+        return (self._answers(questions, found.inputs, found.contexts, found.output, n_ret, found.marginalization),
+                self._bare_answers(questions, found.no_retrieval, n_ret, found.inputs.retrieved.kb_version))
+
+    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
+                  max_new_tokens=None, num_return_sequences: int = 1, **generation_kw):
         from rag.generation.answer import generate_for_questions
         from rag.generation.decoding import GenerationConfig
 
@@ -139,9 +156,27 @@ class RagReader:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
         config = GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
-                                       decoding=decoding)
-        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
-                             found.marginalization)
+                                       decoding=decoding, with_no_retrieval=with_no_retrieval)
+        return questions, found
+
+    def _bare_answers(self, questions, out, n_ret: int, kb_version: str) -> list[Answer]:
+        """Answers decoded without a passage: text, log p(y|x), tokens; no passages."""
+        from rag.generation.detokenize import decode_answer, lowercases, restore_case
+
+        tok = self.model.generator_tokenizer
+        special = set(tok.all_special_ids)
+        uncased = lowercases(tok)
+        answers = []
+        for r in range(out.sequences.shape[0]):
+            question = questions[r // n_ret]
+            ids = [t for t in out.sequences[r, 1:].tolist() if t not in special]
+            text = decode_answer(tok, ids)
+            if uncased:  # take the casing from the question, the only text read
+                text = restore_case(text, [question])
+            answers.append(Answer(question, text, float(out.log_likelihood[r]), kb_version, [],
+                                  tokens=tok.convert_ids_to_tokens(ids),
+                                  token_ids=_through_eos(out.sequences[r].tolist(), tok.eos_token_id)))
+        return answers
 
     def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
         from rag.generation.decoding import teacher_forced_logprobs
@@ -266,6 +301,23 @@ class RalmReader:
         ``top_p``); ``num_beams > 1`` runs beam search in which every beam re-retrieves for its own prefix. Further
         keywords go to :class:`~rag.generation.search.GenerationConfig` (``min_new_tokens``, ``no_repeat_ngram_size``).
         """
+        questions, found, kb_version = self._generate(questions, False, stride, query_length, retrieval, max_new_tokens, num_beams,
+                                                      num_return_sequences, seed, **generation_kw)
+        return [self._answer(c, kb_version) for c in found]
+
+    @torch.no_grad()
+    def generate_with_and_without_retrieval(self, questions: Sequence[str], **options) -> tuple[list[Answer], list[Answer]]:
+        """:meth:`generate`'s answers (same `options`), and the LM's continuations of the prompts alone (no document),
+        decoded in one batch (the RetRobust back-off's two generations, Yoran et al. 2024 §2.1). The no-retrieval answers
+        have no passages or segments; their ``kb_version`` is the call's. With ``do_sample``, one `seed` drives both
+        halves' draws."""
+        questions, found, kb_version = self._generate(questions, True, **options)
+        answers = [self._answer(c, kb_version) for c in found]
+        n = len(questions) * options.get("num_return_sequences", 1)
+        return answers[:n], answers[n:]
+
+    def _generate(self, questions, with_no_retrieval: bool, stride=None, query_length=None, retrieval=None, max_new_tokens=None,
+                  num_beams=None, num_return_sequences: int = 1, seed=None, **generation_kw):
         from dataclasses import replace
 
         from rag.generation.search import GenerationConfig
@@ -285,10 +337,14 @@ class RalmReader:
         rng = None
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
-        found = ralm_generate(ralm, questions, config, rng=rng)
-        return [self._answer(ralm, c, served.kb_version) for c in found]
+        prompts, retrieve = questions, None
+        if with_no_retrieval:
+            prompts, retrieve = questions + questions, [True] * len(questions) + [False] * len(questions)
+        found = ralm_generate(ralm, prompts, config, rng=rng, retrieve=retrieve)
+        return questions, [(ralm, c) for c in found], served.kb_version
 
-    def _answer(self, ralm, c, kb_version: str) -> Answer:
+    def _answer(self, found, kb_version: str) -> Answer:
+        ralm, c = found
         tok = self.tokenizer
         versions = {s.kb_version for s in c.segments}
         if versions - {kb_version}:  # cannot happen: the call's retriever serves one pinned version
