@@ -57,6 +57,13 @@ class Answer:
     """In-Context RALM only: per stride segment, the generated-token span ``[start, end)`` (indices into `tokens`) and
     the passage in context for it (id, title, retrieval score, query, knowledge-base version). `passages` then lists
     each passage read once (prior 1: one document per segment; no posterior)."""
+    nli_entailment: Optional[list[dict[str, float]]] = None
+    """RetRobust back-off only (``generate(..., nli=...)``): per checked step (one for a single-hop answer, one per
+    intermediate question-answer pair for a multi-step one), the NLI model's class probabilities (``entailment``,
+    ``neutral``, ``contradiction``) for premise = the retrieved evidence, hypothesis = the question + retrieval answer."""
+    answered_with: Optional[str] = None
+    """RetRobust back-off only: ``"retrieval"`` (every step entailed at the threshold: the retrieval answer, with its
+    passages) or ``"no_retrieval"`` (the reader's answer without retrieval: no passages)."""
 
     def to_dict(self) -> dict:
         return asdict(self)

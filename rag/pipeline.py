@@ -57,6 +57,7 @@ class RagPipeline:
 
     def __init__(self, reader: Union[Reader, "RagModel"]):
         self.reader = reader if isinstance(reader, Reader) else RagReader(reader)
+        self._nli_cache = None  # (name, NLIScorer) of the last NLI model loaded by name
 
     @property
     def kind(self) -> str:
@@ -96,11 +97,39 @@ class RagPipeline:
         self._check_options(options)
         return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
 
-    def generate(self, questions: Sequence[str], **options) -> list[Answer]:
+    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, **options) -> list[Answer]:
         """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
-        :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input."""
+        :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input.
+
+        ``nli``: the RetRobust back-off (Yoran et al. 2024, §2.1; :mod:`rag.nli_backoff`): an
+        :class:`~rag.models.nli.NLIScorer`, an NLI model directory / hub id (loaded once and kept by this pipeline), or
+        True for the default model (``rag nli prepare``). The reader then generates with and without retrieval in one
+        batch and keeps each retrieval answer only if P(entailment | evidence, question + answer) >= ``nli_threshold``
+        (in [0, 1]); each answer records ``nli_entailment`` and ``answered_with``.
+        """
+        from rag.models.nli import validate_threshold
+
         self._check_options(options)
-        return self.reader.generate(questions, **options)
+        nli_threshold = validate_threshold(nli_threshold)
+        if nli is None or nli is False:
+            return self.reader.generate(questions, **options)
+        from rag.nli_backoff import generate_with_backoff
+
+        return generate_with_backoff(self.reader, questions, self._nli_scorer(nli), nli_threshold, **options)
+
+    def _nli_scorer(self, nli):
+        """`nli` as a scorer; a model named by path (or True) is loaded once per pipeline."""
+        from rag.models.nli import NLIScorer
+        from rag.nli_backoff import resolve_nli
+
+        if isinstance(nli, NLIScorer):
+            return nli
+        key = True if nli is True else os.fspath(nli) if isinstance(nli, (str, os.PathLike)) else None
+        if key is not None and self._nli_cache is not None and self._nli_cache[0] == key:
+            return self._nli_cache[1]
+        scorer = resolve_nli(nli)
+        self._nli_cache = (key, scorer)
+        return scorer
 
 
 def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: int = 40) -> Path:

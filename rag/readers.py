@@ -133,6 +133,24 @@ class RagReader:
             it is refused. retrieval_temperature: a RAG model's is part of its config (``RagModelConfig.retrieval_temperature``,
             set when loading: ``rag.load(path, retrieval_temperature=T)``); passing it here is refused.
         """
+        questions, found = self._generate(questions, False, n_docs, num_beams, marginalization, decoding, max_new_tokens,
+                                          num_return_sequences, ensemble=ensemble, retrieval_temperature=retrieval_temperature,
+                                          **generation_kw)
+        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
+                             found.marginalization)
+
+    @torch.no_grad()
+    def generate_with_and_without_retrieval(self, questions: Sequence[str], **options) -> tuple[list[Answer], list[Answer]]:
+        """:meth:`generate`'s answers (same `options`), and the generator's answers to the bare questions (no passage),
+        decoded in one batch (the RetRobust back-off's two generations, Yoran et al. 2024 §2.1). The no-retrieval answers
+        list no passages; their ``kb_version`` is the call's (nothing was read from it)."""
+        questions, found = self._generate(questions, True, **options)
+        n_ret = options.get("num_return_sequences", 1)
+        return (self._answers(questions, found.inputs, found.contexts, found.output, n_ret, found.marginalization),
+                self._bare_answers(questions, found.no_retrieval, n_ret, found.inputs.retrieved.kb_version))
+
+    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
+                  max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None, **generation_kw):
         from rag.generation.answer import generate_for_questions
         from rag.generation.decoding import GenerationConfig
 
@@ -153,9 +171,27 @@ class RagReader:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
         config = GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
-                                       decoding=decoding)
-        return self._answers(questions, found.inputs, found.contexts, found.output, num_return_sequences,
-                             found.marginalization)
+                                       decoding=decoding, with_no_retrieval=with_no_retrieval)
+        return questions, found
+
+    def _bare_answers(self, questions, out, n_ret: int, kb_version: str) -> list[Answer]:
+        """Answers decoded without a passage: text, log p(y|x), tokens; no passages."""
+        from rag.generation.detokenize import decode_answer, lowercases, restore_case
+
+        tok = self.model.generator_tokenizer
+        special = set(tok.all_special_ids)
+        uncased = lowercases(tok)
+        answers = []
+        for r in range(out.sequences.shape[0]):
+            question = questions[r // n_ret]
+            ids = [t for t in out.sequences[r, 1:].tolist() if t not in special]
+            text = decode_answer(tok, ids)
+            if uncased:  # take the casing from the question, the only text read
+                text = restore_case(text, [question])
+            answers.append(Answer(question, text, float(out.log_likelihood[r]), kb_version, [],
+                                  tokens=tok.convert_ids_to_tokens(ids),
+                                  token_ids=_through_eos(out.sequences[r].tolist(), tok.eos_token_id)))
+        return answers
 
     def _answers(self, questions, inputs, contexts, out, n_ret: int, marg: str) -> list[Answer]:
         from rag.generation.decoding import teacher_forced_logprobs
@@ -299,6 +335,23 @@ class RalmReader:
         step with weights λ = softmax(scores / retrieval_temperature) (default: the reader's config, 1); each answer's
         ``passages`` are the K documents with ``prior`` = λ. Default: the reader's ``config.ensemble`` (None: In-Context RALM).
         """
+        return self._generate(questions, False, stride, query_length, retrieval, max_new_tokens, num_beams, num_return_sequences,
+                              seed, ensemble=ensemble, retrieval_temperature=retrieval_temperature, **generation_kw)
+
+    @torch.no_grad()
+    def generate_with_and_without_retrieval(self, questions: Sequence[str], **options) -> tuple[list[Answer], list[Answer]]:
+        """:meth:`generate`'s answers (same `options`), and the LM's continuations of the prompts alone (no document),
+        decoded in one batch (the RetRobust back-off's two generations, Yoran et al. 2024 §2.1). The no-retrieval answers
+        have no passages or segments; their ``kb_version`` is the call's. With ``do_sample``, one `seed` drives both
+        halves' draws."""
+        questions = check_strings(questions, "questions")
+        answers = self._generate(questions, True, **options)
+        n = len(questions) * options.get("num_return_sequences", 1)
+        return answers[:n], answers[n:]
+
+    def _generate(self, questions, with_no_retrieval: bool, stride=None, query_length=None, retrieval=None, max_new_tokens=None,
+                  num_beams=None, num_return_sequences: int = 1, seed=None, ensemble=None, retrieval_temperature=None,
+                  **generation_kw) -> list[Answer]:
         from dataclasses import replace
 
         from rag.generation.search import GenerationConfig
@@ -325,8 +378,15 @@ class RalmReader:
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
         if cfg.ensemble is not None:
-            return self._replug(ralm, questions, config, rng, served.kb_version)
-        found = ralm_generate(ralm, questions, config, rng=rng)
+            answers = self._replug(ralm, questions, config, rng, served.kb_version)
+            if with_no_retrieval:  # the back-off's other branch: the LM on the prompts alone
+                bare = ralm_generate(ralm, questions, config, rng=rng, retrieve=[False] * len(questions))
+                answers += [self._answer(ralm, c, served.kb_version) for c in bare]
+            return answers
+        prompts, retrieve = questions, None
+        if with_no_retrieval:
+            prompts, retrieve = questions + questions, [True] * len(questions) + [False] * len(questions)
+        found = ralm_generate(ralm, prompts, config, rng=rng, retrieve=retrieve)
         return [self._answer(ralm, c, served.kb_version) for c in found]
 
     def _replug(self, ralm, prompts: list[str], config, rng, kb_version: str) -> list[Answer]:

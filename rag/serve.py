@@ -6,6 +6,7 @@ Endpoints (JSON in, JSON out)::
                             "max_new_tokens"?, "num_return_sequences"?, ...}             (a RAG model)
                            {"questions": [...], "stride"?, "query_length"?, "retrieval"?, ...}  (a causal LM)
                            {"questions": [...], "ensemble"?, "retrieval_temperature"?, ...}  (REPLUG; RAG: RAG-Token)
+                           either with "nli"?, "nli_threshold"?: the RetRobust NLI back-off (server started with an NLI model)
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
@@ -134,6 +135,10 @@ class GenerateRequest(_Body):
     bounded by ``max_n_docs``."""
     retrieval_temperature: Optional[float] = Field(None, gt=0.0, le=1e6)
     """REPLUG (a causal LM): temperature of the weights softmax(scores / T)."""
+    nli: Optional[bool] = None
+    """The RetRobust NLI back-off (needs a server started with ``rag serve --nli``); default: on when it was."""
+    nli_threshold: Optional[float] = Field(None, ge=0.0, le=1.0)
+    """Entailment probability the back-off needs (default: the server's, 0.5 unless set)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> "GenerateRequest":
@@ -283,6 +288,8 @@ def create_app(
     max_body_bytes: int = 1 << 20,
     limits: Optional[ServeLimits] = None,
     slot=None,
+    nli=None,
+    nli_threshold: float = 0.5,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.RagPipeline`).
 
@@ -300,6 +307,8 @@ def create_app(
             default: its defaults).
         slot: the :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` to swap (default: one over
             the pipeline's model).
+        nli: an :class:`~rag.models.nli.NLIScorer` (loaded once, here) for the RetRobust back-off: requests get it unless
+            they send ``"nli": false``; None: requests asking for it get 400. nli_threshold: its default threshold.
     """
     import anyio
 
@@ -311,6 +320,13 @@ def create_app(
     if not isinstance(limits, ServeLimits):
         raise ConfigError(f"limits must be a rag.serve_limits.ServeLimits, got {type(limits).__name__}")
     check_admin_token(admin_token)
+    if nli is not None:
+        from rag.models.nli import NLIScorer, validate_threshold
+
+        if not isinstance(nli, NLIScorer):
+            raise ConfigError(f"nli must be a rag.models.nli.NLIScorer (load it once with NLIScorer.from_pretrained), got "
+                              f"{type(nli).__name__}")
+        nli_threshold = validate_threshold(nli_threshold)
     roots = _real_roots(kb_roots)
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
     token = (admin_token or "").encode("ascii")
@@ -382,7 +398,12 @@ def create_app(
         runner.check_within("max_n_docs", req.ensemble, "ensemble")
         runner.check_within("max_beams", req.num_beams, "num_beams")
         runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
-        kw = req.model_dump(exclude={"questions"}, exclude_unset=True)  # unset: the reader's defaults (each kind has its own)
+        kw = req.model_dump(exclude={"questions", "nli", "nli_threshold"}, exclude_unset=True)  # unset: the reader's defaults
+        if req.nli if req.nli is not None else nli is not None:
+            if nli is None:
+                raise RagError("this server has no NLI model for the back-off: start it with `rag serve --nli [MODEL]`, "
+                               "or drop \"nli\" from the request")
+            kw.update(nli=nli, nli_threshold=nli_threshold if req.nli_threshold is None else req.nli_threshold)
         answers = await runner.run(request.receive,
                                    lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
         # All answers come from one knowledge-base version (see generate_one_version).

@@ -92,6 +92,9 @@ def test_unwritable_out_is_refused_before_encoding(tmp_path, capsys):
     (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--device", "cuda:7"], "--device cuda:7"),
     (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--limit", "0"], "--limit 0"),
     (["generate", "--model", "{missing}", "q", "--heatmap-dir", "{file}"], "--heatmap-dir"),
+    (["generate", "--model", "{missing}", "q", "--nli-threshold", "1.5", "--nli", "{missing}"], "--nli-threshold"),
+    (["serve", "--model", "{missing}", "--nli-threshold", "-0.5", "--nli", "{missing}"], "--nli-threshold"),
+    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--nli-threshold", "2", "--nli"], "--nli-threshold"),
 ])
 def test_options_are_checked_before_anything_is_loaded(tmp_path, capsys, argv, expected):
     missing = str(tmp_path / "missing")

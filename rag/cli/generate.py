@@ -45,6 +45,11 @@ def add_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
     p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here")
     p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
+                   help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
+                        "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
+                        "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the default model: --nli minilm-snli")
+    p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.set_defaults(func=cmd_generate)
 
 
@@ -55,6 +60,9 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
         print(json.dumps(a.to_dict(), ensure_ascii=False))
         return
     print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
+    if a.answered_with is not None:
+        p_ent = ", ".join(f"{s.get('entailment', float('nan')):.3f}" for s in a.nli_entailment or [])
+        print(f"   answered with {a.answered_with} (NLI P(entailment) of the retrieval answer: {p_ent})")
     if a.segments:  # In-Context RALM: the document in context for each stride of generated tokens
         for s in a.segments:
             print(f"   tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
@@ -79,6 +87,13 @@ def cmd_generate(args) -> int:
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
     queries = read_queries(args)  # checked before the model is loaded
+    nli = None
+    if args.nli is not None:
+        from rag.models.nli import validate_threshold
+        from rag.nli_backoff import resolve_nli
+
+        validate_threshold(args.nli_threshold, "--nli-threshold")
+        nli = resolve_nli(args.nli)
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
         from rag.models.generator import checkpoint_generator_kind
@@ -95,7 +110,7 @@ def cmd_generate(args) -> int:
                        max_new_tokens=args.max_new_tokens, stride=args.stride, query_length=args.query_length,
                        retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed, ensemble=args.ensemble,
                        retrieval_temperature=args.retrieval_temperature)
-        answers = pipe.generate(batch, **{k: v for k, v in options.items() if v is not None})
+        answers = pipe.generate(batch, nli=nli, nli_threshold=args.nli_threshold, **{k: v for k, v in options.items() if v is not None})
         for a in answers:
             heatmap = None
             if args.heatmap_dir and a.token_doc_posterior:

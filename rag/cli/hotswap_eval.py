@@ -35,6 +35,10 @@ def add_parser(sub) -> None:
     p.add_argument("--allow-encoder-change", action="store_true",
                    help="accept knowledge bases embedded by another document encoder than the model's")
     p.add_argument("--verify", default="full", choices=["full", "size"], help="checksum verification when opening each --kb")
+    p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
+                   help="RetRobust NLI back-off with this NLI model (no MODEL = the default, `rag nli prepare`); the result "
+                        "records the fraction of answers that kept retrieval")
+    p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.add_argument("--device", default=None)
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_hotswap_eval)
@@ -51,6 +55,13 @@ def cmd_hotswap_eval(args) -> int:
     for data in args.data:  # before the model loads
         if not Path(data).exists():
             raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open JSONL, CSV, ...)")
+    nli = None
+    if args.nli is not None:
+        from rag.models.nli import validate_threshold
+        from rag.nli_backoff import resolve_nli
+
+        validate_threshold(args.nli_threshold, "--nli-threshold")
+        nli = resolve_nli(args.nli)
     # Load on the first knowledge base: the checkpoint's own may not exist here (or, for transformers
     # checkpoints, is not recorded at all).
     extra = {"allow_encoder_change": True} if args.allow_encoder_change else {}
@@ -59,7 +70,8 @@ def cmd_hotswap_eval(args) -> int:
         pipe, args.kb, args.data, batch_size=args.batch_size, n_docs=args.n_docs, num_beams=args.num_beams,
         marginalization=args.marginalization, decoding=args.decoding, max_new_tokens=args.max_new_tokens,
         limit=args.limit, allow_encoder_change=args.allow_encoder_change, verify=args.verify,
-        kb_labels=args.kb_label, data_labels=args.data_label, show_progress=not args.quiet,
+        kb_labels=args.kb_label, data_labels=args.data_label, show_progress=not args.quiet, nli=nli,
+        nli_threshold=args.nli_threshold,
     )
     if args.plot:
         path = result.plot(args.plot, metric=args.metric)

@@ -43,6 +43,11 @@ def add_parser(sub) -> None:
                         f"(default: {d.request_timeout:g}; 0: no limit)")
     p.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                    help=f"requests that may wait for a model slot; beyond them: 503 with Retry-After (default: {d.max_queue})")
+    p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
+                   help="load this NLI model once for the RetRobust back-off, applied to every /generate request unless it "
+                        "sends \"nli\": false; no MODEL = the default model ($RAG_CACHE/nli/minilm-snli, `rag nli prepare`)")
+    p.add_argument("--nli-threshold", type=float, default=0.5,
+                   help="default entailment probability of the back-off (a request may send nli_threshold; default 0.5)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the checkpoint loads)")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
@@ -78,9 +83,16 @@ def cmd_serve(args) -> int:
                               "/admin/swap may open")
     check_device(args.device)
     check_admin_token(token, f"${args.admin_token_env}")
+    nli = None
+    if args.nli is not None:
+        from rag.models.nli import validate_threshold
+        from rag.nli_backoff import resolve_nli
+
+        validate_threshold(args.nli_threshold, "--nli-threshold")
+        nli = resolve_nli(args.nli)
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
-                     max_body_bytes=args.max_body_bytes, limits=limits)
+                     max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold)
     print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); http://{args.host}:{args.port}", file=sys.stderr)
     serve(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

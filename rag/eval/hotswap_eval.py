@@ -46,6 +46,9 @@ class HotswapEvalResult:
     """(n_kbs, n_data): token F1, same layout."""
     seconds: float = 0.0
     settings: dict = field(default_factory=dict)
+    answered_with_retrieval: Optional[list[list[float]]] = None
+    """With the NLI back-off (``nli=``): (n_kbs, n_data) fraction of answers that kept the retrieval answer (the rest
+    backed off to no retrieval); None without it."""
 
     @property
     def paired(self) -> bool:
@@ -93,6 +96,10 @@ class HotswapEvalResult:
             lines.append("  ".join([r.ljust(w0)] + cells))
         if self.paired:
             lines.append(f"matched (*) {100 * self.matched(metric):.1f}   mismatched {100 * self.mismatched(metric):.1f}")
+        if self.answered_with_retrieval is not None:
+            lines.append("NLI back-off: answered with retrieval (%), same layout")
+            for r, vals in zip(rows, self.answered_with_retrieval):
+                lines.append("  ".join([r.ljust(w0)] + [f"{100 * v:.1f} ".rjust(w + 1) for v, w in zip(vals, widths)]))
         return "\n".join(lines)
 
     def plot(self, path: PathLike, metric: str = "em") -> Path:
@@ -160,6 +167,8 @@ def evaluate_hotswap(
     kb_labels: Optional[Sequence[str]] = None,
     data_labels: Optional[Sequence[str]] = None,
     show_progress: bool = True,
+    nli=None,
+    nli_threshold: float = 0.5,
 ) -> HotswapEvalResult:
     """Score `pipeline` on every question set in `data` with every knowledge base in `kbs`.
 
@@ -175,6 +184,9 @@ def evaluate_hotswap(
         data: QA files in NQ-open JSONL (``question``, ``answers``) or any format
             :func:`rag.training.data.read_qa` reads (columns).
         limit: score only the first `limit` questions of each set.
+        nli, nli_threshold: the RetRobust NLI back-off (``pipeline.generate(..., nli=...)``; pass a loaded
+            :class:`~rag.models.nli.NLIScorer` to load it once); the result then records, per cell, the fraction of
+            answers that kept the retrieval answer (``answered_with_retrieval``).
         The generation keywords go to ``pipeline.generate``.
 
     Returns:
@@ -197,6 +209,12 @@ def evaluate_hotswap(
     if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
         raise ConfigError(f"limit must be a positive integer or None, got {limit!r}")
     klabels, dlabels = _labels(kb_labels, kbs, "knowledge base"), _labels(data_labels, data, "question set")
+    if nli is not None:
+        from rag.models.nli import validate_threshold
+        from rag.nli_backoff import resolve_nli
+
+        nli_threshold = validate_threshold(nli_threshold)
+        nli = resolve_nli(nli)  # once, not per batch
 
     sets = []
     for path in data:
@@ -214,7 +232,9 @@ def evaluate_hotswap(
 
     gen_kw = dict(n_docs=n_docs, num_beams=num_beams, marginalization=marginalization, decoding=decoding,
                   max_new_tokens=max_new_tokens)
+    nli_kw = {} if nli is None else {"nli": nli, "nli_threshold": nli_threshold}
     em = [[0.0] * len(sets) for _ in kbs]
+    kept = [[0.0] * len(sets) for _ in kbs]
     f1 = [[0.0] * len(sets) for _ in kbs]
     versions, paths = [], []
     t0 = time.perf_counter()
@@ -227,9 +247,10 @@ def evaluate_hotswap(
             paths.append(res.path or os.fspath(path))
             for j, examples in enumerate(sets):
                 em_m, f1_m = ExactMatch(), TokenF1()
+                n_kept = 0
                 for start in range(0, len(examples), batch_size):
                     batch = examples[start : start + batch_size]
-                    answers = pipeline.generate([e.question for e in batch], **gen_kw)
+                    answers = pipeline.generate([e.question for e in batch], **gen_kw, **nli_kw)
                     if len(answers) != len(batch):
                         raise RagError(f"the pipeline returned {len(answers)} answers for {len(batch)} questions")
                     stray = {a.kb_version for a in answers} - {res.new_version}
@@ -239,8 +260,11 @@ def evaluate_hotswap(
                     preds, golds = [a.text for a in answers], [list(e.answers) for e in batch]
                     em_m.update(preds, golds)
                     f1_m.update(preds, golds)
+                    if nli is not None:
+                        n_kept += sum(a.answered_with == "retrieval" for a in answers)
                     bar.update(len(batch))
                 em[i][j], f1[i][j] = float(em_m.compute()), float(f1_m.compute())
+                kept[i][j] = n_kept / len(examples)
                 logger.info("kb %s x %s: EM %.3f F1 %.3f", klabels[i], dlabels[j], em[i][j], f1[i][j])
     finally:
         bar.close()
@@ -250,5 +274,7 @@ def evaluate_hotswap(
         kb_labels=klabels, kb_versions=versions, kb_paths=paths, data_labels=dlabels,
         n_questions=[len(s) for s in sets], em=em, f1=f1, seconds=round(time.perf_counter() - t0, 3),
         settings={**gen_kw, "batch_size": batch_size, "limit": limit, "verify": verify,
-                  "data": [os.fspath(p) for p in data]},
+                  "data": [os.fspath(p) for p in data],
+                  **({} if nli is None else {"nli": nli.name, "nli_threshold": nli_threshold})},
+        answered_with_retrieval=None if nli is None else kept,
     )

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import re
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -22,7 +23,7 @@ import torch
 from rag.errors import ConfigError, RagError
 
 __all__ = ["LABEL_SPELLINGS", "DEFAULT_NLI_NAME", "HUB_NLI_MODEL", "NLIScorer", "find_nli_labels", "encode_nli_pairs",
-           "validate_threshold", "nli_premise", "default_nli_dir", "default_nli_model", "resolve_nli_model"]
+           "validate_threshold", "nli_premise", "qa_statement", "question_type", "nli_hypothesis", "default_nli_dir", "default_nli_model", "resolve_nli_model"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,46 @@ def nli_premise(title: str, text: str) -> str:
     """A passage as an NLI premise: ``"{title}. {text}"`` (the title often names the subject the text leaves implicit)."""
     title = (title or "").strip().strip('"')
     return f"{title}. {text}" if title else text
+
+
+# Statements for the Elements question types (rag/demo/build_elements.py); {x} is the question's own operand.
+_TEMPLATES = {
+    "symbol": (r"what is the chemical symbol of (.+)\?", "The chemical symbol of {x} is {a}."),
+    "name_from_symbol": (r"which element has the symbol (.+)\?", "The element with the symbol {x} is {a}."),
+    "atomic_number": (r"what is the atomic number of (.+)\?", "The atomic number of {x} is {a}."),
+    "name_from_number": (r"which element has atomic number (.+)\?", "The element with atomic number {x} is {a}."),
+    "atomic_weight": (r"what is the atomic weight of (.+)\?", "The atomic weight of {x} is {a}."),
+    "year": (r"in what year was (.+) discovered\?", "{X} was discovered in {a}."),
+}
+
+
+def qa_statement(question: str, answer: str, qtype: Optional[str] = None, *, style: str = "statement") -> str:
+    """The hypothesis for a question and an answer: a declarative sentence for the Elements question types
+    ("The chemical symbol of selenium is Se."), else the paper's concatenation ``"Q: {question} A: {answer}"``
+    (Yoran et al. 2024, §2.1), which ``style="qa"`` always gives."""
+    if style not in ("statement", "qa"):
+        raise ConfigError(f"hypothesis style must be 'statement' or 'qa', got {style!r}")
+    if style == "statement" and qtype in _TEMPLATES:
+        pattern, template = _TEMPLATES[qtype]
+        m = re.fullmatch(pattern, question.strip(), flags=re.IGNORECASE)
+        if m:
+            x = m.group(1)
+            return template.format(x=x, X=x[:1].upper() + x[1:], a=answer)
+    return f"Q: {question.strip()} A: {answer.strip()}"
+
+
+def question_type(question: str) -> Optional[str]:
+    """The Elements question type whose pattern `question` matches (case-insensitive), else None."""
+    for qtype, (pattern, _) in _TEMPLATES.items():
+        if re.fullmatch(pattern, question.strip(), flags=re.IGNORECASE):
+            return qtype
+    return None
+
+
+def nli_hypothesis(question: str, answer: str) -> str:
+    """The back-off's hypothesis for a generated `answer`: the statement :func:`qa_statement` writes for a question of a
+    known type (what the default model was trained on), else the paper's ``"Q: {question} A: {answer}"``."""
+    return qa_statement(question, answer.strip(), question_type(question))
 
 
 def _model_max_length(model, tokenizer) -> int:

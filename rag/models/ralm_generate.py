@@ -10,7 +10,8 @@ evaluation's rule). The segment's tokens are then decoded with the KV cache of t
 greedy search, sampling (a seeded ``torch.Generator``) and beam search (each beam re-retrieves for its own prefix).
 Rows are batched: one retrieval call per boundary for every row still running (identical prefixes are retrieved
 once), one left-padded prefill (:class:`~rag.generation.causal.CausalLMDecoder`). Which document was in context for
-which generated tokens is returned per sequence as :class:`SegmentProvenance` spans.
+which generated tokens is returned per sequence as :class:`SegmentProvenance` spans. Rows may be marked not to retrieve
+(``retrieve=``): they read the prompt alone, in the same batch (the RetRobust back-off's no-retrieval generation).
 
 With one segment (``stride >= max_new_tokens``) and a fixed document the result is token-identical to
 ``model.generate(doc ∘ [ctx] ∘ prompt)`` (greedy), since the prefill and the cached steps are the ones transformers runs.
@@ -77,10 +78,12 @@ class RetrievingDecoder:
     `streams`: per row, ``[ctx] + prompt tokens``. At generated position ``j·stride`` (the first ``step`` included) each
     running row retrieves for the last ``query_length`` tokens of its prefix, its window ``doc ∘ prefix`` is built and
     prefilled; other steps feed one token per row with the KV cache. Retrievals are memoised by prefix (``hits``), so
-    the provenance of any returned hypothesis can be read back with :meth:`segments`.
+    the provenance of any returned hypothesis can be read back with :meth:`segments`. `retrieving`: per row, False for a
+    row that never retrieves (its window is its prefix alone; default: every row retrieves).
     """
 
-    def __init__(self, ralm: InContextRALM, streams: Sequence[Sequence[int]], *, max_new_tokens: int, eos: int, retriever=None):
+    def __init__(self, ralm: InContextRALM, streams: Sequence[Sequence[int]], *, max_new_tokens: int, eos: int, retriever=None,
+                 retrieving: Optional[Sequence[bool]] = None):
         self.ralm, self.scorer, self.config = ralm, ralm.scorer, ralm.config
         self.retriever = retriever if retriever is not None else ralm.retriever
         if self.retriever is None:
@@ -92,6 +95,9 @@ class RetrievingDecoder:
         self.hits: dict[tuple, _Hit] = {}
         self.retrieval_calls = 0
         self.prompt_lens = [len(s) for s in streams]
+        self.retrieving = [True] * len(streams) if retrieving is None else [bool(r) for r in retrieving]
+        if len(self.retrieving) != len(streams):
+            raise RagError(f"retrieving has {len(self.retrieving)} flags for {len(streams)} rows")
 
     # ------------------------------------------------------------------ Decoder protocol
     def step(self, tokens: Tensor) -> Tensor:
@@ -107,6 +113,7 @@ class RetrievingDecoder:
         idx = rows.tolist()
         self.histories = [list(self.histories[i]) for i in idx]
         self.prompt_lens = [self.prompt_lens[i] for i in idx]
+        self.retrieving = [self.retrieving[i] for i in idx]
         self.inner.reorder(rows)
 
     # ------------------------------------------------------------------ retrieval and windows
@@ -135,12 +142,13 @@ class RetrievingDecoder:
         """A segment boundary: retrieve for every running row, prefill ``doc ∘ prefix`` windows, return next-token logits."""
         rows = range(len(self.histories))
         running = [r for r in rows if not self._finished(r)]
-        self._retrieve([tuple(self.histories[r]) for r in running])
+        reading = [r for r in running if self.retrieving[r]]
+        self._retrieve([tuple(self.histories[r]) for r in reading])
         seg = min(self.config.stride, self.max_new_tokens - self.generated)
         L = self.scorer.max_length
         windows = []
-        docs = self.scorer.doc_tokens([self.hits[tuple(self.histories[r])][0] for r in running])
-        doc_of = dict(zip(running, docs))
+        docs = self.scorer.doc_tokens([self.hits[tuple(self.histories[r])][0] for r in reading]) if reading else []
+        doc_of = {**{r: [] for r in running}, **dict(zip(reading, docs))}
         for r in rows:
             h = self.histories[r]
             if r not in doc_of:  # finished: its scores are never used; one token keeps the batch small
@@ -186,7 +194,8 @@ def check_new_token_lengths(config: GenerationConfig) -> None:
 
 
 def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: GenerationConfig = GenerationConfig(), *,
-                  retriever=None, rng: Optional[torch.Generator] = None) -> list[Continuation]:
+                  retriever=None, rng: Optional[torch.Generator] = None,
+                  retrieve: Optional[Sequence[bool]] = None) -> list[Continuation]:
     """Continue each prompt with In-Context RALM: re-retrieval every ``ralm.config.stride`` generated tokens with a query
     of the last ``ralm.config.query_length`` tokens, the document prepended (see the module docstring).
 
@@ -194,12 +203,17 @@ def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: Generatio
     beam search (``num_beams``; ``num_return_sequences`` best per prompt). Lengths are ``max_new_tokens`` /
     ``min_new_tokens`` (``max_length`` / ``min_length`` count a prompt whose window changes, and are refused).
     retriever: overrides ``ralm.retriever`` (e.g. one knowledge-base version pinned for the call).
+    retrieve: per prompt, False to continue it without retrieval (the LM on the prompt alone; no segments), in the same
+    batch as the others (default: every prompt retrieves).
     Returns ``len(prompts) * num_return_sequences`` continuations, best first per prompt.
     """
     check_new_token_lengths(config)
     scorer = ralm.scorer
     model = scorer.model
     streams = [scorer.stream(p) for p in prompts]
+    retrieve = [True] * len(streams) if retrieve is None else [bool(r) for r in retrieve]
+    if len(retrieve) != len(streams):
+        raise RagError(f"retrieve has {len(retrieve)} flags for {len(streams)} prompts; give one per prompt")
     if any(len(s) < 2 for s in streams):
         raise RagError("every prompt needs at least one token; give it text")
     eos = config_token_id(config, model, "eos_token_id", False)
@@ -217,14 +231,15 @@ def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: Generatio
     if beams == 1:
         if n_ret != 1:
             raise ConfigError("num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")
-        decoder = RetrievingDecoder(ralm, streams, max_new_tokens=config.max_new_tokens, eos=spec.eos, retriever=retriever)
+        decoder = RetrievingDecoder(ralm, streams, max_new_tokens=config.max_new_tokens, eos=spec.eos, retriever=retriever,
+                                    retrieving=retrieve)
         seqs, scores = (sample(decoder, start, spec, rng) if config.do_sample else greedy_search(decoder, start, spec))
         owners = list(range(len(streams)))
     else:
         if n_ret > beams:
             raise ConfigError(f"num_return_sequences={n_ret} exceeds num_beams={beams}")
         decoder = RetrievingDecoder(ralm, [s for s in streams for _ in range(beams)], max_new_tokens=config.max_new_tokens,
-                                    eos=spec.eos, retriever=retriever)
+                                    eos=spec.eos, retriever=retriever, retrieving=[r for r in retrieve for _ in range(beams)])
         found = beam_search(decoder, start, spec)
         seqs, scores, _ = found.crop(n_ret)
         seqs, scores = seqs.reshape(-1, seqs.shape[-1]), scores.reshape(-1)
@@ -232,6 +247,6 @@ def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: Generatio
     out = []
     for row, i in enumerate(owners):
         gen = _through_eos(seqs[row, width:].tolist(), spec.eos)
-        segments, passages = decoder.segments(streams[i], gen)
+        segments, passages = decoder.segments(streams[i], gen) if retrieve[i] else ([], [])
         out.append(Continuation(prompts[i], gen, float(scores[row]), segments, passages))
     return out

@@ -13,45 +13,18 @@ Sources a split may name (one string, or a list whose pairs are concatenated):
 from __future__ import annotations
 
 import random
-import re
 from typing import Optional, Sequence, Union
 
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
 from rag.errors import ConfigError
-from rag.models.nli import nli_premise
+from rag.models.nli import nli_premise, qa_statement
 from rag.training.snli import LABELS, NLIPair, fetch_snli, load_snli, parse_snli_lines
 
-__all__ = ["qa_statement", "elements_nli_pairs", "read_nli_source", "NLIDataModule"]
+__all__ = ["elements_nli_pairs", "read_nli_source", "NLIDataModule"]
 
 ENTAILMENT, NEUTRAL, CONTRADICTION = (LABELS.index(n) for n in ("entailment", "neutral", "contradiction"))
-
-# Statements for the Elements question types (rag/demo/build_elements.py); {x} is the question's own operand.
-_TEMPLATES = {
-    "symbol": (r"what is the chemical symbol of (.+)\?", "The chemical symbol of {x} is {a}."),
-    "name_from_symbol": (r"which element has the symbol (.+)\?", "The element with the symbol {x} is {a}."),
-    "atomic_number": (r"what is the atomic number of (.+)\?", "The atomic number of {x} is {a}."),
-    "name_from_number": (r"which element has atomic number (.+)\?", "The element with atomic number {x} is {a}."),
-    "atomic_weight": (r"what is the atomic weight of (.+)\?", "The atomic weight of {x} is {a}."),
-    "year": (r"in what year was (.+) discovered\?", "{X} was discovered in {a}."),
-}
-
-
-def qa_statement(question: str, answer: str, qtype: Optional[str] = None, *, style: str = "statement") -> str:
-    """The hypothesis for a question and an answer: a declarative sentence for the Elements question types
-    ("The chemical symbol of selenium is Se."), else the paper's concatenation ``"Q: {question} A: {answer}"``
-    (Yoran et al. 2024, §2.1), which ``style="qa"`` always gives."""
-    if style not in ("statement", "qa"):
-        raise ConfigError(f"hypothesis style must be 'statement' or 'qa', got {style!r}")
-    if style == "statement" and qtype in _TEMPLATES:
-        pattern, template = _TEMPLATES[qtype]
-        m = re.fullmatch(pattern, question.strip(), flags=re.IGNORECASE)
-        if m:
-            x = m.group(1)
-            return template.format(x=x, X=x[:1].upper() + x[1:], a=answer)
-    return f"Q: {question.strip()} A: {answer.strip()}"
-
 
 def elements_nli_pairs(split: str, *, kinds: Sequence[str] = ("entailment", "neutral", "contradiction"),
                        seed: int = 0, style: str = "statement") -> list[NLIPair]:

@@ -7,8 +7,9 @@ import json
 import pytest
 
 from rag.errors import ConfigError, IntegrityError, RagError
+from rag.models.nli import qa_statement
 from rag.training import snli
-from rag.training.nli_data import NLIDataModule, elements_nli_pairs, qa_statement
+from rag.training.nli_data import NLIDataModule, elements_nli_pairs
 from rag.training.snli import LABELS, SNLI_MEMBERS, NLIPair, fetch_snli, load_snli, read_snli_sdist
 
 
