@@ -46,7 +46,12 @@ def train_wordpiece_tokenizer(texts: Iterable[str], vocab_size: int = 1000):
 
     wp = BertWordPieceTokenizer(lowercase=True)
     wp.train_from_iterator(list(texts), vocab_size=vocab_size, min_frequency=1, special_tokens=BERT_SPECIALS)
-    return BertTokenizer(vocab=dict(wp.get_vocab()), do_lower_case=True)
+    # The trainer's token *set* is deterministic but its ids are not (ties in a randomly seeded hash map), so the same
+    # seeded model saw different embeddings run to run. WordPiece matching does not depend on ids: number them
+    # specials first, then in sorted order.
+    trained = wp.get_vocab()
+    tokens = list(BERT_SPECIALS) + sorted(t for t in trained if t not in BERT_SPECIALS)
+    return BertTokenizer(vocab={t: i for i, t in enumerate(tokens)}, do_lower_case=True)
 
 
 def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 400, workdir: str | os.PathLike | None = None):
