@@ -304,7 +304,7 @@ def parse_args(argv=None):
     p.add_argument("--results", default="benchmarks/results/replug_demo.json")
     p.add_argument("--plot", default="benchmarks/results/replug_demo.png")
     p.add_argument("--n-eval", type=int, default=4, help="held-out documents evaluated")
-    p.add_argument("--text-tokens", type=int, default=128, help="LM tokens evaluated per held-out document")
+    p.add_argument("--text-tokens", type=int, default=192, help="LM tokens evaluated per held-out document")
     p.add_argument("--ks", default="1,2,4,8,10", help="documents ensembled (REPLUG's k)")
     p.add_argument("--stride", type=int, default=32, help="tokens between retrievals")
     p.add_argument("--query-length", type=int, default=32)
