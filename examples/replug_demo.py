@@ -64,7 +64,7 @@ def replug_settings(k: Optional[int], temperature: float, random_docs: bool = Fa
     λ = softmax(score / temperature), and the random-documents control."""
     if k is None:
         return {}
-    return {"ensemble": k, "temperature": temperature, "random_docs": random_docs}
+    return {"ensemble": k, "retrieval_temperature": temperature, "random_docs": random_docs}
 
 
 # ---------------------------------------------------------------------------- data
@@ -207,7 +207,7 @@ def elements_qa(model, tokenizer, args, out: Path) -> dict:
             xs = prompts[lo:lo + args.batch_size]
             docs = [[doc_text(p) for p in top.passages[i][:k]] for i in range(lo, lo + len(xs))]
             sc = [list(map(float, top.scores[i][:k])) for i in range(lo, lo + len(xs))]
-            seqs, _ = replug_generate(model, tokenizer, xs, docs, sc, temperature=args.temperature, config=cfg,
+            seqs, _ = replug_generate(model, tokenizer, xs, docs, sc, retrieval_temperature=args.temperature, config=cfg,
                                       doc_max_length=args.doc_max_length)
             width = 1 + max(len(t) for t in tokenizer(xs, add_special_tokens=False)["input_ids"])
             for row in seqs[:, width:].tolist():

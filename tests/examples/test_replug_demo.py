@@ -53,7 +53,7 @@ def test_replug_settings_name_the_config_fields(demo):
     from rag.models.ralm import RalmConfig
 
     cfg = RalmConfig(**demo.replug_settings(3, 0.5, True))
-    assert (cfg.ensemble, cfg.temperature, cfg.random_docs) == (3, 0.5, True)
+    assert (cfg.ensemble, cfg.retrieval_temperature, cfg.random_docs) == (3, 0.5, True)
     assert demo.replug_settings(None, 0.5) == {}
 
 
