@@ -525,6 +525,11 @@ class QADataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         return self._loader("train", shuffle=self.shuffle)
 
+    def transfer_batch_to_device(self, batch: Any, device: Any, dataloader_idx: int) -> Any:
+        """QA batches hold strings and :class:`~rag.knowledge.passages.Passage` s (frozen dataclasses, which Lightning's
+        generic mover refuses), never tensors: the models tokenize on their own device, so nothing is moved."""
+        return batch
+
     def val_dataloader(self):
         if self.sources["val"] is None:
             return []

@@ -94,6 +94,17 @@ def test_datamodule_batches_hold_mixed_contexts_and_train_step_reads_them(tiny_k
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
 
 
+def test_trainer_fits_on_mixed_context_batches(make_module, make_data, trainer_kw):
+    """Lightning moves every batch to the device before training_step; batches of strings and (frozen dataclass)
+    passages must pass through unchanged instead of failing in Lightning's generic mover."""
+    import pytorch_lightning as pl
+
+    data = make_data(context_mixing=ContextMixing(knowledge_base="demo", top_k=6, seed=0), batch_size=4)
+    trainer = pl.Trainer(max_steps=2, limit_val_batches=0, **trainer_kw)
+    trainer.fit(make_module(), datamodule=data)
+    assert trainer.global_step == 2
+
+
 def test_cli_reads_context_mixing(tmp_path, monkeypatch, capsys):
     from pathlib import Path
 
