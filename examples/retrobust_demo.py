@@ -58,7 +58,7 @@ from rag.generation.decoding import GenerationConfig  # noqa: E402
 from rag.io import atomic_directory, atomic_write_json  # noqa: E402
 from rag.models.nli import NLIScorer, nli_premise  # noqa: E402
 from rag.models.warm_start import cache_encoder_outputs, save_generator  # noqa: E402
-from rag.selfask import FINAL, FOLLOW_UP, format_chain, self_ask, step_hypotheses  # noqa: E402
+from rag.selfask import chain_training_examples, self_ask, step_hypotheses  # noqa: E402
 from rag.training.context_mixing import ContextMixing, retrieve_rows, sample_context_choices  # noqa: E402
 from rag.training.data import QADataModule, read_qa  # noqa: E402
 from rag.training.modules import warmup_linear_decay  # noqa: E402
@@ -93,17 +93,6 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 # ----------------------------------------------------------------------------------------------- training
 
 
-def selfask_examples(split: str = "train") -> list[tuple[str, str]]:
-    """(chain so far, next line) for every step of the two-hop `split` questions: what the reader learns to write."""
-    out = []
-    for r in load_multihop(split):
-        steps = [(f["question"], f["answer"]) for f in r["follow_ups"]]
-        for i, (follow_up, _) in enumerate(steps):
-            out.append((format_chain(r["question"], steps[:i]), f"{FOLLOW_UP} {follow_up}"))
-        out.append((format_chain(r["question"], steps), f"{FINAL} {r['answers'][0]}"))
-    return out
-
-
 def train_reader(name: str, kb, args) -> tuple[object, dict]:
     """Fine-tune one reader for ``args.minutes`` CPU-minutes (AdamW, warm-up + linear decay); returns (model, record)."""
     cfg = DemoConfig(n_docs=1, seed=args.seed)
@@ -115,7 +104,7 @@ def train_reader(name: str, kb, args) -> tuple[object, dict]:
         mixing = ContextMixing(knowledge_base=str(kb.path), top_k=TOP_K, p_top1=p1, p_low=pl, p_random=pr, seed=args.seed)
     data = QADataModule(train="demo:train", batch_size=args.batch, context_mixing=mixing)
     data.setup("fit")
-    chains = selfask_examples() if name != "closed-book" else []
+    chains = chain_training_examples(load_multihop("train")) if name != "closed-book" else []
     rng = random.Random(args.seed)
     params = [p for p in model.parameter_groups()["generator"]]
     opt = torch.optim.AdamW(params, lr=0.0, weight_decay=0.0, fused=True)

@@ -19,7 +19,7 @@ from typing import Callable, Literal, Optional, Sequence
 from rag.errors import ConfigError
 
 __all__ = ["QUESTION", "NEEDED", "FOLLOW_UP", "INTERMEDIATE", "FINAL", "StopReason", "SelfAskStep", "ParsedChain",
-           "SelfAskResult", "format_chain", "parse_chain", "next_action", "self_ask", "step_hypotheses"]
+           "SelfAskResult", "format_chain", "parse_chain", "next_action", "self_ask", "step_hypotheses", "chain_training_examples"]
 
 QUESTION = "Question:"
 NEEDED = "Are follow up questions needed here:"
@@ -199,3 +199,19 @@ def step_hypotheses(result: SelfAskResult) -> list[tuple[str, str]]:
     """``(premise, hypothesis)`` for every retrieved step: the premise and ``"{question} {answer}"`` (the pair an NLI
     model must judge entailed, §2.1). Steps without a premise are left out."""
     return [(s.premise, f"{s.question} {s.answer}") for s in result.steps if s.premise]
+
+
+def chain_training_examples(records: Sequence[dict]) -> list[tuple[str, str]]:
+    """(chain so far, next line) for every step of the decomposed multi-hop `records`: what a reader learns to write.
+
+    Each record holds ``question``, ``answers`` (the first is written) and ``follow_ups`` (``[{"question", "answer"}]``,
+    in order), as :func:`rag.demo.multihop.load_multihop` returns. A two-hop record gives three examples: the first
+    ``Follow up:`` line, the second after the first step's intermediate answer, and ``So the final answer is:``.
+    """
+    out = []
+    for r in records:
+        steps = [(f["question"], f["answer"]) for f in r["follow_ups"]]
+        for i, (follow_up, _) in enumerate(steps):
+            out.append((format_chain(r["question"], steps[:i]), f"{FOLLOW_UP} {follow_up}"))
+        out.append((format_chain(r["question"], steps), f"{FINAL} {r['answers'][0]}"))
+    return out

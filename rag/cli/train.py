@@ -30,6 +30,7 @@ def _imports():
     import pytorch_lightning as pl
     from pytorch_lightning.cli import LightningCLI
 
+    import rag.training.causal_reader  # noqa: F401
     import rag.training.data  # noqa: F401
     import rag.training.modules  # noqa: F401
     import rag.training.nli  # noqa: F401

@@ -1,0 +1,290 @@
+"""Fine-tune a decoder-only reader on QA pairs with ``rag fit``: each answer is learnt after its training passage, laid
+out exactly as :class:`~rag.readers.RalmReader` generates (``doc ∘ [ctx] ∘ prompt``), or after the prompt alone.
+
+With :class:`~rag.training.data.QADataModule` ``context_mixing`` (RetRobust, Yoran et al. 2024 §2.2) the passage is
+the question's top-1, a low-ranked or a random one, so the reader learns to use relevant passages and ignore
+irrelevant ones; without it the reader sees no passage (the paper's NoRet / closed-book reader). ``selfask`` adds
+Self-Ask chains (§3: ``Follow up:`` / ``So the final answer is:`` lines of decomposed multi-hop questions) to every
+step. Validation generates with the same layout: greedy answers with the top-1 retrieved passage (``val/em``,
+``val/f1``) and without a passage (``val/em_no_retrieval``, ``val/f1_no_retrieval``), one batch for both.
+
+The loss is the mean negative log-likelihood of the answer tokens and EOS (:func:`answer_nll`); the LM head runs
+only at those positions. ``export_dir`` writes the trained LM (``save_pretrained``) at the end of ``fit``: ``rag
+generate --model DIR --kb KB`` and ``rag.load(DIR, knowledge_base=KB)`` read it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+from pathlib import Path
+from typing import Optional, Sequence
+
+import pytorch_lightning as pl
+import torch
+
+from rag.errors import ConfigError
+from rag.eval.metrics import ExactMatch, TokenF1
+from rag.knowledge.passages import Passage
+from rag.models.ralm import CausalScorer, window_ids
+from rag.training.modules import step_schedule
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DEFAULT_PROMPT", "reading_windows", "answer_nll", "CausalReaderModule"]
+
+DEFAULT_PROMPT = "Question: {question}\nAnswer:"
+
+
+def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Sequence[str],
+                    passages: Optional[Sequence[Optional[Passage]]] = None) -> list[tuple[list[int], int]]:
+    """Per example ``(window, n)``: ``doc ∘ [ctx] ∘ prompt ∘ answer ∘ EOS`` with the answer and EOS as the last ``n``
+    tokens — the window :func:`~rag.models.ralm_generate.ralm_generate` decodes the answer in (the document cut to
+    ``scorer.doc_max_length`` tokens, the prompt cut from the left when the window would exceed ``scorer.max_length``).
+    A passage of None (or no `passages`) gives the prompt alone. The answer is read with a leading space."""
+    eos = scorer.tokenizer.eos_token_id
+    if eos is None:
+        raise ConfigError("the reader's tokenizer has no EOS token: set tokenizer.eos_token and save it again")
+    passages = list(passages) if passages is not None else [None] * len(prompts)
+    if not (len(prompts) == len(answers) == len(passages)):
+        raise ConfigError(f"{len(prompts)} prompts, {len(answers)} answers and {len(passages)} passages: give one of each per example")
+    docs = scorer.doc_tokens([p for p in passages if p is not None])
+    out, d = [], 0
+    for prompt, answer, passage in zip(prompts, answers, passages):
+        doc = []
+        if passage is not None:
+            doc, d = docs[d], d + 1
+        stream = scorer.stream(prompt)
+        target = list(scorer.tokenizer(" " + answer.strip(), add_special_tokens=False)["input_ids"]) + [int(eos)]
+        out.append((window_ids(stream + target, len(stream), len(stream) + len(target), doc, scorer.max_length), len(target)))
+    return out
+
+
+def answer_nll(scorer: CausalScorer, windows: Sequence[tuple[list[int], int]]) -> torch.Tensor:
+    """``(B,)`` summed negative log-likelihood of each window's last ``n`` tokens, with gradients into the LM.
+
+    Windows are right-padded (a causal LM never attends to later positions, so position ids stay 0..len-1 and the pads
+    change nothing); the LM head runs only at the scored positions (:meth:`CausalScorer.target_logprobs`)."""
+    dev = scorer.device
+    width = max(len(w) for w, _ in windows)
+    ids = torch.full((len(windows), width), scorer.pad_id, dtype=torch.long)
+    rows, cols = [], []
+    for r, (w, n) in enumerate(windows):
+        if not 1 <= n < len(w):
+            raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one token before it")
+        ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
+        rows += [r] * n
+        cols += range(len(w) - n, len(w))
+    ids = ids.to(dev)
+    r_t, c_t = torch.as_tensor(rows, device=dev), torch.as_tensor(cols, device=dev)
+    if scorer.head_split is not None:
+        states = scorer.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
+    else:
+        states = scorer.model(input_ids=ids).logits[r_t, c_t - 1]
+    lp = scorer.target_logprobs(states, ids[r_t, c_t])
+    return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, r_t, lp)
+
+
+class CausalReaderModule(pl.LightningModule):
+    """A decoder-only reader (In-Context RALM / REPLUG / RetRobust) fine-tuned on QA pairs, read after their passage.
+
+    Args:
+        lm: the causal LM to fine-tune: a directory, a demo alias (``smollm2``), or ``tiny:gpt2`` (random, tokenizer
+            trained on the knowledge base's passages; no hub).
+        knowledge_base: knowledge-base directory, or ``demo`` (the bundled Elements KB): validation retrieves the top-1
+            passage from it (and ``tiny:gpt2`` trains its tokenizer on it).
+        retrieval: validation retrieval, ``dense`` | ``bm25`` (None: BM25 when the knowledge base has it).
+        prompt: the prompt template, with ``{question}``; generate with the same prompt.
+        doc_max_length: passage tokens read (as ``RalmConfig.doc_max_length``).
+        max_length: the window in tokens (None: min(the LM's positions, 1024)).
+        learning_rate, weight_decay, warmup_ratio: AdamW, linear warm-up over that share of the steps, then linear decay.
+        selfask: Self-Ask chains added to every step: ``demo`` (the bundled two-hop Elements decompositions, training
+            split) or a JSONL file of ``{"question", "answers", "follow_ups": [{"question", "answer"}]}``.
+        selfask_batch: chain examples per step.
+        max_new_tokens: answer tokens generated in validation and test.
+        export_dir: where the trained LM and tokenizer are written at the end of ``fit``.
+        seed: seed of the Self-Ask example draws.
+    """
+
+    def __init__(self, lm: str = "tiny:gpt2", knowledge_base: str = "demo", retrieval: Optional[str] = "dense",
+                 prompt: str = DEFAULT_PROMPT, doc_max_length: int = 128, max_length: Optional[int] = None,
+                 learning_rate: float = 2e-5, weight_decay: float = 0.0, warmup_ratio: float = 0.05,
+                 selfask: Optional[str] = None, selfask_batch: int = 4, max_new_tokens: int = 16,
+                 export_dir: Optional[str] = None, seed: int = 0):
+        super().__init__()
+        if "{question}" not in prompt:
+            raise ConfigError(f"model.prompt={prompt!r} must contain {{question}} (e.g. {DEFAULT_PROMPT!r})")
+        for name, v, low in (("doc_max_length", doc_max_length, 1), ("selfask_batch", selfask_batch, 1), ("max_new_tokens", max_new_tokens, 1)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ConfigError(f"model.{name}={v!r} must be an integer >= {low}")
+        if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
+            raise ConfigError(f"model.learning_rate={learning_rate!r} must be a number > 0")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ConfigError(f"model.warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        if retrieval not in (None, "dense", "bm25"):
+            raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the knowledge base has it)")
+        self.save_hyperparameters()
+        self.lm = None  # built in configure_model()
+        self.tokenizer = None
+        self.scorer: Optional[CausalScorer] = None
+        self._kb = None
+        self._ralm_reader = None
+        self._chains: list[tuple[str, str]] = []
+        self._rng = random.Random(seed)
+        self.metrics = torch.nn.ModuleDict({f"{stage}_{m}{s}": cls() for stage in ("val", "test") for m, cls in (("em", ExactMatch), ("f1", TokenF1))
+                                            for s in ("", "_no_retrieval")})
+
+    # ------------------------------------------------------------------ construction
+    def _knowledge_base(self):
+        if self._kb is None:
+            from rag.training.context_mixing import open_knowledge_base
+
+            self._kb = open_knowledge_base(self.hparams.knowledge_base)
+        return self._kb
+
+    def configure_model(self) -> None:
+        if self.lm is not None:
+            return
+        from rag.models.generator import load_generator
+
+        h = self.hparams
+        path = h.lm
+        if path == "tiny:gpt2":
+            from rag.training.reranker import ensure_tiny_gpt2
+
+            path = ensure_tiny_gpt2([p.text for p in self._knowledge_base().all_passages()])
+        lm, self.tokenizer, _ = load_generator(path, kind="causal")
+        self.lm = lm.train(self.training)
+        self.scorer = CausalScorer(self.lm, self.tokenizer, max_length=h.max_length, doc_max_length=h.doc_max_length)
+        self.lm.train(self.training)  # CausalScorer puts its model in eval mode
+        if h.selfask is not None:
+            self._chains = self._load_chains(h.selfask)
+
+    @staticmethod
+    def _load_chains(spec: str) -> list[tuple[str, str]]:
+        from rag.selfask import chain_training_examples
+
+        if spec == "demo":
+            from rag.demo.multihop import load_multihop
+
+            records = load_multihop("train")
+        else:
+            import json
+
+            path = Path(spec)
+            if not path.is_file():
+                raise ConfigError(f"model.selfask={spec!r}: no such file; give a JSONL of decomposed questions or 'demo'")
+            records = []
+            with open(path, encoding="utf-8") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        r = json.loads(line)
+                        if not (isinstance(r["question"], str) and r["answers"] and isinstance(r["follow_ups"], list)
+                                and all(isinstance(s["question"], str) and isinstance(s["answer"], str) for s in r["follow_ups"])):
+                            raise ValueError
+                    except (ValueError, KeyError, TypeError, IndexError):
+                        raise ConfigError(f"{path}:{n}: expected {{\"question\": str, \"answers\": [str, ...], \"follow_ups\": "
+                                          f"[{{\"question\": str, \"answer\": str}}, ...]}}") from None
+                    records.append(r)
+        chains = chain_training_examples(records)
+        if not chains:
+            raise ConfigError(f"model.selfask={spec!r} holds no decomposed questions")
+        return chains
+
+    def _require(self) -> CausalScorer:
+        if self.scorer is None:
+            self.configure_model()
+        return self.scorer
+
+    def prompts(self, questions: Sequence[str]) -> list[str]:
+        """The prompt of each question (``model.prompt``)."""
+        return [self.hparams.prompt.format(question=q) for q in questions]
+
+    # ------------------------------------------------------------------ steps
+    def loss(self, prompts: Sequence[str], answers: Sequence[str], passages: Optional[Sequence[Optional[Passage]]] = None) -> torch.Tensor:
+        """Mean NLL per answer token (answer + EOS) of `answers` read after `passages` (None: no passage) and `prompts`."""
+        scorer = self._require()
+        windows = reading_windows(scorer, prompts, answers, passages)
+        return answer_nll(scorer, windows).sum() / sum(n for _, n in windows)
+
+    def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        self._require()
+        prompts, answers = self.prompts(batch["questions"]), list(batch["targets"])
+        passages = list(batch["contexts"]) if "contexts" in batch else [None] * len(prompts)
+        if self._chains:  # Self-Ask step writing: the chain so far is the prompt, the next line the answer
+            for chain, line in self._rng.sample(self._chains, min(self.hparams.selfask_batch, len(self._chains))):
+                prompts.append(chain.rstrip("\n"))
+                answers.append(line)
+                passages.append(None)
+        loss = self.loss(prompts, answers, passages)
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
+        return loss
+
+    def _reader(self):
+        """The :class:`~rag.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
+        if self._ralm_reader is None:
+            from rag.models.ralm import RalmConfig
+            from rag.readers import RalmReader
+
+            h = self.hparams
+            cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
+            self._ralm_reader = RalmReader(self.lm, self.tokenizer, self._knowledge_base(), cfg, retrieval=h.retrieval)
+        return self._ralm_reader
+
+    def _eval_step(self, batch: dict, stage: str) -> None:
+        self._require()
+        questions, golds = batch["questions"], batch["answers"]
+        was_training = self.lm.training
+        with torch.no_grad():
+            self.log(f"{stage}/loss", self.loss(self.prompts(questions), batch["targets"]), batch_size=len(questions))
+            with_r, without = self._reader().generate_with_and_without_retrieval(
+                self.prompts(questions), max_new_tokens=self.hparams.max_new_tokens)
+        self.lm.train(was_training)
+        for suffix, answers in (("", with_r), ("_no_retrieval", without)):
+            preds = [a.text.split("\n")[0].strip() for a in answers]
+            self.metrics[f"{stage}_em{suffix}"].update(preds, golds)
+            self.metrics[f"{stage}_f1{suffix}"].update(preds, golds)
+
+    def validation_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "val")
+
+    def test_step(self, batch: dict, batch_idx: int) -> None:
+        self._eval_step(batch, "test")
+
+    def _log_eval(self, stage: str) -> None:
+        for name, metric in self.metrics.items():
+            if name.startswith(stage + "_") and int(metric.count) > 0:
+                self.log(f"{stage}/{name[len(stage) + 1:]}", metric.compute(), prog_bar=name == f"{stage}_em")
+                metric.reset()
+
+    def on_validation_epoch_end(self) -> None:
+        self._log_eval("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._log_eval("test")
+
+    # ------------------------------------------------------------------ optimisation and export
+    def configure_optimizers(self) -> dict:
+        self._require()
+        h = self.hparams
+        opt = torch.optim.AdamW([p for p in self.lm.parameters() if p.requires_grad], lr=h.learning_rate, weight_decay=h.weight_decay)
+        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
+
+    def on_train_end(self) -> None:
+        if self.hparams.export_dir and self.trainer.is_global_zero:
+            self.export(self.hparams.export_dir)
+
+    def export(self, directory: str | os.PathLike, *, overwrite: bool = True) -> Path:
+        """Write the trained LM and tokenizer (``save_pretrained``), atomically; with `overwrite` only a directory that
+        holds a saved model (``config.json``) is replaced."""
+        from rag.io import atomic_directory
+
+        with atomic_directory(directory, overwrite=overwrite, replaces=lambda p: (p / "config.json").is_file(),
+                              kind="causal reader") as tmp:
+            self.lm.save_pretrained(tmp)
+            self.tokenizer.save_pretrained(tmp)
+        logger.info("trained reader written to %s", directory)
+        return Path(directory)
