@@ -167,8 +167,12 @@ def nli_backoff(scorer: NLIScorer, passages, questions: Sequence[str], retrieval
     return [r if p >= threshold else f for r, f, p in zip(retrieval_answers, fallback_answers, probs)], probs
 
 
-def read(model, questions: Sequence[str], passages=None, bs: int = 50) -> list[str]:
-    """Greedy answers of a reader: on the question alone, or on one passage per question."""
+def read(model, questions: Sequence[str], passages=None, bs: int = 50, raw: bool = False) -> list[str]:
+    """Greedy answers of a reader: on the question alone, or on one passage per question. A decoder-only reader
+    (:class:`~rag.training.causal_reader.CausalReaderModule`) formats the questions with its prompt unless `raw`."""
+    if hasattr(model, "answer"):
+        return [a for i in range(0, len(questions), bs)
+                for a in model.answer(list(questions[i:i + bs]), None if passages is None else passages[i:i + bs], raw_prompts=raw)]
     fmt, gcfg, out = model.context_format, GenerationConfig(num_beams=1, max_new_tokens=16), []
     for i in range(0, len(questions), bs):
         qs = list(questions[i:i + bs])
@@ -226,12 +230,14 @@ def evaluate_selfask(readers: dict, kb, scorer: NLIScorer, args) -> dict:
     all entailed falls back to the no-retrieval chain's answer."""
     from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
-    writer, fmt = readers["retrobust"], readers["retrobust"].context_format
+    writer = readers["retrobust"]
     retriever = DenseRetriever(kb, default_query_encoder(kb))
     records = load_multihop("test")[: args.n_multihop]
 
     def write(prompt: str) -> str:
-        return read(writer, [prompt.removeprefix(fmt.prefix)])[0]
+        if hasattr(writer, "answer"):  # a decoder-only reader continues the chain text itself
+            return read(writer, [prompt.rstrip("\n")], raw=True)[0]
+        return read(writer, [prompt.removeprefix(writer.context_format.prefix)])[0]
 
     def with_retrieval(follow_up: str):
         p = retriever.retrieve([follow_up], 1).passages[0][0]

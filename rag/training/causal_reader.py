@@ -27,12 +27,12 @@ import torch
 from rag.errors import ConfigError
 from rag.eval.metrics import ExactMatch, TokenF1
 from rag.knowledge.passages import Passage
-from rag.models.ralm import CausalScorer, window_ids
+from rag.models.ralm import CausalScorer, window_ids, window_start
 from rag.training.modules import step_schedule
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DEFAULT_PROMPT", "reading_windows", "answer_nll", "CausalReaderModule"]
+__all__ = ["DEFAULT_PROMPT", "reading_windows", "prompt_windows", "answer_nll", "CausalReaderModule"]
 
 DEFAULT_PROMPT = "Question: {question}\nAnswer:"
 
@@ -58,6 +58,24 @@ def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Seque
         stream = scorer.stream(prompt)
         target = list(scorer.tokenizer(" " + answer.strip(), add_special_tokens=False)["input_ids"]) + [int(eos)]
         out.append((window_ids(stream + target, len(stream), len(stream) + len(target), doc, scorer.max_length), len(target)))
+    return out
+
+
+def first_line(text: str) -> str:
+    """The answer in a generated continuation: its first non-empty line (a reader may go on with a next "Question:")."""
+    return text.strip().split("\n")[0].strip()
+
+
+def prompt_windows(scorer: CausalScorer, prompts: Sequence[str], passages: Optional[Sequence[Optional[Passage]]],
+                   max_new_tokens: int) -> list[list[int]]:
+    """Per prompt ``doc ∘ [ctx] ∘ prompt``, the prompt cut from the left so that `max_new_tokens` more fit the window: what
+    :class:`~rag.readers.RalmReader` decodes an answer from when the stride covers the answer (one retrieval)."""
+    passages = list(passages) if passages is not None else [None] * len(prompts)
+    docs = iter(scorer.doc_tokens([p for p in passages if p is not None]))
+    out = []
+    for prompt, passage in zip(prompts, passages, strict=True):
+        doc, stream = (next(docs) if passage is not None else []), scorer.stream(prompt)
+        out.append(doc + stream[window_start(len(stream), len(stream) + max_new_tokens, len(doc), scorer.max_length):])
     return out
 
 
@@ -223,6 +241,29 @@ class CausalReaderModule(pl.LightningModule):
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
         return loss
 
+    @torch.no_grad()
+    def answer(self, questions: Sequence[str], passages: Optional[Sequence[Optional[Passage]]] = None, *,
+               raw_prompts: bool = False, max_new_tokens: Optional[int] = None) -> list[str]:
+        """Greedy answers (the first generated line) of `questions` (formatted with ``model.prompt`` unless `raw_prompts`),
+        each read after its given passage (None: alone): the reader under chosen contexts, e.g. RetRobust's
+        low-ranked or random ones. The same tokens as :meth:`RalmReader.generate <rag.readers.RalmReader.generate>`
+        gives when it retrieved that passage."""
+        scorer = self._require()
+        new = self.hparams.max_new_tokens if max_new_tokens is None else max_new_tokens
+        windows = prompt_windows(scorer, list(questions) if raw_prompts else self.prompts(questions), passages, new)
+        was_training = self.lm.training
+        self.lm.eval()
+        width = max(map(len, windows))
+        ids = torch.full((len(windows), width), scorer.pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for r, w in enumerate(windows):  # left-padded: every row's next token comes at the same column
+            ids[r, width - len(w):], mask[r, width - len(w):] = torch.as_tensor(w), 1
+        out = self.lm.generate(input_ids=ids.to(scorer.device), attention_mask=mask.to(scorer.device), max_new_tokens=new,
+                               do_sample=False, num_beams=1, pad_token_id=scorer.pad_id, eos_token_id=self.tokenizer.eos_token_id)
+        self.lm.train(was_training)
+        texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
+        return [first_line(t) for t in texts]
+
     def _reader(self):
         """The :class:`~rag.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
         if self._ralm_reader is None:
@@ -244,7 +285,7 @@ class CausalReaderModule(pl.LightningModule):
                 self.prompts(questions), max_new_tokens=self.hparams.max_new_tokens)
         self.lm.train(was_training)
         for suffix, answers in (("", with_r), ("_no_retrieval", without)):
-            preds = [a.text.split("\n")[0].strip() for a in answers]
+            preds = [first_line(a.text) for a in answers]
             self.metrics[f"{stage}_em{suffix}"].update(preds, golds)
             self.metrics[f"{stage}_f1{suffix}"].update(preds, golds)
 

@@ -90,6 +90,33 @@ def test_training_steps_lower_the_loss_and_touch_only_the_lm(module):
     assert float(loss) < first / 4, (first, float(loss))
 
 
+def test_answer_under_a_given_passage_equals_ralm_reader_generation(module):
+    """The reader's greedy answer after a chosen passage is RalmReader's answer when that passage is the one it retrieved
+    (stride >= answer length: one retrieval), and the no-passage answer is its no-retrieval one. The random LM is first
+    taught to say a passage's title, so that answers are real words that depend on the passage."""
+    from rag.models.ralm import RalmConfig
+    from rag.readers import RalmReader
+    from rag.training.causal_reader import first_line
+
+    kb = module._knowledge_base()
+    passages = kb.all_passages()[:8]
+    qs = [f"name the element: {p.text.split('.')[0]}" for p in passages]
+    opt = torch.optim.AdamW(module.lm.parameters(), lr=3e-3)
+    module.lm.train()
+    for _ in range(40):
+        loss = module.loss(module.prompts(qs), [p.title for p in passages], passages)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    reader = RalmReader(module.lm, module.tokenizer, kb, RalmConfig(stride=6, doc_max_length=24, max_length=module.scorer.max_length),
+                        retrieval="dense")
+    with_r, without = reader.generate_with_and_without_retrieval(module.prompts(qs), max_new_tokens=6)
+    expected = [first_line(a.text) for a in with_r]
+    assert len(set(expected)) > 2, expected  # real answers that differ with the passage
+    assert module.answer(qs, [a.passages[0] for a in with_r], max_new_tokens=6) == expected
+    assert module.answer(qs, max_new_tokens=6) == [first_line(a.text) for a in without]
+
+
 def test_selfask_chains_join_every_training_step(gpt2_dir, tiny_kb_dir, monkeypatch):
     m = CausalReaderModule(lm=gpt2_dir, knowledge_base=tiny_kb_dir, doc_max_length=24, selfask="demo", selfask_batch=3)
     m.configure_model()
