@@ -207,12 +207,13 @@ def test_bad_selfask_file_names_the_line(tmp_path, gpt2_dir, tiny_kb_dir):
         m.configure_model()
 
 
-def test_config_parses_lazily(tmp_path, monkeypatch):
+@pytest.mark.parametrize("name", ["retrobust_reader_tiny.yaml", "retrobust_reader_smollm2.yaml"])
+def test_config_parses_lazily(name, tmp_path, monkeypatch):
     from rag.cli.train import make_cli
     from rag.training.data import QADataModule
 
     monkeypatch.chdir(tmp_path)
-    cli = make_cli(["--config", str(CONFIG)], run=False)
+    cli = make_cli(["--config", str(CONFIG.with_name(name))], run=False)
     assert isinstance(cli.model, CausalReaderModule) and isinstance(cli.datamodule, QADataModule)
     assert cli.model.lm is None  # lazy: parsing loads no model
     mix = cli.datamodule.context_mixing
