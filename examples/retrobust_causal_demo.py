@@ -57,6 +57,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--selfask-batch", type=int, default=2, help="Self-Ask chain lines per step (top-1, RetRobust)")
     p.add_argument("--lr", type=float, default=5e-5, help="peak learning rate (warm-up 10%%, linear decay)")
     p.add_argument("--doc-max-length", type=int, default=128, help="passage tokens read")
+    p.add_argument("--max-new-tokens", type=int, default=24,
+                   help="tokens generated per answer or Self-Ask line (a follow-up question needs ~15)")
     p.add_argument("--n-known", type=int, default=50, help="known (training) questions evaluated")
     p.add_argument("--n-kb", type=int, default=50, help="KB-only (test) questions evaluated")
     p.add_argument("--n-multihop", type=int, default=20, help="two-hop test questions for Self-Ask")
@@ -72,7 +74,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 def make_reader(lm: str, kb, args, selfask: bool) -> CausalReaderModule:
     module = CausalReaderModule(lm=lm, knowledge_base=str(kb.path), doc_max_length=args.doc_max_length, learning_rate=args.lr,
                                 warmup_ratio=0.1, selfask="demo" if selfask else None, selfask_batch=args.selfask_batch,
-                                max_new_tokens=10, seed=args.seed)
+                                max_new_tokens=args.max_new_tokens, seed=args.seed)
     module.configure_model()
     return module
 
@@ -105,7 +107,8 @@ def ensure_reader(name: str, kb, args) -> tuple[CausalReaderModule, dict]:
     module.export(path)
     atomic_write_json(path / "training.json", record)
     logger.info("%s: %s", name, record)
-    return module.eval(), record
+    del module, trainer  # the optimizer state (2x the weights) goes with the trainer; read the exported reader back
+    return make_reader(str(path), kb, args, selfask=False).eval(), record
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
