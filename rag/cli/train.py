@@ -41,6 +41,22 @@ def _imports():
     return pl, LightningCLI
 
 
+DEFAULT_MODEL = "rag.training.modules.RagModule"
+DEFAULT_DATA = "rag.training.data.QADataModule"
+
+
+def _cli_class():
+    """LightningCLI whose model and data default to RagModule and QADataModule, so that `rag fit --print_config` and
+    `rag fit --help` show their options (a config's `class_path` still chooses any other module)."""
+    from pytorch_lightning.cli import LightningCLI
+
+    class RagCLI(LightningCLI):
+        def add_arguments_to_parser(self, parser) -> None:
+            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+
+    return RagCLI
+
+
 def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
     """Build (and with `run=True` run) the LightningCLI for `args` (``["fit", "--config", ...]``).
 
@@ -48,8 +64,12 @@ def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
     parsed and the model, data module and trainer are instantiated but nothing runs —
     cheap, because :class:`~rag.training.modules.RagModule` builds its model lazily.
     """
-    pl, LightningCLI = _imports()
-    return LightningCLI(
+    from jsonargparse import set_parsing_settings
+
+    pl, _ = _imports()
+    # Option help from the dataclass fields' own docstrings (RagModelConfig, ContextMixing, ...), not only from Args:.
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    return _cli_class()(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,
@@ -75,4 +95,41 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     argv = list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         raise SystemExit(f"rag: expected one of {', '.join(SUBCOMMANDS)} followed by --config FILE.yaml")
-    make_cli(None if argv == sys.argv[1:] else argv, run=True)
+    own = argv == sys.argv[1:]
+    nested = nested_help(argv)
+    if nested is not None:
+        argv = nested
+        if own:  # it stays the process's command line, as LightningCLI expects
+            sys.argv[1:] = nested
+    make_cli(None if own else argv, run=True)
+
+
+def _class_in(argv: Sequence[str], key: str) -> str:
+    """The class the command line chooses for `key` (``model`` / ``data``): ``--key X``, else the last ``--config``'s
+    ``class_path``, else the default."""
+    import yaml
+
+    chosen = DEFAULT_MODEL if key == "model" else DEFAULT_DATA
+    for i, a in enumerate(argv[:-1]):
+        if a == "--config":
+            try:
+                with open(argv[i + 1], encoding="utf-8") as f:
+                    section = (yaml.safe_load(f) or {}).get(key)
+            except (OSError, yaml.YAMLError):
+                continue  # LightningCLI reports an unreadable config itself
+            if isinstance(section, dict) and isinstance(section.get("class_path"), str):
+                chosen = section["class_path"]
+        elif a == f"--{key}" and not argv[i + 1].startswith("-"):
+            chosen = argv[i + 1]
+    return chosen
+
+
+def nested_help(argv: Sequence[str]) -> Optional[list[str]]:
+    """``rag fit --model.rag.help`` (help on a nested option group, which jsonargparse has no flag for in subclass mode)
+    becomes ``rag fit --model.help CLASS``: the chosen class's options, the group's fields with their docs among them.
+    None when `argv` asks no such help."""
+    for a in argv[1:]:
+        parts = a.lstrip("-").split(".")
+        if a.startswith("--") and len(parts) >= 3 and parts[0] in ("model", "data") and parts[-1] == "help":
+            return [argv[0], f"--{parts[0]}.help", _class_in(argv, parts[0])]
+    return None

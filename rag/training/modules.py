@@ -101,6 +101,11 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
 # ---------------------------------------------------------------------------- the module
 
 
+# Defaults of RagModule's nested options: typed dataclasses (not Optional), so that `rag fit --print_config` and
+# `--model.help` list their fields; never mutated (RagModule copies them into plain dicts).
+_DEFAULT_RAG, _DEFAULT_TINY = RagModelConfig(), TinyGenerator()
+
+
 class RagModule(pl.LightningModule):
     """End-to-end RAG fine-tuning (query encoder + generator) with QA evaluation.
 
@@ -143,8 +148,8 @@ class RagModule(pl.LightningModule):
         build_knowledge_base_from: Optional[str] = None,
         knowledge_base_encoder: Optional[str] = None,
         knowledge_base_index: str = "flat",
-        rag: Optional[RagModelConfig] = None,
-        tiny: Optional[TinyGenerator] = None,
+        rag: RagModelConfig = _DEFAULT_RAG,
+        tiny: TinyGenerator = _DEFAULT_TINY,
         document_encoder: Optional[str] = None,
         doc_encoder_lr: float = 1e-5,
         query_encoder_lr: float = 1e-5,

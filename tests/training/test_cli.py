@@ -95,6 +95,49 @@ def test_unknown_key_is_named(tmp_path, capsys, where, key):
     assert key in message and ("not accepted" in message or "does not accept" in message), message
 
 
+def test_print_config_without_a_config_shows_the_default_modules(tmp_path, monkeypatch, capsys):
+    """`rag fit --print_config` shows RagModule's and QADataModule's options, nested RAG options expanded."""
+    from rag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(["fit", "--print_config"])
+    assert e.value.code in (0, None)
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"]["class_path"] == "rag.training.modules.RagModule"
+    assert cfg["model"]["init_args"]["rag"]["n_docs"] == 5 and "retrieval_temperature" in cfg["model"]["init_args"]["rag"]
+    assert cfg["model"]["init_args"]["tiny"]["d_model"] > 0
+    assert cfg["data"]["class_path"] == "rag.training.data.QADataModule" and "batch_size" in cfg["data"]["init_args"]
+
+
+def test_print_config_keeps_the_config_class(tmp_path, monkeypatch, capsys):
+    from rag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIG_DIR / "replug_lsr_tiny.yaml"), "--print_config"])
+    cfg = yaml.safe_load(capsys.readouterr().out)
+    assert cfg["model"]["class_path"] == "rag.training.replug_lsr.ReplugLSRModule" and "rag" not in cfg["model"]["init_args"]
+
+
+@pytest.mark.parametrize("argv, shows", [
+    (["fit", "--model.rag.help"], "--model.rag.n_docs"),
+    (["fit", "--model", "RagModule", "--model.tiny.help"], "--model.tiny.d_model"),
+    (["fit", "--config", str(CONFIG_DIR / "replug_lsr_tiny.yaml"), "--model.lm.help"], "--model.retrieval_temperature"),
+])
+def test_nested_option_help_shows_the_fields_with_their_docs(argv, shows, tmp_path, monkeypatch, capsys):
+    from rag.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code in (0, None)
+    out = capsys.readouterr().out
+    assert shows in out
+    if "rag.help" in argv[-1]:  # the field's own docstring, not only its type
+        assert "marginalised" in out.split("--model.rag.n_docs N_DOCS", 2)[-1][:200]
+
+
 def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
     """`rag fit` then `rag validate` and a resumed `rag fit`, all via rag.cli.main."""
     from rag.cli import main
