@@ -97,9 +97,13 @@ class RagPipeline:
         self._check_options(options)
         return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
 
-    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, **options) -> list[Answer]:
+    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None, **options) -> list[Answer]:
         """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
         :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input.
+
+        ``retrieval=False``: nothing is retrieved; the generator answers the bare questions (the closed-book baseline of
+        Lewis et al. 2020, Table 1), each answer with no passages and ``answered_with="no_retrieval"``. A causal reader
+        also takes ``retrieval="bm25"|"dense"`` (which retriever to use).
 
         ``nli``: the RetRobust back-off (Yoran et al. 2024, §2.1; :mod:`rag.nli_backoff`): an
         :class:`~rag.models.nli.NLIScorer`, an NLI model directory / hub id (loaded once and kept by this pipeline), or
@@ -109,6 +113,14 @@ class RagPipeline:
         """
         from rag.models.nli import validate_threshold
 
+        if retrieval is False:
+            if nli is not None and nli is not False:
+                raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off (--nli) chooses "
+                                  "between answers with and without them: drop one")
+            self._check_options(options)
+            return self.reader.generate_without_retrieval(questions, **options)
+        if retrieval is not None and retrieval is not True:
+            options["retrieval"] = retrieval
         self._check_options(options)
         nli_threshold = validate_threshold(nli_threshold)
         if nli is None or nli is False:

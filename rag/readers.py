@@ -48,12 +48,28 @@ class Reader(Protocol):
 
     def generate(self, questions: Sequence[str], **options) -> list[Answer]: ...
 
+    def generate_without_retrieval(self, questions: Sequence[str], **options) -> list[Answer]: ...
+
 
 READER_OPTIONS = {
     "seq2seq": {"n_docs": "--n-docs", "marginalization": "--marginalization", "decoding": "--decoding"},
     "causal": {"stride": "--stride", "query_length": "--query-length", "retrieval": "--retrieval"},
 }
 """Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
+
+RETRIEVAL_OPTIONS = {**READER_OPTIONS["seq2seq"], **READER_OPTIONS["causal"], "ensemble": "--ensemble",
+                     "retrieval_temperature": "--retrieval-temperature"}
+"""Options that say how to retrieve or mix passages: a generation without retrieval refuses them."""
+
+
+def _refuse_retrieval_options(options: dict) -> None:
+    """Drop unset retrieval options from `options`; a set one is a :class:`ConfigError` naming its flag."""
+    for name, flag in RETRIEVAL_OPTIONS.items():
+        if options.get(name) is not None:
+            raise ConfigError(f"{name}= ({flag}) says how to retrieve, but this generation retrieves nothing (retrieval=False, "
+                              f"--no-retrieval): drop {flag}")
+        options.pop(name, None)
+
 
 READS = {"seq2seq": "a seq2seq RAG model (RAG-Sequence / RAG-Token over n_docs passages)",
           "causal": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
@@ -149,18 +165,27 @@ class RagReader:
         return (self._answers(questions, found.inputs, found.contexts, found.output, n_ret, found.marginalization),
                 self._bare_answers(questions, found.no_retrieval, n_ret, found.inputs.retrieved.kb_version))
 
-    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
-                  max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None, **generation_kw):
-        from rag.generation.answer import generate_for_questions
-        from rag.generation.decoding import GenerationConfig
+    @torch.no_grad()
+    def generate_without_retrieval(self, questions: Sequence[str], *, num_beams: Optional[int] = None,
+                                   max_new_tokens: Optional[int] = None, num_return_sequences: int = 1,
+                                   **generation_kw) -> list[Answer]:
+        """The generator's answers to the bare questions, nothing retrieved (the closed-book baseline, Lewis et al. 2020
+        Table 1; ``rag generate --no-retrieval``): no passages, ``answered_with="no_retrieval"``. Generation options as
+        :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are refused."""
+        from dataclasses import replace
+
+        from rag.generation.answer import generate_closed_book
 
         questions = check_strings(questions, "questions")
-        if retrieval_temperature is not None:
-            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
-                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
-        if ensemble is not None:
-            n_docs, marginalization = _ensemble_as_rag_token(ensemble, n_docs, marginalization)
-        k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
+        _refuse_retrieval_options(generation_kw)
+        config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
+        out = generate_closed_book(self.model, questions, config)
+        return [replace(a, answered_with="no_retrieval") for a in self._bare_answers(questions, out, num_return_sequences, self.kb_version)]
+
+    def _generation_config(self, num_beams, max_new_tokens, num_return_sequences: int, generation_kw: dict):
+        """The generation config of a call: explicit options, then the model's stored defaults, then greedy / 32 tokens."""
+        from rag.generation.decoding import GenerationConfig
+
         stored = dict(self.model.config.generation or {})
         if max_new_tokens is not None or "max_length" in generation_kw:
             stored.pop("max_length", None)
@@ -169,7 +194,20 @@ class RagReader:
         num_beams = generation_kw["num_beams"]
         if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
-        config = GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
+        return GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
+
+    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
+                  max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None, **generation_kw):
+        from rag.generation.answer import generate_for_questions
+
+        questions = check_strings(questions, "questions")
+        if retrieval_temperature is not None:
+            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
+                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
+        if ensemble is not None:
+            n_docs, marginalization = _ensemble_as_rag_token(ensemble, n_docs, marginalization)
+        k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
+        config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
                                        decoding=decoding, with_no_retrieval=with_no_retrieval)
         return questions, found
@@ -349,9 +387,19 @@ class RalmReader:
         n = len(questions) * options.get("num_return_sequences", 1)
         return answers[:n], answers[n:]
 
+    @torch.no_grad()
+    def generate_without_retrieval(self, questions: Sequence[str], **options) -> list[Answer]:
+        """The LM's continuations of the prompts alone, nothing retrieved (``rag generate --no-retrieval``): no passages or
+        segments, ``answered_with="no_retrieval"``. Generation options as :meth:`generate`; retrieval options
+        (``stride``, ``ensemble``, ...) are refused."""
+        from dataclasses import replace
+
+        _refuse_retrieval_options(options)
+        return [replace(a, answered_with="no_retrieval") for a in self._generate(questions, False, only_no_retrieval=True, **options)]
+
     def _generate(self, questions, with_no_retrieval: bool, stride=None, query_length=None, retrieval=None, max_new_tokens=None,
                   num_beams=None, num_return_sequences: int = 1, seed=None, ensemble=None, retrieval_temperature=None,
-                  **generation_kw) -> list[Answer]:
+                  only_no_retrieval: bool = False, **generation_kw) -> list[Answer]:
         from dataclasses import replace
 
         from rag.generation.search import GenerationConfig
@@ -377,6 +425,9 @@ class RalmReader:
         rng = None
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
+        if only_no_retrieval:
+            return [self._answer(ralm, c, served.kb_version) for c in ralm_generate(ralm, questions, config, rng=rng,
+                                                                                     retrieve=[False] * len(questions))]
         if cfg.ensemble is not None:
             answers = self._replug(ralm, questions, config, rng, served.kb_version)
             if with_no_retrieval:  # the back-off's other branch: the LM on the prompts alone

@@ -102,6 +102,47 @@ def test_rag_no_retrieval_answer_is_the_generator_on_the_bare_question(rag_pipe,
         assert math.isfinite(a.score) and a.score <= 0
 
 
+@pytest.mark.parametrize("num_beams", [1, 2])
+def test_generation_without_retrieval_is_the_generator_alone_and_retrieves_nothing(rag_pipe, ralm_pipe, num_beams, monkeypatch):
+    """generate(retrieval=False) (`rag generate --no-retrieval`, the closed-book baseline): the same answers as the
+    no-retrieval half of the back-off's batch (RAG: transformers' generate of the generator alone), no passages, and no
+    retrieval at all (for both readers)."""
+    gen, tok = rag_pipe.model.generator, rag_pipe.model.generator_tokenizer
+    _, bare = rag_pipe.reader.generate_with_and_without_retrieval(QUESTIONS, num_beams=num_beams, **GEN)
+    _, ralm_bare = ralm_pipe.reader.generate_with_and_without_retrieval(QUESTIONS, num_beams=num_beams, **GEN)
+
+    def no_retrieval(*a, **k):
+        raise AssertionError("retrieved")
+
+    monkeypatch.setattr(rag_pipe.model, "prepare_inputs", no_retrieval)
+    monkeypatch.setattr(rag_pipe.model, "retrieve", no_retrieval)
+    monkeypatch.setattr(ralm_pipe.reader.retriever, "pin", no_retrieval)
+    answers = rag_pipe.generate(QUESTIONS, retrieval=False, num_beams=num_beams, **GEN)
+    assert [a.token_ids for a in answers] == [a.token_ids for a in bare]
+    assert all(a.passages == [] and a.answered_with == "no_retrieval" for a in answers)
+    for q, a in zip(QUESTIONS, answers):
+        ref = gen.generate(**tok([q], return_tensors="pt"), max_new_tokens=6, min_new_tokens=6, num_beams=num_beams, do_sample=False)
+        assert a.token_ids == ref[0].tolist()[:len(a.token_ids)]
+    monkeypatch.undo()
+    from rag.knowledge.bm25 import BM25Retriever
+    from rag.knowledge.retriever import DenseRetriever
+
+    monkeypatch.setattr(BM25Retriever, "retrieve", no_retrieval)
+    monkeypatch.setattr(DenseRetriever, "retrieve", no_retrieval)
+    ralm_answers = ralm_pipe.generate(QUESTIONS, retrieval=False, num_beams=num_beams, **GEN)
+    assert [a.token_ids for a in ralm_answers] == [a.token_ids for a in ralm_bare]
+    assert all(a.passages == [] and not a.segments and a.answered_with == "no_retrieval" for a in ralm_answers)
+
+
+def test_generation_without_retrieval_refuses_retrieval_options(rag_pipe, ralm_pipe, nli_dirs):
+    with pytest.raises(ConfigError, match="--n-docs"):
+        rag_pipe.generate(QUESTIONS, retrieval=False, n_docs=2)
+    with pytest.raises(ConfigError, match="--stride"):
+        ralm_pipe.generate(QUESTIONS, retrieval=False, stride=2)
+    with pytest.raises(ConfigError, match="--no-retrieval.*--nli"):
+        rag_pipe.generate(QUESTIONS, retrieval=False, nli=nli_dirs["yes"])
+
+
 def test_both_generations_are_one_batch(rag_pipe, ralm_pipe, nli_dirs, monkeypatch):
     import rag.generation.answer as answer_mod
     import rag.models.ralm_generate as ralm_mod
@@ -186,6 +227,20 @@ def test_cli_generate_json_carries_the_fields(capsys, gpt2_dir, kb, nli_dirs, tm
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "empty_cache"))
     assert main(base + ["--nli"]) == 2  # no value: the default model, not built here
     assert "rag nli prepare" in capsys.readouterr().err
+
+
+def test_cli_generate_no_retrieval(capsys, gpt2_dir, kb):
+    from rag.cli import main
+
+    base = ["generate", "--model", gpt2_dir, "--kb", str(kb.path), *PROMPTS, "--max-length", "96", "--doc-max-length", "24",
+            "--max-new-tokens", "5", "--no-retrieval"]
+    assert main(base + ["--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(rows) == 2 and all(r["passages"] == [] and r["answered_with"] == "no_retrieval" for r in rows)
+    assert main(base) == 0
+    assert "answered without retrieval" in capsys.readouterr().out
+    assert main(base + ["--stride", "4"]) == 2
+    assert "drop --stride" in capsys.readouterr().err
 
 
 def test_serve_returns_the_fields(rag_pipe, nli_dirs):

@@ -29,6 +29,8 @@ def add_parser(sub) -> None:
     p.add_argument("--query-length", type=int, default=None, help="causal LM: the last this-many tokens are the query (default 32)")
     p.add_argument("--retrieval", choices=["bm25", "dense"], default=None,
                    help="causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, else dense)")
+    p.add_argument("--no-retrieval", action="store_true",
+                   help="retrieve nothing: the generator answers the bare questions (the closed-book baseline; no passages)")
     p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
     p.add_argument("--ensemble", type=int, default=None, metavar="K",
@@ -60,9 +62,11 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
         print(json.dumps(a.to_dict(), ensure_ascii=False))
         return
     print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
-    if a.answered_with is not None:
-        p_ent = ", ".join(f"{s.get('entailment', float('nan')):.3f}" for s in a.nli_entailment or [])
+    if a.answered_with is not None and a.nli_entailment is not None:
+        p_ent = ", ".join(f"{s.get('entailment', float('nan')):.3f}" for s in a.nli_entailment)
         print(f"   answered with {a.answered_with} (NLI P(entailment) of the retrieval answer: {p_ent})")
+    elif a.answered_with == "no_retrieval":
+        print("   answered without retrieval (--no-retrieval): no passage was read")
     if a.segments:  # In-Context RALM: the document in context for each stride of generated tokens
         for s in a.segments:
             print(f"   tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
@@ -110,6 +114,8 @@ def cmd_generate(args) -> int:
                        max_new_tokens=args.max_new_tokens, stride=args.stride, query_length=args.query_length,
                        retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed, ensemble=args.ensemble,
                        retrieval_temperature=args.retrieval_temperature)
+        if args.no_retrieval:
+            options["retrieval"] = False
         answers = pipe.generate(batch, nli=nli, nli_threshold=args.nli_threshold, **{k: v for k, v in options.items() if v is not None})
         for a in answers:
             heatmap = None

@@ -24,7 +24,7 @@ from rag.generation.decoding import (
     rag_token_generate,
 )
 
-__all__ = ["RagGeneration", "generate_for_questions", "no_retrieval_contexts", "unmasked_contexts"]
+__all__ = ["RagGeneration", "generate_for_questions", "generate_closed_book", "no_retrieval_contexts", "unmasked_contexts"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,21 @@ def _split_rows(out: GenerationOutput, n: int) -> tuple[GenerationOutput, Genera
                                 None if out.doc_posteriors is None else out.doc_posteriors[sl])
 
     return part(slice(0, n)), part(slice(n, None))
+
+
+@torch.no_grad()
+def generate_closed_book(model, questions: Sequence[str], config: GenerationConfig) -> GenerationOutput:
+    """The generator's answers to the bare questions (the model's prefix + question, no passage, nothing retrieved): the
+    closed-book baseline of Lewis et al. 2020, Table 1. One context per question with prior 1, so RAG-Token decoding
+    over it is the generator's own beam / greedy search on ``p(y | x)``."""
+    from rag.generation.contexts import Context, tokenize_contexts
+
+    fmt = model.context_format
+    enc = tokenize_contexts(model.generator_tokenizer, [Context(fmt.prefix + q, len(fmt.prefix)) for q in questions],
+                            model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
+    device = next(model.generator.parameters()).device
+    contexts = encode_contexts(model.generator, enc["input_ids"].to(device), enc["attention_mask"].to(device))
+    return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device), config)
 
 
 @torch.no_grad()

@@ -138,6 +138,9 @@ class RagModule(pl.LightningModule):
         sequence_decoding: RAG-Sequence decoding for evaluation: ``fast`` or ``thorough`` (§2.5).
         recall_at: the k of retrieval recall@k reported on validation/test.
         generate_on_validation: generate and score EM/F1 during validation (off: loss + recall only).
+        closed_book: the closed-book baseline (Lewis et al. 2020, Table 1): the generator is trained and evaluated on the
+            questions alone (``RagModel.generator_loss`` without passages), nothing is retrieved and the query encoder is
+            not trained; compare it with a RAG run of the same config.
     """
 
     def __init__(
@@ -164,6 +167,7 @@ class RagModule(pl.LightningModule):
         sequence_decoding: Literal["fast", "thorough"] = "fast",
         recall_at: Sequence[int] = (1, 5),
         generate_on_validation: bool = True,
+        closed_book: bool = False,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -241,6 +245,13 @@ class RagModule(pl.LightningModule):
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        if self.hparams.get("closed_book"):
+            if "contexts" in batch:
+                raise ConfigError("model.closed_book trains on the questions alone, but the data gives each question a passage "
+                                  "(data.context_mixing): drop one of them")
+            loss = self._require_model().generator_loss(batch["questions"], batch["targets"])
+            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
+            return loss
         if "contexts" in batch:  # RetRobust context mixing: the generator reads the one drawn passage (no retrieval)
             loss = self._require_model().generator_loss(batch["questions"], batch["targets"], batch["contexts"])
             self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
@@ -253,6 +264,9 @@ class RagModule(pl.LightningModule):
     def _eval_step(self, batch: dict, stage: str) -> None:
         questions, answers = batch["questions"], batch["answers"]
         bs = len(questions)
+        if self.hparams.get("closed_book"):
+            self._closed_book_eval_step(questions, batch["targets"], answers, stage)
+            return
         out = self(questions, batch["targets"])
         self.log(f"{stage}/loss", out.loss, prog_bar=stage == "val", batch_size=bs, sync_dist=True)
         self._count_contexts(stage, out)
@@ -265,6 +279,30 @@ class RagModule(pl.LightningModule):
             if len(self._samples) < 3:
                 self._samples.extend(zip(questions, preds, answers))
         recall.update(self._recall_passages(questions, retrieved), answers)
+
+    def _closed_book_eval_step(self, questions, targets, answers, stage: str) -> None:
+        """Loss, EM and F1 of the generator on the bare questions (no retrieval, so no recall)."""
+        em, f1 = (self.val_em, self.val_f1) if stage == "val" else (self.test_em, self.test_f1)
+        model = self._require_model()
+        with torch.no_grad():
+            self.log(f"{stage}/loss", model.generator_loss(questions, targets), prog_bar=stage == "val", batch_size=len(questions),
+                     sync_dist=True)
+        if stage == "test" or self.hparams.generate_on_validation:
+            preds = self._generate_closed_book(questions)
+            em.update(preds, answers)
+            f1.update(preds, answers)
+            if len(self._samples) < 3:
+                self._samples.extend(zip(questions, preds, answers))
+
+    def _generate_closed_book(self, questions: Sequence[str]) -> list[str]:
+        from rag.generation.answer import generate_closed_book
+        from rag.generation.decoding import GenerationConfig
+        from rag.generation.detokenize import decode_answer
+
+        model, h = self._require_model(), self.hparams
+        with torch.no_grad():
+            out = generate_closed_book(model, list(questions), GenerationConfig(num_beams=h.num_beams, max_new_tokens=h.max_new_tokens))
+        return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
 
     def _recall_passages(self, questions, retrieved) -> list[list]:
         """Ranked passages for recall@k: those already retrieved, or a deeper search if max k > n_docs."""
@@ -290,6 +328,8 @@ class RagModule(pl.LightningModule):
         self._eval_step(batch, "test")
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        if self.hparams.get("closed_book"):
+            return [{"question": q, "answer": a, "passages": []} for q, a in zip(batch["questions"], self._generate_closed_book(batch["questions"]))]
         preds, retrieved, _ = self._generate(batch["questions"])
         return [
             {"question": q, "answer": a, "passages": [p.id for p in ps]}
@@ -302,8 +342,9 @@ class RagModule(pl.LightningModule):
         if int(em.count) > 0 or stage == "test":
             self.log(f"{stage}/em", em.compute(), prog_bar=True)
             self.log(f"{stage}/f1", f1.compute())
-        for name, value in recall.compute().items():
-            self.log(f"{stage}/{name}", value)
+        if not self.hparams.get("closed_book"):  # closed-book runs retrieve nothing
+            for name, value in recall.compute().items():
+                self.log(f"{stage}/{name}", value)
         for m in (em, f1, recall):
             m.reset()
         for q, p, a in self._samples:
@@ -347,6 +388,8 @@ class RagModule(pl.LightningModule):
         unknown = sorted(set(groups) - set(lrs))
         if unknown:
             raise ConfigError(f"RagModel.parameter_groups() returned unknown group(s) {unknown}; expected {sorted(lrs)}")
+        if h.get("closed_book"):  # nothing is retrieved: only the generator learns
+            lrs = {"generator": h.generator_lr}
         param_groups = []
         for name, lr in lrs.items():
             params = [p for p in groups.get(name, []) if p.requires_grad]

@@ -159,3 +159,38 @@ def test_bf16_mixed_precision_and_clipping(make_module, make_data, trainer_kw):
     m = trainer.callback_metrics
     assert trainer.global_step == 1 and torch.isfinite(m["train/loss"]) and torch.isfinite(m["val/loss"])
     assert all(p.dtype == torch.float32 for p in module.parameters())  # master weights stay fp32
+
+
+def test_closed_book_trains_only_the_generator_on_bare_questions(make_module, make_data, trainer_kw, monkeypatch):
+    """model.closed_book: the loss is RagModel.generator_loss(questions, targets) (no passage), nothing is ever retrieved,
+    the query encoder keeps its weights, and validation reports EM/F1 without recall."""
+    module = make_module(closed_book=True, query_encoder_lr=1e-3)
+    module.configure_model()
+    groups = module.model.parameter_groups()
+    q_before, g_before = _snapshot(groups["query_encoder"]), _snapshot(groups["generator"])
+    batch = {"questions": ["what is the symbol of gold?", "which element has atomic number 8?"], "targets": ["Au", "Oxygen"]}
+    expected = module.model.generator_loss(batch["questions"], batch["targets"])
+    assert float(module.training_step(batch, 0).detach()) == pytest.approx(float(expected), rel=1e-6)
+
+    def no_retrieval(*a, **k):
+        raise AssertionError("a closed-book run retrieved")
+
+    monkeypatch.setattr(module.model, "retrieve", no_retrieval)
+    monkeypatch.setattr(module.model, "prepare_inputs", no_retrieval)
+    trainer = pl.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2, **trainer_kw)
+    trainer.fit(module, datamodule=make_data())
+    assert [g["name"] for g in trainer.optimizers[0].param_groups] == ["generator"]
+    assert not _changed(q_before, groups["query_encoder"]) and _changed(g_before, groups["generator"])
+    m = trainer.callback_metrics
+    assert {"val/loss", "val/em", "val/f1"} <= set(m) and not any(k.startswith("val/recall") for k in m)
+
+
+def test_closed_book_refuses_mixed_contexts(make_module):
+    from rag.errors import ConfigError
+    from rag.knowledge.passages import Passage
+
+    module = make_module(closed_book=True)
+    module.configure_model()
+    with pytest.raises(ConfigError, match="model.closed_book.*context_mixing"):
+        module.training_step({"questions": ["q?"], "targets": ["a"], "contexts": [Passage(id="p", title="t", text="x")],
+                              "context_kinds": ["top1"]}, 0)
