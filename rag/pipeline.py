@@ -195,6 +195,11 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()
     path = Path(path_or_name)
+    from rag.training.export import is_lightning_checkpoint
+
+    if is_lightning_checkpoint(path):
+        raise ConfigError(f"{path}: is a Lightning checkpoint of `rag fit`, not a model directory; export it first: "
+                          f"rag export {path} DIR, then --model DIR (rag.load(DIR))")
     if path.is_dir() and not (path / "rag_config.json").is_file():
         from rag.models.hf_compat import is_hf_rag_checkpoint, load_hf_rag
 

@@ -5,6 +5,7 @@
     rag lm-eval ...                     perplexity with In-Context RALM (rag.cli.lm_eval)
     rag nli prepare [--force]           the default NLI model, trained on SNLI (rag.cli.nli)
     rag fit|validate|test|predict ...   training and evaluation with LightningCLI
+    rag export CKPT DIR                 a `rag fit` checkpoint as a model directory (rag.cli.export)
 
 Each subcommand module exposes `add_parser(subparsers)`; Lightning's subcommands are
 handed to LightningCLI unchanged so that `--config`, `--print_config` and every
@@ -26,7 +27,7 @@ from rag.errors import RagError
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
-COMMANDS = {"demo": "rag.cli.demo", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve",
+COMMANDS = {"demo": "rag.cli.demo", "export": "rag.cli.export", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve",
             "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli"}
 
 
@@ -100,11 +101,28 @@ def describe_error(e: BaseException) -> tuple[str, int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    own = argv is None
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in LIGHTNING_COMMANDS:
+    verbose = [a for a in argv if a in ("-v", "--verbose")]
+    rest = [a for a in argv if a not in ("-v", "--verbose")]
+    if rest and rest[0] in LIGHTNING_COMMANDS:  # `rag -v test ...` / `rag test ... -v`: -v is rag's, not LightningCLI's
         from rag.cli.train import run_lightning_cli
 
-        run_lightning_cli(argv)
+        if verbose:
+            logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+            if own:
+                sys.argv[1:] = rest  # LightningCLI reads the process's command line
+        try:
+            run_lightning_cli(rest)
+        except KeyboardInterrupt:
+            print("interrupted", file=sys.stderr)
+            return 130
+        except (RagError, OSError, UnicodeDecodeError, MemoryError) as e:  # the user's to fix: one line (-v: traceback)
+            message, status = describe_error(e)
+            if verbose:
+                traceback.print_exc()
+            print(f"rag {rest[0]}: error: {message}", file=sys.stderr)
+            return status
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -141,6 +141,11 @@ class RagModule(pl.LightningModule):
         closed_book: the closed-book baseline (Lewis et al. 2020, Table 1): the generator is trained and evaluated on the
             questions alone (``RagModel.generator_loss`` without passages), nothing is retrieved and the query encoder is
             not trained; compare it with a RAG run of the same config.
+        predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
+            (answer, passages with ids, titles and scores, knowledge-base version); default
+            ``<trainer.default_root_dir>/predictions.jsonl``. The path is printed.
+        export_dir: write the trained model there at the end of ``fit`` (:func:`rag.training.export.save_model_directory`:
+            ``rag generate --model DIR`` reads it); an earlier export there is replaced, any other content refused.
     """
 
     def __init__(
@@ -168,6 +173,8 @@ class RagModule(pl.LightningModule):
         recall_at: Sequence[int] = (1, 5),
         generate_on_validation: bool = True,
         closed_book: bool = False,
+        export_dir: Optional[str] = None,
+        predictions_file: Optional[str] = None,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -196,6 +203,7 @@ class RagModule(pl.LightningModule):
         self._truncated = {"train": 0, "val": 0, "test": 0}  # contexts truncated this epoch
         self._contexts = {"train": 0, "val": 0, "test": 0}  # contexts built this epoch
         self._samples: list[tuple[str, str, list[str]]] = []
+        self._predictions: list[dict] = []
 
     # ------------------------------------------------------------------ model construction
     def prepare_data(self) -> None:
@@ -328,13 +336,38 @@ class RagModule(pl.LightningModule):
         self._eval_step(batch, "test")
 
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
+        """One record per question: ``question``, ``answer``, ``passages`` (``id``, ``title``, ``score``; empty closed-book),
+        ``kb_version`` (None closed-book) and, when the data has them, the gold ``answers``."""
+        questions = batch["questions"]
         if self.hparams.get("closed_book"):
-            return [{"question": q, "answer": a, "passages": []} for q, a in zip(batch["questions"], self._generate_closed_book(batch["questions"]))]
-        preds, retrieved, _ = self._generate(batch["questions"])
-        return [
-            {"question": q, "answer": a, "passages": [p.id for p in ps]}
-            for q, a, ps in zip(batch["questions"], preds, retrieved.passages)
-        ]
+            preds, passages, scores, version = self._generate_closed_book(questions), [[] for _ in questions], None, None
+        else:
+            preds, retrieved, _ = self._generate(questions)
+            passages, scores, version = retrieved.passages, retrieved.scores.tolist(), retrieved.kb_version
+        records = []
+        for i, (q, a, ps) in enumerate(zip(questions, preds, passages)):
+            r = {"question": q, "answer": a, "kb_version": version,
+                 "passages": [{"id": p.id, "title": p.title, "score": round(float(scores[i][j]), 6)} for j, p in enumerate(ps)]}
+            if "answers" in batch:
+                r["answers"] = list(batch["answers"][i])
+            records.append(r)
+        self._predictions.extend(records)
+        return records
+
+    def on_predict_epoch_start(self) -> None:
+        self._predictions = []
+
+    def on_predict_end(self) -> None:
+        import json
+
+        from rag.io import atomic_write_text
+
+        path = self.hparams.get("predictions_file") or os.path.join(self.trainer.default_root_dir, "predictions.jsonl")
+        if self.trainer.world_size > 1:
+            root, ext = os.path.splitext(path)
+            path = f"{root}.rank{self.trainer.global_rank}{ext}"
+        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self._predictions))
+        print(f"rag predict: wrote {len(self._predictions)} predictions to {path}")
 
     # ------------------------------------------------------------------ epoch ends
     def _log_eval(self, stage: str) -> None:
@@ -347,6 +380,8 @@ class RagModule(pl.LightningModule):
                 self.log(f"{stage}/{name}", value)
         for m in (em, f1, recall):
             m.reset()
+        if stage == "test" and self._samples and self.trainer.is_global_zero:  # shown with the metrics, not only in logs
+            print("test samples:\n" + "\n".join(f"  Q: {q}\n     predicted: {p!r}   gold: {' | '.join(a)}" for q, p, a in self._samples[:5]))
         for q, p, a in self._samples:
             logger.info("%s sample: Q: %s | predicted: %r | gold: %s", stage, q, p, a)
         self._samples.clear()
@@ -419,6 +454,22 @@ class RagModule(pl.LightningModule):
         kb = self.model.knowledge_base if self.model is not None else None
         if saved and kb is not None and kb.version != saved:
             logger.warning("checkpoint was trained against knowledge base %s, now using %s (%s)", saved, kb.version, kb.path)
+
+    def on_fit_start(self) -> None:
+        export_dir = self.hparams.get("export_dir")
+        if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
+            from rag.io import check_output_dir
+
+            check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
+                             option="model.export_dir")
+
+    def on_train_end(self) -> None:
+        export_dir = self.hparams.get("export_dir")
+        if export_dir and self.trainer.is_global_zero:
+            from rag.training.export import save_model_directory
+
+            save_model_directory(self._require_model(), export_dir, overwrite=True)
+            logger.info("trained model written to %s: rag generate --model %s", export_dir, export_dir)
 
     def save_rag_model(self, path: str | os.PathLike) -> None:
         """Write the trained :class:`RagModel` with ``save_pretrained`` (safetensors)."""

@@ -1,0 +1,103 @@
+"""From training to answers: `rag export CKPT DIR`, model.export_dir at the end of `rag fit`, `rag predict` writing
+predictions with provenance, `rag test` printing samples, `rag -v test`, and the clear errors around them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> dict:
+    """A 2-step `rag fit` on the tiny models with a frozen query encoder, a checkpoint and an export at the end."""
+    from rag.cli import main
+
+    root = tmp_path_factory.mktemp("export_run")
+    cfg = {
+        "seed_everything": 7,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+                    "default_root_dir": str(root / "run"), "enable_progress_bar": False, "logger": False,
+                    "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(root / "ckpt"), "save_last": True}}]},
+        "model": {"class_path": "RagModule", "init_args": {
+            "generator": tiny_bart_dir, "question_encoder": tiny_dpr_question_dir, "knowledge_base": tiny_kb_dir,
+            "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "freeze_query_encoder": True},
+            "max_new_tokens": 3, "recall_at": [1, 2], "export_dir": str(root / "exported")}},
+        "data": {"class_path": "QADataModule", "init_args": {
+            "train": "demo:train", "test": "demo:test", "predict": "demo:test", "batch_size": 4, "max_eval_examples": 4}},
+    }
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    assert main(["fit", "--config", str(path)]) == 0
+    return {"root": root, "config": str(path), "ckpt": root / "ckpt" / "last.ckpt", "exported": root / "exported"}
+
+
+QUESTIONS = ["what is the chemical symbol of argon?", "which element has atomic number 18?"]
+
+
+def _answers(model_dir) -> list[str]:
+    import rag
+
+    return [a.text for a in rag.load(model_dir).generate(QUESTIONS, max_new_tokens=3)]
+
+
+def test_fit_exports_and_rag_export_writes_the_same_model(run, tmp_path, capsys):
+    from rag.cli import main
+
+    assert (run["exported"] / "rag_config.json").is_file()
+    out = tmp_path / "from_ckpt"
+    assert main(["export", str(run["ckpt"]), str(out)]) == 0
+    assert f"wrote {out}" in capsys.readouterr().out
+    meta = json.loads((out / "rag_config.json").read_text())
+    assert not (out / "question_encoder").exists()  # the unchanged query encoder is referenced, not copied
+    assert json.dumps(meta).count('"reference": true') == 1
+    assert _answers(out) == _answers(run["exported"])  # the checkpoint and the end-of-fit export are one model
+    assert main(["generate", "--model", str(out), "--json", QUESTIONS[0], "--max-new-tokens", "3"]) == 0
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["question"] == QUESTIONS[0] and row["passages"]
+
+
+def test_export_refuses_what_it_must_not_touch(run, tmp_path, capsys):
+    from rag.cli import main
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("keep me")
+    assert main(["export", str(run["ckpt"]), str(busy)]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert main(["export", str(run["ckpt"]), str(busy), "--overwrite"]) == 2  # not an export: never replaced
+    assert (busy / "notes.txt").read_text() == "keep me"
+    assert main(["export", str(tmp_path / "missing.ckpt"), str(tmp_path / "o")]) == 2
+    assert "no such checkpoint" in capsys.readouterr().err
+    garbage = tmp_path / "garbage.ckpt"
+    garbage.write_bytes(b"not a checkpoint")
+    assert main(["export", str(garbage), str(tmp_path / "o")]) == 2
+    assert "cannot be read as a checkpoint" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_generate_with_a_checkpoint_file_says_export(run, capsys):
+    from rag.cli import main
+
+    assert main(["generate", "--model", str(run["ckpt"]), "q?"]) == 2
+    err = capsys.readouterr().err
+    assert "Lightning checkpoint" in err and f"rag export {run['ckpt']} DIR" in err
+
+
+def test_predict_writes_jsonl_with_provenance_and_test_prints_samples(run, capsys, tmp_path):
+    from rag.cli import main
+
+    assert main(["predict", "--config", run["config"], "--ckpt_path", str(run["ckpt"])]) == 0
+    out = capsys.readouterr().out
+    path = Path(run["root"]) / "run" / "predictions.jsonl"
+    assert f"wrote 4 predictions to {path}" in out
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(rows) == 4 and all(r["kb_version"] and len(r["passages"]) == 2 and r["answers"] for r in rows)
+    assert {"id", "title", "score"} == set(rows[0]["passages"][0])
+    assert main(["-v", "test", "--config", run["config"], "--ckpt_path", str(run["ckpt"])]) == 0
+    assert "test samples:" in capsys.readouterr().out
+    assert main(["predict", "--config", run["config"], "--ckpt_path", str(run["ckpt"]), "--data.predict", "null"]) == 2
+    assert "data.predict" in capsys.readouterr().err
