@@ -57,6 +57,10 @@ READER_OPTIONS = {
 }
 """Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
 
+DEFAULT_NO_REPEAT_NGRAM = 2
+"""RAG answers never repeat a bigram unless asked to (``no_repeat_ngram_size=0``): a small or briefly trained generator
+otherwise loops ("tasks tasks tasks tasks"); short factoid answers have no legitimate repeated bigram."""
+
 RETRIEVAL_OPTIONS = {**READER_OPTIONS["seq2seq"], **READER_OPTIONS["causal"], "ensemble": "--ensemble",
                      "retrieval_temperature": "--retrieval-temperature"}
 """Options that say how to retrieve or mix passages: a generation without retrieval refuses them."""
@@ -190,7 +194,10 @@ class RagReader:
         if max_new_tokens is not None or "max_length" in generation_kw:
             stored.pop("max_length", None)
         explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
-        generation_kw = {"num_beams": 1, "max_new_tokens": 32, **stored, **explicit, **generation_kw}
+        defaults = {"num_beams": 1, "max_new_tokens": 32}
+        if not self.model.config.hf_compat:  # an imported transformers checkpoint decodes exactly as transformers does
+            defaults["no_repeat_ngram_size"] = DEFAULT_NO_REPEAT_NGRAM
+        generation_kw = {**defaults, **stored, **explicit, **generation_kw}
         num_beams = generation_kw["num_beams"]
         if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
             raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")

@@ -15,6 +15,7 @@ from rag.errors import ConfigError, RagError
 from rag.models.nli import NLIScorer
 from rag.nli_backoff import check_steps
 from rag.pipeline import RagPipeline, RalmReader
+from rag.readers import DEFAULT_NO_REPEAT_NGRAM
 
 NLI_LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}
 QUESTIONS = ["what is the atomic number of argon?", "which element has the symbol He?"]
@@ -97,7 +98,8 @@ def test_rag_no_retrieval_answer_is_the_generator_on_the_bare_question(rag_pipe,
     answers = rag_pipe.generate(QUESTIONS, nli=nli_dirs["no"], marginalization="token", **GEN)
     for q, a in zip(QUESTIONS, answers):
         enc = tok([q], return_tensors="pt")
-        ref = gen.generate(**enc, max_new_tokens=6, min_new_tokens=6, num_beams=1, do_sample=False)
+        ref = gen.generate(**enc, max_new_tokens=6, min_new_tokens=6, num_beams=1, do_sample=False,
+                           no_repeat_ngram_size=DEFAULT_NO_REPEAT_NGRAM)  # the reader's default
         assert a.token_ids == ref[0].tolist()[:len(a.token_ids)] and len(a.token_ids) >= 6
         assert math.isfinite(a.score) and a.score <= 0
 
@@ -121,7 +123,8 @@ def test_generation_without_retrieval_is_the_generator_alone_and_retrieves_nothi
     assert [a.token_ids for a in answers] == [a.token_ids for a in bare]
     assert all(a.passages == [] and a.answered_with == "no_retrieval" for a in answers)
     for q, a in zip(QUESTIONS, answers):
-        ref = gen.generate(**tok([q], return_tensors="pt"), max_new_tokens=6, min_new_tokens=6, num_beams=num_beams, do_sample=False)
+        ref = gen.generate(**tok([q], return_tensors="pt"), max_new_tokens=6, min_new_tokens=6, num_beams=num_beams, do_sample=False,
+                           no_repeat_ngram_size=DEFAULT_NO_REPEAT_NGRAM)
         assert a.token_ids == ref[0].tolist()[:len(a.token_ids)]
     monkeypatch.undo()
     from rag.knowledge.bm25 import BM25Retriever
@@ -277,3 +280,20 @@ def test_hotswap_eval_records_the_branch(rag_pipe, kb, nli_dirs, tmp_path):
         assert res.answered_with_retrieval == [[share]]
         assert "answered with retrieval" in res.table() and res.settings["nli_threshold"] == 0.5
     assert evaluate_hotswap(rag_pipe, [kb.path], [qa], max_new_tokens=3, show_progress=False).answered_with_retrieval is None
+
+
+def test_rag_answers_do_not_repeat_bigrams_by_default(rag_pipe):
+    """The reader's default generation config forbids repeated bigrams (no "tasks tasks tasks tasks"); explicit options
+    and an imported transformers checkpoint (hf_compat) keep transformers' 0."""
+    reader = rag_pipe.reader
+    assert reader._generation_config(None, None, 1, {}).no_repeat_ngram_size == DEFAULT_NO_REPEAT_NGRAM == 2
+    assert reader._generation_config(None, None, 1, {"no_repeat_ngram_size": 0}).no_repeat_ngram_size == 0
+    reader.model.config.hf_compat = True
+    try:
+        assert reader._generation_config(None, None, 1, {}).no_repeat_ngram_size == 0
+    finally:
+        reader.model.config.hf_compat = False
+    for a in rag_pipe.generate(QUESTIONS, max_new_tokens=12, min_new_tokens=12):
+        ids = a.token_ids
+        bigrams = list(zip(ids, ids[1:]))
+        assert len(bigrams) == len(set(bigrams)), ids

@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     b.add_argument("--out", required=True, help="knowledge-base directory to create")
     b.add_argument("--query-encoder", default=None, help="encoder queries should use by default (e.g. the DPR question encoder paired with a DPR context encoder)")
     b.add_argument("--words-per-passage", type=int, default=100, help="split documents into passages of this many words; 0 = keep documents whole (default: 100)")
+    b.add_argument("--min-tail-words", type=int, default=None,
+                   help="a document's last piece shorter than this joins the passage before it instead of standing alone "
+                        "(default: a fifth of --words-per-passage; 0 = never)")
     b.add_argument("--format", default="auto", help="corpus format: auto | jsonl | csv | tsv | psgs_w100 | text | dataset")
     b.add_argument("--title-field", default="title")
     b.add_argument("--text-field", default="text")
@@ -128,10 +131,11 @@ def cmd_build(args) -> int:
                               f"{encoder.dim}; name the query encoder trained with this document encoder (e.g. a DPR pair)")
     corpus = args.corpus if len(args.corpus) > 1 else args.corpus[0]
     passages = load_corpus(
-        corpus, words_per_passage=args.words_per_passage or None, format=args.format, title_field=args.title_field,
+        corpus, words_per_passage=args.words_per_passage or None, min_tail_words=args.min_tail_words, format=args.format, title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
     )
-    build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage}
+    build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage,
+                  "min_tail_words": args.min_tail_words}
     if shard is not None:  # this slice, flat-indexed; `rag index merge` builds `spec` over all of them
         check_fits(spec, len(passages), encoder.dim)
         build_info["shard"] = shard_info(passages, shard, args.index)

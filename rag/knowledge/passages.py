@@ -554,15 +554,29 @@ def _check_words_per_passage(words_per_passage: int | None) -> int | None:
     return words_per_passage
 
 
-def _split_document(doc: Document, words_per_passage: int | None) -> list[Passage]:
-    """Passages of one document (empty list for an empty text); see the module docstring for ids."""
+def _check_min_tail(min_tail_words: int | None, words_per_passage: int | None) -> int:
+    """The shortest last passage kept on its own: `min_tail_words`, or a fifth of a passage when None."""
+    if min_tail_words is None:
+        return (words_per_passage or 0) // 5
+    if isinstance(min_tail_words, bool) or not isinstance(min_tail_words, int) or min_tail_words < 0:
+        raise ConfigError(f"min_tail_words must be an integer >= 0 (0: never merge a short last passage); got {min_tail_words!r} "
+                          f"(--min-tail-words)")
+    return min_tail_words
+
+
+def _split_document(doc: Document, words_per_passage: int | None, min_tail: int = 0) -> list[Passage]:
+    """Passages of one document (empty list for an empty text); see the module docstring for ids. A last chunk of fewer
+    than `min_tail` words joins the previous passage (a lone "display." would otherwise be a passage that is all title)."""
     if not doc.text.strip():
         return []
     doc_id = doc.id if doc.id is not None else content_id(doc.title, doc.text)
     if words_per_passage is None or doc.keep_whole:
         return [Passage(doc_id, doc.title, doc.text)]
     words = doc.text.split()
-    chunks = [" ".join(words[i : i + words_per_passage]) for i in range(0, len(words), words_per_passage)]
+    starts = list(range(0, len(words), words_per_passage))
+    if len(starts) > 1 and len(words) - starts[-1] < min_tail:
+        starts.pop()  # the short tail stays with the passage before it
+    chunks = [" ".join(words[a:b]) for a, b in zip(starts, starts[1:] + [len(words)])]
     if len(chunks) == 1:
         return [Passage(doc_id, doc.title, chunks[0])]
     return [Passage(f"{doc_id}-{k}", doc.title, chunk) for k, chunk in enumerate(chunks)]
@@ -593,18 +607,21 @@ class _EmptyCounter:
             )
 
 
-def split_passages(documents: Iterable[Document], words_per_passage: int | None = 100) -> Iterator[Passage]:
+def split_passages(documents: Iterable[Document], words_per_passage: int | None = 100, *,
+                   min_tail_words: int | None = None) -> Iterator[Passage]:
     """Cut documents into disjoint passages of `words_per_passage` whitespace words.
 
     Each passage keeps its document's title; words are re-joined with single spaces,
-    the last passage of a document may be shorter. `None`/0 (and ``keep_whole``
+    the last passage of a document may be shorter; a last piece of fewer than `min_tail_words`
+    words (default: a fifth of a passage; 0: never) joins the passage before it. `None`/0 (and ``keep_whole``
     documents, e.g. DPR psgs_w100 rows) keep the text verbatim as one passage. Empty
     documents are skipped (warning with their count). Ids: see the module docstring.
     """
     n = _check_words_per_passage(words_per_passage)
+    tail = _check_min_tail(min_tail_words, n)
     counter = _EmptyCounter()
     for doc in documents:
-        passages = _split_document(doc, n)
+        passages = _split_document(doc, n, tail)
         counter.see(doc, len(passages))
         yield from passages
     counter.warn()
@@ -624,10 +641,10 @@ def _source_name(source: Any) -> str:
         return repr(source)
 
 
-def _first_location(source: Any, passage_id: str, words_per_passage: int | None, read_kw: dict) -> str | None:
+def _first_location(source: Any, passage_id: str, words_per_passage: int | None, read_kw: dict, min_tail: int = 0) -> str | None:
     """Re-read `source` to find where `passage_id` first occurs (error path only: keeps memory at one set)."""
     for doc in read_documents(source, **read_kw):
-        if any(p.id == passage_id for p in _split_document(doc, words_per_passage)):
+        if any(p.id == passage_id for p in _split_document(doc, words_per_passage, min_tail)):
             return doc.source
     return None
 
@@ -636,6 +653,7 @@ def iter_corpus(
     source: Any,
     *,
     words_per_passage: int | None = 100,
+    min_tail_words: int | None = None,
     show_progress: bool = False,
     **read_kw: Any,
 ) -> Iterator[Passage]:
@@ -646,6 +664,7 @@ def iter_corpus(
     the corpus yields no passage at all. `read_kw` goes to :func:`read_documents`.
     """
     n = _check_words_per_passage(words_per_passage)
+    tail = _check_min_tail(min_tail_words, n)
     seen: set[str] = set()
     counter = _EmptyCounter()
     bar = None
@@ -656,13 +675,13 @@ def iter_corpus(
         bar = tqdm(total=total, desc=f"reading {_source_name(source)[:60]}", unit=" docs", dynamic_ncols=True)
     try:
         for doc in read_documents(source, **read_kw):
-            passages = _split_document(doc, n)
+            passages = _split_document(doc, n, tail)
             counter.see(doc, len(passages))
             if bar is not None:
                 bar.update(1)
             for p in passages:
                 if p.id in seen:
-                    first = _first_location(source, p.id, n, read_kw) or "an earlier row"
+                    first = _first_location(source, p.id, n, read_kw, tail) or "an earlier row"
                     how = (
                         "two documents have identical title and text (ids without an id field are content hashes); remove one"
                         if doc.id is None
@@ -689,6 +708,7 @@ def load_corpus(
     source: Any,
     *,
     words_per_passage: int | None = 100,
+    min_tail_words: int | None = None,
     show_progress: bool = True,
     **read_kw: Any,
 ) -> list[Passage]:
@@ -697,4 +717,5 @@ def load_corpus(
     `source`: path, list of paths, or ``datasets.Dataset``; `read_kw`: ``format``,
     ``title_field``, ``text_field``, ``id_field``, ``encoding``. Shows a tqdm bar.
     """
-    return list(iter_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress, **read_kw))
+    return list(iter_corpus(source, words_per_passage=words_per_passage, min_tail_words=min_tail_words, show_progress=show_progress,
+                            **read_kw))

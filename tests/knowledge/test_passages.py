@@ -158,6 +158,23 @@ def test_split_is_disjoint_in_order_keeps_title_last_shorter():
     assert " ".join(p.text for p in passages).split() == text.split()
 
 
+def test_short_tail_joins_the_previous_passage():
+    """A document's last piece of a few words ('display.') would be a passage that is all title and wins retrieval for
+    the title's words: under a fifth of a passage (default) it joins the passage before it; 0 keeps it alone."""
+    text = _words(201)
+    doc = Document("doc", "Monitor", text, "mem:1")
+    merged = list(split_passages([doc], words_per_passage=100))
+    assert [p.id for p in merged] == ["doc-0", "doc-1"] and [len(p.text.split()) for p in merged] == [100, 101]
+    assert " ".join(p.text for p in merged).split() == text.split()
+    assert [len(p.text.split()) for p in split_passages([doc], 100, min_tail_words=0)] == [100, 100, 1]
+    assert [len(p.text.split()) for p in split_passages([Document("d", "T", _words(220), "m")], 100)] == [100, 100, 20]
+    assert [len(p.text.split()) for p in split_passages([Document("d", "T", _words(219), "m")], 100)] == [100, 119]
+    one = list(split_passages([Document("d", "T", _words(105), "m")], 100))
+    assert [p.id for p in one] == ["d"] and len(one[0].text.split()) == 105  # one passage keeps the document's id
+    with pytest.raises(ConfigError, match="min_tail_words"):
+        list(split_passages([doc], 100, min_tail_words=-1))
+
+
 def test_split_single_chunk_keeps_doc_id_and_none_keeps_text_verbatim():
     doc = Document("d", "T", "exactly  five words here ok", "mem:1")
     assert list(split_passages([doc], 5)) == [Passage("d", "T", "exactly five words here ok")]
