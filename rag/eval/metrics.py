@@ -1,4 +1,6 @@
-"""Open-domain QA metrics as `torchmetrics.Metric` subclasses: exact match, token F1, retrieval recall@k.
+"""Open-domain QA metrics as `torchmetrics.Metric` subclasses: exact match, token F1, retrieval recall@k; and, for
+generation tasks (the paper's MS-MARCO answers and Jeopardy question generation), BLEU-1 and ROUGE-L straight from
+torchmetrics (:class:`Bleu1`, :class:`RougeL`, :data:`GENERATION_METRICS`).
 
 Answer normalisation follows the official SQuAD v1.1 evaluation script, which is
 also what RAG (Lewis et al. 2020, §3.1 "Exact Match") and DPR report on NQ-open:
@@ -23,6 +25,7 @@ from typing import Sequence, Union
 
 import torch
 from torchmetrics import Metric
+from torchmetrics.text import BLEUScore, ROUGEScore
 
 from rag.errors import RagError
 
@@ -170,3 +173,35 @@ class RetrievalRecall(Metric):
     def compute(self) -> dict[str, torch.Tensor]:
         recall = self.hits.double() / self.count.clamp(min=1)
         return {f"recall@{k}": recall[i].float() for i, k in enumerate(self.ks)}
+
+
+class Bleu1(BLEUScore):
+    """Corpus BLEU-1 (unigram precision with brevity penalty) of the predictions against their gold answers: torchmetrics'
+    ``BLEUScore(n_gram=1)``, whitespace tokens, several references per prediction (Lewis et al. 2020 report Q-BLEU-1 and
+    BLEU-1 for Jeopardy question generation)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(n_gram=1, **kwargs)
+
+    def update(self, preds: Sequence[str], golds: Sequence[Sequence[str]]) -> None:
+        _check_batch(preds, golds, "Bleu1")
+        super().update(list(preds), [list(_check_gold(g)) for g in golds])
+
+
+class RougeL(ROUGEScore):
+    """ROUGE-L F-measure against the best-matching gold answer, averaged: torchmetrics' ``ROUGEScore(rouge_keys="rougeL",
+    accumulate="best")`` (Lewis et al. 2020 report ROUGE-L for MS-MARCO)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(rouge_keys="rougeL", accumulate="best", **kwargs)
+
+    def update(self, preds: Sequence[str], golds: Sequence[Sequence[str]]) -> None:
+        _check_batch(preds, golds, "RougeL")
+        super().update(list(preds), [list(_check_gold(g)) for g in golds])
+
+    def compute(self) -> torch.Tensor:
+        return super().compute()["rougeL_fmeasure"]
+
+
+GENERATION_METRICS = {"bleu1": Bleu1, "rougeL": RougeL}
+"""Metrics a training module can add to EM and F1 by name (``model.generation_metrics: [bleu1, rougeL]``)."""

@@ -34,7 +34,7 @@ import pytorch_lightning as pl
 import torch
 
 from rag.errors import ConfigError
-from rag.eval.metrics import ExactMatch, RetrievalRecall, TokenF1
+from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
 from rag.models.config import RagModelConfig
 from rag.models.tiny_generator import TinyGenerator, check_tiny_name, resolve_generator
 
@@ -141,6 +141,8 @@ class RagModule(pl.LightningModule):
         closed_book: the closed-book baseline (Lewis et al. 2020, Table 1): the generator is trained and evaluated on the
             questions alone (``RagModel.generator_loss`` without passages), nothing is retrieved and the query encoder is
             not trained; compare it with a RAG run of the same config.
+        generation_metrics: metrics added to EM and F1 in validation and test for generation tasks: ``bleu1`` (BLEU-1),
+            ``rougeL`` (ROUGE-L F), both torchmetrics' (:data:`rag.eval.metrics.GENERATION_METRICS`).
         predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
             (answer, passages with ids, titles and scores, knowledge-base version); default
             ``<trainer.default_root_dir>/predictions.jsonl``. The path is printed.
@@ -175,6 +177,7 @@ class RagModule(pl.LightningModule):
         closed_book: bool = False,
         export_dir: Optional[str] = None,
         predictions_file: Optional[str] = None,
+        generation_metrics: Sequence[Literal["bleu1", "rougeL"]] = (),
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -182,6 +185,10 @@ class RagModule(pl.LightningModule):
         rag = _as_dict(rag, RagModelConfig, "rag")
         tiny = _as_dict(tiny, TinyGenerator, "tiny")
         recall_at = [int(k) for k in recall_at]
+        generation_metrics = list(generation_metrics)
+        unknown = [m for m in generation_metrics if m not in GENERATION_METRICS]
+        if unknown:
+            raise ConfigError(f"model.generation_metrics: unknown {unknown}; choose from {sorted(GENERATION_METRICS)}")
         for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr), ("doc_encoder_lr", doc_encoder_lr)):
             if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
                 raise ConfigError(f"model.{name} must be a number >= 0, got {lr!r}")
@@ -200,6 +207,8 @@ class RagModule(pl.LightningModule):
         self.model = None  # built in configure_model()
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
         self.test_em, self.test_f1, self.test_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
+        self.generation_metrics = torch.nn.ModuleDict({f"{stage}_{name}": GENERATION_METRICS[name]()
+                                                       for stage in ("val", "test") for name in generation_metrics})
         self._truncated = {"train": 0, "val": 0, "test": 0}  # contexts truncated this epoch
         self._contexts = {"train": 0, "val": 0, "test": 0}  # contexts built this epoch
         self._samples: list[tuple[str, str, list[str]]] = []
@@ -284,9 +293,15 @@ class RagModule(pl.LightningModule):
             preds, retrieved, _ = self._generate(questions)
             em.update(preds, answers)
             f1.update(preds, answers)
+            self._update_generation_metrics(stage, preds, answers)
             if len(self._samples) < 3:
                 self._samples.extend(zip(questions, preds, answers))
         recall.update(self._recall_passages(questions, retrieved), answers)
+
+    def _update_generation_metrics(self, stage: str, preds, answers) -> None:
+        for name, metric in self.generation_metrics.items():
+            if name.startswith(stage + "_"):
+                metric.update(preds, answers)
 
     def _closed_book_eval_step(self, questions, targets, answers, stage: str) -> None:
         """Loss, EM and F1 of the generator on the bare questions (no retrieval, so no recall)."""
@@ -299,6 +314,7 @@ class RagModule(pl.LightningModule):
             preds = self._generate_closed_book(questions)
             em.update(preds, answers)
             f1.update(preds, answers)
+            self._update_generation_metrics(stage, preds, answers)
             if len(self._samples) < 3:
                 self._samples.extend(zip(questions, preds, answers))
 
@@ -378,6 +394,11 @@ class RagModule(pl.LightningModule):
         if not self.hparams.get("closed_book"):  # closed-book runs retrieve nothing
             for name, value in recall.compute().items():
                 self.log(f"{stage}/{name}", value)
+        for name, metric in self.generation_metrics.items():
+            if name.startswith(stage + "_") and (int(em.count) > 0 or stage == "test"):
+                self.log(f"{stage}/{name[len(stage) + 1:]}", metric.compute())
+            if name.startswith(stage + "_"):
+                metric.reset()
         for m in (em, f1, recall):
             m.reset()
         if stage == "test" and self._samples and self.trainer.is_global_zero:  # shown with the metrics, not only in logs

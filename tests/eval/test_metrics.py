@@ -116,3 +116,24 @@ def test_metric_state_is_summable():
     merged = (a.total + b.total) / (a.count + b.count)
     assert merged.float().item() == pytest.approx(both.compute().item())
     assert isinstance(both.compute(), torch.Tensor)
+
+
+def test_bleu1_and_rouge_l_are_torchmetrics_as_a_user_calls_it():
+    """Bleu1 / RougeL take the QA metrics' (predictions, lists of gold answers) and give exactly torchmetrics' numbers."""
+    from torchmetrics.text import BLEUScore, ROUGEScore
+
+    from rag.eval.metrics import GENERATION_METRICS, Bleu1, RougeL
+
+    preds = ["the cat sat on the mat", "a quick brown fox", "who wrote hamlet", ""]
+    golds = [["the cat is on the mat", "there is a cat"], ["the quick brown fox jumps"], ["which playwright wrote hamlet"], ["x y"]]
+    for ours, ref in ((Bleu1(), BLEUScore(n_gram=1)), (RougeL(), ROUGEScore(rouge_keys="rougeL", accumulate="best"))):
+        ours.update(preds[:2], golds[:2])
+        ours.update(preds[2:], golds[2:])  # accumulates over batches
+        ref.update(preds, golds)
+        expected = ref.compute()
+        expected = expected["rougeL_fmeasure"] if isinstance(expected, dict) else expected
+        assert torch.isclose(ours.compute(), expected), type(ours).__name__
+        assert 0 < float(expected) < 1
+    assert set(GENERATION_METRICS) == {"bleu1", "rougeL"}
+    with pytest.raises(RagError):
+        Bleu1().update(["a"], [["a"], ["b"]])

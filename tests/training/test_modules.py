@@ -194,3 +194,16 @@ def test_closed_book_refuses_mixed_contexts(make_module):
     with pytest.raises(ConfigError, match="model.closed_book.*context_mixing"):
         module.training_step({"questions": ["q?"], "targets": ["a"], "contexts": [Passage(id="p", title="t", text="x")],
                               "context_kinds": ["top1"]}, 0)
+
+
+def test_generation_metrics_are_logged_in_validation(make_module, make_data, trainer_kw):
+    from rag.errors import ConfigError
+
+    module = make_module(generation_metrics=["bleu1", "rougeL"])
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=1, val_check_interval=1, **trainer_kw)
+    trainer.fit(module, datamodule=make_data())
+    m = trainer.callback_metrics
+    assert {"val/bleu1", "val/rougeL", "val/em", "val/f1"} <= set(m)
+    assert 0.0 <= float(m["val/bleu1"]) <= 1.0 and 0.0 <= float(m["val/rougeL"]) <= 1.0
+    with pytest.raises(ConfigError, match="model.generation_metrics.*bleu4"):
+        make_module(generation_metrics=["bleu4"])
