@@ -22,7 +22,8 @@ from rag.io import cache_dir as rag_cache_dir
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["TINY_PREFIX", "TINY_KINDS", "TinyGenerator", "check_tiny_name", "ensure_tiny_generator", "resolve_generator"]
+__all__ = ["TINY_PREFIX", "TINY_KINDS", "WARM_PREFIX", "TinyGenerator", "WarmStartGenerator", "check_tiny_name",
+           "ensure_tiny_generator", "ensure_warm_start_generator", "resolve_generator"]
 
 TINY_PREFIX = "tiny:"
 TINY_KINDS = ("bart", "t5")
@@ -53,11 +54,53 @@ def check_tiny_name(generator: str, where: str) -> None:
         raise ConfigError(f"{where}={generator!r}; tiny generators are {', '.join(TINY_PREFIX + k for k in TINY_KINDS)}")
 
 
-def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str | os.PathLike) -> str:
-    """`generator` unchanged, or for ``tiny:<kind>`` the directory of that tiny generator for `knowledge_base`."""
+WARM_PREFIX = "warm:"
+
+
+@dataclass
+class WarmStartGenerator:
+    """The generator built for ``generator: warm:<encoder>`` (:func:`rag.models.warm_start.build_warm_start_generator`):
+    the pretrained `<encoder>` (e.g. ``minilm``, the bundled all-MiniLM-L6-v2) frozen, a fresh BERT decoder sharing its
+    word embeddings, and a copy head: a generator that learns to read on a CPU."""
+
+    decoder_layers: int = 2
+    """Layers of the fresh decoder."""
+    pointer: bool = True
+    """A copy head (pointer-generator): the generator can emit a passage token by attending to it."""
+    seed: int = 0
+    """Seed of the decoder's initial weights."""
+
+
+def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,
+                      warm: Optional[WarmStartGenerator] = None) -> str:
+    """`generator` unchanged, or for ``tiny:<kind>`` the directory of that tiny generator for `knowledge_base`, or for
+    ``warm:<encoder>`` the directory of that warm-started generator (built once, then reused)."""
     if generator.startswith(TINY_PREFIX):
         return ensure_tiny_generator(generator[len(TINY_PREFIX):], spec, knowledge_base)
+    if generator.startswith(WARM_PREFIX):
+        return ensure_warm_start_generator(generator[len(WARM_PREFIX):], warm or WarmStartGenerator())
     return generator
+
+
+def ensure_warm_start_generator(encoder: str, spec: WarmStartGenerator, cache_dir: Optional[str | os.PathLike] = None) -> str:
+    """Directory of the fresh warm-started generator over `encoder` with `spec` (saved with
+    :func:`~rag.models.warm_start.save_generator`: the trained part only, the encoder referenced by name)."""
+    from rag.io import atomic_directory
+    from rag.models.warm_start import build_warm_start_generator, save_generator
+
+    if not encoder:
+        raise ConfigError("model.generator='warm:' needs an encoder name, e.g. warm:minilm (the bundled all-MiniLM-L6-v2)")
+    key = json.dumps({"encoder": encoder, "spec": dataclasses.asdict(spec), "format": 1}, sort_keys=True)
+    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "warm" / hashlib.sha256(key.encode()).hexdigest()[:16]
+    if (out / "config.json").is_file():
+        return str(out)
+    gen, tok = build_warm_start_generator(encoder, decoder_layers=spec.decoder_layers, pointer=spec.pointer, seed=spec.seed)
+    try:
+        with atomic_directory(out) as tmp:
+            save_generator(gen, tok, tmp)
+    except FileExistsError:  # built concurrently by another process
+        pass
+    return str(out)
 
 
 def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,

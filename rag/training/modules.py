@@ -28,6 +28,7 @@ import functools
 import logging
 import math
 import os
+import random
 from typing import Any, Literal, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -36,7 +37,8 @@ import torch
 from rag.errors import ConfigError
 from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
 from rag.models.config import RagModelConfig
-from rag.models.tiny_generator import TinyGenerator, check_tiny_name, resolve_generator
+from rag.models.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
+from rag.training.reading_practice import ReadingPracticeSettings
 
 logger = logging.getLogger(__name__)
 
@@ -103,7 +105,7 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
 
 # Defaults of RagModule's nested options: typed dataclasses (not Optional), so that `rag fit --print_config` and
 # `--model.help` list their fields; never mutated (RagModule copies them into plain dicts).
-_DEFAULT_RAG, _DEFAULT_TINY = RagModelConfig(), TinyGenerator()
+_DEFAULT_RAG, _DEFAULT_TINY, _DEFAULT_WARM = RagModelConfig(), TinyGenerator(), WarmStartGenerator()
 
 
 class RagModule(pl.LightningModule):
@@ -141,6 +143,12 @@ class RagModule(pl.LightningModule):
         closed_book: the closed-book baseline (Lewis et al. 2020, Table 1): the generator is trained and evaluated on the
             questions alone (``RagModel.generator_loss`` without passages), nothing is retrieved and the query encoder is
             not trained; compare it with a RAG run of the same config.
+        warm_start: the generator built for ``generator: warm:<encoder>`` (e.g. ``warm:minilm``): frozen pretrained encoder,
+            fresh decoder, copy head (:class:`~rag.models.tiny_generator.WarmStartGenerator`).
+        reading_practice: an auxiliary generator loss on examples only reading their passage answers, mixed into every
+            step (:class:`~rag.training.reading_practice.ReadingPracticeSettings`; built from the knowledge base's passages).
+        cache_encoder: memoise a frozen generator encoder's outputs per distinct context while training (warm-started
+            generators; each context is encoded once per run).
         generation_metrics: metrics added to EM and F1 in validation and test for generation tasks: ``bleu1`` (BLEU-1),
             ``rougeL`` (ROUGE-L F), both torchmetrics' (:data:`rag.eval.metrics.GENERATION_METRICS`).
         predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
@@ -178,12 +186,17 @@ class RagModule(pl.LightningModule):
         export_dir: Optional[str] = None,
         predictions_file: Optional[str] = None,
         generation_metrics: Sequence[Literal["bleu1", "rougeL"]] = (),
+        warm_start: WarmStartGenerator = _DEFAULT_WARM,
+        reading_practice: Optional[ReadingPracticeSettings] = None,
+        cache_encoder: bool = True,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
         # torch.load(weights_only=True) (Lightning's default when resuming).
         rag = _as_dict(rag, RagModelConfig, "rag")
         tiny = _as_dict(tiny, TinyGenerator, "tiny")
+        warm_start = _as_dict(warm_start, WarmStartGenerator, "warm_start")
+        reading_practice = None if reading_practice is None else _as_dict(reading_practice, ReadingPracticeSettings, "reading_practice")
         recall_at = [int(k) for k in recall_at]
         generation_metrics = list(generation_metrics)
         unknown = [m for m in generation_metrics if m not in GENERATION_METRICS]
@@ -203,6 +216,11 @@ class RagModule(pl.LightningModule):
         check_tiny_name(generator, "model.generator")
         self.rag_config = RagModelConfig(**rag)  # validates the RAG options now, at parse time
         self.tiny_spec = TinyGenerator(**tiny)
+        self.warm_spec = WarmStartGenerator(**warm_start)
+        self.practice_settings = None if reading_practice is None else ReadingPracticeSettings(**reading_practice)
+        self._practice: list = []  # built in on_fit_start
+        self._practice_rng = random.Random(0 if self.practice_settings is None else self.practice_settings.seed)
+        self._encoder_cache = None
         self.save_hyperparameters()
         self.model = None  # built in configure_model()
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
@@ -230,7 +248,7 @@ class RagModule(pl.LightningModule):
                 raise ConfigError("model.build_knowledge_base_from needs model.knowledge_base_encoder or model.question_encoder")
             ensure_knowledge_base(kb, h.build_knowledge_base_from, enc, index=h.knowledge_base_index,
                                   query_encoder=h.question_encoder if h.knowledge_base_encoder else None)
-        return kb, resolve_generator(h.generator, self.tiny_spec, kb)
+        return kb, resolve_generator(h.generator, self.tiny_spec, kb, self.warm_spec)
 
     def configure_model(self) -> None:
         """Build the :class:`RagModel` (called by Lightning before training/eval and before a
@@ -262,21 +280,31 @@ class RagModule(pl.LightningModule):
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
+        questions, targets = batch["questions"], batch["targets"]
         if self.hparams.get("closed_book"):
             if "contexts" in batch:
                 raise ConfigError("model.closed_book trains on the questions alone, but the data gives each question a passage "
                                   "(data.context_mixing): drop one of them")
-            loss = self._require_model().generator_loss(batch["questions"], batch["targets"])
-            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
+            loss = self._require_model().generator_loss(questions, targets)
+        elif "contexts" in batch:  # RetRobust context mixing: the generator reads the one drawn passage (no retrieval)
+            loss = self._require_model().generator_loss(questions, targets, batch["contexts"])
+        else:
+            out = self(questions, targets)
+            self._count_contexts("train", out)
+            loss = out.loss
+        loss = self._with_reading_practice(loss, len(questions))
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(questions))
+        return loss
+
+    def _with_reading_practice(self, loss: torch.Tensor, n_real: int) -> torch.Tensor:
+        """`loss` of `n_real` pairs mixed with ``reading_practice.per_step`` practice examples, each weighing as one pair."""
+        if not self._practice:
             return loss
-        if "contexts" in batch:  # RetRobust context mixing: the generator reads the one drawn passage (no retrieval)
-            loss = self._require_model().generator_loss(batch["questions"], batch["targets"], batch["contexts"])
-            self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["questions"]))
-            return loss
-        out = self(batch["questions"], batch["targets"])
-        self._count_contexts("train", out)
-        self.log("train/loss", out.loss, prog_bar=True, batch_size=len(batch["questions"]))
-        return out.loss
+        n = self.practice_settings.per_step
+        picked = self._practice_rng.sample(self._practice, min(n, len(self._practice)))
+        practice = self._require_model().generator_loss([e.question for e in picked], [e.answer for e in picked],
+                                                          [e.passage for e in picked])
+        return (n_real * loss + len(picked) * practice) / (n_real + len(picked))
 
     def _eval_step(self, batch: dict, stage: str) -> None:
         questions, answers = batch["questions"], batch["answers"]
@@ -466,7 +494,25 @@ class RagModule(pl.LightningModule):
                                                                       warmup_steps=h.warmup_steps, schedule=h.schedule)}
 
     # ------------------------------------------------------------------ checkpoints
+    def on_train_start(self) -> None:
+        """A warm-started generator's frozen encoder runs once per distinct context (``model.cache_encoder``)."""
+        from rag.models.warm_start import cache_encoder_outputs, is_warm_start
+
+        gen = self._require_model().generator
+        if self.hparams.get("cache_encoder", True) and self._encoder_cache is None and is_warm_start(gen) \
+                and not any(p.requires_grad for p in gen.encoder.parameters()):
+            self._encoder_cache = cache_encoder_outputs(gen)
+            self._encoder_cache.__enter__()
+
+    def _release_encoder_cache(self) -> None:
+        if self._encoder_cache is not None:
+            self._encoder_cache.__exit__(None, None, None)
+            self._encoder_cache = None
+
     def on_save_checkpoint(self, checkpoint: dict) -> None:
+        # Under the encoder-output cache the frozen encoder sits inside a wrapper: save it under its own names.
+        checkpoint["state_dict"] = {k.replace(".generator.encoder.inner.", ".generator.encoder."): v
+                                    for k, v in checkpoint["state_dict"].items()}
         kb = self.model.knowledge_base if self.model is not None else None
         checkpoint["rag"] = {"kb_version": getattr(kb, "version", None), "kb_path": str(getattr(kb, "path", ""))}
 
@@ -477,6 +523,13 @@ class RagModule(pl.LightningModule):
             logger.warning("checkpoint was trained against knowledge base %s, now using %s (%s)", saved, kb.version, kb.path)
 
     def on_fit_start(self) -> None:
+        if self.practice_settings is not None and not self._practice:
+            from rag.training.reading_practice import practice_pool
+
+            model = self._require_model()
+            self._practice = practice_pool(self.practice_settings, model.knowledge_base, model.generator_tokenizer)
+            logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
+                        self.practice_settings.per_step)
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
             from rag.io import check_output_dir
@@ -485,6 +538,7 @@ class RagModule(pl.LightningModule):
                              option="model.export_dir")
 
     def on_train_end(self) -> None:
+        self._release_encoder_cache()
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:
             from rag.training.export import save_model_directory

@@ -44,6 +44,11 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
         assert init["generator"].startswith("tiny:") and init["question_encoder"] == "minilm"
         assert init["build_knowledge_base_from"] == "demo"
         assert cfg["data"]["init_args"]["train"].startswith("demo:")
+    elif path.name == "cpu_reader.yaml":  # needs no hub: warm-started MiniLM generator, reading practice, a CPU budget
+        assert init["generator"] == "warm:minilm" and cli.model.warm_spec.pointer
+        assert cli.model.practice_settings.source == "corpus" and cli.model.hparams.cache_encoder
+        budget = [c for c in cli.trainer.callbacks if type(c).__name__ == "CpuBudget"]
+        assert len(budget) == 1 and 0 < budget[0].minutes <= 20
     else:
         assert init["generator"] in ("facebook/bart-large", "t5-base")
         assert init["question_encoder"] == "facebook/dpr-question_encoder-single-nq-base"

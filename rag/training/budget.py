@@ -1,0 +1,60 @@
+"""A CPU-time budget for training: :class:`CpuBudget` stops ``fit`` once the run's training has used its CPU minutes.
+
+The budget counts the process's CPU time (all its threads: with ``OMP_NUM_THREADS=1``, CPU time = wall time of a
+quiet machine) spent between the start of training and now, minus the time validation took, so that a run on a
+shared, loaded machine trains exactly as much as on an idle one, only slower. Under DDP each rank counts its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytorch_lightning as pl
+
+from rag.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CpuBudget"]
+
+
+class CpuBudget(pl.Callback):
+    """Stop training when its CPU time (validation excluded) reaches `minutes`.
+
+    Args:
+        minutes: the training budget in CPU-minutes (> 0). Set ``trainer.max_steps`` as well (an upper bound the
+            learning-rate schedule is laid out over).
+    """
+
+    def __init__(self, minutes: float = 20.0) -> None:
+        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
+            raise ConfigError(f"CpuBudget minutes={minutes!r}: the CPU budget must be a number of minutes > 0")
+        self.minutes = float(minutes)
+        self._start = 0.0
+        self._excluded = 0.0
+        self._validation_start = None
+        self.used_seconds = 0.0
+        self.stopped_at_step = None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._start, self._excluded = time.process_time(), 0.0
+
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._validation_start = time.process_time()
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._validation_start is not None:
+            self._excluded += time.process_time() - self._validation_start
+            self._validation_start = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
+        self.used_seconds = time.process_time() - self._start - self._excluded
+        pl_module.log("train/cpu_minutes", self.used_seconds / 60.0)
+        if self.used_seconds >= 60.0 * self.minutes and not trainer.should_stop:
+            trainer.should_stop = True
+            self.stopped_at_step = trainer.global_step
+            logger.warning("CPU budget of %.1f minutes spent at step %d: stopping training", self.minutes, trainer.global_step)
+
+    def state_dict(self) -> dict:
+        return {"used_seconds": self.used_seconds}

@@ -1,0 +1,97 @@
+"""The CPU reader recipe's parts: reading practice from any corpus, the CPU budget, the warm-started generator named in
+YAML with its frozen encoder cached inside the LightningModule, and checkpoints / exports that stay loadable."""
+
+from __future__ import annotations
+
+import pytest
+import pytorch_lightning as pl
+import torch
+
+from rag.errors import ConfigError
+from rag.knowledge.passages import Passage
+from rag.training.budget import CpuBudget
+from rag.training.reading_practice import ReadingPracticeSettings, corpus_practice
+
+PASSAGES = [
+    Passage("a", "Quicksort", "Quicksort is a sorting algorithm that picks a pivot. It partitions the array around the pivot "
+            "and recurses on both sides of it. Quicksort runs in n log n time on average."),
+    Passage("b", "TCP", "A connection-oriented transport protocol of the Internet suite. It guarantees ordered delivery of "
+            "bytes between two hosts over an unreliable network."),
+    Passage("c", "", "A passage without a title cannot be asked about."),
+]
+
+
+def test_corpus_practice_can_only_be_answered_by_reading():
+    examples = corpus_practice(PASSAGES, 200, seed=3)
+    assert examples == corpus_practice(PASSAGES, 200, seed=3)  # seeded
+    kinds = {"definition": 0, "term": 0}
+    for e in examples:
+        title = e.passage.title
+        assert title not in ("Quicksort", "TCP") and "quicksort" not in e.passage.text.lower()  # the real name is gone
+        assert "tcp" not in e.passage.text.lower().split()
+        if e.question.startswith("what is "):
+            kinds["definition"] += 1
+            assert e.question == f"what is {title}?" and e.passage.text.startswith(e.answer.rstrip("."))
+        else:
+            kinds["term"] += 1
+            quote = e.question.split('"')[1]
+            assert e.answer == title and quote in e.passage.text
+    assert kinds["definition"] > 100 and kinds["term"] > 20, kinds
+    with pytest.raises(ConfigError, match="titles"):
+        corpus_practice([PASSAGES[2]], 3)
+
+
+@pytest.mark.parametrize("kw, field", [({"per_step": 0}, "per_step"), ({"pool": -1}, "pool"), ({"source": "web"}, "source")])
+def test_bad_practice_settings_name_the_field(kw, field):
+    with pytest.raises(ConfigError, match=f"model.reading_practice.{field}"):
+        ReadingPracticeSettings(**kw)
+
+
+@pytest.mark.parametrize("minutes", [0, -1, True, "5"])
+def test_a_budget_must_be_positive(minutes):
+    with pytest.raises(ConfigError, match="CpuBudget"):
+        CpuBudget(minutes)
+
+
+def test_budget_stops_training(make_module, make_data, trainer_kw):
+    budget = CpuBudget(minutes=1e-7)  # spent by the first step
+    trainer = pl.Trainer(max_steps=50, limit_val_batches=0, callbacks=[budget], **trainer_kw)
+    trainer.fit(make_module(), datamodule=make_data())
+    assert trainer.global_step == 1 and budget.stopped_at_step == 1 and budget.used_seconds > 0
+
+
+def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_kb_dir, tiny_dpr_question_dir, make_data,
+                                                                         trainer_kw, tmp_path):
+    """generator: warm:minilm builds (once) a copy-head generator over the bundled MiniLM; training caches its frozen
+    encoder inside the module, mixes reading practice into each step, and the checkpoint and export load back."""
+    from rag.models.warm_start import is_warm_start
+    from rag.training.export import export_checkpoint
+    from rag.training.modules import RagModule
+
+    def make():
+        return RagModule(generator="warm:minilm", question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
+                         warm_start={"decoder_layers": 1, "pointer": True},
+                         rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
+                         reading_practice={"per_step": 2, "pool": 20}, max_new_tokens=3, recall_at=[1],
+                         export_dir=str(tmp_path / "model"))
+
+    module = make()
+    calls = []
+    trainer = pl.Trainer(max_steps=2, limit_val_batches=1, val_check_interval=2,
+                         callbacks=[pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True)], **trainer_kw)
+    module.configure_model()
+    gen = module.model.generator
+    assert is_warm_start(gen) and not any(p.requires_grad for p in gen.encoder.parameters())
+    inner_forward = gen.encoder.forward
+    gen.encoder.forward = lambda *a, **k: (calls.append(1), inner_forward(*a, **k))[1]
+    trainer.fit(module, datamodule=make_data())
+    assert len(module._practice) == 20 and calls  # practice built from the knowledge base; the encoder ran (cached)
+    assert type(module.model.generator.encoder).__name__ != "_CachedEncoder"  # released at the end of fit
+    state = torch.load(tmp_path / "ckpt" / "last.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+    assert not any(".encoder.inner." in k for k in state) and any(k.startswith("model.generator.encoder.") for k in state)
+    again = make()
+    again.configure_model()
+    again.load_state_dict(state)  # strict: every key in place
+    assert (tmp_path / "model" / "rag_config.json").is_file()
+    out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "exported", knowledge_base=tiny_kb_dir)
+    assert (out / "generator" / "config.json").is_file()
