@@ -32,6 +32,7 @@ dropped from its list, a question left without answers is dropped — and one
 from __future__ import annotations
 
 import ast
+import dataclasses
 import json
 import logging
 import os
@@ -73,6 +74,8 @@ class QAExample:
     question: str
     answers: tuple[str, ...]
     where: str
+    passage_id: Optional[str] = None
+    """The knowledge-base passage that holds the answer, when the data names it (``data.passage_field``)."""
 
 
 # ---------------------------------------------------------------------------- validation
@@ -159,7 +162,8 @@ def _answers_field(record: dict, answers_field: Optional[str], where: str, requi
 
 
 def _records_to_examples(records: Iterable[tuple[str, Any]], name: str, question_field: str,
-                         answers_field: Optional[str], on_empty: OnEmpty, require_answers: bool) -> list[QAExample]:
+                         answers_field: Optional[str], on_empty: OnEmpty, require_answers: bool,
+                         passage_field: Optional[str] = None) -> list[QAExample]:
     tally = _EmptyTally(name, on_empty)
     out = []
     for where, rec in records:
@@ -169,6 +173,12 @@ def _records_to_examples(records: Iterable[tuple[str, Any]], name: str, question
             raise QADataError(f"{where}: missing field {question_field!r} (fields: {sorted(rec)}); set question_field")
         af, answers = _answers_field(rec, answers_field, where, require_answers)
         ex = _make_example(rec[question_field], answers, where, (question_field, af), tally, require_answers)
+        if ex is not None and passage_field is not None:
+            pid = rec.get(passage_field)
+            if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not str(pid).strip():
+                raise QADataError(f"{where}: field {passage_field!r} (data.passage_field) must name the answer's passage id, got "
+                                  f"{pid!r}; add it to every record or unset data.passage_field")
+            ex = dataclasses.replace(ex, passage_id=str(pid))
         if ex is not None:
             out.append(ex)
     tally.warn()
@@ -284,7 +294,7 @@ def _load_saved_dataset(spec: str, stage: str) -> tuple[Any, str]:
 
 
 def read_qa(source: Any, *, stage: str = "train", question_field: str = "question", answers_field: Optional[str] = None,
-            on_empty: OnEmpty = "skip", require_answers: bool = True) -> list[QAExample]:
+            on_empty: OnEmpty = "skip", require_answers: bool = True, passage_field: Optional[str] = None) -> list[QAExample]:
     """Read QA examples from any supported source (see module docstring).
 
     `stage` picks the split of a ``DatasetDict``; `require_answers=False` allows
@@ -292,7 +302,8 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
     """
     if _is_dataset(source):
         name = f"dataset({getattr(source, 'info', None) and source.info.dataset_name or 'in-memory'})"
-        return _records_to_examples(_dataset_records(source, name), name, question_field, answers_field, on_empty, require_answers)
+        return _records_to_examples(_dataset_records(source, name), name, question_field, answers_field, on_empty, require_answers,
+                                    passage_field)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"data source must be a path, 'demo:SPLIT' or a datasets.Dataset, got {type(source).__name__}")
     spec = os.fspath(source)
@@ -307,13 +318,16 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             ds, name = _load_saved_dataset(spec, stage)
-            return _records_to_examples(_dataset_records(ds, name), name, question_field, answers_field, on_empty, require_answers)
+            return _records_to_examples(_dataset_records(ds, name), name, question_field, answers_field, on_empty, require_answers,
+                                        passage_field)
         raise QADataError(f"{path}: a directory but not a saved dataset; for source/target files give data_dir={path} "
                           f"(or the .source file), otherwise a .jsonl/.tsv file")
     if not path.is_file():
         raise QADataError(f"{path}: no such file")
     suffix = path.suffix.lower()
     if suffix == ".source":
+        if passage_field is not None:
+            raise ConfigError(f"{path}: .source/.target files name no passages; unset data.passage_field or use JSONL")
         return read_source_target(path, on_empty=on_empty, require_answers=require_answers)
     if suffix in (".jsonl", ".json"):
         records = _jsonl_records(path)
@@ -324,7 +338,7 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
     else:
         raise QADataError(f"{path}: unknown QA format {suffix!r}; use .jsonl/.json (NQ-open style), .tsv, "
                           f"X.source + X.target, or a saved datasets directory")
-    return _records_to_examples(records, str(path), question_field, answers_field, on_empty, require_answers)
+    return _records_to_examples(records, str(path), question_field, answers_field, on_empty, require_answers, passage_field)
 
 
 def _is_dataset(obj: Any) -> bool:
@@ -349,6 +363,8 @@ class QAPairsDataset(Dataset):
     def __init__(self, examples: Sequence[QAExample], contexts: Optional[Sequence[Any]] = None,
                  context_kinds: Optional[Sequence[str]] = None) -> None:
         self.pairs = expand_answers(examples)
+        ids = [ex.passage_id for ex in examples for _ in ex.answers]
+        self.passage_ids = ids if any(i is not None for i in ids) else None
         if contexts is not None and (len(contexts) != len(self.pairs) or len(context_kinds or ()) != len(self.pairs)):
             raise RagError(f"{len(self.pairs)} training pairs but {len(contexts)} contexts; give one context (and kind) per pair")
         self.contexts, self.context_kinds = contexts, context_kinds
@@ -361,6 +377,8 @@ class QAPairsDataset(Dataset):
         item = {"question": q, "target": a}
         if self.contexts is not None:
             item["context"], item["context_kind"] = self.contexts[i], self.context_kinds[i]
+        if self.passage_ids is not None:
+            item["passage_id"] = self.passage_ids[i]
         return item
 
 
@@ -388,6 +406,8 @@ def collate_qa(items: list[dict]) -> dict:
     if items and "context" in items[0]:
         batch["contexts"] = [it["context"] for it in items]
         batch["context_kinds"] = [it["context_kind"] for it in items]
+    if items and "passage_id" in items[0]:
+        batch["passage_ids"] = [it["passage_id"] for it in items]
     return batch
 
 
@@ -416,6 +436,8 @@ class QADataModule(pl.LightningDataModule):
             drawn once (seeded) in ``setup``; batches then hold ``contexts`` and ``context_kinds`` and
             :class:`~rag.training.modules.RagModule` trains the generator on that one passage instead of
             retrieving. A decoder-only reader reads the same fields (one passage per question).
+        passage_field: the record field naming the knowledge-base passage that holds the answer (JSONL / datasets);
+            training batches then carry ``passage_ids`` (RagModule's ``gold_passage`` loss reads them).
     """
 
     def __init__(
@@ -434,6 +456,7 @@ class QADataModule(pl.LightningDataModule):
         num_workers: int = 0,
         shuffle: bool = True,
         context_mixing: Optional[ContextMixing] = None,
+        passage_field: Optional[str] = None,
     ) -> None:
         super().__init__()
         if context_mixing is not None:
@@ -470,6 +493,7 @@ class QADataModule(pl.LightningDataModule):
         return read_qa(
             src, stage=split, question_field=self.hparams.question_field, answers_field=self.hparams.answers_field,
             on_empty=self.hparams.on_empty, require_answers=split != "predict",
+            passage_field=self.hparams.get("passage_field") if split == "train" else None,
         )
 
     def setup(self, stage: Optional[str] = None) -> None:

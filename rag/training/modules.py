@@ -82,6 +82,13 @@ def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, wa
 # ---------------------------------------------------------------------------- decoding
 
 
+def _no_repeat(model) -> int:
+    """The pipeline's default (no repeated bigram), except for imported transformers checkpoints."""
+    from rag.readers import DEFAULT_NO_REPEAT_NGRAM
+
+    return 0 if model.config.hf_compat else DEFAULT_NO_REPEAT_NGRAM
+
+
 def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max_new_tokens: int = 20,
                      sequence_decoding: Literal["fast", "thorough"] = "fast"):
     """Answer strings for B questions, plus the :class:`Retrieved` passages used and the truncated-context count.
@@ -94,7 +101,7 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
     from rag.generation.decoding import GenerationConfig
     from rag.generation.detokenize import decode_answer
 
-    cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens)
+    cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, no_repeat_ngram_size=_no_repeat(model))
     found = generate_for_questions(model, questions, cfg, decoding=sequence_decoding)
     texts = [decode_answer(model.generator_tokenizer, row) for row in found.output.sequences.tolist()]
     return texts, found.inputs.retrieved, found.inputs.n_truncated
@@ -147,6 +154,10 @@ class RagModule(pl.LightningModule):
             fresh decoder, copy head (:class:`~rag.models.tiny_generator.WarmStartGenerator`).
         reading_practice: an auxiliary generator loss on examples only reading their passage answers, mixed into every
             step (:class:`~rag.training.reading_practice.ReadingPracticeSettings`; built from the knowledge base's passages).
+        gold_passage: also train the generator on each training pair's gold passage alone
+            (:mod:`rag.training.gold_passages`): ``named`` by the data's ``passage_ids`` (``data.passage_field``; an id not
+            in the knowledge base is an error), ``unique_answer`` where the answer occurs in exactly one passage, ``auto``
+            the first when the data names passages, else the second; ``off``.
         cache_encoder: memoise a frozen generator encoder's outputs per distinct context while training (warm-started
             generators; each context is encoded once per run).
         generation_metrics: metrics added to EM and F1 in validation and test for generation tasks: ``bleu1`` (BLEU-1),
@@ -189,6 +200,7 @@ class RagModule(pl.LightningModule):
         warm_start: WarmStartGenerator = _DEFAULT_WARM,
         reading_practice: Optional[ReadingPracticeSettings] = None,
         cache_encoder: bool = True,
+        gold_passage: Literal["off", "auto", "named", "unique_answer"] = "off",
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -221,6 +233,7 @@ class RagModule(pl.LightningModule):
         self._practice: list = []  # built in on_fit_start
         self._practice_rng = random.Random(0 if self.practice_settings is None else self.practice_settings.seed)
         self._encoder_cache = None
+        self._gold = None  # GoldPassages, built in on_fit_start
         self.save_hyperparameters()
         self.model = None  # built in configure_model()
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
@@ -292,19 +305,28 @@ class RagModule(pl.LightningModule):
             out = self(questions, targets)
             self._count_contexts("train", out)
             loss = out.loss
-        loss = self._with_reading_practice(loss, len(questions))
+        loss = self._with_auxiliary_losses(loss, batch)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(questions))
         return loss
 
-    def _with_reading_practice(self, loss: torch.Tensor, n_real: int) -> torch.Tensor:
-        """`loss` of `n_real` pairs mixed with ``reading_practice.per_step`` practice examples, each weighing as one pair."""
-        if not self._practice:
-            return loss
-        n = self.practice_settings.per_step
-        picked = self._practice_rng.sample(self._practice, min(n, len(self._practice)))
-        practice = self._require_model().generator_loss([e.question for e in picked], [e.answer for e in picked],
-                                                          [e.passage for e in picked])
-        return (n_real * loss + len(picked) * practice) / (n_real + len(picked))
+    def _with_auxiliary_losses(self, loss: torch.Tensor, batch: dict) -> torch.Tensor:
+        """`loss` of the batch's pairs mixed with the reading losses, each example weighing as one pair: the generator on
+        each pair's gold passage alone (``gold_passage``), and ``reading_practice.per_step`` practice examples."""
+        n_real = len(batch["questions"])
+        total, weight = loss * n_real, n_real
+        model = self._require_model()
+        if self._gold is not None:
+            golds = self._gold.lookup(batch["targets"], batch.get("passage_ids"))
+            found = [i for i, g in enumerate(golds) if g is not None]
+            if found:
+                gold = model.generator_loss([batch["questions"][i] for i in found], [batch["targets"][i] for i in found],
+                                            [golds[i] for i in found])
+                total, weight = total + gold * len(found), weight + len(found)
+        if self._practice:
+            picked = self._practice_rng.sample(self._practice, min(self.practice_settings.per_step, len(self._practice)))
+            practice = model.generator_loss([e.question for e in picked], [e.answer for e in picked], [e.passage for e in picked])
+            total, weight = total + practice * len(picked), weight + len(picked)
+        return total / weight
 
     def _eval_step(self, batch: dict, stage: str) -> None:
         questions, answers = batch["questions"], batch["answers"]
@@ -353,7 +375,8 @@ class RagModule(pl.LightningModule):
 
         model, h = self._require_model(), self.hparams
         with torch.no_grad():
-            out = generate_closed_book(model, list(questions), GenerationConfig(num_beams=h.num_beams, max_new_tokens=h.max_new_tokens))
+            out = generate_closed_book(model, list(questions), GenerationConfig(num_beams=h.num_beams, max_new_tokens=h.max_new_tokens,
+                                                                                no_repeat_ngram_size=_no_repeat(model)))
         return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
 
     def _recall_passages(self, questions, retrieved) -> list[list]:
@@ -523,6 +546,18 @@ class RagModule(pl.LightningModule):
             logger.warning("checkpoint was trained against knowledge base %s, now using %s (%s)", saved, kb.version, kb.path)
 
     def on_fit_start(self) -> None:
+        if self.hparams.get("gold_passage", "off") != "off" and self._gold is None:
+            from rag.training.gold_passages import GoldPassages
+
+            train = getattr(getattr(self.trainer, "datamodule", None), "_datasets", {}).get("train")
+            pairs = getattr(train, "pairs", [])
+            self._gold = GoldPassages(self._require_model().knowledge_base.all_passages(), [a for _, a in pairs],
+                                      self.hparams.gold_passage)
+            if getattr(train, "passage_ids", None) is not None:
+                self._gold.check_ids(train.passage_ids)  # every named passage, before the first step
+            elif self.hparams.gold_passage == "named":
+                raise ConfigError("model.gold_passage=named, but the training data names no passages; set data.passage_field "
+                                  "(the record field holding each answer's passage id), or use gold_passage: auto")
         if self.practice_settings is not None and not self._practice:
             from rag.training.reading_practice import practice_pool
 

@@ -95,3 +95,57 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     assert (tmp_path / "model" / "rag_config.json").is_file()
     out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "exported", knowledge_base=tiny_kb_dir)
     assert (out / "generator" / "config.json").is_file()
+
+
+def test_gold_passages_by_unique_answer_and_by_named_id():
+    from rag.training.gold_passages import GoldPassages
+
+    passages = PASSAGES + [Passage("d", "UDP", "A connectionless transport protocol of the Internet suite.")]
+    gold = GoldPassages(passages, ["a sorting algorithm that picks a pivot", "transport protocol of the Internet suite", "it"],
+                        mode="auto")
+    found = gold.lookup(["A sorting algorithm that picks a pivot.", "transport protocol of the Internet suite", "it", "unseen"])
+    assert [p.id if p else None for p in found] == ["a", None, None, None]  # two passages hold the second; "it" too short
+    assert [p.id for p in gold.lookup(["x", "y"], ["b", "d"])] == ["b", "d"]  # named ids win when the batch has them
+    with pytest.raises(ConfigError, match="passage id 'zz' is not in the knowledge base"):
+        gold.lookup(["x"], ["zz"])
+    with pytest.raises(ConfigError, match="model.gold_passage"):
+        GoldPassages(passages, [], mode="sometimes")
+
+
+def test_data_names_passages_and_gold_loss_joins_the_step(tmp_path, make_module, make_data, tiny_kb_dir):
+    """data.passage_field carries each pair's passage id into the batch; model.gold_passage adds the generator's loss on
+    that passage alone; an id that is not in the knowledge base stops fit before the first step, naming it."""
+    import json
+
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    kb = KnowledgeBase.open(tiny_kb_dir)
+    argon = next(p for p in kb.all_passages() if p.title == "Argon")
+    rows = [{"question": "what is the chemical symbol of argon?", "answers": ["Ar"], "pid": argon.id}] * 4
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = make_data(train=str(good), passage_field="pid", batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    assert batch["passage_ids"] == [argon.id] * 4
+    module = make_module(gold_passage="named")
+    module.configure_model()
+    from rag.training.gold_passages import GoldPassages
+
+    module._gold = GoldPassages(kb.all_passages(), [], mode="named")
+    model = module.model
+    plain = model(batch["questions"], batch["targets"]).loss
+    reading = model.generator_loss(batch["questions"], batch["targets"], [argon] * 4)
+    mixed = module._with_auxiliary_losses(plain, batch)
+    assert float(mixed) == pytest.approx((4 * float(plain) + 4 * float(reading)) / 8, rel=1e-5)
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q?", "answers": ["a"], "pid": "nowhere"}) + "\n")
+    trainer = pl.Trainer(max_steps=1, limit_val_batches=0, accelerator="cpu", logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="'nowhere' is not in the knowledge base"):
+        trainer.fit(make_module(gold_passage="auto"), datamodule=make_data(train=str(bad), passage_field="pid"))
+    missing = tmp_path / "missing.jsonl"
+    missing.write_text(json.dumps({"question": "q?", "answers": ["a"]}) + "\n")
+    with pytest.raises(Exception, match="data.passage_field"):
+        make_data(train=str(missing), passage_field="pid").setup("fit")
