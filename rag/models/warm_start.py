@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Iterator, Optional, Union
@@ -37,6 +38,8 @@ import torch
 from torch import nn
 
 from rag.errors import ConfigError, IntegrityError
+
+logger = logging.getLogger(__name__)
 
 WARM_START_KEY = "rag_warm_start"
 """The generator-config attribute (saved in ``config.json``) that marks a warm-started generator."""
@@ -207,8 +210,17 @@ def load_warm_start(path: Union[str, os.PathLike]):
     state = load_file(str(weights))
     expected = _trained_state(gen)
     missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
-    if missing or extra:
-        raise IntegrityError(f"{weights}: tensors missing {missing[:5]} / unexpected {extra[:5]}; save the generator again")
+    whole = gen.state_dict()
+    if not missing and extra and set(extra) <= set(whole):
+        # transformers' save_pretrained of the whole model (frozen encoder included): every trained tensor is there, and
+        # the rest are the model's own; the encoder weights saved with it are the ones it ran with.
+        logger.info("%s: a save_pretrained directory of the whole generator (%d tensors); rag.models.warm_start.save_generator "
+                    "writes only the trained ones", weights, len(state))
+        expected = {k: whole[k] for k in state}
+    elif missing or extra:
+        raise IntegrityError(f"{weights}: tensors missing {missing[:5]} / unexpected {extra[:5]}: not a generator "
+                             f"rag.models.warm_start.save_generator (or save_pretrained) wrote for this config.json; "
+                             f"restore the directory or save the generator again")
     for name, t in state.items():
         if t.shape != expected[name].shape:
             raise IntegrityError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}")

@@ -67,6 +67,17 @@ def test_save_load_round_trip_keeps_only_trained_weights(built, tmp_path):
     assert not any(p.requires_grad for p in loaded.encoder.parameters())
 
 
+def test_a_whole_model_save_pretrained_directory_loads(built, tmp_path):
+    """transformers' save_pretrained of the whole generator (frozen encoder included) is a generator directory too: it
+    loads with the same logits instead of failing with 'save the generator again'."""
+    gen, tok = built
+    gen.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    loaded, ltok = load_seq2seq(tmp_path)
+    assert is_warm_start(loaded)
+    torch.testing.assert_close(_logits(loaded, ltok), _logits(gen, tok), rtol=0, atol=1e-6)
+
+
 def test_load_refuses_other_encoder_weights_and_altered_files(built, tmp_path):
     gen, tok = built
     save_generator(gen, tok, tmp_path)
