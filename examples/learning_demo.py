@@ -73,7 +73,8 @@ from rag.knowledge.encoders import TextEncoder  # noqa: E402
 from rag.models.rag_model import RagModel, RagModelConfig  # noqa: E402
 from rag.models.warm_start import build_warm_start_generator, cache_encoder_outputs, load_warm_start  # noqa: E402
 from rag.training.data import expand_answers, read_qa  # noqa: E402
-from rag.training.modules import generate_answers, warmup_linear_decay  # noqa: E402
+from rag.training.modules import generate_answers  # noqa: E402
+from rag.training.schedules import warmup_linear_decay  # noqa: E402
 
 logger = logging.getLogger("learning_demo")
 

@@ -61,7 +61,7 @@ from rag.models.warm_start import cache_encoder_outputs, save_generator  # noqa:
 from rag.selfask import chain_training_examples, self_ask, step_hypotheses  # noqa: E402
 from rag.training.context_mixing import ContextMixing, retrieve_rows, sample_context_choices  # noqa: E402
 from rag.training.data import QADataModule, read_qa  # noqa: E402
-from rag.training.modules import warmup_linear_decay  # noqa: E402
+from rag.training.schedules import warmup_linear_decay  # noqa: E402
 
 logger = logging.getLogger("retrobust_demo")
 READERS = ("closed-book", "top-1", "retrobust")

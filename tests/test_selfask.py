@@ -11,6 +11,7 @@ from rag.selfask import (
     FOLLOW_UP,
     INTERMEDIATE,
     SelfAskStep,
+    chain_training_examples,
     format_chain,
     next_action,
     parse_chain,
@@ -135,3 +136,17 @@ def test_bundled_multihop_decompositions():
         assert (r["split"] != "train") == (r["element"] in held_out)
     assert {r["type"].split("->")[0] for r in rows} == {"discoverer", "number", "symbol"}
     assert len(load_multihop("test")) + len(load_multihop("dev")) + len(load_multihop("train")) == len(rows)
+
+
+def test_chain_training_examples_teach_each_step():
+    from rag.demo.multihop import load_multihop
+
+    records = load_multihop("train")
+    examples = chain_training_examples(records)
+    assert len(examples) == 3 * len(records)  # two follow-ups and the final answer per question
+    first, second, last = examples[:3]
+    assert first[1] == f"{FOLLOW_UP} {records[0]['follow_ups'][0]['question']}"
+    assert second[0].endswith(f"{INTERMEDIATE} {records[0]['follow_ups'][0]['answer']}\n")
+    assert second[1] == f"{FOLLOW_UP} {records[0]['follow_ups'][1]['question']}"
+    chain = parse_chain(last[0] + last[1])
+    assert last[1] == f"{FINAL} {records[0]['answers'][0]}" and chain.well_formed and chain.final == records[0]["answers"][0]

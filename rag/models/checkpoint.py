@@ -37,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT", "save_rag_model", "load_rag_model", "resolve_checkpoint_dir",
     "open_knowledge_base", "check_overrides", "is_hf_rag_checkpoint", "knowledge_base_reference", "referenced_knowledge_base",
-    "readable_weights",
+    "readable_weights", "save_model_directory",
 ]
 
 CHECKPOINT_CONFIG = "rag_config.json"
@@ -207,6 +207,23 @@ def referenced_knowledge_base(root: Path, kb_ref: dict):
             return kb_dir
     raise ConfigError(f"{cfg_file}: references knowledge base {path!r}, which is not on this machine "
                       f"(looked in {' and '.join(map(str, tried))}); {how}")
+
+
+def save_model_directory(model: "RagModel", directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
+    """Write a trained :class:`~rag.models.rag_model.RagModel` as a model directory, its query encoder referenced by name
+    when its weights are still those the name loads (else copied)."""
+    from rag.io import check_output_dir
+
+    check_output_dir(directory, overwrite, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
+                     option="DIR")
+    try:
+        referenced_query_encoder(model.question_encoder)  # loads the encoder by its name and compares the weights
+        reference = True
+    except RagError:
+        reference = False
+        logger.info("the query encoder changed in training: its weights are copied into %s", directory)
+    model.save_pretrained(directory, overwrite=overwrite, reference_query_encoder=reference)
+    return Path(directory)
 
 
 def referenced_query_encoder(qenc) -> dict:

@@ -28,7 +28,7 @@ from rag.errors import ConfigError
 from rag.eval.metrics import ExactMatch, TokenF1
 from rag.knowledge.passages import Passage
 from rag.models.ralm import CausalScorer, window_ids, window_start
-from rag.training.modules import step_schedule
+from rag.training.schedules import step_schedule
 
 logger = logging.getLogger(__name__)
 

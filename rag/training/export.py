@@ -13,18 +13,15 @@ existing non-empty target is refused unless it holds an earlier export of the sa
 
 from __future__ import annotations
 
-import logging
 import os
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from rag.errors import ConfigError, RagError
+from rag.errors import ConfigError
 
-logger = logging.getLogger(__name__)
-
-__all__ = ["save_model_directory", "export_checkpoint", "is_lightning_checkpoint"]
+__all__ = ["export_checkpoint", "is_lightning_checkpoint"]
 
 RAG_MODULE = "rag.training.modules.RagModule"
 CAUSAL_READER = "rag.training.causal_reader.CausalReaderModule"
@@ -42,24 +39,6 @@ def is_lightning_checkpoint(path: Union[str, os.PathLike]) -> bool:
             return f.read(4) == b"PK\x03\x04"  # torch.save's zip container
     except OSError:
         return False
-
-
-def save_model_directory(model, directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
-    """Write a trained :class:`~rag.models.rag_model.RagModel` as a model directory, its query encoder referenced by name
-    when its weights are still those the name loads (else copied)."""
-    from rag.io import check_output_dir
-    from rag.models.checkpoint import referenced_query_encoder
-
-    check_output_dir(directory, overwrite, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
-                     option="DIR")
-    try:
-        referenced_query_encoder(model.question_encoder)  # loads the encoder by its name and compares the weights
-        reference = True
-    except RagError:
-        reference = False
-        logger.info("the query encoder changed in training: its weights are copied into %s", directory)
-    model.save_pretrained(directory, overwrite=overwrite, reference_query_encoder=reference)
-    return Path(directory)
 
 
 def _module_arguments(ckpt: dict, where: Path) -> tuple[str, dict]:
@@ -114,6 +93,8 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         module = RagModule(**args)
         module.configure_model()
         module.load_state_dict(ckpt["state_dict"])
+        from rag.models.checkpoint import save_model_directory
+
         return save_model_directory(module.model, directory, overwrite=overwrite)
     if class_path == CAUSAL_READER:
         from rag.training.causal_reader import CausalReaderModule

@@ -24,9 +24,7 @@ when ``build_knowledge_base_from`` names a corpus.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
-import math
 import os
 import random
 from typing import Any, Literal, Optional, Sequence
@@ -39,45 +37,9 @@ from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, To
 from rag.models.config import RagModelConfig
 from rag.models.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
 from rag.training.reading_practice import ReadingPracticeSettings
+from rag.training.schedules import SCHEDULES, step_schedule
 
 logger = logging.getLogger(__name__)
-
-# ---------------------------------------------------------------------------- schedules
-
-
-def warmup_linear_decay(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Learning-rate multiplier at optimizer step `step` (0-based): linear warm-up from 0
-    to 1 over `warmup_steps`, then linear decay to 0 at `total_steps` (the schedule of
-    BERT/BART fine-tuning and the transformers RAG example)."""
-    if step < warmup_steps:
-        return step / max(1, warmup_steps)
-    return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-
-def warmup_constant(step: int, warmup_steps: int, total_steps: int) -> float:
-    """Linear warm-up to 1, then constant."""
-    return min(1.0, step / max(1, warmup_steps)) if warmup_steps else 1.0
-
-
-SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
-
-
-def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, warmup_ratio: Optional[float] = None,
-                  warmup_steps: int = 0, schedule: str = "linear") -> dict:
-    """Lightning's ``lr_scheduler`` entry for `optimizer`: warmup then `schedule` (:data:`SCHEDULES`) over the run's
-    optimizer steps, stepped every step. `warmup_ratio` (of the run) wins over `warmup_steps`.
-
-    Raises:
-        ConfigError: the run has no finite length (neither trainer.max_steps nor trainer.max_epochs).
-    """
-    total = trainer.estimated_stepping_batches
-    if not math.isfinite(total):
-        raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
-    total = max(1, int(total))
-    warmup = int(round(warmup_ratio * total)) if warmup_ratio is not None else warmup_steps
-    fn = functools.partial(SCHEDULES[schedule], warmup_steps=warmup, total_steps=total)
-    return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fn), "interval": "step", "frequency": 1}
-
 
 # ---------------------------------------------------------------------------- decoding
 
@@ -165,7 +127,7 @@ class RagModule(pl.LightningModule):
         predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
             (answer, passages with ids, titles and scores, knowledge-base version); default
             ``<trainer.default_root_dir>/predictions.jsonl``. The path is printed.
-        export_dir: write the trained model there at the end of ``fit`` (:func:`rag.training.export.save_model_directory`:
+        export_dir: write the trained model there at the end of ``fit`` (:func:`rag.models.checkpoint.save_model_directory`:
             ``rag generate --model DIR`` reads it); an earlier export there is replaced, any other content refused.
     """
 
@@ -576,7 +538,7 @@ class RagModule(pl.LightningModule):
         self._release_encoder_cache()
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:
-            from rag.training.export import save_model_directory
+            from rag.models.checkpoint import save_model_directory
 
             save_model_directory(self._require_model(), export_dir, overwrite=True)
             logger.info("trained model written to %s: rag generate --model %s", export_dir, export_dir)

@@ -20,7 +20,7 @@ import torchmetrics
 from rag.errors import ConfigError
 from rag.io import atomic_directory
 from rag.models.nli import encode_nli_pairs
-from rag.training.modules import step_schedule
+from rag.training.schedules import step_schedule
 from rag.training.snli import LABELS
 
 __all__ = ["NLIModule", "EXPORT_INFO"]

@@ -32,7 +32,7 @@ from rag.errors import ConfigError
 from rag.generation.lsr import lsr_loss
 from rag.models.lm_scorer import LMScorer, ScoreCache, document_logprobs
 from rag.models.ralm import doc_text
-from rag.training.modules import step_schedule
+from rag.training.schedules import step_schedule
 
 logger = logging.getLogger(__name__)
 

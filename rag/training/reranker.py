@@ -41,7 +41,7 @@ from rag.models.ralm import (
     window_ids,
 )
 from rag.models.rerank import PredictiveReranker
-from rag.training.modules import step_schedule
+from rag.training.schedules import step_schedule
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""examples/retrobust_demo.py: the Self-Ask training examples and the NLI back-off with planted NLI models (a tiny
+"""examples/retrobust_demo.py: the NLI back-off with planted NLI models (a tiny
 classifier whose output is fixed by its bias: always "entailment" or always "neutral"), and the script end to end."""
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from rag.knowledge.passages import Passage
-from rag.selfask import FINAL, parse_chain
 
 REPO = Path(__file__).resolve().parents[2]
 LABELS = {0: "entailment", 1: "neutral", 2: "contradiction"}
@@ -39,19 +38,6 @@ def _planted_nli_dir(tmp_path, wordpiece_tokenizer, winner: int) -> str:
     model.save_pretrained(path)
     wordpiece_tokenizer.save_pretrained(path)
     return str(path)
-
-
-def test_selfask_examples_teach_each_step(demo):
-    from rag.demo.multihop import load_multihop
-
-    examples = demo.selfask_examples()
-    records = load_multihop("train")
-    assert len(examples) == 3 * len(records)  # two follow-ups and the final answer per question
-    first, second, last = examples[:3]
-    assert first[1] == f"Follow up: {records[0]['follow_ups'][0]['question']}"
-    assert second[0].endswith(f"Intermediate answer: {records[0]['follow_ups'][0]['answer']}\n")
-    chain = parse_chain(last[0] + last[1])
-    assert last[1] == f"{FINAL} {records[0]['answers'][0]}" and chain.well_formed and chain.final == records[0]["answers"][0]
 
 
 def test_nli_backoff_follows_the_planted_model(demo, tmp_path, wordpiece_tokenizer):

@@ -8,7 +8,8 @@ import torch
 
 from rag.errors import ConfigError, KnowledgeBaseError
 from rag.models.tiny_generator import TinyGenerator, ensure_tiny_generator
-from rag.training.modules import RagModule, warmup_constant, warmup_linear_decay
+from rag.training.modules import RagModule
+from rag.training.schedules import warmup_constant, warmup_linear_decay
 
 
 def _snapshot(params):
