@@ -51,14 +51,16 @@ def test_pool_matches_local_search_and_survives_a_killed_actor(kb_dir, local_ray
         os.kill(pids[0], signal.SIGKILL)  # one actor dies mid-service
         for _ in range(4):  # queries go on: retried on the live actor while Ray restarts the dead one
             np.testing.assert_array_equal(pool.search(q, 5)[1], want[1])
-        deadline = time.monotonic() + 60
-        while True:  # the restarted actor serves again, in a new process
+        # the restarted actor serves again, in a new process. Restarting takes from seconds to minutes on a loaded
+        # machine, so the bound only guards against a hang (Ray gave up restarting), never a speed.
+        hang_guard = time.monotonic() + 900
+        while True:
             try:
                 new_pids = pool.actor_pids()
                 break
-            except Exception:
-                assert time.monotonic() < deadline, "the killed actor was not restarted"
-                time.sleep(0.5)
+            except (ray.exceptions.GetTimeoutError, ray.exceptions.RayActorError):
+                assert time.monotonic() < hang_guard, "the killed actor was not restarted within 15 minutes"
+                time.sleep(1.0)
         assert new_pids[0] != pids[0] and new_pids[1] == pids[1]
         np.testing.assert_array_equal(pool.search(q, 5)[1], want[1])
         # every actor gone for good: the query is retried once, then fails clearly
