@@ -36,11 +36,10 @@ for p in (REPO, REPO / "examples"):
     if str(p) not in sys.path:  # run from a checkout without installing; retrobust_demo is a sibling
         sys.path.insert(0, str(p))
 
-from retrobust_demo import CONDITIONS, MIXES, READERS, TOP_K, evaluate_contexts, evaluate_selfask  # noqa: E402
+from retrobust_demo import CONDITIONS, MIXES, READERS, TOP_K, evaluate_and_write  # noqa: E402
 
 from rag.demo.kb import ensure_demo_kb  # noqa: E402
 from rag.io import atomic_write_json  # noqa: E402
-from rag.models.nli import NLIScorer  # noqa: E402
 from rag.training.causal_reader import CausalReaderModule  # noqa: E402
 from rag.training.context_mixing import ContextMixing  # noqa: E402
 from rag.training.data import QADataModule  # noqa: E402
@@ -121,18 +120,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     readers, training = {}, {}
     for name in READERS:
         readers[name], training[name] = ensure_reader(name, kb, args)
-    t0, w0 = time.process_time(), time.monotonic()
-    scorer = NLIScorer.from_pretrained(args.nli)
-    results = {"command": "python examples/retrobust_causal_demo.py " + " ".join(sys.argv[1:] if argv is None else argv),
-               "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "nli_model": scorer.name, "readers": training}
-    with torch.no_grad():
-        results["contexts"] = evaluate_contexts(readers, kb, scorer, args)
-        results["selfask"] = evaluate_selfask(readers, kb, scorer, args)
-    results["eval_cpu_seconds"] = round(time.process_time() - t0, 1)
-    results["eval_wall_seconds"] = round(time.monotonic() - w0, 1)
-    atomic_write_json(args.results, results)
-    logger.info("wrote %s", args.results)
+    evaluate_and_write("examples/retrobust_causal_demo.py", readers, training, kb, args, argv)
     return 0
 
 

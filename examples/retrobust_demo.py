@@ -280,7 +280,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     torch.set_num_threads(1)
     kb = ensure_demo_kb(show_progress=False)
-    t0, w0 = time.process_time(), time.monotonic()
     wanted = [r for r in READERS if r in args.readers.split(",")]
     readers, training = {}, {}
     for name in wanted:
@@ -288,17 +287,25 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if len(readers) < len(READERS):
         logger.info("trained %s; run again with all readers to evaluate", wanted)
         return 0
+    evaluate_and_write("examples/retrobust_demo.py", readers, training, kb, args, argv)
+    return 0
+
+
+def evaluate_and_write(script: str, readers: dict, training: dict, kb, args, argv: Optional[Sequence[str]]) -> None:
+    """The demonstration's tables (every context condition, then Self-Ask) for trained `readers`, written to
+    ``args.results`` with the command, the settings, the NLI model and each reader's training record."""
+    t0, w0 = time.process_time(), time.monotonic()
     scorer = NLIScorer.from_pretrained(args.nli)
-    results = {"command": "python examples/retrobust_demo.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    results = {"command": f"python {script} " + " ".join(sys.argv[1:] if argv is None else argv),
                "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "nli_model": scorer.name, "readers": training}
-    results["contexts"] = evaluate_contexts(readers, kb, scorer, args)
-    results["selfask"] = evaluate_selfask(readers, kb, scorer, args)
+    with torch.no_grad():
+        results["contexts"] = evaluate_contexts(readers, kb, scorer, args)
+        results["selfask"] = evaluate_selfask(readers, kb, scorer, args)
     results["eval_cpu_seconds"] = round(time.process_time() - t0, 1)
     results["eval_wall_seconds"] = round(time.monotonic() - w0, 1)
     atomic_write_json(args.results, results)
     logger.info("wrote %s", args.results)
-    return 0
 
 
 if __name__ == "__main__":
