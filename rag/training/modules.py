@@ -115,7 +115,8 @@ class RagModule(pl.LightningModule):
         warm_start: the generator built for ``generator: warm:<encoder>`` (e.g. ``warm:minilm``): frozen pretrained encoder,
             fresh decoder, copy head (:class:`~rag.models.tiny_generator.WarmStartGenerator`).
         reading_practice: an auxiliary generator loss on examples only reading their passage answers, mixed into every
-            step (:class:`~rag.training.reading_practice.ReadingPracticeSettings`; built from the knowledge base's passages).
+            step (:class:`~rag.training.reading_practice.ReadingPracticeSettings`; built from the knowledge base's passages),
+            and with ``pretrain_steps`` the run's first steps on practice alone (the reader's pre-training).
         gold_passage: also train the generator on each training pair's gold passage alone
             (:mod:`rag.training.gold_passages`): ``named`` by the data's ``passage_ids`` (``data.passage_field``; an id not
             in the knowledge base is an error), ``unique_answer`` where the answer occurs in exactly one passage, ``auto``
@@ -256,6 +257,12 @@ class RagModule(pl.LightningModule):
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         questions, targets = batch["questions"], batch["targets"]
+        if self.global_step < self._pretrain_steps():  # the reader's pre-training: practice alone, nothing retrieved
+            picked = self._practice_rng.sample(self._practice, min(self.practice_settings.pretrain_batch, len(self._practice)))
+            loss = self._require_model().generator_loss([e.question for e in picked], [e.answer for e in picked],
+                                                        [e.passage for e in picked])
+            self.log("train/practice_loss", loss, prog_bar=True, batch_size=len(picked))
+            return loss
         if self.hparams.get("closed_book"):
             if "contexts" in batch:
                 raise ConfigError("model.closed_book trains on the questions alone, but the data gives each question a passage "
@@ -475,8 +482,15 @@ class RagModule(pl.LightningModule):
         if not param_groups:
             raise ConfigError("nothing to train: the query encoder is frozen and the generator has no trainable parameters")
         optimizer = torch.optim.AdamW(param_groups, eps=h.adam_epsilon)
+        first = self._pretrain_steps()
+        factors = [self.practice_settings.pretrain_lr / g["lr"] if g["name"].startswith("generator") else 0.0
+                   for g in param_groups] if first else None
         return {"optimizer": optimizer, "lr_scheduler": step_schedule(optimizer, self.trainer, warmup_ratio=h.warmup_ratio,
-                                                                      warmup_steps=h.warmup_steps, schedule=h.schedule)}
+                                                                      warmup_steps=h.warmup_steps, schedule=h.schedule,
+                                                                      first_steps=first, first_factors=factors)}
+
+    def _pretrain_steps(self) -> int:
+        return 0 if self.practice_settings is None else self.practice_settings.pretrain_steps
 
     # ------------------------------------------------------------------ checkpoints
     def on_train_start(self) -> None:

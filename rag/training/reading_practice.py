@@ -43,13 +43,22 @@ class ReadingPracticeSettings:
     """Size of the fixed pool the examples are drawn from (built once, seeded)."""
     max_answer_words: int = 24
     """Definition answers are cut to this many words (at a sentence end when sooner)."""
+    pretrain_steps: int = 0
+    """The run's first optimizer steps train the generator on practice alone (no retrieval, the query encoder idle), a
+    stand-in for a pretrained reader: retrieval's gradients carry no signal until the generator can read."""
+    pretrain_batch: int = 16
+    """Practice examples per pre-training step."""
+    pretrain_lr: float = 1.0e-3
+    """Generator learning rate during pre-training (then ``model.generator_lr`` and its schedule take over)."""
     seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, low in (("per_step", 1), ("pool", 1), ("max_answer_words", 1)):
+        for name, low in (("per_step", 1), ("pool", 1), ("max_answer_words", 1), ("pretrain_steps", 0), ("pretrain_batch", 1)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < low:
                 raise ConfigError(f"model.reading_practice.{name}={v!r} must be an integer >= {low}")
+        if isinstance(self.pretrain_lr, bool) or not isinstance(self.pretrain_lr, (int, float)) or not self.pretrain_lr > 0:
+            raise ConfigError(f"model.reading_practice.pretrain_lr={self.pretrain_lr!r} must be a positive number")
         if self.source not in ("corpus", "elements"):
             raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus or elements")
 

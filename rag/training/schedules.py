@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
@@ -34,9 +34,13 @@ SCHEDULES = {"linear": warmup_linear_decay, "constant": warmup_constant}
 
 
 def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, warmup_ratio: Optional[float] = None,
-                  warmup_steps: int = 0, schedule: str = "linear") -> dict:
+                  warmup_steps: int = 0, schedule: str = "linear", first_steps: int = 0,
+                  first_factors: Optional[Sequence[float]] = None) -> dict:
     """Lightning's ``lr_scheduler`` entry for `optimizer`: warmup then `schedule` (:data:`SCHEDULES`) over the run's
     optimizer steps, stepped every step. `warmup_ratio` (of the run) wins over `warmup_steps`.
+
+    With `first_steps`, each param group's learning rate is its own times ``first_factors[group]`` for the run's first
+    `first_steps` steps (0 idles a group); the warmup and `schedule` then start over the remaining steps.
 
     Raises:
         ConfigError: the run has no finite length (neither trainer.max_steps nor trainer.max_epochs).
@@ -44,7 +48,16 @@ def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, wa
     total = trainer.estimated_stepping_batches
     if not math.isfinite(total):
         raise ConfigError("the learning-rate schedule needs a finite run length; set trainer.max_steps or trainer.max_epochs")
-    total = max(1, int(total))
+    total = max(1, int(total) - first_steps)
     warmup = int(round(warmup_ratio * total)) if warmup_ratio is not None else warmup_steps
     fn = functools.partial(SCHEDULES[schedule], warmup_steps=warmup, total_steps=total)
+    if first_steps:
+        if first_factors is None or len(first_factors) != len(optimizer.param_groups):
+            raise ValueError("first_factors needs one factor per param group")
+        fns = [functools.partial(_after_first, fn=fn, first_steps=first_steps, factor=f) for f in first_factors]
+        return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fns), "interval": "step", "frequency": 1}
     return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fn), "interval": "step", "frequency": 1}
+
+
+def _after_first(step: int, *, fn, first_steps: int, factor: float) -> float:
+    return factor if step < first_steps else fn(step - first_steps)

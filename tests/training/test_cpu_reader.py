@@ -41,7 +41,8 @@ def test_corpus_practice_can_only_be_answered_by_reading():
         corpus_practice([PASSAGES[2]], 3)
 
 
-@pytest.mark.parametrize("kw, field", [({"per_step": 0}, "per_step"), ({"pool": -1}, "pool"), ({"source": "web"}, "source")])
+@pytest.mark.parametrize("kw, field", [({"per_step": 0}, "per_step"), ({"pool": -1}, "pool"), ({"source": "web"}, "source"),
+                                       ({"pretrain_steps": -1}, "pretrain_steps"), ({"pretrain_lr": 0}, "pretrain_lr")])
 def test_bad_practice_settings_name_the_field(kw, field):
     with pytest.raises(ConfigError, match=f"model.reading_practice.{field}"):
         ReadingPracticeSettings(**kw)
@@ -58,6 +59,33 @@ def test_budget_stops_training(make_module, make_data, trainer_kw):
     trainer = pl.Trainer(max_steps=50, limit_val_batches=0, callbacks=[budget], **trainer_kw)
     trainer.fit(make_module(), datamodule=make_data())
     assert trainer.global_step == 1 and budget.stopped_at_step == 1 and budget.used_seconds > 0
+
+
+def test_pretraining_steps_train_the_generator_alone_then_rag_takes_over(make_module, make_data, trainer_kw):
+    """reading_practice.pretrain_steps: the first steps read practice alone at pretrain_lr (nothing retrieved: the query
+    encoder stays put, its learning rate 0); then the RAG loss and the configured learning rates take over."""
+    module = make_module(reading_practice={"per_step": 2, "pool": 20, "pretrain_steps": 2, "pretrain_batch": 3,
+                                           "pretrain_lr": 5e-3}, schedule="constant")
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            qenc = torch.cat([p.detach().flatten() for p in pl_module.model.question_encoder.parameters()])
+            gen = torch.cat([p.detach().flatten() for p in pl_module.model.generator.parameters() if p.requires_grad])
+            lrs = {g["name"]: g["lr"] for g in trainer.optimizers[0].param_groups}
+            seen.append((qenc.clone(), gen.clone(), lrs, float(outputs["loss"])))
+
+    trainer = pl.Trainer(max_steps=4, limit_val_batches=0, callbacks=[Watch()], **trainer_kw)
+    module.configure_model()
+    q0 = torch.cat([p.detach().flatten() for p in module.model.question_encoder.parameters()]).clone()
+    trainer.fit(module, datamodule=make_data())
+    assert len(seen) == 4
+    assert torch.equal(seen[0][0], q0) and torch.equal(seen[0][0], seen[1][0])  # pre-training: the query encoder never moves ...
+    assert not torch.equal(seen[0][1], seen[1][1])  # ... while the generator learns
+    assert not torch.equal(seen[2][0], seen[3][0])  # after it, retrieval's gradient reaches the query encoder
+    # LambdaLR has already moved to the next step's rate when a batch ends: seen[0] holds step 1's, seen[1] step 2's
+    assert seen[0][2]["generator"] == pytest.approx(5e-3) and seen[0][2]["query_encoder"] == 0.0
+    assert seen[1][2]["generator"] == pytest.approx(2e-3) and seen[1][2]["query_encoder"] == pytest.approx(1e-3)
 
 
 def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_kb_dir, tiny_dpr_question_dir, make_data,
