@@ -36,3 +36,36 @@ def check_device(device: "str | torch.device | None", option: str = "--device") 
     elif dev.type != "cpu":
         raise ConfigError(f"{option} {device}: unsupported device type {dev.type!r}; use cpu, cuda, cuda:N or mps")
     return dev
+
+
+def _requested_gpus(devices) -> Optional[list[int]]:
+    """The GPU indices a Lightning ``devices`` value names (None: "auto" / -1, all there are); a count N is 0..N-1."""
+    if isinstance(devices, str):
+        d = devices.strip()
+        if d in ("auto", "-1"):
+            return None
+        if "," in d:
+            return [int(x) for x in d.split(",") if x.strip()]
+        devices = int(d)
+    if isinstance(devices, int):
+        return None if devices == -1 else list(range(devices))
+    return [int(x) for x in devices]
+
+
+def check_trainer_devices(accelerator, devices) -> None:
+    """ConfigError naming ``--trainer.accelerator`` / ``--trainer.devices`` when they ask for GPUs this machine lacks
+    (Lightning reports it as a traceback ending in "No supported gpu backend found!" or a device-index error)."""
+    if str(accelerator).lower() not in ("gpu", "cuda"):
+        return
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        raise ConfigError(f"--trainer.accelerator {accelerator}: this machine (or this torch build, {torch.__version__}) has "
+                          "no CUDA GPU; use --trainer.accelerator cpu (several CPU processes: --trainer.strategy ddp "
+                          "--trainer.devices N)")
+    try:
+        wanted = _requested_gpus(devices)
+    except (TypeError, ValueError):
+        raise ConfigError(f"--trainer.devices {devices!r}: give a count, a list of GPU indices, -1 or auto") from None
+    if wanted and (len(wanted) > n or max(wanted) >= n):
+        raise ConfigError(f"--trainer.devices {devices}: this machine has {n} GPU{'s' if n > 1 else ''} (indices 0..{n - 1}); "
+                          f"ask for at most {n}, or -1 for all of them")

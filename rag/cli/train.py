@@ -54,6 +54,15 @@ def _cli_class():
         def add_arguments_to_parser(self, parser) -> None:
             parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
 
+        def before_instantiate_classes(self) -> None:
+            """GPUs asked for that this machine lacks: one clear error before anything is built."""
+            from rag.devices import check_trainer_devices
+
+            config = self.config[self.subcommand] if self.subcommand else self.config
+            trainer = config.get("trainer")
+            if trainer is not None:
+                check_trainer_devices(trainer.get("accelerator", "auto"), trainer.get("devices", "auto"))
+
     return RagCLI
 
 

@@ -1,0 +1,51 @@
+"""Device checks: GPUs a command or a Trainer asks for that the machine lacks are one clear error, named by option."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rag.cli import main
+from rag.devices import check_device, check_trainer_devices
+from rag.errors import ConfigError
+
+REPO_CONFIG = "lightning_configs/tiny_cpu.yaml"
+
+
+def _gpus(monkeypatch, n: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
+
+
+@pytest.mark.parametrize("accelerator, devices", [("cpu", 8), ("auto", "auto"), ("gpu", 2), ("cuda", "0,1"), ("gpu", -1),
+                                                  ("gpu", "auto"), ("gpu", [1])])
+def test_what_the_machine_has_passes(monkeypatch, accelerator, devices):
+    _gpus(monkeypatch, 2)
+    check_trainer_devices(accelerator, devices)
+
+
+@pytest.mark.parametrize("devices, expected", [(4, "has 2 GPUs"), ("0,3", "has 2 GPUs"), ([2], "has 2 GPUs"),
+                                               ("two", "give a count")])
+def test_more_gpus_than_present_names_the_count(monkeypatch, devices, expected):
+    _gpus(monkeypatch, 2)
+    with pytest.raises(ConfigError, match=f"--trainer.devices.*{expected}"):
+        check_trainer_devices("gpu", devices)
+
+
+def test_no_gpu_at_all(monkeypatch):
+    _gpus(monkeypatch, 0)
+    with pytest.raises(ConfigError, match="--trainer.accelerator gpu: .*no CUDA GPU; use --trainer.accelerator cpu"):
+        check_trainer_devices("gpu", 1)
+    with pytest.raises(ConfigError, match="--device cuda:0: .*no CUDA GPU"):
+        check_device("cuda:0")
+
+
+def test_rag_fit_says_it_in_one_line(monkeypatch, capsys):
+    """Lightning itself ends a traceback with 'No supported gpu backend found!'."""
+    _gpus(monkeypatch, 0)
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / REPO_CONFIG)
+    assert main(["fit", "--config", config, "--trainer.accelerator", "gpu", "--trainer.devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "--trainer.accelerator gpu" in err and "Traceback" not in err
