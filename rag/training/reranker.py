@@ -21,6 +21,7 @@ import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Literal, Optional
 
 import pytorch_lightning as pl
@@ -157,6 +158,7 @@ class RerankerDataModule(pl.LightningDataModule):
         self.save_hyperparameters()
         self.train_examples: list[RerankExample] = []
         self.val_examples: list[RerankExample] = []
+        self.knowledge_base: Optional[SimpleNamespace] = None  # version and path of what the examples were retrieved from
 
     def _retriever(self):
         h = self.hparams
@@ -166,8 +168,11 @@ class RerankerDataModule(pl.LightningDataModule):
 
             if h.retrieval != "bm25":
                 raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a knowledge-base directory")
+            self.knowledge_base = SimpleNamespace(version="demo-elements-bm25", path=DEMO)
             return BM25Retriever.from_passages(load_demo_corpus(), show_progress=False)
-        return open_retriever(h.retrieval, h.knowledge_base)
+        retriever = open_retriever(h.retrieval, h.knowledge_base)
+        self.knowledge_base = SimpleNamespace(version=retriever.kb_version, path=h.knowledge_base)
+        return retriever
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_examples:
@@ -245,6 +250,12 @@ class PredictiveRerankerModule(pl.LightningModule):
             # the loss above its floor, reached by putting all mass on the best document (the top-k oracle)
             self.log(f"{stage}/excess_loss", loss + ll.max(-1).values.mean(), batch_size=b)
         return loss
+
+    def on_fit_start(self) -> None:
+        """Under DDP, refuse to train unless every rank retrieved its examples from the same knowledge-base version."""
+        from rag.training.distributed import check_same_knowledge_base
+
+        check_same_knowledge_base(self.trainer, getattr(self.trainer.datamodule, "knowledge_base", None))
 
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")

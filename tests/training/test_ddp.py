@@ -148,3 +148,23 @@ def test_ranks_disagreeing_on_the_knowledge_base_refuse_to_step():
         check_same_knowledge_base(_Trainer(["kb-aaaaaaaaaaaa", "kb-bbbbbbbbbbbb", "kb-aaaaaaaaaaaa"], rank=1), kb, 7)
     assert version_code(None) == 0 and 0 < version_code("kb-aaaaaaaaaaaa") < 2**62
     assert version_code("kb-aaaaaaaaaaaa") != version_code("kb-bbbbbbbbbbbb")
+
+
+def test_reranker_ranks_with_examples_from_different_knowledge_bases_refuse_to_train(tiny_bert_dir):
+    """The reranker's examples are retrieved by each rank's data module at setup: they must come from one version."""
+    from types import SimpleNamespace
+
+    from rag.errors import KnowledgeBaseError
+    from rag.training.reranker import PredictiveRerankerModule
+
+    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8)
+    data = SimpleNamespace(knowledge_base=SimpleNamespace(version="kb-aaaaaaaaaaaa", path="/kbs/a"))
+    for versions, fails in ((["kb-aaaaaaaaaaaa"] * 2, False), (["kb-aaaaaaaaaaaa", "kb-bbbbbbbbbbbb"], True)):
+        trainer = _Trainer(versions)
+        trainer.datamodule = data
+        module.trainer = trainer  # LightningModule.trainer accepts any object here
+        if fails:
+            with pytest.raises(KnowledgeBaseError, match="refusing to step"):
+                module.on_fit_start()
+        else:
+            module.on_fit_start()
