@@ -88,3 +88,15 @@ def demo_passages():
     from rag.demo import load_demo_corpus
 
     return load_demo_corpus()
+
+
+@pytest.fixture(scope="session")
+def tiny_kb_dir(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, demo_passages) -> str:
+    """The 137 demo passages encoded by the tiny random DPR context encoder (dim 32), flat index."""
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    out = tmp_path_factory.mktemp("kb") / "tiny_kb"
+    KnowledgeBase.build(demo_passages, TextEncoder(tiny_dpr_context_dir, role="context"), out, index="flat",
+                        query_encoder=tiny_dpr_question_dir, show_progress=False)
+    return str(out)

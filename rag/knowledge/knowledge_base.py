@@ -242,6 +242,7 @@ class KnowledgeBase:
         self._index = index
         self._bm25 = bm25
         self._gpu = None  # a faiss GPU copy of the index (use_gpu), searched instead of it
+        self._pool = None  # Ray actors serving this version's search (use_search_pool), asked instead of the index
         self._spec = IndexSpec.from_dict(manifest.index)
         self._use = threading.Condition(threading.Lock())  # guards _in_use / _closed
         self._in_use = 0
@@ -430,7 +431,7 @@ class KnowledgeBase:
             addresses = self.mapped_addresses()
             if addresses:
                 pagecache.madvise_dontneed(addresses, chunk, pause)
-        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = None  # freed here (unless a caller kept, e.g., the embeddings array)
+        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None  # freed here (unless a caller kept, e.g., the embeddings array)
         logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
 
@@ -692,11 +693,27 @@ class KnowledgeBase:
             )
         if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= len(self):
             raise RagError(f"k={k!r} must be an integer between 1 and the number of passages in {self.path} ({len(self)})")
+        pool = self._pool
+        if pool is not None:
+            return pool.search(q, int(k))
         with self.in_use():
             gpu = self._gpu
             if gpu is not None:
                 return gpu.search(q, int(k))
             return search_index(self._index, q, int(k), self._spec)
+
+    def use_search_pool(self, pool) -> None:
+        """Answer :meth:`search` through `pool` from now on (a :class:`~rag.knowledge.ray_pool.RayRetrievalPool` over
+        this same version, e.g. actors on other machines of a cluster); None searches locally again. Passages,
+        embeddings and BM25 are still read here.
+
+        Raises:
+            KnowledgeBaseError: the pool serves another version.
+        """
+        if pool is not None and getattr(pool, "version", None) != self.version:
+            raise KnowledgeBaseError(f"{self.path}: the search pool serves knowledge base {getattr(pool, 'version', None)}, "
+                                     f"this one is {self.version}; build the pool over this directory")
+        self._pool = pool
 
     def use_gpu(self, devices="all", *, shard: bool = False, fp16: bool = False) -> bool:
         """Search on GPUs from now on (:func:`rag.knowledge.gpu.to_gpu`: ``devices`` "all", an id or a list; ``shard``

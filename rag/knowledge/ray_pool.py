@@ -119,7 +119,8 @@ class RayRetrievalPool:
         for attempt in range(2):
             i = (first + attempt) % len(self.actors)
             try:
-                return ray.get(self.actors[i].search.remote(q, k), timeout=self.timeout)
+                scores, rows = ray.get(self.actors[i].search.remote(q, k), timeout=self.timeout)
+                return scores.copy(), rows.copy()  # the object store's arrays are read-only views
             except ray.exceptions.RayTaskError as e:  # the search itself raised (bad k, wrong dim): not retried
                 raise _cause_error(e) from e
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, ray.exceptions.ObjectLostError) as e:

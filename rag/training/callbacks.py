@@ -516,6 +516,9 @@ class IndexRefresh(pl.Callback):
     def _swapped(self, pl_module, kb, step: int, result, path, seconds: float) -> None:
         # The retriever now lives in the refreshed encoder's space: later swaps are checked against it.
         _rag_model(pl_module).retriever.space = kb.encoder.get("fingerprint")
+        swapped = getattr(pl_module, "on_knowledge_base_swapped", None)
+        if swapped is not None:  # e.g. RagModule moves its retrieval actors to the new version
+            swapped(kb)
         self.swaps += 1
         self._serving_step = step
         self.history.append({"step": step, "ok": True, "version": kb.version, "parent": result.old_version,

@@ -121,6 +121,10 @@ class RagModule(pl.LightningModule):
             (:mod:`rag.training.gold_passages`): ``named`` by the data's ``passage_ids`` (``data.passage_field``; an id not
             in the knowledge base is an error), ``unique_answer`` where the answer occurs in exactly one passage, ``auto``
             the first when the data names passages, else the second; ``off``.
+        retrieval_actors: serve the knowledge base's search from this many Ray actors
+            (:class:`~rag.knowledge.ray_pool.RayRetrievalPool`: restarted on failure, a query retried once on another
+            actor) instead of this process; 0 searches here. Needs ``pip install -e ".[ray]"``.
+        ray_address: the Ray cluster of the retrieval actors (``host:port``); None starts or joins a local Ray.
         cache_encoder: memoise a frozen generator encoder's outputs per distinct context while training (warm-started
             generators; each context is encoded once per run).
         generation_metrics: metrics added to EM and F1 in validation and test for generation tasks: ``bleu1`` (BLEU-1),
@@ -164,6 +168,8 @@ class RagModule(pl.LightningModule):
         reading_practice: Optional[ReadingPracticeSettings] = None,
         cache_encoder: bool = True,
         gold_passage: Literal["off", "auto", "named", "unique_answer"] = "off",
+        retrieval_actors: int = 0,
+        ray_address: Optional[str] = None,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -188,6 +194,10 @@ class RagModule(pl.LightningModule):
             raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if schedule not in SCHEDULES:
             raise ConfigError(f"model.schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
+        if isinstance(retrieval_actors, bool) or not isinstance(retrieval_actors, int) or retrieval_actors < 0:
+            raise ConfigError(f"model.retrieval_actors must be an integer >= 0 (0: search in this process), got {retrieval_actors!r}")
+        if ray_address is not None and not retrieval_actors:
+            raise ConfigError("model.ray_address is the cluster of the retrieval actors; set model.retrieval_actors too")
         check_tiny_name(generator, "model.generator")
         self.rag_config = RagModelConfig(**rag)  # validates the RAG options now, at parse time
         self.tiny_spec = TinyGenerator(**tiny)
@@ -197,6 +207,7 @@ class RagModule(pl.LightningModule):
         self._practice_rng = random.Random(0 if self.practice_settings is None else self.practice_settings.seed)
         self._encoder_cache = None
         self._gold = None  # GoldPassages, built in on_fit_start
+        self._search_pool = None  # RayRetrievalPool (retrieval_actors), started in configure_model
         self.save_hyperparameters()
         self.model = None  # built in configure_model()
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
@@ -236,9 +247,35 @@ class RagModule(pl.LightningModule):
         kb, gen = self._ensure_artifacts()
         model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config,
                                          document_encoder=self.hparams.get("document_encoder"))
+        if self.hparams.get("retrieval_actors"):
+            self._start_search_pool(model.knowledge_base)
         # from_pretrained returns modules in eval mode; Lightning keeps module modes as they are,
         # so switch to train mode here (dropout on; a frozen query encoder stays in eval).
         self.model = model.train(self.training)
+
+    def _start_search_pool(self, kb) -> None:
+        """``retrieval_actors`` Ray actors serving `kb`'s search (:class:`~rag.knowledge.ray_pool.RayRetrievalPool`)."""
+        from rag.knowledge.ray_pool import RayRetrievalPool
+
+        self._stop_search_pool()
+        self._search_pool = RayRetrievalPool(kb.path, self.hparams.retrieval_actors, address=self.hparams.get("ray_address"))
+        kb.use_search_pool(self._search_pool)
+
+    def _stop_search_pool(self) -> None:
+        if self._search_pool is not None:
+            self._search_pool.close()
+            self._search_pool = None
+
+    def on_knowledge_base_swapped(self, kb) -> None:
+        """Called by :class:`~rag.training.callbacks.IndexRefresh` after a swap: the actors move to the new version."""
+        if self._search_pool is not None:
+            self._start_search_pool(kb)
+
+    def teardown(self, stage: str) -> None:
+        """Stop the retrieval actors this module started (the Ray cluster itself keeps running)."""
+        if self._search_pool is not None and self.model is not None:
+            self.model.knowledge_base.use_search_pool(None)
+        self._stop_search_pool()
 
     def _require_model(self):
         if self.model is None:

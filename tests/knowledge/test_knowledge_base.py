@@ -57,6 +57,34 @@ def test_exact_search_on_hand_set_embeddings(toy_kb):
     assert ps[0][0] == Passage("p2", "title 2", "text number 2")
 
 
+def test_a_search_pool_answers_search_for_its_own_version_only(toy_kb):
+    """use_search_pool: search goes to the pool (validated first, as local search is); a pool over another version is
+    refused; None searches locally again."""
+    q = np.array([[0, 0, 1, 0]], dtype=np.float32)
+    local = toy_kb.search(q, 2)
+    asked = []
+
+    class Pool:
+        version = toy_kb.version
+
+        def search(self, query, k):
+            asked.append((query.shape, k))
+            return local
+
+    toy_kb.use_search_pool(Pool())
+    assert toy_kb.search(q, 2) is local and asked == [((1, 4), 2)]
+    with pytest.raises(KnowledgeBaseError, match="dim=4"):
+        toy_kb.search(np.zeros((1, 3), np.float32), 2)
+    assert len(asked) == 1
+    stale = Pool()
+    stale.version = "kb-000000000000"
+    with pytest.raises(KnowledgeBaseError, match="serves knowledge base kb-000000000000"):
+        toy_kb.use_search_pool(stale)
+    toy_kb.use_search_pool(None)
+    np.testing.assert_array_equal(toy_kb.search(q, 2)[1], local[1])
+    assert len(asked) == 1
+
+
 def test_manifest_records_what_was_built(toy_kb):
     m = json.loads((toy_kb.path / MANIFEST).read_text())
     assert m["format_version"] == 1 and m["count"] == 6 and m["dim"] == 4 and m["metric"] == "ip"

@@ -109,3 +109,45 @@ class socket_free_port:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+def test_rag_module_retrieves_through_the_actors_while_training(local_ray, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir,
+                                                               tmp_path):
+    """model.retrieval_actors: the training retriever's searches are served by the actors (the same results as local
+    search), gradients still reach the query encoder, and teardown stops the actors."""
+    import pytorch_lightning as pl
+    import torch
+
+    from rag.training.data import QADataModule
+    from rag.training.modules import RagModule
+
+    module = RagModule(generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
+                       rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
+                       query_encoder_lr=1e-3, recall_at=[1], retrieval_actors=2)
+    module.configure_model()
+    kb, pool = module.model.knowledge_base, module._search_pool
+    assert pool is not None and len(pool) == 2 and kb._pool is pool
+    served = []
+    search = pool.search
+    pool.search = lambda q, k: (served.append(k), search(q, k))[1]
+    q = np.random.default_rng(0).standard_normal((3, kb.dim)).astype(np.float32)
+    local = KnowledgeBase.open(tiny_kb_dir).search(q, 2)
+    np.testing.assert_array_equal(kb.search(q, 2)[1], local[1])
+    before = [p.detach().clone() for p in module.model.question_encoder.parameters()]
+    trainer = pl.Trainer(max_steps=2, limit_val_batches=0, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
+                         default_root_dir=str(tmp_path))
+    trainer.fit(module, datamodule=QADataModule(train="demo:train", val="demo:dev", batch_size=2))
+    assert len(served) >= 3  # the check above and both training steps' retrieval
+    assert any(not torch.equal(a, b) for a, b in zip(before, module.model.question_encoder.parameters()))
+    assert module._search_pool is None and kb._pool is None  # teardown stopped the actors
+
+
+def test_rag_module_actor_options_are_checked():
+    from rag.errors import ConfigError
+    from rag.training.modules import RagModule
+
+    with pytest.raises(ConfigError, match="model.retrieval_actors"):
+        RagModule(retrieval_actors=-1)
+    with pytest.raises(ConfigError, match="set model.retrieval_actors too"):
+        RagModule(ray_address="head:6379")

@@ -1,21 +1,8 @@
-"""Fixtures of the training tests: a tiny DPR knowledge base over the demo corpus and a
-RagModule factory on the shared tiny models (tests/conftest.py)."""
+"""Fixtures of the training tests: a RagModule factory on the shared tiny models and knowledge base (tests/conftest.py)."""
 
 from __future__ import annotations
 
 import pytest
-
-
-@pytest.fixture(scope="session")
-def tiny_kb_dir(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, demo_passages) -> str:
-    """The 137 demo passages encoded by the tiny random DPR context encoder (dim 32), flat index."""
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    out = tmp_path_factory.mktemp("kb") / "tiny_kb"
-    KnowledgeBase.build(demo_passages, TextEncoder(tiny_dpr_context_dir, role="context"), out, index="flat",
-                        query_encoder=tiny_dpr_question_dir, show_progress=False)
-    return str(out)
 
 
 @pytest.fixture
