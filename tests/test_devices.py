@@ -49,3 +49,14 @@ def test_rag_fit_says_it_in_one_line(monkeypatch, capsys):
     assert main(["fit", "--config", config, "--trainer.accelerator", "gpu", "--trainer.devices", "2"]) == 2
     err = capsys.readouterr().err
     assert "--trainer.accelerator gpu" in err and "Traceback" not in err
+
+
+def test_trainer_options_lightning_rejects_are_one_line(capsys):
+    """FSDP needs a GPU in Lightning: it raised a ValueError traceback from deep in Trainer()."""
+    from pathlib import Path
+
+    config = str(Path(__file__).resolve().parents[1] / REPO_CONFIG)
+    assert main(["fit", "--config", config, "--trainer.strategy", "fsdp", "--trainer.accelerator", "cpu",
+                 "--trainer.devices", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "trainer options:" in err and "fsdp" in err and "Traceback" not in err

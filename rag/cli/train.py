@@ -63,6 +63,17 @@ def _cli_class():
             if trainer is not None:
                 check_trainer_devices(trainer.get("accelerator", "auto"), trainer.get("devices", "auto"))
 
+        def instantiate_trainer(self, **kwargs):
+            """Trainer options Lightning rejects (e.g. ``strategy: fsdp`` on a CPU) are the user's to fix: one line."""
+            from lightning_fabric.utilities.exceptions import MisconfigurationException
+
+            from rag.errors import ConfigError
+
+            try:
+                return super().instantiate_trainer(**kwargs)
+            except (ValueError, MisconfigurationException) as e:
+                raise ConfigError(f"trainer options: {e}") from e
+
     return RagCLI
 
 
