@@ -8,7 +8,8 @@ CPU budget: the paper's Table 1 / Table 6 comparison for any corpus, as a thin s
 ``--corpus FILE`` builds the knowledge base first (``rag index build --encoder minilm --index flat``). Each system runs
 in its own directory under ``--out`` (``rag fit`` then ``rag test`` on the last checkpoint, both with the config's
 settings plus the system's: RAG trains the query encoder, RAG-Frozen keeps it fixed, closed-book reads no passage);
-``--jobs 2`` runs two systems at once. Writes ``results.json``, ``results.md`` (the table) and ``results.png``.
+``--jobs 2`` runs two systems at once; a system whose directory already holds a tested run is reused, not trained
+again. Writes ``results.json``, ``results.md`` (the table) and ``results.png``.
 """
 
 from __future__ import annotations
@@ -57,19 +58,28 @@ def overrides(args: argparse.Namespace) -> list[str]:
 
 
 def last_metrics(run: Path, prefix: str) -> dict:
-    """The last logged value of each `prefix` metric in the newest CSV log under `run`."""
+    """The last logged value of each `prefix` metric in the newest CSV log under `run` that has any (``rag fit`` and
+    ``rag test`` each write one)."""
     logs = sorted(run.glob("runs/cpu_reader/logs/version_*/metrics.csv"), key=lambda p: int(p.parent.name.split("_")[1]))
-    found: dict = {}
-    if logs:
-        for row in csv.DictReader(open(logs[-1], encoding="utf-8")):
-            for k, v in row.items():
-                if k.startswith(prefix) and v not in ("", None):
-                    found[k] = float(v)
-    return found
+    for log in reversed(logs):
+        found: dict = {}
+        with open(log, encoding="utf-8") as f:
+            for row in csv.DictReader(f):
+                for k, v in row.items():
+                    if k.startswith(prefix) and v not in ("", None):
+                        found[k] = float(v)
+        if found:
+            return found
+    return {}
 
 
 def run_system(name: str, args: argparse.Namespace) -> dict:
     run = (args.out / name).resolve()
+    done = last_metrics(run, "test/")
+    if done:  # tested by an earlier invocation: reuse (remove the directory to train again)
+        print(f"{name}: reusing the finished run in {run}")
+        return {"system": name, "cpu_minutes": round(last_metrics(run, "train/").get("train/cpu_minutes", float("nan")), 1),
+                **done}
     run.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = overrides(args) + SYSTEMS[name]
