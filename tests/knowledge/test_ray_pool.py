@@ -142,12 +142,3 @@ def test_rag_module_retrieves_through_the_actors_while_training(local_ray, tiny_
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.question_encoder.parameters()))
     assert module._search_pool is None and kb._pool is None  # teardown stopped the actors
 
-
-def test_rag_module_actor_options_are_checked():
-    from rag.errors import ConfigError
-    from rag.training.modules import RagModule
-
-    with pytest.raises(ConfigError, match="model.retrieval_actors"):
-        RagModule(retrieval_actors=-1)
-    with pytest.raises(ConfigError, match="set model.retrieval_actors too"):
-        RagModule(ray_address="head:6379")

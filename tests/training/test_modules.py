@@ -208,3 +208,13 @@ def test_generation_metrics_are_logged_in_validation(make_module, make_data, tra
     assert 0.0 <= float(m["val/bleu1"]) <= 1.0 and 0.0 <= float(m["val/rougeL"]) <= 1.0
     with pytest.raises(ConfigError, match="model.generation_metrics.*bleu4"):
         make_module(generation_metrics=["bleu4"])
+
+
+def test_rag_module_actor_options_are_checked():
+    from rag.errors import ConfigError
+    from rag.training.modules import RagModule
+
+    with pytest.raises(ConfigError, match="model.retrieval_actors"):
+        RagModule(retrieval_actors=-1)
+    with pytest.raises(ConfigError, match="set model.retrieval_actors too"):
+        RagModule(ray_address="head:6379")
