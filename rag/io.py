@@ -28,16 +28,38 @@ def fsync_dir(path: str | os.PathLike) -> None:
             os.close(fd)
 
 
+def process_umask() -> int:
+    """This process's umask, read without changing it where /proc allows (os.umask can only read by setting)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def atomic_write_file(path: str | os.PathLike, write: Callable[[str], None]) -> None:
-    """Have `write(tmp)` write a temporary file beside `path` (by name), then fsync it and rename it into place."""
+    """Have `write(tmp)` write a temporary file beside `path` (by name), then fsync it and rename it into place.
+
+    The file gets the permissions a plain ``open(path, "w")`` would give it: those of the file it replaces, else
+    0666 less the umask (tempfile's 0600 would hide knowledge bases and models from the other users of a machine)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        mode = path.stat().st_mode & 0o7777
+    except OSError:
+        mode = 0o666 & ~process_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
     try:
         write(tmp)
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
         fsync_dir(path.parent)
     except BaseException:
@@ -126,6 +148,7 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
     for stale in parent.glob(f".{final.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    os.chmod(tmp, 0o777 & ~process_umask())  # as os.mkdir would make it, not mkdtemp's 0700
     try:
         yield tmp
         if final.is_symlink() or final.exists():

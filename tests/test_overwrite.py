@@ -194,3 +194,29 @@ def test_text_encoder_save_never_replaces_a_file(tmp_path, tiny_bert_dir):
     enc.save_pretrained(tmp_path / "enc")
     enc.save_pretrained(tmp_path / "enc")  # an earlier save is replaced without asking
     assert TextEncoder(tmp_path / "enc").identity()["fingerprint"] == enc.identity()["fingerprint"]
+
+
+def test_atomic_outputs_get_the_permissions_a_plain_write_would(tmp_path):
+    """tempfile makes 0600 files and 0700 directories: knowledge bases and models written through them were unreadable
+    by the other users of a machine (a serving account, Ray actors under another user)."""
+    import stat
+
+    from rag.io import atomic_write_text, process_umask
+
+    old = os.umask(0o022)
+    try:
+        assert process_umask() == 0o022
+        atomic_write_text(tmp_path / "a.json", "{}")
+        assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o644
+        with atomic_directory(tmp_path / "kb") as tmp:
+            atomic_write_text(tmp / "manifest.json", "{}")
+        assert stat.S_IMODE((tmp_path / "kb").stat().st_mode) == 0o755
+        assert stat.S_IMODE((tmp_path / "kb" / "manifest.json").stat().st_mode) == 0o644
+        os.chmod(tmp_path / "a.json", 0o600)  # a file the user restricted keeps its mode when rewritten
+        atomic_write_text(tmp_path / "a.json", "[]")
+        assert stat.S_IMODE((tmp_path / "a.json").stat().st_mode) == 0o600
+        os.umask(0o077)
+        atomic_write_text(tmp_path / "b.json", "{}")
+        assert stat.S_IMODE((tmp_path / "b.json").stat().st_mode) == 0o600
+    finally:
+        os.umask(old)
