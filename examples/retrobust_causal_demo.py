@@ -45,7 +45,8 @@ from rag.training.context_mixing import ContextMixing  # noqa: E402
 from rag.training.data import QADataModule  # noqa: E402
 
 logger = logging.getLogger("retrobust_causal_demo")
-assert set(CONDITIONS) == {"top-1", "low-ranked", "random"}
+if set(CONDITIONS) != {"top-1", "low-ranked", "random"}:  # the readers below are trained for these three mixes
+    raise RuntimeError(f"retrobust_demo.CONDITIONS changed to {sorted(CONDITIONS)}; update retrobust_causal_demo.py to match")
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:

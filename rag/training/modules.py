@@ -295,10 +295,8 @@ class RagModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         questions, targets = batch["questions"], batch["targets"]
         if self.global_step < self._pretrain_steps():  # the reader's pre-training: practice alone, nothing retrieved
-            picked = self._practice_rng.sample(self._practice, min(self.practice_settings.pretrain_batch, len(self._practice)))
-            loss = self._require_model().generator_loss([e.question for e in picked], [e.answer for e in picked],
-                                                        [e.passage for e in picked])
-            self.log("train/practice_loss", loss, prog_bar=True, batch_size=len(picked))
+            loss, n = self._practice_loss(self.practice_settings.pretrain_batch)
+            self.log("train/practice_loss", loss, prog_bar=True, batch_size=n)
             return loss
         if self.hparams.get("closed_book"):
             if "contexts" in batch:
@@ -329,10 +327,16 @@ class RagModule(pl.LightningModule):
                                             [golds[i] for i in found])
                 total, weight = total + gold * len(found), weight + len(found)
         if self._practice:
-            picked = self._practice_rng.sample(self._practice, min(self.practice_settings.per_step, len(self._practice)))
-            practice = model.generator_loss([e.question for e in picked], [e.answer for e in picked], [e.passage for e in picked])
-            total, weight = total + practice * len(picked), weight + len(picked)
+            practice, n = self._practice_loss(self.practice_settings.per_step)
+            total, weight = total + practice * n, weight + n
         return total / weight
+
+    def _practice_loss(self, n: int) -> tuple[torch.Tensor, int]:
+        """The generator's loss on `n` reading-practice examples drawn from the pool (each read with its passage)."""
+        picked = self._practice_rng.sample(self._practice, min(n, len(self._practice)))
+        loss = self._require_model().generator_loss([e.question for e in picked], [e.answer for e in picked],
+                                                    [e.passage for e in picked])
+        return loss, len(picked)
 
     def _eval_step(self, batch: dict, stage: str) -> None:
         questions, answers = batch["questions"], batch["answers"]

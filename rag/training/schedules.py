@@ -54,8 +54,7 @@ def step_schedule(optimizer: torch.optim.Optimizer, trainer: "pl.Trainer", *, wa
     if first_steps:
         if first_factors is None or len(first_factors) != len(optimizer.param_groups):
             raise ValueError("first_factors needs one factor per param group")
-        fns = [functools.partial(_after_first, fn=fn, first_steps=first_steps, factor=f) for f in first_factors]
-        return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fns), "interval": "step", "frequency": 1}
+        fn = [functools.partial(_after_first, fn=fn, first_steps=first_steps, factor=f) for f in first_factors]
     return {"scheduler": torch.optim.lr_scheduler.LambdaLR(optimizer, fn), "interval": "step", "frequency": 1}
 
 
