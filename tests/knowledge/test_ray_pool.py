@@ -66,6 +66,15 @@ def test_pool_matches_local_search_and_survives_a_killed_actor(kb_dir, local_ray
         # every actor gone for good: the query is retried once, then fails clearly
         for a in pool.actors:
             ray.kill(a, no_restart=True)
+        hang_guard = time.monotonic() + 900
+        for a in pool.actors:  # ray.kill is asynchronous (CI once saw a search answered after it): wait until it lands
+            while True:
+                try:
+                    ray.get(a.pid.remote(), timeout=60)
+                except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                    break
+                assert time.monotonic() < hang_guard, "a killed actor kept answering for 15 minutes"
+                time.sleep(0.5)
         with pytest.raises(RetrievalError, match="failed on two retrieval actors"):
             pool.search(q, 5)
     finally:
