@@ -67,6 +67,9 @@ class WarmStartGenerator:
     """Layers of the fresh decoder."""
     pointer: bool = True
     """A copy head (pointer-generator): the generator can emit a passage token by attending to it."""
+    continuation: bool = True
+    """The copy head's continuation bias (needs `pointer`): having copied a passage token it tends to copy the next
+    one, so it copies long answers (a sentence) in order."""
     seed: int = 0
     """Seed of the decoder's initial weights."""
 
@@ -94,7 +97,8 @@ def ensure_warm_start_generator(encoder: str, spec: WarmStartGenerator, cache_di
     out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "warm" / hashlib.sha256(key.encode()).hexdigest()[:16]
     if (out / "config.json").is_file():
         return str(out)
-    gen, tok = build_warm_start_generator(encoder, decoder_layers=spec.decoder_layers, pointer=spec.pointer, seed=spec.seed)
+    gen, tok = build_warm_start_generator(encoder, decoder_layers=spec.decoder_layers, pointer=spec.pointer,
+                                          continuation=spec.continuation, seed=spec.seed)
     try:
         with atomic_directory(out) as tmp:
             save_generator(gen, tok, tmp)

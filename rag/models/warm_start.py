@@ -57,13 +57,16 @@ def build_warm_start_generator(
     decoder_ffn: Optional[int] = None,
     dropout: float = 0.0,
     pointer: bool = False,
+    continuation: bool = False,
     seed: Optional[int] = None,
 ):
     """A fresh generator: pretrained frozen `encoder` + a `decoder_layers`-layer BERT decoder sharing
     (frozen, tied) its word embeddings. Returns ``(EncoderDecoderModel, tokenizer)``.
 
     `pointer` adds a copy head (:mod:`rag.models.pointer`): the generator can emit a context token by
-    pointing at it, which a small generator learns far sooner than regenerating the token.
+    pointing at it, which a small generator learns far sooner than regenerating the token. `continuation` (needs
+    `pointer`) adds the copy-continuation bias (:meth:`~rag.models.pointer.pointer_model_class`'s ``add_continuation``):
+    the head copies spans in order, which long answers (a definition's sentence) need.
 
     Decoding starts at ``[CLS]`` and ends at ``[SEP]`` (targets are tokenised as ``[CLS] answer [SEP]``,
     as :meth:`RagModel.tokenize_targets` does). `decoder_heads` / `decoder_ffn` default to the encoder's.
@@ -74,6 +77,8 @@ def build_warm_start_generator(
 
     if not isinstance(decoder_layers, int) or decoder_layers < 1:
         raise ConfigError(f"decoder_layers must be a positive integer, got {decoder_layers!r}")
+    if continuation and not pointer:
+        raise ConfigError("warm_start.continuation needs warm_start.pointer: true (it biases the copy head)")
     path = resolve_name_or_path(encoder)
     try:
         enc = _frozen_encoder(path, pointer)
@@ -97,6 +102,9 @@ def build_warm_start_generator(
     record = {"encoder": encoder, "fingerprint": weights_fingerprint(enc)}
     if pointer:
         record["pointer"] = True
+    if continuation:
+        record["continuation"] = True
+        gen.add_continuation()
     _configure(gen, tok, record)
     return gen, tok
 
@@ -202,6 +210,10 @@ def load_warm_start(path: Union[str, os.PathLike]):
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
     gen = _model_class(pointer)(encoder=enc, decoder=dec)
+    if record.get("continuation"):
+        if not pointer:
+            raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the generator again")
+        gen.add_continuation()
     tok = AutoTokenizer.from_pretrained(path)
     _configure(gen, tok, record)
     weights = path / WEIGHTS_FILE

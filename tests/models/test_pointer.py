@@ -97,3 +97,68 @@ def test_pointer_generator_learns_to_copy_tokens_it_never_saw_as_targets(tiny_be
     with_pointer, without = train_and_test(True), train_and_test(False)
     assert with_pointer >= 0.6, with_pointer  # measured 0.94
     assert without <= 0.1, without  # measured 0.0
+
+
+def test_continuation_matches_mark_the_token_after_each_occurrence_of_the_previous_output():
+    from rag.models.pointer import continuation_matches
+
+    source = torch.tensor([[101, 5, 6, 5, 7, 102]])
+    previous = torch.tensor([[101, 5, 7, 0]])  # decoder start, then tokens 5 and 7, then padding
+    m = continuation_matches(source, previous, ignore=(101, 0))
+    assert m.shape == (1, 4, 6)
+    assert m[0, 0].sum() == 0 and m[0, 3].sum() == 0  # ignored previous tokens continue nothing
+    assert m[0, 1].tolist() == [0, 0, 1, 0, 1, 0]  # after each 5: positions 2 (6) and 4 (7)
+    assert m[0, 2].tolist() == [0, 0, 0, 0, 0, 1]  # after the 7
+    assert continuation_matches(source, torch.tensor([[102]]))[0, 0].sum() == 0  # the last token is followed by nothing
+
+
+def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_bert_dir):
+    """With the continuation head, step-by-step decoding with a KV cache (one previous token per step) gives the logits
+    of one teacher-forced forward over the whole sequence, and the head changes them."""
+    from rag.models.warm_start import build_warm_start_generator
+
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=True, seed=0)
+    gen.eval()
+    enc = tok(["alpha beta gamma delta beta epsilon"], return_tensors="pt")
+    target = tok(["beta gamma delta"], return_tensors="pt")["input_ids"][:, :-1]  # [CLS] beta gamma delta
+    with torch.no_grad():
+        full = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits
+        memory = gen.encoder(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
+        past, steps = None, []
+        for t in range(target.shape[1]):
+            out = gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, : t + 1],
+                      past_key_values=past, use_cache=True) if past is None else \
+                gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, t : t + 1],
+                    past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            steps.append(out.logits[:, -1])
+        torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-4, atol=1e-4)
+        gen.copy_continue.bias.fill_(0.0)
+        off = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits
+    assert torch.allclose(off[:, 0], full[:, 0], atol=1e-5)  # after the decoder start nothing is continued
+    assert not torch.allclose(off[:, 1:], full[:, 1:], atol=1e-3)
+
+
+def test_continuation_bias_alone_copies_a_span_in_order(tiny_bert_dir):
+    """A copy head that attends uniformly and only copies: the continuation bias alone makes the next context token after
+    each previous output token the likeliest output, so the head walks the passage in order."""
+    from rag.models.warm_start import build_warm_start_generator
+
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=True, seed=0)
+    gen.eval()
+    with torch.no_grad():
+        for layer in (gen.copy_query, gen.copy_gate):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        gen.copy_gate.bias.fill_(-50.0)  # copy only
+        gen.copy_continue.bias.fill_(10.0)
+    words = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)[:5]  # five distinct single-token words
+    enc = tok([" ".join(words)], return_tensors="pt")
+    source = enc["input_ids"][0].tolist()  # [CLS] w0 w1 w2 w3 w4 [SEP]
+    assert len(source) == 7 and len(set(source)) == 7
+    target = torch.tensor([[tok.cls_token_id, *source[2:5]]])  # [CLS] w1 w2 w3: teacher-forced previous tokens
+    with torch.no_grad():
+        probs = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits.exp()
+    for t in (1, 2, 3):  # after w1 -> w2, after w2 -> w3, after w3 -> w4
+        assert probs[0, t].argmax().item() == source[t + 2] and probs[0, t, source[t + 2]] > 0.99
+    assert probs[0, 0].max() < 0.5  # after the decoder start nothing is continued: uniform over the context

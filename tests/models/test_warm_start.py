@@ -24,9 +24,10 @@ CONTEXTS = ["Iron / Symbol: Fe. Atomic number: 26. // what is the symbol of iron
 TARGETS = ["Fe", "noble gas"]
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["plain", "pointer"])
+@pytest.fixture(scope="module", params=["plain", "pointer", "continuation"])
 def built(tiny_bert_dir, request):
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=2, pointer=request.param, seed=0)
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=2, pointer=request.param != "plain",
+                                          continuation=request.param == "continuation", seed=0)
     with torch.no_grad():  # move the decoder away from its initialisation so round trips are meaningful
         for p in gen.parameters():
             if p.requires_grad:
@@ -186,3 +187,16 @@ def test_generator_loss_on_the_retrieved_passage_equals_the_rag_loss_with_one_do
     torch.testing.assert_close(model.generator_loss(questions, answers), nll, rtol=0, atol=1e-5)
     with pytest.raises(Exception, match="one target"):
         model.generator_loss(questions, answers[:1])
+
+
+def test_continuation_needs_the_copy_head(tiny_bert_dir, tmp_path):
+    with pytest.raises(ConfigError, match="continuation needs warm_start.pointer"):
+        build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=False, continuation=True)
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=False, seed=0)
+    save_generator(gen, tok, tmp_path)
+    cfg_file = tmp_path / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rag_warm_start"]["continuation"] = True  # an edited config.json
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(IntegrityError, match="continuation needs pointer"):
+        load_warm_start(tmp_path)

@@ -110,6 +110,7 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     module.configure_model()
     gen = module.model.generator
     assert is_warm_start(gen) and not any(p.requires_grad for p in gen.encoder.parameters())
+    assert gen.copy_continue is not None and gen.config.rag_warm_start["continuation"] is True  # the default
     inner_forward = gen.encoder.forward
     gen.encoder.forward = lambda *a, **k: (calls.append(1), inner_forward(*a, **k))[1]
     trainer.fit(module, datamodule=make_data())
@@ -123,6 +124,11 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     assert (tmp_path / "model" / "rag_config.json").is_file()
     out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "exported", knowledge_base=tiny_kb_dir)
     assert (out / "generator" / "config.json").is_file()
+    from rag.models.warm_start import load_warm_start
+
+    loaded, _ = load_warm_start(out / "generator")  # the trained continuation head is exported with the rest
+    trained = module.model.generator.copy_continue
+    assert torch.equal(loaded.copy_continue.weight, trained.weight) and torch.equal(loaded.copy_continue.bias, trained.bias)
 
 
 def test_gold_passages_by_unique_answer_and_by_named_id():
