@@ -1,7 +1,7 @@
 """Make the bundled demo RAG model, ``checkpoints/demo`` (what ``rag demo``, ``rag generate`` and
 ``rag.load("demo")`` use), then check it by loading it back the way users do.
 
-The model is the RAG-Frozen system of ``examples/learning_demo.py`` (same generator recipe, reading
+The model is the RAG-Frozen system of ``examples/elements_recipe.py`` (same generator recipe, reading
 practice, optimiser, schedule and CPU budget): a RAG-Sequence model whose query encoder is the bundled
 all-MiniLM-L6-v2, kept frozen so the checkpoint references it by name and weights fingerprint instead of
 carrying its ~90 MB, and whose generator is :mod:`rag.models.warm_start`'s (frozen MiniLM encoder,
@@ -28,7 +28,7 @@ for p in (REPO, REPO / "examples"):
     if str(p) not in sys.path:
         sys.path.insert(0, str(p))
 
-import learning_demo as demo  # noqa: E402  (examples/learning_demo.py: the training recipe)
+import elements_recipe as demo  # noqa: E402  (examples/elements_recipe.py: the training recipe)
 
 
 def evaluate_checkpoint(path: Path, kb_path=None, splits=("dev", "test")) -> dict:

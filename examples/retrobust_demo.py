@@ -46,10 +46,10 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 for p in (REPO, REPO / "examples"):
-    if str(p) not in sys.path:  # run from a checkout without installing; learning_demo is a sibling
+    if str(p) not in sys.path:  # run from a checkout without installing; elements_recipe is a sibling
         sys.path.insert(0, str(p))
 
-from learning_demo import DemoConfig, _generate_alone, build_model  # noqa: E402
+from elements_recipe import DemoConfig, _generate_alone, build_model  # noqa: E402
 
 from rag.demo.kb import ensure_demo_kb  # noqa: E402
 from rag.demo.multihop import load_multihop  # noqa: E402

@@ -191,8 +191,9 @@ class RagReader:
         from rag.generation.decoding import GenerationConfig
 
         stored = dict(self.model.config.generation or {})
-        if max_new_tokens is not None or "max_length" in generation_kw:
+        if max_new_tokens is not None or "max_length" in generation_kw:  # the caller's length replaces the stored one
             stored.pop("max_length", None)
+            stored.pop("max_new_tokens", None)
         explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
         defaults = {"num_beams": 1, "max_new_tokens": 32}
         if not self.model.config.hf_compat:  # an imported transformers checkpoint decodes exactly as transformers does

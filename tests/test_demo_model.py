@@ -111,14 +111,14 @@ def test_rag_generate_cli_rejects_bad_input(demo_cache, tmp_path, capsys, monkey
 
 
 @pytest.mark.slow
-def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, monkeypatch):
-    """examples/learning_demo.py with seconds of budget: the pointer reader is pre-trained and cached, two
+def test_elements_recipe_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, monkeypatch):
+    """examples/elements_recipe.py with seconds of budget: the pointer reader is pre-trained and cached, two
     systems train from it in child processes, and the report has the metrics each system should have."""
     import torch
 
     monkeypatch.setenv("RAG_CACHE", str(demo_cache))
     monkeypatch.syspath_prepend(str(REPORT.parents[2] / "examples"))
-    import learning_demo as demo
+    import elements_recipe as demo
 
     cfg, _ = demo.parse_args(["--no-pointer"])
     assert cfg.pointer is False and demo.DemoConfig().pointer is True
@@ -138,8 +138,32 @@ def test_learning_demo_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, mo
     token, closed = results["systems"]["rag-token"]["eval"]["dev"], results["systems"]["closed-book"]["eval"]["dev"]
     assert token["n"] == closed["n"] == 12 and 0.0 <= token["em"] <= 1.0 and 0.0 <= closed["em"] <= 1.0
     assert 0.0 < token["recall@3"] <= 1.0 and "recall@3" not in closed
-    assert (out / "learning_demo.png").stat().st_size > 0
+    assert (out / "elements_recipe.png").stat().st_size > 0
     assert "| RAG-Token |" in (out / "results.md").read_text()
+
+
+@pytest.mark.slow  # four `rag` processes (~1 min on 2 cores); the README's test command still runs it
+def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cache, tmp_path, monkeypatch):
+    """examples/learning_demo.py: `rag fit` + `rag test` per system with lightning_configs/cpu_reader.yaml (two steps
+    here, through the arguments after --), a table of each system's test metrics, and a finished system reused."""
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    monkeypatch.syspath_prepend(str(REPORT.parents[2] / "examples"))
+    import learning_demo as demo
+
+    out = tmp_path / "out"
+    argv = ["--systems", "rag,closed-book", "--kb", str(demo_cache / "demo_kb"), "--out", str(out), "--",
+            "--trainer.max_steps", "2", "--trainer.val_check_interval", "2", "--trainer.limit_val_batches", "1",
+            "--data.max_eval_examples", "6"]
+    assert demo.main(argv) == 0
+    results = {r["system"]: r for r in json.loads((out / "results.json").read_text())["results"]}
+    assert set(results) == {"rag", "closed-book"}
+    rag_run, closed = results["rag"], results["closed-book"]
+    assert 0.0 <= rag_run["test/f1"] <= 1.0 and 0.0 < rag_run["test/recall@3"] <= 1.0 and "test/recall@3" not in closed
+    assert (out / "rag" / "runs" / "cpu_reader" / "model" / "rag_config.json").is_file()  # fit exported the model
+    assert "| RAG-Sequence |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
+    fit_log = out / "rag" / "fit.log"
+    stamp = fit_log.stat().st_mtime_ns
+    assert demo.main(argv) == 0 and fit_log.stat().st_mtime_ns == stamp  # reused, not trained again
 
 
 @pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it

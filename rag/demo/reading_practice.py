@@ -5,7 +5,7 @@ questions then get a training element's answer. Reading practice makes memorisin
 example is a *training* element's passage whose facts (name, symbol, atomic number, atomic weight,
 discovery year) are replaced by random ones, with a templated question about one of them, so the
 answer can only be found by reading the passage. Only training passages are used, so nothing of
-the held-out elements leaks. Used as an auxiliary generator loss by ``examples/learning_demo.py``.
+the held-out elements leaks. Used as an auxiliary generator loss by ``examples/elements_recipe.py``.
 """
 
 from __future__ import annotations

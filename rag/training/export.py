@@ -93,9 +93,7 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         module = RagModule(**args)
         module.configure_model()
         module.load_state_dict(ckpt["state_dict"])
-        from rag.models.checkpoint import save_model_directory
-
-        return save_model_directory(module.model, directory, overwrite=overwrite)
+        return module.export(directory, overwrite=overwrite)
     if class_path == CAUSAL_READER:
         from rag.training.causal_reader import CausalReaderModule
 

@@ -27,6 +27,7 @@ import dataclasses
 import logging
 import os
 import random
+from pathlib import Path
 from typing import Any, Literal, Optional, Sequence
 
 import pytorch_lightning as pl
@@ -52,7 +53,7 @@ def _no_repeat(model) -> int:
 
 
 def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max_new_tokens: int = 20,
-                     sequence_decoding: Literal["fast", "thorough"] = "fast"):
+                     sequence_decoding: Literal["fast", "thorough"] = "fast", length_penalty: float = 1.0):
     """Answer strings for B questions, plus the :class:`Retrieved` passages used and the truncated-context count.
 
     Decodes through :func:`rag.generation.answer.generate_for_questions` (the pipeline's path too) with the
@@ -63,7 +64,8 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
     from rag.generation.decoding import GenerationConfig
     from rag.generation.detokenize import decode_answer
 
-    cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, no_repeat_ngram_size=_no_repeat(model))
+    cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
+                           no_repeat_ngram_size=_no_repeat(model))
     found = generate_for_questions(model, questions, cfg, decoding=sequence_decoding)
     texts = [decode_answer(model.generator_tokenizer, row) for row in found.output.sequences.tolist()]
     return texts, found.inputs.retrieved, found.inputs.n_truncated
@@ -106,6 +108,8 @@ class RagModule(pl.LightningModule):
         schedule: after warm-up, ``linear`` decay to 0 at the last step, or ``constant``.
         num_beams: beam width for validation/test/predict generation (1 = greedy).
         max_new_tokens: most generated answer tokens.
+        length_penalty: beams are ranked by log-probability / length ** length_penalty (> 1 favours longer answers).
+            ``num_beams``, ``max_new_tokens`` and ``length_penalty`` are also the exported model's decoding defaults.
         sequence_decoding: RAG-Sequence decoding for evaluation: ``fast`` or ``thorough`` (§2.5).
         recall_at: the k of retrieval recall@k reported on validation/test.
         generate_on_validation: generate and score EM/F1 during validation (off: loss + recall only).
@@ -157,6 +161,7 @@ class RagModule(pl.LightningModule):
         schedule: Literal["linear", "constant"] = "linear",
         num_beams: int = 1,
         max_new_tokens: int = 20,
+        length_penalty: float = 1.0,
         sequence_decoding: Literal["fast", "thorough"] = "fast",
         recall_at: Sequence[int] = (1, 5),
         generate_on_validation: bool = True,
@@ -385,8 +390,9 @@ class RagModule(pl.LightningModule):
 
         model, h = self._require_model(), self.hparams
         with torch.no_grad():
-            out = generate_closed_book(model, list(questions), GenerationConfig(num_beams=h.num_beams, max_new_tokens=h.max_new_tokens,
-                                                                                no_repeat_ngram_size=_no_repeat(model)))
+            out = generate_closed_book(model, list(questions), GenerationConfig(
+                num_beams=h.num_beams, max_new_tokens=h.max_new_tokens, length_penalty=h.get("length_penalty", 1.0),
+                no_repeat_ngram_size=_no_repeat(model)))
         return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
 
     def _recall_passages(self, questions, retrieved) -> list[list]:
@@ -403,8 +409,8 @@ class RagModule(pl.LightningModule):
     def _generate(self, questions: Sequence[str]):
         h = self.hparams
         with torch.no_grad():
-            return generate_answers(self._require_model(), questions, num_beams=h.num_beams,
-                                    max_new_tokens=h.max_new_tokens, sequence_decoding=h.sequence_decoding)
+            return generate_answers(self._require_model(), questions, num_beams=h.num_beams, max_new_tokens=h.max_new_tokens,
+                                    sequence_decoding=h.sequence_decoding, length_penalty=h.get("length_penalty", 1.0))
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -589,13 +595,30 @@ class RagModule(pl.LightningModule):
             check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                              option="model.export_dir")
 
+    def decoding_defaults(self) -> dict:
+        """This run's decoding settings (``num_beams``, ``max_new_tokens``, ``length_penalty``): the exported model stores
+        them (``RagModelConfig.generation``), so ``rag generate --model DIR`` answers as ``rag test`` scored."""
+        h = self.hparams
+        return {"num_beams": h.num_beams, "max_new_tokens": h.max_new_tokens, "length_penalty": float(h.get("length_penalty", 1.0))}
+
+    def export(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
+        """Write the model to `directory` (:func:`rag.models.checkpoint.save_model_directory`) with
+        :meth:`decoding_defaults` as its stored decoding defaults; returns the directory."""
+        from rag.models.checkpoint import save_model_directory
+
+        model = self._require_model()
+        stored = model.config.generation
+        model.config = dataclasses.replace(model.config, generation={**(stored or {}), **self.decoding_defaults()})
+        try:
+            return save_model_directory(model, directory, overwrite=overwrite)
+        finally:
+            model.config = dataclasses.replace(model.config, generation=stored)
+
     def on_train_end(self) -> None:
         self._release_encoder_cache()
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:
-            from rag.models.checkpoint import save_model_directory
-
-            save_model_directory(self._require_model(), export_dir, overwrite=True)
+            self.export(export_dir, overwrite=True)
             logger.info("trained model written to %s: rag generate --model %s", export_dir, export_dir)
 
     def save_rag_model(self, path: str | os.PathLike) -> None:

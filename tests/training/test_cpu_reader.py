@@ -100,7 +100,8 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
         return RagModule(generator="warm:minilm", question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
                          warm_start={"decoder_layers": 1, "pointer": True},
                          rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
-                         reading_practice={"per_step": 2, "pool": 20}, max_new_tokens=3, recall_at=[1],
+                         reading_practice={"per_step": 2, "pool": 20}, max_new_tokens=3, num_beams=2, length_penalty=1.5,
+                         recall_at=[1],
                          export_dir=str(tmp_path / "model"))
 
     module = make()
@@ -125,7 +126,12 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "exported", knowledge_base=tiny_kb_dir)
     assert (out / "generator" / "config.json").is_file()
     from rag.models.warm_start import load_warm_start
+    from rag.pipeline import load
 
+    for exported in (tmp_path / "model", out):  # the end of fit and rag export store the run's decoding settings
+        stored = load(exported, knowledge_base=tiny_kb_dir).model.config.generation
+        assert stored["num_beams"] == 2 and stored["max_new_tokens"] == 3 and stored["length_penalty"] == 1.5
+    assert module.model.config.generation is None  # the module's own model is left as it was
     loaded, _ = load_warm_start(out / "generator")  # the trained continuation head is exported with the rest
     trained = module.model.generator.copy_continue
     assert torch.equal(loaded.copy_continue.weight, trained.weight) and torch.equal(loaded.copy_continue.bias, trained.bias)
