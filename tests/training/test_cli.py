@@ -186,3 +186,13 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, tiny_bart_dir, tiny_
     import torch
 
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 3
+
+    # rag test from the checkpoint: the model is the checkpoint's, but how to evaluate is the command's
+    from rag.training.modules import RagModule
+
+    seen = []
+    inner = RagModule._generate
+    monkeypatch.setattr(RagModule, "_generate", lambda self, q: (seen.append(dict(self.hparams)), inner(self, q))[1])
+    assert main(["test", "--config", path, "--ckpt_path", str(last), "--model.num_beams", "2",
+                 "--model.init_args.length_penalty", "1.5"]) == 0
+    assert seen and all(h["num_beams"] == 2 and h["length_penalty"] == 1.5 and h["max_new_tokens"] == 3 for h in seen)
