@@ -82,35 +82,44 @@ def last_metrics(run: Path, prefix: str) -> dict:
     return {}
 
 
+def trained_steps(run: Path) -> int:
+    """Optimizer steps of the run's last checkpoint (memory-mapped: only the counter is read)."""
+    import torch
+
+    return int(torch.load(run / "runs/cpu_reader/checkpoints/last.ckpt", map_location="cpu", weights_only=True, mmap=True)["global_step"])
+
+
+def summary(name: str, run: Path, test: dict) -> dict:
+    return {"system": name, "steps": trained_steps(run),
+            "cpu_minutes": round(last_metrics(run, "train/").get("train/cpu_minutes", float("nan")), 1), **test}
+
+
 def run_system(name: str, args: argparse.Namespace) -> dict:
     run = (args.out / name).resolve()
     done = last_metrics(run, "test/")
     if done:  # tested by an earlier invocation: reuse (remove the directory to train again)
         print(f"{name}: reusing the finished run in {run}")
-        return {"system": name, "cpu_minutes": round(last_metrics(run, "train/").get("train/cpu_minutes", float("nan")), 1),
-                **done}
+        return summary(name, run, done)
     run.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = overrides(args) + SYSTEMS[name]
     with open(run / "fit.log", "w") as log:
         subprocess.run(rag_command("fit", *common, *args.extra), cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT,
                        check=True)
-    train = last_metrics(run, "train/")
     with open(run / "test.log", "w") as log:  # every test question, unless the arguments after -- say otherwise
         subprocess.run(rag_command("test", *common, "--ckpt_path", "runs/cpu_reader/checkpoints/last.ckpt",
                                    "--data.max_eval_examples", "100000", *args.extra),
                        cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
-    test = last_metrics(run, "test/")
-    return {"system": name, "cpu_minutes": round(train.get("train/cpu_minutes", float("nan")), 1), **test}
+    return summary(name, run, last_metrics(run, "test/"))
 
 
 def markdown(results: list[dict]) -> str:
-    lines = ["| system | test EM | test F1 | recall@1 | recall@3 | training CPU-min |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| system | steps | test EM | test F1 | recall@1 | recall@3 | training CPU-min |", "|---|---:|---:|---:|---:|---:|---:|"]
     def pct(r: dict, k: str) -> str:
         return f"{100 * r[k]:.1f}" if k in r else "–"
 
     for r in results:
-        lines.append(f"| {LABELS[r['system']]} | {pct(r, 'test/em')} | {pct(r, 'test/f1')} | {pct(r, 'test/recall@1')} | "
+        lines.append(f"| {LABELS[r['system']]} | {r['steps']:,} | {pct(r, 'test/em')} | {pct(r, 'test/f1')} | {pct(r, 'test/recall@1')} | "
                      f"{pct(r, 'test/recall@3')} | {r['cpu_minutes']} |")
     return "\n".join(lines) + "\n"
 

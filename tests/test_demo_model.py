@@ -158,6 +158,7 @@ def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cac
     results = {r["system"]: r for r in json.loads((out / "results.json").read_text())["results"]}
     assert set(results) == {"rag", "closed-book"}
     rag_run, closed = results["rag"], results["closed-book"]
+    assert rag_run["steps"] == closed["steps"] == 2
     assert 0.0 <= rag_run["test/f1"] <= 1.0 and 0.0 < rag_run["test/recall@3"] <= 1.0 and "test/recall@3" not in closed
     assert (out / "rag" / "runs" / "cpu_reader" / "model" / "rag_config.json").is_file()  # fit exported the model
     assert "| RAG-Sequence |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0

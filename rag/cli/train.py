@@ -47,23 +47,7 @@ DEFAULT_DATA = "rag.training.data.QADataModule"
 
 EVALUATION_OPTIONS = ("num_beams", "max_new_tokens", "length_penalty", "sequence_decoding", "recall_at", "predictions_file")
 """Model arguments that say how to evaluate, not what was trained: on ``rag validate|test|predict --ckpt_path`` the
-command's values (when not the defaults) replace those the checkpoint recorded."""
-
-
-def _evaluation_defaults(class_path) -> dict:
-    """The constructor defaults of the :data:`EVALUATION_OPTIONS` of the module class `class_path` (empty if unknown)."""
-    import importlib
-    import inspect
-
-    if not isinstance(class_path, str) or "." not in class_path:
-        return {}
-    module, _, name = class_path.rpartition(".")
-    try:
-        cls = getattr(importlib.import_module(module), name)
-        params = inspect.signature(cls.__init__).parameters
-    except (ImportError, AttributeError, TypeError, ValueError):
-        return {}
-    return {k: p.default for k, p in params.items() if k in EVALUATION_OPTIONS and p.default is not inspect.Parameter.empty}
+command's values (its config and flags, else the defaults) replace those the checkpoint recorded."""
 
 
 def _cli_class():
@@ -77,22 +61,22 @@ def _cli_class():
 
         def _parse_ckpt_path(self) -> None:
             """Lightning replaces the model's arguments with those the checkpoint recorded, including how it evaluated
-            (``--model.num_beams 4`` on ``rag test --ckpt_path ...`` was silently ignored); the command's evaluation
-            options (:data:`EVALUATION_OPTIONS`) that differ from the module's defaults win over the checkpoint's."""
+            (``--model.num_beams 4`` on ``rag test --ckpt_path ...`` was silently ignored). The model stays the
+            checkpoint's; how to evaluate (:data:`EVALUATION_OPTIONS`) is the command's: its config files and flags, else
+            the module's defaults."""
             sub = self.config.get("subcommand")
             model = self.config[sub].get("model") if sub else None
-            given = dict(vars(model.get("init_args") or {})) if model is not None and model.get("init_args") is not None else {}
+            init = model.get("init_args") if model is not None else None
+            given = {k: init[k] for k in EVALUATION_OPTIONS if init is not None and k in init}
             super()._parse_ckpt_path()
             model = self.config[sub].get("model") if sub else None
             if model is None or not given:
                 return
-            defaults = _evaluation_defaults(model.get("class_path"))
-            for name in EVALUATION_OPTIONS:
-                if name in given and name in defaults and given[name] != defaults[name]:
-                    for where in ("init_args", "dict_kwargs"):  # where Lightning put the checkpoint's arguments
-                        target = model.get(where)
-                        if target is not None and name in target:
-                            target[name] = given[name]
+            for where in ("init_args", "dict_kwargs"):  # where Lightning put the checkpoint's arguments
+                target = model.get(where)
+                for name, value in given.items():
+                    if target is not None and name in target:
+                        target[name] = value
 
         def before_instantiate_classes(self) -> None:
             """GPUs asked for that this machine lacks: one clear error before anything is built."""
