@@ -103,13 +103,12 @@ def run_system(name: str, args: argparse.Namespace) -> dict:
     run.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     common = overrides(args) + SYSTEMS[name]
-    with open(run / "fit.log", "w") as log:
-        subprocess.run(rag_command("fit", *common, *args.extra), cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT,
-                       check=True)
-    with open(run / "test.log", "w") as log:  # every test question, unless the arguments after -- say otherwise
-        subprocess.run(rag_command("test", *common, "--ckpt_path", "runs/cpu_reader/checkpoints/last.ckpt",
-                                   "--data.max_eval_examples", "100000", *args.extra),
-                       cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
+    for step, argv in (("fit", rag_command("fit", *common, *args.extra)),
+                       ("test", rag_command("test", *common, "--ckpt_path", "runs/cpu_reader/checkpoints/last.ckpt",
+                                            "--data.max_eval_examples", "100000", *args.extra))):  # every test question
+        with open(run / f"{step}.log", "w") as log:
+            if subprocess.run(argv, cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT).returncode != 0:
+                raise SystemExit(f"{name}: rag {step} failed; see {run / f'{step}.log'}")
     return summary(name, run, last_metrics(run, "test/"))
 
 
