@@ -18,6 +18,7 @@ with an error naming it. `rag fit --print_config` shows every option with its de
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Optional, Sequence
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -48,6 +49,26 @@ DEFAULT_DATA = "rag.training.data.QADataModule"
 EVALUATION_OPTIONS = ("num_beams", "max_new_tokens", "length_penalty", "sequence_decoding", "recall_at", "predictions_file")
 """Model arguments that say how to evaluate, not what was trained: on ``rag validate|test|predict --ckpt_path`` the
 command's values (its config and flags, else the defaults) replace those the checkpoint recorded."""
+
+
+_SPLITS_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+
+
+def _check_data_files(data, subcommand: str) -> None:
+    """A data file the `subcommand` reads that does not exist is one error before anything is built (the model's
+    knowledge base can take minutes): ``data.train|val|test|predict`` given as paths (``DIR#split`` included)."""
+    from rag.errors import ConfigError
+
+    init = data.get("init_args") if data is not None else None
+    if init is None or not str(data.get("class_path", "")).endswith("QADataModule"):  # other modules name sources otherwise
+        return
+    for split in _SPLITS_READ.get(subcommand, ()):
+        value = init.get(split) if split in init else None
+        if isinstance(value, str) and value and not value.startswith("demo:"):
+            path = Path(value.partition("#")[0])
+            if not path.exists():
+                raise ConfigError(f"data.{split}: {path}: no such file; give a JSONL/TSV file, a saved dataset directory or "
+                                  "demo:train|dev|test")
 
 
 def _cli_class():
@@ -86,6 +107,8 @@ def _cli_class():
             trainer = config.get("trainer")
             if trainer is not None:
                 check_trainer_devices(trainer.get("accelerator", "auto"), trainer.get("devices", "auto"))
+            if self.subcommand:
+                _check_data_files(config.get("data"), self.subcommand)
 
         def instantiate_trainer(self, **kwargs):
             """Trainer options Lightning rejects (e.g. ``strategy: fsdp`` on a CPU) are the user's to fix: one line."""

@@ -143,7 +143,7 @@ def test_nested_option_help_shows_the_fields_with_their_docs(argv, shows, tmp_pa
         assert "marginalised" in out.split("--model.rag.n_docs N_DOCS", 2)[-1][:200]
 
 
-def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
+def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
     """`rag fit` then `rag validate` and a resumed `rag fit`, all via rag.cli.main."""
     from rag.cli import main
 
@@ -186,6 +186,12 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, tiny_bart_dir, tiny_
     import torch
 
     assert torch.load(last, weights_only=True, map_location="cpu")["global_step"] == 3
+
+    # a data file that is not there: one line before anything is built
+    capsys.readouterr()
+    assert main(["fit", "--config", path, "--data.train", str(tmp_path / "missing.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert "data.train" in err and "missing.jsonl: no such file" in err and "Traceback" not in err
 
     # rag test from the checkpoint: the model is the checkpoint's, but how to evaluate is the command's
     from rag.training.modules import RagModule
