@@ -42,9 +42,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help=f"any of {', '.join(SYSTEMS)}")
     p.add_argument("--jobs", type=int, default=1, help="systems trained at once (one CPU thread each)")
     p.add_argument("--out", type=Path, required=True)
-    argv = list(sys.argv[1:] if argv is None else argv)
-    extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    args = p.parse_args(argv[: len(argv) - len(extra) - (1 if "--" in argv else 0)])
+    argv, extra = list(sys.argv[1:] if argv is None else argv), []
+    if "--" in argv:  # the rest goes to rag fit / rag test
+        argv, extra = argv[: argv.index("--")], argv[argv.index("--") + 1:]
+    args = p.parse_args(argv)
     args.extra = extra
     if args.corpus is not None and args.kb is None:
         args.kb = args.out / "kb"

@@ -63,7 +63,7 @@ def _check_data_files(data, subcommand: str) -> None:
     if init is None or not str(data.get("class_path", "")).endswith("QADataModule"):  # other modules name sources otherwise
         return
     for split in _SPLITS_READ.get(subcommand, ()):
-        value = init.get(split) if split in init else None
+        value = init.get(split)
         if isinstance(value, str) and value and not value.startswith("demo:"):
             path = Path(value.partition("#")[0])
             if not path.exists():
@@ -95,9 +95,10 @@ def _cli_class():
                 return
             for where in ("init_args", "dict_kwargs"):  # where Lightning put the checkpoint's arguments
                 target = model.get(where)
-                for name, value in given.items():
-                    if target is not None and name in target:
-                        target[name] = value
+                if target is not None:
+                    for name, value in given.items():
+                        if name in target:
+                            target[name] = value
 
         def before_instantiate_classes(self) -> None:
             """GPUs asked for that this machine lacks: one clear error before anything is built."""

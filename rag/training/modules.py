@@ -388,11 +388,10 @@ class RagModule(pl.LightningModule):
         from rag.generation.decoding import GenerationConfig
         from rag.generation.detokenize import decode_answer
 
-        model, h = self._require_model(), self.hparams
+        model = self._require_model()
         with torch.no_grad():
-            out = generate_closed_book(model, list(questions), GenerationConfig(
-                num_beams=h.num_beams, max_new_tokens=h.max_new_tokens, length_penalty=h.get("length_penalty", 1.0),
-                no_repeat_ngram_size=_no_repeat(model)))
+            out = generate_closed_book(model, list(questions),
+                                       GenerationConfig(**self.decoding_defaults(), no_repeat_ngram_size=_no_repeat(model)))
         return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
 
     def _recall_passages(self, questions, retrieved) -> list[list]:
@@ -407,10 +406,9 @@ class RagModule(pl.LightningModule):
         return deeper.passages
 
     def _generate(self, questions: Sequence[str]):
-        h = self.hparams
         with torch.no_grad():
-            return generate_answers(self._require_model(), questions, num_beams=h.num_beams, max_new_tokens=h.max_new_tokens,
-                                    sequence_decoding=h.sequence_decoding, length_penalty=h.get("length_penalty", 1.0))
+            return generate_answers(self._require_model(), questions, sequence_decoding=self.hparams.sequence_decoding,
+                                    **self.decoding_defaults())
 
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
@@ -596,8 +594,9 @@ class RagModule(pl.LightningModule):
                              option="model.export_dir")
 
     def decoding_defaults(self) -> dict:
-        """This run's decoding settings (``num_beams``, ``max_new_tokens``, ``length_penalty``): the exported model stores
-        them (``RagModelConfig.generation``), so ``rag generate --model DIR`` answers as ``rag test`` scored."""
+        """This run's decoding settings (``num_beams``, ``max_new_tokens``, ``length_penalty``): validation, test and
+        predict decode with them, and the exported model stores them (``RagModelConfig.generation``), so ``rag generate
+        --model DIR`` answers as ``rag test`` scored."""
         h = self.hparams
         return {"num_beams": h.num_beams, "max_new_tokens": h.max_new_tokens, "length_penalty": float(h.get("length_penalty", 1.0))}
 
