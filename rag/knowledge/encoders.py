@@ -30,6 +30,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError, RagError
 from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
@@ -374,6 +375,7 @@ class TextEncoder(torch.nn.Module):
         texts = [p.text for p in passages]
         return self._encode(titles, texts, **kw)
 
+    @without_cudnn_attention
     @torch.no_grad()
     def _encode(
         self,

@@ -1,17 +1,29 @@
-"""faiss-gpu search: a GPU copy of a knowledge base's CPU index, on one GPU or all of them, with a CPU fallback.
+"""GPU search and GPU index builds: a GPU copy of a knowledge base's CPU index, on one GPU or all of them, with a CPU fallback.
 
-The stored index is always a CPU index (``index.faiss``); :func:`to_gpu` clones it onto GPUs for search, either
+The stored index is always a CPU index (``index.faiss``). For search, :func:`to_gpu` copies it onto GPUs, either
 replicated (each GPU holds every vector; queries are split between them) or sharded (each GPU holds 1/G of the
-vectors; every query goes to all), optionally storing vectors / codes as float16 on the GPU. faiss implements flat
-and IVF indexes on GPUs but not HNSW graphs: ``hnsw`` / ``hnsw_sq8`` knowledge bases, a faiss without GPU support
-(faiss-cpu) or no visible CUDA device all keep searching on the CPU, with one warning saying why.
-Install the GPU build with ``pip install -e ".[gpu]"`` (faiss-gpu-cu12, for CUDA 12 drivers).
+vectors; every query goes to all and the top-k are merged), optionally storing vectors / codes as float16:
+
+* ``flat`` (exact search) runs in PyTorch (:class:`TorchFlatIndex`: one matrix product and a top-k per block of
+  rows), on any GPU PyTorch supports, with no faiss GPU build needed;
+* ``ivf_pq`` runs in faiss's GPU IVF-PQ (``pip install -e ".[gpu]"``: faiss-gpu-cu12). The PyPI faiss-gpu-cu12 wheels
+  carry kernels for compute capability 7.0-8.9 only: on a Hopper (H100/H200, 9.0) or newer GPU their first kernel
+  launch *aborts the process*. Before faiss touches a GPU, :func:`faiss_gpu_problem` therefore runs a tiny search in a
+  child process; when it fails, search and builds stay on the CPU with a warning that says why;
+* ``hnsw`` / ``hnsw_sq8``: faiss has no GPU HNSW; search stays on the CPU with a warning.
+
+:func:`build_on_gpu` trains and fills an IVF-PQ index on a GPU (k-means and the PQ encoding are what makes a large
+build slow) and hands back its CPU copy.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-from typing import Optional, Sequence, Union
+import os
+import subprocess
+import sys
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
@@ -20,9 +32,10 @@ from rag.knowledge.index import IndexSpec, _check_matrix
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["gpu_count", "to_gpu", "GpuIndex"]
+__all__ = ["gpu_count", "faiss_gpu_problem", "to_gpu", "GpuIndex", "TorchFlatIndex", "build_on_gpu"]
 
 GPU_KINDS = ("flat", "ivf_pq")
+_SCORE_BYTES = 1 << 28  # scores of one (queries x rows) block: 256 MiB
 
 
 def gpu_count() -> int:
@@ -33,8 +46,63 @@ def gpu_count() -> int:
     return int(get()) if get is not None and hasattr(faiss, "StandardGpuResources") else 0
 
 
+def _torch_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+_PROBE = """
+import numpy as np, faiss
+x = np.arange(64 * 8, dtype="float32").reshape(64, 8) / 512
+cpu = faiss.IndexFlatL2(8)
+cpu.add(x)
+gpu = faiss.index_cpu_to_gpu(faiss.StandardGpuResources(), {device}, cpu)
+rows = gpu.search(x[:4], 2)[1]
+assert (rows[:, 0] == np.arange(4)).all(), rows
+"""
+
+
+def _child_problem(code: str, timeout: float = 300.0) -> Optional[str]:
+    """Run `code` in a fresh Python; None if it exits 0, else the last line it printed to stderr (or how it died)."""
+    try:
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+    except subprocess.TimeoutExpired:
+        return f"a test search did not finish within {timeout:.0f} s"
+    if run.returncode == 0:
+        return None
+    lines = [ln.strip() for ln in run.stderr.splitlines() if ln.strip()]
+    how = f"killed by signal {-run.returncode}" if run.returncode < 0 else f"exit status {run.returncode}"
+    return f"{lines[-1] if lines else 'no message'} ({how})"
+
+
+@functools.lru_cache(maxsize=None)
+def faiss_gpu_problem(device: int = 0) -> Optional[str]:
+    """Why faiss cannot search on GPU `device`, or None when it can.
+
+    A tiny search in a child process (a few seconds, once per process and device): a faiss build without kernels for
+    this GPU's architecture aborts the process that launches one, so the first launch must not be ours.
+    """
+    n = gpu_count()
+    if n == 0:
+        return "faiss sees no GPU (faiss-cpu installed, or no CUDA device visible)"
+    if not 0 <= device < n:
+        return f"GPU {device} does not exist: faiss sees {n} GPU(s)"
+    problem = _child_problem(_PROBE.format(device=int(device)))
+    if problem is None:
+        return None
+    try:
+        import torch
+
+        cc = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        arch = f"; this GPU has compute capability {cc} (the PyPI faiss-gpu-cu12 wheels support 7.0-8.9)"
+    except Exception:  # torch without CUDA: no capability to report
+        arch = ""
+    return f"faiss's GPU build failed a test search on GPU {device}: {problem}{arch}"
+
+
 class GpuIndex:
-    """A CPU index cloned onto GPUs; :meth:`search` as :func:`rag.knowledge.index.search_index`."""
+    """A faiss CPU index cloned onto GPUs; :meth:`search` as :func:`rag.knowledge.index.search_index`."""
 
     def __init__(self, index, spec: IndexSpec, devices: list[int], shard: bool, fp16: bool, resources: list) -> None:
         self.index, self.spec, self.devices, self.shard, self.fp16 = index, spec, devices, shard, fp16
@@ -43,8 +111,7 @@ class GpuIndex:
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """``(B, D)`` float32 queries -> scores ``(B, k)`` float32 (higher is better), rows ``(B, k)`` int64."""
         n = int(self.index.ntotal)
-        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-            raise RagError(f"k={k!r} must be an integer between 1 and the corpus size ({n} vectors)")
+        _check_k(k, n)
         q = _check_matrix(queries, "queries", dim=self.index.d)
         dist, rows = self.index.search(q, int(k))
         if (rows < 0).any():
@@ -54,28 +121,138 @@ class GpuIndex:
         return np.ascontiguousarray(scores, dtype=np.float32), np.ascontiguousarray(rows, dtype=np.int64)
 
 
+def _check_k(k, n: int) -> None:
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
+        raise RagError(f"k={k!r} must be an integer between 1 and the corpus size ({n} vectors)")
+
+
+def flat_topk(x, sq_norms, q, k: int, l2: bool):
+    """Exact top-`k` of queries `q` `(B, D)` over rows `x` `(N, D)` (same device and dtype), in blocks of rows.
+
+    Scores are ``q · x`` (inner product) or ``-|q - x|²`` (`l2`, with `sq_norms` `(N,)` = ``|x|²`` in float32).
+    Each block's scores `(B, rows)` stay within :data:`_SCORE_BYTES`; its top-k are merged with the best so far.
+    Returns float32 scores `(B, k)` and int64 rows `(B, k)`, best first, on `x`'s device.
+    """
+    import torch
+
+    n = x.shape[0]
+    block = max(k, _SCORE_BYTES // (4 * max(1, q.shape[0])))
+    best_s = best_i = None
+    for lo in range(0, n, block):
+        s = (q @ x[lo:lo + block].T).float()  # (B, rows)
+        if l2:
+            s = 2 * s - sq_norms[lo:lo + block]
+        v, i = s.topk(min(k, s.shape[1]), dim=1)
+        i = i + lo
+        if best_s is not None:
+            v, j = torch.cat([best_s, v], 1).topk(k, dim=1)
+            i = torch.cat([best_i, i], 1).gather(1, j)
+        best_s, best_i = v, i
+    if l2:
+        best_s = best_s - q.float().pow(2).sum(1, keepdim=True)
+    return best_s, best_i
+
+
+class TorchFlatIndex:
+    """Exact (flat) search on GPUs with PyTorch: the vectors as tensors on each device, float32 or float16.
+
+    Replicated: every device holds all rows and takes a contiguous share of the queries. Sharded: device g holds rows
+    ``[g N / G, (g + 1) N / G)``, every query is searched on every device and the G top-k lists are merged.
+    :meth:`search` as :func:`rag.knowledge.index.search_index` (scores higher-is-better; ``-L2²`` for ``l2``).
+    """
+
+    def __init__(self, vectors, metric: str, devices: Sequence, *, shard: bool = False, fp16: bool = False,
+                 chunk: int = 1 << 20) -> None:
+        import torch
+
+        self.metric, self.shard, self.fp16 = metric, bool(shard) and len(devices) > 1, fp16
+        self.devices = [torch.device(d) for d in devices]
+        self.ntotal, self.d = int(vectors.shape[0]), int(vectors.shape[1])
+        dtype = torch.float16 if fp16 else torch.float32
+        bounds = ([(g * self.ntotal // len(devices), (g + 1) * self.ntotal // len(devices)) for g in range(len(devices))]
+                  if self.shard else [(0, self.ntotal)] * len(devices))
+        self.parts = []  # (device, first row, rows (n_g, D), |rows|² (n_g,) float32)
+        for dev, (lo, hi) in zip(self.devices, bounds):
+            rows = torch.empty((hi - lo, self.d), dtype=dtype, device=dev)
+            norms = torch.empty(hi - lo, dtype=torch.float32, device=dev)
+            for s in range(lo, hi, chunk):  # uploaded in chunks: no second host copy of the whole matrix
+                block = torch.from_numpy(np.ascontiguousarray(vectors[s:min(hi, s + chunk)], dtype=np.float32)).to(dev)
+                rows[s - lo:s - lo + block.shape[0]] = block.to(dtype)
+                norms[s - lo:s - lo + block.shape[0]] = block.pow(2).sum(1)
+            self.parts.append((dev, lo, rows, norms))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(B, D)`` float32 queries -> scores ``(B, k)`` float32 (higher is better), rows ``(B, k)`` int64."""
+        import torch
+
+        _check_k(k, self.ntotal)
+        q = torch.from_numpy(_check_matrix(queries, "queries", dim=self.d))
+        l2 = self.metric == "l2"
+        with torch.no_grad():
+            if self.shard:
+                found = []
+                for dev, lo, rows, norms in self.parts:
+                    kk = min(int(k), rows.shape[0])
+                    s, i = flat_topk(rows, norms, q.to(dev, rows.dtype), kk, l2)
+                    found.append((s.cpu(), (i + lo).cpu()))
+                s, j = torch.cat([f[0] for f in found], 1).topk(int(k), dim=1)
+                i = torch.cat([f[1] for f in found], 1).gather(1, j)
+            else:
+                shares = torch.tensor_split(q, len(self.parts))
+                outs = [flat_topk(rows, norms, share.to(dev, rows.dtype), int(k), l2)
+                        for (dev, _, rows, norms), share in zip(self.parts, shares) if share.shape[0]]
+                s = torch.cat([o[0].cpu() for o in outs]) if outs else torch.empty((0, int(k)))
+                i = torch.cat([o[1].cpu() for o in outs]) if outs else torch.empty((0, int(k)), dtype=torch.long)
+        return np.ascontiguousarray(s.numpy(), dtype=np.float32), np.ascontiguousarray(i.numpy(), dtype=np.int64)
+
+
+def _flat_vectors(index):
+    """The `(N, D)` float32 rows of a faiss flat index, without a copy."""
+    import faiss
+
+    return faiss.rev_swig_ptr(index.get_xb(), index.ntotal * index.d).reshape(index.ntotal, index.d)
+
+
+def _device_ids(devices, n: int, what: str) -> list[int]:
+    ids = list(range(n)) if devices == "all" else [devices] if isinstance(devices, int) else list(devices)
+    bad = [d for d in ids if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n]
+    if bad or not ids:
+        raise ConfigError(f"GPU device(s) {bad or ids} do not exist: {what} sees {n} GPU(s) (ids 0..{n - 1})")
+    return ids
+
+
 def to_gpu(index, spec: IndexSpec, devices: Union[str, int, Sequence[int]] = "all", *, shard: bool = False,
-           fp16: bool = False) -> Optional[GpuIndex]:
-    """Clone the CPU `index` onto `devices` (``"all"``, one GPU id, or a list); None with a warning when it must stay on
-    the CPU (faiss without GPU support, no CUDA device, or an HNSW index).
+           fp16: bool = False) -> Union[GpuIndex, TorchFlatIndex, None]:
+    """Copy the CPU `index` onto `devices` (``"all"``, one GPU id, or a list); None with a warning when search must stay
+    on the CPU (no CUDA device; for ``ivf_pq`` a faiss without working GPU support; an HNSW index).
 
     `shard`: split the vectors over the GPUs instead of replicating them. `fp16`: store vectors (flat) or look-up
     tables (IVF-PQ) as float16 on the GPU: half the memory; scores differ from the CPU's by fp16 rounding.
     Raises ConfigError for a GPU id that does not exist.
     """
     if spec.kind not in GPU_KINDS:
-        logger.warning("index kind %s has no faiss GPU implementation (GPU search supports %s); searching on the CPU",
+        logger.warning("index kind %s has no GPU implementation (GPU search supports %s); searching on the CPU",
                        spec.kind, ", ".join(GPU_KINDS))
         return None
+    if spec.kind == "flat":
+        n_gpus = _torch_gpus()
+        if n_gpus == 0:
+            logger.warning("no CUDA device visible to PyTorch; searching on the CPU")
+            return None
+        ids = _device_ids(devices, n_gpus, "PyTorch")
+        gpu = TorchFlatIndex(_flat_vectors(index), spec.metric, [f"cuda:{i}" for i in ids], shard=shard, fp16=fp16)
+        logger.info("flat index on GPU(s) %s (%s, fp16=%s)", ids, "sharded" if gpu.shard else "replicated", fp16)
+        return gpu
     n_gpus = gpu_count()
     if n_gpus == 0:
         logger.warning("no GPU for faiss (faiss without GPU support, or no CUDA device visible); searching on the CPU — "
                        "install the GPU build with pip install -e \".[gpu]\"")
         return None
-    ids = list(range(n_gpus)) if devices == "all" else [devices] if isinstance(devices, int) else list(devices)
-    bad = [d for d in ids if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n_gpus]
-    if bad or not ids:
-        raise ConfigError(f"GPU device(s) {bad or ids} do not exist: faiss sees {n_gpus} GPU(s) (ids 0..{n_gpus - 1})")
+    ids = _device_ids(devices, n_gpus, "faiss")
+    problems = [p for p in map(faiss_gpu_problem, ids) if p]
+    if problems:
+        logger.warning("%s; searching on the CPU", problems[0])
+        return None
     import faiss
 
     resources = [faiss.StandardGpuResources() for _ in ids]
@@ -88,7 +265,45 @@ def to_gpu(index, spec: IndexSpec, devices: Union[str, int, Sequence[int]] = "al
         opts.useFloat16 = fp16
         opts.shard = shard
         gpu = faiss.index_cpu_to_gpu_multiple_py(resources, index, opts, ids)
-    if spec.kind == "ivf_pq":
-        faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", int(spec.nprobe))
+    faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", int(spec.nprobe))
     logger.info("index %s on GPU(s) %s (%s, fp16=%s)", spec.kind, ids, "sharded" if shard and len(ids) > 1 else "replicated", fp16)
     return GpuIndex(gpu, spec, ids, shard, fp16, resources)
+
+
+def build_on_gpu(index, train: np.ndarray, x: np.ndarray, *, required: bool, add: Callable, device: int = 0):
+    """Train the untrained CPU IVF index `index` on `train` rows and add `x` on GPU `device`; return the CPU copy.
+
+    ``add(gpu_index)`` adds `x` (the caller's chunked, progress-reporting loop). None, with a warning, when it must be
+    built on the CPU instead: no usable faiss GPU (:func:`faiss_gpu_problem`; ConfigError if `required`), or faiss
+    refuses this index on a GPU (e.g. a sub-quantiser size its GPU IVF-PQ lacks). float16 look-up tables are used
+    where the GPU needs them; they only affect GPU search, not the codes, so the CPU copy equals a CPU-built index up to
+    k-means' randomness.
+    """
+    problem = faiss_gpu_problem(device)
+    if problem is not None:
+        if required:
+            raise ConfigError(f"a GPU build was asked for (gpu=True) but {problem}: install the GPU build with "
+                              "pip install -e \".[gpu]\" on a machine with a supported CUDA device, or build on the CPU "
+                              "(gpu=None/False)")
+        if gpu_count() > 0:  # a GPU that faiss cannot use is worth a word; no GPU at all is the normal CPU build
+            logger.warning("building the index on the CPU: %s", problem)
+        return None
+    import faiss
+
+    resources = faiss.StandardGpuResources()
+    opts = faiss.GpuClonerOptions()
+    opts.useFloat16 = True  # IVF-PQ: float16 look-up tables, needed for many sub-quantisers; search-time only
+    try:
+        gpu = faiss.index_cpu_to_gpu(resources, device, index, opts)
+        gpu.train(train)
+        add(gpu)
+        cpu = faiss.index_gpu_to_cpu(gpu)
+    except RuntimeError as err:  # faiss's C++ exceptions (unsupported settings, GPU memory)
+        reason = (str(err).strip().splitlines() or ["unknown error"])[-1]
+        if required:
+            raise ConfigError(f"faiss cannot build this index on a GPU: {reason}") from err
+        logger.warning("building the index on the CPU: faiss cannot build it on a GPU (%s)", reason)
+        return None
+    cpu.nprobe = index.nprobe
+    logger.info("index built on GPU %d (%d vectors), stored as a CPU index", device, cpu.ntotal)
+    return cpu

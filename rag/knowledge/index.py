@@ -345,7 +345,7 @@ def check_fits(spec: IndexSpec, n: int, d: int) -> tuple[Optional[int], Optional
     return nlist, pq_m
 
 
-def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
+def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool, gpu: Optional[bool]) -> faiss.Index:
     n, d = x.shape
     nlist, pq_m = check_fits(spec, n, d)
     metric = _faiss_metric(spec)
@@ -354,8 +354,14 @@ def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
     index.cp.seed = _SEED
     index.pq.cp.seed = _SEED
     index.nprobe = min(spec.nprobe, nlist)
-    train = x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << spec.pq_nbits))]
-    index.train(np.ascontiguousarray(train))
+    train = np.ascontiguousarray(x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << spec.pq_nbits))])
+    if gpu is not False:
+        from rag.knowledge.gpu import build_on_gpu
+
+        built = build_on_gpu(index, train, x, required=bool(gpu), add=lambda g: _add_chunks(g, x, "index ivf_pq (GPU)", show))
+        if built is not None:
+            return built
+    index.train(train)
     del train
     _add_chunks(index, x, "index ivf_pq", show)
     return index
@@ -367,12 +373,17 @@ def build_index(
     *,
     threads: Optional[int] = None,
     show_progress: bool = True,
+    gpu: Optional[bool] = None,
 ) -> faiss.Index:
     """Build an index over `vectors` ``(N, D)`` float32; row i of `vectors` is id i.
 
     Trains the quantisers where the kind needs it (hnsw_sq8, ivf_pq), then adds the
     vectors in chunks with a progress bar. `threads` bounds faiss's OpenMP threads
     for the build (None = faiss default). The result's ``d`` is D for every kind.
+    `gpu`: train and fill an ``ivf_pq`` index on GPU 0 and return its CPU copy
+    (:func:`rag.knowledge.gpu.build_on_gpu`): None = when faiss sees a GPU, True =
+    required (ConfigError without one), False = never. Flat and HNSW indexes are
+    always built on the CPU (faiss has no GPU HNSW; a flat index is a copy).
     """
     if not isinstance(spec, IndexSpec):
         raise ConfigError(f"spec must be an IndexSpec, got {type(spec).__name__}")
@@ -387,7 +398,7 @@ def build_index(
         elif spec.kind in ("hnsw", "hnsw_sq8"):
             index = _build_hnsw(x, spec, show_progress)
         else:
-            index = _build_ivf_pq(x, spec, show_progress)
+            index = _build_ivf_pq(x, spec, show_progress, gpu)
     return index
 
 

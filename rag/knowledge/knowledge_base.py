@@ -464,7 +464,8 @@ class KnowledgeBase:
 
         `query_encoder` optionally names the encoder that queries should use by
         default (DPR pairs a question encoder with the context encoder that built
-        the index); without it queries use `encoder` itself.
+        the index); without it queries use `encoder` itself. An ``ivf_pq`` index is
+        trained on a GPU when faiss sees one, unless `device` is the CPU.
         """
         from rag.devices import check_device
 
@@ -481,9 +482,10 @@ class KnowledgeBase:
         vectors = encoder.encode_passages(passages, batch_size=batch_size, show_progress=show_progress, device=device, dtype=dtype)
         info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
         qenc = {"name": query_encoder} if query_encoder else None
+        on_cpu = device is not None and torch.device(device).type == "cpu"
         return cls.from_embeddings(
             passages, vectors, encoder.identity(), out, index=index, query_encoder=qenc, bm25=bm25,
-            show_progress=show_progress, overwrite=overwrite, build_info=info,
+            show_progress=show_progress, overwrite=overwrite, build_info=info, gpu=False if on_cpu else None,
         )
 
     @classmethod
@@ -501,12 +503,15 @@ class KnowledgeBase:
         show_progress: bool = True,
         overwrite: bool = False,
         build_info: Optional[dict] = None,
+        gpu: Optional[bool] = None,
     ) -> "KnowledgeBase":
         """Write a knowledge base from passages and their precomputed `(N, D)` embeddings.
 
         `encoder` is the identity dict of the encoder that produced `embeddings`
         (:meth:`TextEncoder.identity`). Used by :meth:`build`, :meth:`add`, and the
         training-time index refresh, which re-encodes with a fine-tuned encoder.
+        `gpu`: where an ``ivf_pq`` index is trained (:func:`rag.knowledge.index.build_index`;
+        None: on a GPU when faiss sees one). The stored index is a CPU index either way.
         """
         import datasets
 
@@ -525,7 +530,7 @@ class KnowledgeBase:
             raise RagError(f"embedding of passage {passages[bad].id!r} (row {bad}) contains NaN or inf; check the encoder (fp16 overflow?)")
 
         t0 = time.perf_counter()
-        faiss_index = build_index(embeddings, spec, show_progress=show_progress)
+        faiss_index = build_index(embeddings, spec, show_progress=show_progress, gpu=gpu)
         index_seconds = time.perf_counter() - t0
 
         with atomic_directory(out, overwrite=overwrite, replaces=is_knowledge_base, kind="knowledge base") as tmp:

@@ -1,4 +1,5 @@
-"""faiss-gpu search: the CPU fallback everywhere; GPU equality with the CPU index where a GPU exists (marker `gpu`)."""
+"""GPU search and builds: the CPU fallback everywhere; the torch flat search's algorithm on CPU tensors; GPU equality with
+the CPU index where a GPU exists (marker `gpu`)."""
 
 from __future__ import annotations
 
@@ -6,12 +7,16 @@ import logging
 
 import numpy as np
 import pytest
+import torch
 
-from rag.knowledge.gpu import gpu_count, to_gpu
+from rag.knowledge import gpu as gpu_module
+from rag.knowledge.gpu import TorchFlatIndex, faiss_gpu_problem, gpu_count, to_gpu
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 
-needs_gpu = pytest.mark.skipif(gpu_count() == 0, reason="needs faiss with GPU support and a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_gpu = pytest.mark.skipif(gpu_count() == 0 or faiss_gpu_problem(0) is not None,
+                               reason="needs faiss with GPU support that runs on this machine's CUDA device")
 
 
 def _kb(tmp_path, index: str, n: int = 2000, d: int = 32) -> KnowledgeBase:
@@ -23,7 +28,7 @@ def _kb(tmp_path, index: str, n: int = 2000, d: int = 32) -> KnowledgeBase:
 
 @pytest.mark.parametrize("index", ["flat", "hnsw"])
 def test_without_a_usable_gpu_search_stays_on_the_cpu_with_a_warning(tmp_path, caplog, index):
-    if index == "flat" and gpu_count() > 0:
+    if index == "flat" and torch.cuda.is_available():
         pytest.skip("a GPU is present: the fallback is not taken")
     kb = _kb(tmp_path, index, n=300)
     q = np.random.default_rng(1).standard_normal((4, 32)).astype(np.float32)
@@ -36,8 +41,35 @@ def test_without_a_usable_gpu_search_stays_on_the_cpu_with_a_warning(tmp_path, c
     np.testing.assert_array_equal(after[0], before[0])
 
 
+@pytest.mark.parametrize("metric", ["ip", "l2"])
+@pytest.mark.parametrize("shard", [False, True])
+def test_torch_flat_search_equals_faiss_flat_search(monkeypatch, metric, shard):
+    """The GPU flat search's algorithm (blocks of rows, top-k merged across blocks and shards) on CPU tensors."""
+    import faiss
+
+    from rag.knowledge.index import IndexSpec, search_index
+
+    monkeypatch.setattr(gpu_module, "_SCORE_BYTES", 4 * 7 * 50)  # 50-row blocks for 7 queries: many merges
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1003, 16)).astype(np.float32)
+    q = rng.standard_normal((7, 16)).astype(np.float32)
+    index = faiss.IndexFlatIP(16) if metric == "ip" else faiss.IndexFlatL2(16)
+    index.add(x)
+    spec = IndexSpec.parse(f"flat:metric={metric}")
+    want = search_index(index, q, 10, spec)
+    got = TorchFlatIndex(gpu_module._flat_vectors(index), metric, ["cpu", "cpu", "cpu"], shard=shard, chunk=100).search(q, 10)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-3)
+
+
+def test_a_search_process_that_dies_is_reported_not_inherited():
+    assert gpu_module._child_problem("pass") is None
+    assert "signal 6" in gpu_module._child_problem("import os; os.abort()")
+    assert "no kernel image" in gpu_module._child_problem("raise RuntimeError('no kernel image is available')")
+
+
 @pytest.mark.gpu
-@needs_gpu
+@needs_cuda
 @pytest.mark.parametrize("shard", [False, True])
 def test_gpu_flat_search_equals_cpu(tmp_path, shard):
     kb = _kb(tmp_path, "flat")
@@ -47,6 +79,20 @@ def test_gpu_flat_search_equals_cpu(tmp_path, shard):
     got = kb.search(q, 10)
     np.testing.assert_array_equal(got[1], want[1])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-4, atol=1e-4)
+    assert kb.use_gpu(0, fp16=True)
+    half = kb.search(q, 10)
+    assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(half[1], want[1])]) > 0.95
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(gpu_count() == 0 or faiss_gpu_problem(0) is None, reason="needs a GPU that the installed faiss cannot run on")
+def test_a_faiss_that_cannot_run_on_this_gpu_leaves_ivf_search_and_builds_on_the_cpu(tmp_path, caplog):
+    kb = _kb(tmp_path, "ivf_pq:nlist=16,nprobe=16")
+    q = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
+    with caplog.at_level(logging.WARNING, logger="rag.knowledge.gpu"):
+        assert kb.use_gpu(0) is False
+    assert "failed a test search" in caplog.text and "searching on the CPU" in caplog.text
+    assert kb.search(q, 5)[1].shape == (8, 5)  # still answers, on the CPU
 
 
 @pytest.mark.gpu
@@ -62,10 +108,74 @@ def test_gpu_ivf_pq_search_matches_cpu_recall(tmp_path):
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_cuda
 def test_a_gpu_id_that_does_not_exist_is_a_config_error(tmp_path):
     from rag.errors import ConfigError
 
     kb = _kb(tmp_path, "flat", n=100)
     with pytest.raises(ConfigError, match="do not exist"):
-        to_gpu(kb._index, kb.index_spec, [gpu_count()])
+        to_gpu(kb._index, kb.index_spec, [torch.cuda.device_count()])
+
+
+def _recall_at_10(index, spec, x: np.ndarray, q: np.ndarray) -> float:
+    from rag.knowledge.index import search_index
+
+    exact = np.argsort(-(q @ x.T), axis=1)[:, :10]
+    got = search_index(index, q, 10, spec)[1]
+    return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, got)]))
+
+
+def _clustered(n: int, d: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    centres = rng.standard_normal((64, d)).astype(np.float32)
+    x = centres[rng.integers(0, 64, n)] + 0.3 * rng.standard_normal((n, d)).astype(np.float32)
+    return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def test_a_required_gpu_build_without_a_gpu_is_a_config_error_and_auto_builds_on_the_cpu():
+    if gpu_count() > 0:
+        pytest.skip("a GPU is present")
+    from rag.errors import ConfigError
+    from rag.knowledge.index import IndexSpec, build_index
+
+    x = _clustered(3000, 32, 0)
+    spec = IndexSpec.parse("ivf_pq:nlist=16,pq_m=8,nprobe=4")
+    with pytest.raises(ConfigError, match="faiss sees no GPU"):
+        build_index(x, spec, gpu=True, show_progress=False)
+    auto, cpu = build_index(x, spec, show_progress=False), build_index(x, spec, gpu=False, show_progress=False)
+    q = x[:50] + 0.01
+    from rag.knowledge.index import search_index
+
+    np.testing.assert_array_equal(search_index(auto, q, 10, spec)[1], search_index(cpu, q, 10, spec)[1])
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_an_ivf_pq_index_built_on_the_gpu_is_a_cpu_index_as_good_as_a_cpu_build(tmp_path):
+    from rag.knowledge.index import IndexSpec, build_index, read_index, write_index
+
+    x, q = _clustered(20000, 64, 0), _clustered(200, 64, 1)
+    spec = IndexSpec.parse("ivf_pq:nlist=64,pq_m=16,nprobe=16")
+    gpu_built = build_index(x, spec, gpu=True, show_progress=False)
+    cpu_built = build_index(x, spec, gpu=False, show_progress=False)
+    assert "Gpu" not in type(gpu_built).__name__ and gpu_built.ntotal == len(x)
+    write_index(gpu_built, tmp_path / "index.faiss")
+    reread = read_index(tmp_path / "index.faiss")
+    r_gpu, r_cpu = _recall_at_10(reread, spec, x, q), _recall_at_10(cpu_built, spec, x, q)
+    assert r_gpu > 0.5 and abs(r_gpu - r_cpu) < 0.05, (r_gpu, r_cpu)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_a_knowledge_base_built_where_a_gpu_is_searches_like_one_built_on_the_cpu(tmp_path):
+    x = _clustered(5000, 32, 0)
+    passages = [Passage(f"p{i}", "", f"text {i}") for i in range(len(x))]
+    enc = {"name": "random", "dim": 32}
+    spec = "ivf_pq:nlist=32,pq_m=8,nprobe=32"
+    on_gpu = KnowledgeBase.from_embeddings(passages, x, enc, tmp_path / "g", index=spec, show_progress=False)
+    on_cpu = KnowledgeBase.from_embeddings(passages, x, enc, tmp_path / "c", index=spec, show_progress=False, gpu=False)
+    reopened = KnowledgeBase.open(tmp_path / "g")
+    q = x[:100]
+    top_gpu, top_cpu = reopened.search(q, 1)[1][:, 0], on_cpu.search(q, 1)[1][:, 0]
+    assert np.mean(top_gpu == np.arange(100)) > 0.9 and np.mean(top_cpu == np.arange(100)) > 0.9
+    del on_gpu
