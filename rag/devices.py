@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
+from typing import Callable, Optional
 
 import torch
 
@@ -69,3 +70,24 @@ def check_trainer_devices(accelerator, devices) -> None:
     if wanted and (len(wanted) > n or max(wanted) >= n):
         raise ConfigError(f"--trainer.devices {devices}: this machine has {n} GPU{'s' if n > 1 else ''} (indices 0..{n - 1}); "
                           f"ask for at most {n}, or -1 for all of them")
+
+
+def without_cudnn_attention(fn: Callable) -> Callable:
+    """Run `fn` with scaled-dot-product attention restricted to the flash, memory-efficient and math kernels.
+
+    In float16/bfloat16 on Hopper GPUs PyTorch prefers cuDNN's attention, which builds an execution plan for every new
+    input shape: about 6 ms of CPU time per attention call (measured on an H200, torch 2.11). RAG's inputs change shape
+    at every step (retrieved passages and answers of varying length), so a bf16-autocast RAG training step took 1.0 s
+    with cuDNN attention and 0.11 s without it (benchmarks/results/gpu_bench_h200.json). float32 and CPU runs never
+    use cuDNN attention, so there it changes nothing. Used on the steps of every LightningModule, on passage encoding
+    and on the pipeline's generate/retrieve.
+    """
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+            return fn(*args, **kwargs)
+
+    return wrapper

@@ -42,6 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.models.rag_model import RagModel
 from rag.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
+from rag.devices import without_cudnn_attention
 from rag.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
 
 DEMO_NAMES = ("demo",)
@@ -91,12 +92,14 @@ class RagPipeline:
                     raise ConfigError(f"{name}= ({flag}) applies to {READS[kind]}, but this pipeline reads with "
                                       f"{READS[self.reader.kind]}; drop {flag}, or load a {kind} model")
 
+    @without_cudnn_attention
     def retrieve(self, questions: Sequence[str], k: int = 5, **options) -> list[Retrieval]:
         """Top-k passages per question with scores and priors (no generation), one :class:`Retrieval` each, all from one
         knowledge-base version. `options`: ``retrieval="bm25"|"dense"`` for a causal reader."""
         self._check_options(options)
         return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
 
+    @without_cudnn_attention
     def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None, **options) -> list[Answer]:
         """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
         :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input.

@@ -60,3 +60,49 @@ def test_trainer_options_lightning_rejects_are_one_line(capsys):
                  "--trainer.devices", "2"]) == 2
     err = capsys.readouterr().err
     assert "trainer options:" in err and "fsdp" in err and "Traceback" not in err
+
+
+def test_without_cudnn_attention_turns_cudnn_attention_off_inside_and_restores_it():
+    from rag.devices import without_cudnn_attention
+
+    seen = []
+    f = without_cudnn_attention(lambda x: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or x + 1)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert f(6) == 7 and seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_passage_encoding_runs_attention_without_cudnn(monkeypatch, tiny_dpr_context_dir):
+    """The shape-dependent cuDNN attention plans cost 10x on GPUs in half precision (rag.devices.without_cudnn_attention)."""
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.passages import Passage
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    flags = []
+
+    def spy(*args, **kwargs):
+        flags.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    enc = TextEncoder(tiny_dpr_context_dir)
+    enc.encode_passages([Passage("a", "T", "some text"), Passage("b", "U", "more text here")], show_progress=False)
+    assert flags and not any(flags)
+
+
+@pytest.mark.parametrize("module, methods", [
+    ("rag.training.modules:RagModule", ["training_step", "validation_step", "test_step", "predict_step"]),
+    ("rag.training.reranker:PredictiveRerankerModule", ["training_step", "validation_step"]),
+    ("rag.training.nli:NLIModule", ["training_step", "validation_step", "test_step"]),
+    ("rag.training.causal_reader:CausalReaderModule", ["training_step", "validation_step", "test_step"]),
+    ("rag.training.replug_lsr:ReplugLSRModule", ["training_step", "validation_step"]),
+    ("rag.pipeline:RagPipeline", ["generate", "retrieve"]),
+])
+def test_every_lightning_step_and_the_pipeline_run_without_cudnn_attention(module, methods):
+    import importlib
+
+    mod, cls = module.split(":")
+    klass = getattr(importlib.import_module(mod), cls)
+    for name in methods:
+        assert getattr(klass, name).__qualname__.endswith(f"{cls}.{name}")
+        assert "sdpa_kernel" in getattr(klass, name).__code__.co_names, f"{cls}.{name} is not wrapped by without_cudnn_attention"

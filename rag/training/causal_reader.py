@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError
 from rag.eval.metrics import ExactMatch, TokenF1
 from rag.knowledge.passages import Passage
@@ -228,6 +229,7 @@ class CausalReaderModule(pl.LightningModule):
         windows = reading_windows(scorer, prompts, answers, passages)
         return answer_nll(scorer, windows).sum() / sum(n for _, n in windows)
 
+    @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._require()
         prompts, answers = self.prompts(batch["questions"]), list(batch["targets"])
@@ -289,9 +291,11 @@ class CausalReaderModule(pl.LightningModule):
             self.metrics[f"{stage}_em{suffix}"].update(preds, golds)
             self.metrics[f"{stage}_f1{suffix}"].update(preds, golds)
 
+    @without_cudnn_attention
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
+    @without_cudnn_attention
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "test")
 

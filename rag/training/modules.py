@@ -33,6 +33,7 @@ from typing import Any, Literal, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError
 from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
 from rag.models.config import RagModelConfig
@@ -297,6 +298,7 @@ class RagModule(pl.LightningModule):
 
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
+    @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         questions, targets = batch["questions"], batch["targets"]
         if self.global_step < self._pretrain_steps():  # the reader's pre-training: practice alone, nothing retrieved
@@ -410,12 +412,15 @@ class RagModule(pl.LightningModule):
             return generate_answers(self._require_model(), questions, sequence_decoding=self.hparams.sequence_decoding,
                                     **self.decoding_defaults())
 
+    @without_cudnn_attention
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "val")
 
+    @without_cudnn_attention
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._eval_step(batch, "test")
 
+    @without_cudnn_attention
     def predict_step(self, batch: dict, batch_idx: int) -> list[dict]:
         """One record per question: ``question``, ``answer``, ``passages`` (``id``, ``title``, ``score``; empty closed-book),
         ``kb_version`` (None closed-book) and, when the data has them, the gold ``answers``."""

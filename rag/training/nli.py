@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError
 from rag.io import atomic_directory
 from rag.models.nli import encode_nli_pairs
@@ -78,12 +79,15 @@ class NLIModule(pl.LightningModule):
         self.log(f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=stage != "train", batch_size=size, on_step=False, on_epoch=True)
         return loss
 
+    @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
+    @without_cudnn_attention
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "val")
 
+    @without_cudnn_attention
     def test_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "test")
 

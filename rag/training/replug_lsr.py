@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError
 from rag.generation.lsr import lsr_loss
 from rag.models.lm_scorer import LMScorer, ScoreCache, document_logprobs
@@ -234,6 +235,7 @@ class ReplugLSRModule(pl.LightningModule):
 
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
+    @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         loss, _, _ = self._loss(batch)
         b = len(batch["questions"])
@@ -242,6 +244,7 @@ class ReplugLSRModule(pl.LightningModule):
             self.log("train/lm_cache_hits", float(self.cache.hits), batch_size=b)
         return loss
 
+    @without_cudnn_attention
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         loss, scores, ll = self._loss(batch)
         b = len(batch["questions"])

@@ -28,6 +28,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from rag.devices import without_cudnn_attention
 from rag.errors import ConfigError
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood
 from rag.io import cache_dir
@@ -257,9 +258,11 @@ class PredictiveRerankerModule(pl.LightningModule):
 
         check_same_knowledge_base(self.trainer, getattr(self.trainer.datamodule, "knowledge_base", None))
 
+    @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         return self._step(batch, "train")
 
+    @without_cudnn_attention
     def validation_step(self, batch: dict, batch_idx: int) -> None:
         self._step(batch, "val")
 
