@@ -356,7 +356,7 @@ def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool, gpu: Optional[bool
     index.nprobe = min(spec.nprobe, nlist)
     train = np.ascontiguousarray(x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << spec.pq_nbits))])
     if gpu is not False:
-        from rag.knowledge.gpu import build_on_gpu
+        from rag.knowledge.faiss_gpu import build_on_gpu
 
         built = build_on_gpu(index, train, x, required=bool(gpu), add=lambda g: _add_chunks(g, x, "index ivf_pq (GPU)", show))
         if built is not None:
@@ -381,7 +381,7 @@ def build_index(
     vectors in chunks with a progress bar. `threads` bounds faiss's OpenMP threads
     for the build (None = faiss default). The result's ``d`` is D for every kind.
     `gpu`: train and fill an ``ivf_pq`` index on GPU 0 and return its CPU copy
-    (:func:`rag.knowledge.gpu.build_on_gpu`): None = when faiss sees a GPU, True =
+    (:func:`rag.knowledge.faiss_gpu.build_on_gpu`): None = when faiss sees a GPU, True =
     required (ConfigError without one), False = never. Flat and HNSW indexes are
     always built on the CPU (faiss has no GPU HNSW; a flat index is a copy).
     """

@@ -63,9 +63,11 @@ def test_torch_flat_search_equals_faiss_flat_search(monkeypatch, metric, shard):
 
 
 def test_a_search_process_that_dies_is_reported_not_inherited():
-    assert gpu_module._child_problem("pass") is None
-    assert "signal 6" in gpu_module._child_problem("import os; os.abort()")
-    assert "no kernel image" in gpu_module._child_problem("raise RuntimeError('no kernel image is available')")
+    from rag.knowledge.faiss_gpu import _child_problem
+
+    assert _child_problem("pass") is None
+    assert "signal 6" in _child_problem("import os; os.abort()")
+    assert "no kernel image" in _child_problem("raise RuntimeError('no kernel image is available')")
 
 
 @pytest.mark.gpu
