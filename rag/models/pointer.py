@@ -91,10 +91,47 @@ def continuation_matches(source_ids: Tensor, previous_ids: Tensor, ignore: tuple
     return match.float()
 
 
+def bigram_continuation_matches(source_ids: Tensor, history: Tensor, steps: int, ignore: tuple[int, ...] = ()) -> Tensor:
+    """Where pointing at context token ``j`` would continue a copy of the last *two* output tokens:
+    ``x_{j-2} == y_{t-2}`` and ``x_{j-1} == y_{t-1}``.
+
+    A frequent token ("of", "the") occurs in several places of a passage, so :func:`continuation_matches` marks a
+    position after each of them; only the true continuation of the span being copied also matches the token before.
+
+    Args:
+        source_ids: `(N, S)` the context token ids.
+        history: `(N, L)` the decoder's input ids so far (``L >= steps``); its last `steps` columns are the tokens
+            before the decoder steps scored now, the column before them (if any) is the token before those.
+        steps: `T`, the decoder steps scored now (with a KV cache 1).
+        ignore: tokens that continue nothing (decoder start, padding, end): a pair containing one matches nothing.
+
+    Returns:
+        `(N, T, S)` float 1.0 where the two context tokens before ``j`` are the two previous output tokens, else 0.0.
+    """
+    if history.shape[1] < steps:
+        raise ValueError(f"the decoder history holds {history.shape[1]} tokens, fewer than the {steps} steps scored")
+    previous = history[:, history.shape[1] - steps:]  # y_{t-1}
+    before_previous = torch.full_like(previous, -1)  # y_{t-2}; -1 (matches nothing) where there is none
+    known = min(steps, history.shape[1] - 1)
+    if known > 0:
+        before_previous[:, steps - known:] = history[:, history.shape[1] - known - 1:history.shape[1] - 1]
+    one_before, two_before = torch.full_like(source_ids, -1), torch.full_like(source_ids, -1)
+    one_before[:, 1:] = source_ids[:, :-1]
+    two_before[:, 2:] = source_ids[:, :-2]
+    match = (one_before[:, None, :] == previous[:, :, None]) & (two_before[:, None, :] == before_previous[:, :, None])
+    for token in ignore:
+        match &= ((previous != token) & (before_previous != token))[:, :, None]
+    return match.float()
+
+
 CONTINUATION_INIT = 3.0
 """Initial continuation bias: a context token that follows the previous output token starts e^3 ≈ 20x likelier to be
 pointed at than one with the same attention score (Adam moves a bias by about the learning rate per step, so the
 starting value is what a short run keeps)."""
+BIGRAM_INIT = 3.0
+"""Initial bigram continuation bias (on top of the unigram one): the context token that continues the last two output
+tokens starts e^3 ≈ 20x likelier to be pointed at than another one that follows only the last token (a frequent token
+elsewhere in the passage)."""
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,18 +168,34 @@ def pointer_model_class() -> type:
             self.copy_key = nn.Linear(e, d)
             self.copy_gate = nn.Linear(d, 1)
             self.copy_continue: Optional[nn.Linear] = None
+            self.copy_continue_bigram: Optional[nn.Linear] = None
 
-        def add_continuation(self) -> None:
+        @property
+        def needs_copy_history(self) -> bool:
+            """True when a decoding step needs the tokens before its input (the bigram continuation bias): with a KV
+            cache pass them as ``copy_history`` `(N, L)`, the decoder input ids so far, the step's own input last."""
+            return self.copy_continue_bigram is not None
+
+        def add_continuation(self, bigram: bool = False) -> None:
             """Add the copy-continuation bias: the pointer score of context token ``j`` gains ``c(h_t) = w · h_t + b``
             where ``x_{j-1}`` is the previous output token (:func:`continuation_matches`), so once the head starts
             copying a span it tends to go on copying it in order instead of jumping between look-alike tokens
             (CopyNet's selective read, Gu et al. 2016, reduced to a token match). `w` starts at 0, `b` at
-            :data:`CONTINUATION_INIT`."""
+            :data:`CONTINUATION_INIT`.
+
+            With `bigram` the score also gains ``c2(h_t) = w2 · h_t + b2`` (`w2` at 0, `b2` at :data:`BIGRAM_INIT`) where
+            ``x_{j-2} x_{j-1}`` are the last two output tokens (:func:`bigram_continuation_matches`): the true
+            continuation of a span beats the token after another occurrence of a frequent previous token."""
             d = self.decoder.config.hidden_size
             self.copy_continue = nn.Linear(d, 1)
             with torch.no_grad():
                 self.copy_continue.weight.zero_()
                 self.copy_continue.bias.fill_(CONTINUATION_INIT)
+            if bigram:
+                self.copy_continue_bigram = nn.Linear(d, 1)
+                with torch.no_grad():
+                    self.copy_continue_bigram.weight.zero_()
+                    self.copy_continue_bigram.bias.fill_(BIGRAM_INIT)
 
         def copy_scores(self, h: Tensor, states: Tensor) -> Tensor:
             """Pointer scores `(N, T, S)` = q(h_t) · k(m_j) / sqrt(d), with k(m) = W_k m + b_k applied on the
@@ -152,7 +205,17 @@ def pointer_model_class() -> type:
             scores = (q @ self.copy_key.weight) @ states.transpose(1, 2) + (q @ self.copy_key.bias)[..., None]
             return scores / math.sqrt(h.shape[-1])
 
-        def forward(self, input_ids=None, attention_mask=None, encoder_outputs=None, labels=None, **kwargs):
+        def prepare_inputs_for_generation(self, input_ids, *args, **kwargs):
+            """transformers' ``generate``: its inputs, plus the decoder ids so far as ``copy_history`` (bigram bias)."""
+            inputs = super().prepare_inputs_for_generation(input_ids, *args, **kwargs)
+            if self.needs_copy_history:
+                inputs["copy_history"] = input_ids
+            return inputs
+
+        def forward(self, input_ids=None, attention_mask=None, encoder_outputs=None, labels=None, copy_history=None, **kwargs):
+            """transformers' forward, the logits being the mixture's log-probabilities; `copy_history` `(N, L)`: the
+            decoder input ids so far (the last ones the ``decoder_input_ids`` of this call), needed by the bigram
+            continuation bias when a KV cache holds the earlier steps (ignored otherwise)."""
             if encoder_outputs is None:
                 encoder_outputs = self.encoder(input_ids=input_ids, attention_mask=attention_mask, return_dict=True)
             memory = encoder_outputs[0]
@@ -163,6 +226,8 @@ def pointer_model_class() -> type:
 
                 kwargs["decoder_input_ids"] = shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
             kwargs["decoder_output_hidden_states"] = True
+            past = kwargs.get("past_key_values", kwargs.get("cache"))
+            cached = past.get_seq_length() if hasattr(past, "get_seq_length") else 0  # before the forward extends it
             out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
             h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
             scores = self.copy_scores(h, states)
@@ -171,13 +236,34 @@ def pointer_model_class() -> type:
                 if previous is None:
                     raise ValueError("the copy-continuation head needs decoder_input_ids (or labels), not decoder_inputs_embeds")
                 ignore = (cfg.decoder_start_token_id, cfg.pad_token_id, cfg.eos_token_id)
-                match = continuation_matches(source_ids, previous[:, -h.shape[1]:], ignore)  # (N, T, S); with a cache T is 1
+                steps = h.shape[1]
+                match = continuation_matches(source_ids, previous[:, -steps:], ignore)  # (N, T, S); with a cache T is 1
                 scores = scores + self.copy_continue(h) * match.to(scores.dtype)
+                if self.copy_continue_bigram is not None:
+                    history = self._copy_history(copy_history, previous, steps, cached)
+                    pair = bigram_continuation_matches(source_ids, history, steps, ignore)
+                    scores = scores + self.copy_continue_bigram(h) * pair.to(scores.dtype)
             logits = copy_log_probs(out.logits, self.copy_gate(h), scores, source_ids, attention_mask)
             loss = None
             if labels is not None:
                 loss = nn.functional.nll_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
             return Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
                                    encoder_last_hidden_state=memory)
+
+        @staticmethod
+        def _copy_history(copy_history: Optional[Tensor], previous: Tensor, steps: int, cached: int) -> Tensor:
+            """The decoder ids so far `(N, L)` for the bigram bias: `copy_history` (checked against this call's
+            input), else this call's input, which is the whole history only when no KV cache holds earlier steps
+            (`cached`: the steps the cache held before this call)."""
+            if copy_history is None:
+                if cached:
+                    raise ValueError(f"the bigram copy-continuation head decodes with a KV cache of {cached} steps but was "
+                                     "given only the newest decoder token; pass copy_history (the decoder input ids so far)")
+                return previous
+            if copy_history.shape[0] != previous.shape[0] or copy_history.shape[1] < steps \
+                    or not torch.equal(copy_history[:, -steps:], previous[:, -steps:]):
+                raise ValueError(f"copy_history {tuple(copy_history.shape)} must end with this call's decoder_input_ids "
+                                 f"{tuple(previous.shape)}")
+            return copy_history
 
     return PointerEncoderDecoderModel

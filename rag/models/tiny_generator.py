@@ -15,7 +15,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Literal, Optional, Union
 
 from rag.errors import ConfigError
 from rag.io import cache_dir as rag_cache_dir
@@ -67,9 +67,10 @@ class WarmStartGenerator:
     """Layers of the fresh decoder."""
     pointer: bool = True
     """A copy head (pointer-generator): the generator can emit a passage token by attending to it."""
-    continuation: bool = True
+    continuation: Union[bool, Literal["bigram"]] = True
     """The copy head's continuation bias (needs `pointer`): having copied a passage token it tends to copy the next
-    one, so it copies long answers (a sentence) in order."""
+    one, so it copies long answers (a sentence) in order. ``bigram``: also a bigram term, the next token after the last
+    two copied ones, so a copy does not jump to the token after another occurrence of a frequent word."""
     seed: int = 0
     """Seed of the decoder's initial weights."""
 

@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 WARM_START_KEY = "rag_warm_start"
 """The generator-config attribute (saved in ``config.json``) that marks a warm-started generator."""
 WEIGHTS_FILE = "model.safetensors"
+CONTINUATIONS = (False, True, "bigram")
+"""Values of the ``continuation`` option: none, the unigram copy-continuation bias, unigram + bigram."""
 _EMBEDDINGS = "decoder.bert.embeddings.word_embeddings.weight"
 _OUTPUT = "decoder.cls.predictions.decoder.weight"
 _OUTPUT_BIAS = "decoder.cls.predictions.decoder.bias"  # the same tensor as decoder.cls.predictions.bias
@@ -57,7 +59,7 @@ def build_warm_start_generator(
     decoder_ffn: Optional[int] = None,
     dropout: float = 0.0,
     pointer: bool = False,
-    continuation: bool = False,
+    continuation: Union[bool, str] = False,
     seed: Optional[int] = None,
 ):
     """A fresh generator: pretrained frozen `encoder` + a `decoder_layers`-layer BERT decoder sharing
@@ -66,7 +68,9 @@ def build_warm_start_generator(
     `pointer` adds a copy head (:mod:`rag.models.pointer`): the generator can emit a context token by
     pointing at it, which a small generator learns far sooner than regenerating the token. `continuation` (needs
     `pointer`) adds the copy-continuation bias (:meth:`~rag.models.pointer.pointer_model_class`'s ``add_continuation``):
-    the head copies spans in order, which long answers (a definition's sentence) need.
+    the head copies spans in order, which long answers (a definition's sentence) need. ``continuation="bigram"`` also
+    adds the bigram term (the copy continues the last *two* output tokens), so a copy does not jump to the token after
+    another occurrence of a frequent word; the generator then records ``continuation: "bigram"``.
 
     Decoding starts at ``[CLS]`` and ends at ``[SEP]`` (targets are tokenised as ``[CLS] answer [SEP]``,
     as :meth:`RagModel.tokenize_targets` does). `decoder_heads` / `decoder_ffn` default to the encoder's.
@@ -77,6 +81,8 @@ def build_warm_start_generator(
 
     if not isinstance(decoder_layers, int) or decoder_layers < 1:
         raise ConfigError(f"decoder_layers must be a positive integer, got {decoder_layers!r}")
+    if continuation not in CONTINUATIONS:
+        raise ConfigError(f"warm_start.continuation must be true, false or 'bigram', got {continuation!r}")
     if continuation and not pointer:
         raise ConfigError("warm_start.continuation needs warm_start.pointer: true (it biases the copy head)")
     path = resolve_name_or_path(encoder)
@@ -103,8 +109,8 @@ def build_warm_start_generator(
     if pointer:
         record["pointer"] = True
     if continuation:
-        record["continuation"] = True
-        gen.add_continuation()
+        record["continuation"] = continuation
+        gen.add_continuation(bigram=continuation == "bigram")
     _configure(gen, tok, record)
     return gen, tok
 
@@ -210,10 +216,14 @@ def load_warm_start(path: Union[str, os.PathLike]):
     with torch.no_grad():
         dec.bert.embeddings.word_embeddings.weight.copy_(enc.embeddings.word_embeddings.weight)
     gen = _model_class(pointer)(encoder=enc, decoder=dec)
-    if record.get("continuation"):
+    continuation = record.get("continuation", False)
+    if continuation not in CONTINUATIONS:
+        raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation is {continuation!r}, not true, false "
+                             "or 'bigram' (written by a newer rag?)")
+    if continuation:
         if not pointer:
             raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the generator again")
-        gen.add_continuation()
+        gen.add_continuation(bigram=continuation == "bigram")
     tok = AutoTokenizer.from_pretrained(path)
     _configure(gen, tok, record)
     weights = path / WEIGHTS_FILE

@@ -112,31 +112,85 @@ def test_continuation_matches_mark_the_token_after_each_occurrence_of_the_previo
     assert continuation_matches(source, torch.tensor([[102]]))[0, 0].sum() == 0  # the last token is followed by nothing
 
 
-def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_bert_dir):
-    """With the continuation head, step-by-step decoding with a KV cache (one previous token per step) gives the logits
-    of one teacher-forced forward over the whole sequence, and the head changes them."""
+def test_bigram_matches_mark_only_the_continuation_of_the_last_two_output_tokens():
+    from rag.models.pointer import bigram_continuation_matches, continuation_matches
+
+    source = torch.tensor([[101, 8, 5, 6, 9, 5, 7, 102]])  # token 5 occurs twice: after 8 and after 9
+    history = torch.tensor([[101, 9, 5, 7, 0]])  # decoder start, then 9 5 7, then padding
+    m = bigram_continuation_matches(source, history, 5, ignore=(101, 0))
+    assert m.shape == (1, 5, 8)
+    assert m[0, 0].sum() == 0 and m[0, 1].sum() == 0  # nothing before the start; (start, 9) contains an ignored token
+    assert m[0, 2].tolist() == [0, 0, 0, 0, 0, 0, 1, 0]  # after "9 5" only the 7, where the unigram marks the 6 too
+    assert continuation_matches(source, history, ignore=(101, 0))[0, 2].tolist() == [0, 0, 0, 1, 0, 0, 1, 0]
+    assert m[0, 3].tolist() == [0, 0, 0, 0, 0, 0, 0, 1]  # after "5 7"
+    assert m[0, 4].sum() == 0  # padding continues nothing
+    for t in range(1, 5):  # with a KV cache: one step, the tokens before it from the history
+        assert torch.equal(bigram_continuation_matches(source, history[:, : t + 1], 1, ignore=(101, 0))[:, 0], m[:, t])
+
+
+@pytest.mark.parametrize("continuation", [True, "bigram"], ids=["unigram", "bigram"])
+def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_bert_dir, continuation):
+    """With the continuation head, step-by-step decoding with a KV cache (one previous token per step; for the bigram
+    head the tokens so far as copy_history) gives the logits of one teacher-forced forward over the whole sequence, and
+    the head changes them."""
     from rag.models.warm_start import build_warm_start_generator
 
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=True, seed=0)
+    bigram = continuation == "bigram"
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=continuation, seed=0)
     gen.eval()
-    enc = tok(["alpha beta gamma delta beta epsilon"], return_tensors="pt")
+    enc = tok(["alpha beta gamma delta beta epsilon gamma delta"], return_tensors="pt")
     target = tok(["beta gamma delta"], return_tensors="pt")["input_ids"][:, :-1]  # [CLS] beta gamma delta
     with torch.no_grad():
         full = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits
         memory = gen.encoder(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"])
         past, steps = None, []
         for t in range(target.shape[1]):
+            history = {"copy_history": target[:, : t + 1]} if bigram else {}
             out = gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, : t + 1],
                       past_key_values=past, use_cache=True) if past is None else \
                 gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, t : t + 1],
-                    past_key_values=past, use_cache=True)
+                    past_key_values=past, use_cache=True, **history)
             past = out.past_key_values
             steps.append(out.logits[:, -1])
         torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-4, atol=1e-4)
+        if bigram:
+            with pytest.raises(ValueError, match="copy_history"):  # a cached step without the tokens before it
+                gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, -1:],
+                    past_key_values=past, use_cache=True)
+            gen.copy_continue_bigram.bias.fill_(0.0)
+            unigram = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits
+            assert torch.allclose(unigram[:, :2], full[:, :2], atol=1e-5)  # no two output tokens before steps 0 and 1
+            assert not torch.allclose(unigram[:, 2:], full[:, 2:], atol=1e-3)
         gen.copy_continue.bias.fill_(0.0)
         off = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits
     assert torch.allclose(off[:, 0], full[:, 0], atol=1e-5)  # after the decoder start nothing is continued
     assert not torch.allclose(off[:, 1:], full[:, 1:], atol=1e-3)
+
+
+def test_bigram_bias_continues_the_copied_span_not_another_occurrence_of_its_last_token(tiny_bert_dir):
+    """A copy-only head that attends uniformly: after "w1 w2" in a passage holding w2 twice (w0 w2 w4 ... w1 w2 w3), the
+    unigram bias alone splits between the tokens after both w2s; with the bigram bias it continues with w3."""
+    from rag.models.warm_start import build_warm_start_generator
+
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="bigram", seed=0)
+    gen.eval()
+    with torch.no_grad():
+        for layer in (gen.copy_query, gen.copy_gate):
+            layer.weight.zero_()
+            layer.bias.zero_()
+        gen.copy_gate.bias.fill_(-50.0)  # copy only
+        gen.copy_continue.bias.fill_(10.0)
+        gen.copy_continue_bigram.bias.fill_(5.0)
+    w = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)[:5]  # five distinct single-token words
+    enc = tok([f"{w[0]} {w[2]} {w[4]} {w[1]} {w[2]} {w[3]}"], return_tensors="pt")
+    ids = {word: tok.convert_tokens_to_ids(word) for word in w}
+    target = torch.tensor([[tok.cls_token_id, ids[w[1]], ids[w[2]]]])
+    with torch.no_grad():
+        probs = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits.exp()
+        assert probs[0, 2, ids[w[3]]] > 0.99
+        gen.copy_continue_bigram.bias.fill_(0.0)
+        probs = gen(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], decoder_input_ids=target).logits.exp()
+    assert 0.4 < probs[0, 2, ids[w[3]]] < 0.6 and 0.4 < probs[0, 2, ids[w[4]]] < 0.6
 
 
 def test_continuation_bias_alone_copies_a_span_in_order(tiny_bert_dir):
@@ -162,3 +216,4 @@ def test_continuation_bias_alone_copies_a_span_in_order(tiny_bert_dir):
     for t in (1, 2, 3):  # after w1 -> w2, after w2 -> w3, after w3 -> w4
         assert probs[0, t].argmax().item() == source[t + 2] and probs[0, t, source[t + 2]] > 0.99
     assert probs[0, 0].max() < 0.5  # after the decoder start nothing is continued: uniform over the context
+

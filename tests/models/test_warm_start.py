@@ -24,10 +24,11 @@ CONTEXTS = ["Iron / Symbol: Fe. Atomic number: 26. // what is the symbol of iron
 TARGETS = ["Fe", "noble gas"]
 
 
-@pytest.fixture(scope="module", params=["plain", "pointer", "continuation"])
+@pytest.fixture(scope="module", params=["plain", "pointer", "continuation", "bigram"])
 def built(tiny_bert_dir, request):
+    continuation = {"continuation": True, "bigram": "bigram"}.get(request.param, False)
     gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=2, pointer=request.param != "plain",
-                                          continuation=request.param == "continuation", seed=0)
+                                          continuation=continuation, seed=0)
     with torch.no_grad():  # move the decoder away from its initialisation so round trips are meaningful
         for p in gen.parameters():
             if p.requires_grad:
@@ -200,3 +201,30 @@ def test_continuation_needs_the_copy_head(tiny_bert_dir, tmp_path):
     cfg_file.write_text(json.dumps(cfg))
     with pytest.raises(IntegrityError, match="continuation needs pointer"):
         load_warm_start(tmp_path)
+
+
+def test_bigram_continuation_is_recorded_and_checked(tiny_bert_dir, tmp_path):
+    """``continuation: bigram`` adds a second continuation head, recorded as such; a unigram generator (``true``, as saved
+    before the option existed) loads without it; an unknown value or a record that disagrees with the weights is refused."""
+    with pytest.raises(ConfigError, match="'bigram'"):
+        build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="trigram")
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="bigram", seed=0)
+    assert gen.copy_continue is not None and gen.copy_continue_bigram is not None and gen.needs_copy_history
+    save_generator(gen, tok, tmp_path / "bigram")
+    assert json.loads((tmp_path / "bigram" / "config.json").read_text())["rag_warm_start"]["continuation"] == "bigram"
+    loaded, _ = load_warm_start(tmp_path / "bigram")
+    torch.testing.assert_close(loaded.copy_continue_bigram.bias, gen.copy_continue_bigram.bias, rtol=0, atol=0)
+    unigram, utok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=True, seed=0)
+    save_generator(unigram, utok, tmp_path / "unigram")
+    loaded, _ = load_warm_start(tmp_path / "unigram")
+    assert loaded.copy_continue is not None and loaded.copy_continue_bigram is None and not loaded.needs_copy_history
+    cfg_file = tmp_path / "bigram" / "config.json"
+    cfg = json.loads(cfg_file.read_text())
+    cfg["rag_warm_start"]["continuation"] = True  # the bigram head's weights, recorded as unigram
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(IntegrityError):
+        load_warm_start(tmp_path / "bigram")
+    cfg["rag_warm_start"]["continuation"] = "trigram"
+    cfg_file.write_text(json.dumps(cfg))
+    with pytest.raises(IntegrityError, match="trigram"):
+        load_warm_start(tmp_path / "bigram")
