@@ -133,6 +133,9 @@ class Seq2SeqStepDecoder:
     and cache — the cross-attention keys/values included, the expensive part — are then copied to the rows
     of that context (beams, and for RAG-Token the beams of every question). transformers instead runs it on
     every row, recomputing the same cross-attention keys/values `num_beams` times.
+
+    A generator whose ``needs_copy_history`` is true (the pointer generator with the bigram continuation bias) also
+    gets each row's decoder input ids so far as ``copy_history``, kept and reordered with the rows here.
     """
 
     def __init__(self, generator, contexts: EncodedContexts, context_of_row: Tensor, keep_cross_kv: bool = False):
@@ -148,12 +151,17 @@ class Seq2SeqStepDecoder:
         self.encoder_outputs = BaseModelOutput(last_hidden_state=states)
         self.mask = contexts.attention_mask if identity else gather_rows(contexts.attention_mask, context_of_row)
         self.cache = None
+        self.history: Tensor | None = None
+        """`(rows, steps)` the tokens fed so far, if the generator needs them (``needs_copy_history``), else None."""
+        self.track_history = bool(getattr(generator, "needs_copy_history", False))
         self.cross_kv: list[tuple[Tensor, Tensor]] | None = None
         """Per-context (not per-row) cross-attention keys/values after the first step, kept for reuse (rescoring)
         when `keep_cross_kv`."""
 
     def step(self, tokens: Tensor) -> Tensor:
         """Feed `tokens` `(rows,)`; return next-token logits `(rows, vocab)` in float32."""
+        if self.track_history:
+            self.history = tokens[:, None] if self.history is None else torch.cat([self.history, tokens[:, None]], 1)
         if self.cache is None and bool((tokens == tokens[0]).all()):
             logits, cache = _context_step(self.generator, self.contexts, int(tokens[0]))
             cross_kv = _shared_cross_attention(cache)
@@ -165,9 +173,10 @@ class Seq2SeqStepDecoder:
                 self_kv = [(layer.keys, layer.values) for layer in cache.self_attention_cache.layers]
                 self.cache = _gathered_cache(self_kv, cross_kv, self.context_of_row)  # a gather, no compute
                 return gather_rows(logits, self.context_of_row)
+        extra = {"copy_history": self.history} if self.track_history else {}
         out = self.generator(encoder_outputs=self.encoder_outputs, attention_mask=self.mask,
                              decoder_input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True,
-                             return_dict=True)
+                             return_dict=True, **extra)
         self.cache = out.past_key_values
         return out.logits[:, -1, :].float()
 
@@ -175,6 +184,8 @@ class Seq2SeqStepDecoder:
         """Make row `i` continue from row `rows[i]` (only ever within one context group)."""
         from transformers.cache_utils import EncoderDecoderCache
 
+        if self.history is not None:
+            self.history = self.history[rows]
         if isinstance(self.cache, EncoderDecoderCache):
             # Cross-attention K/V depend only on the context, identical for every row a beam can move between.
             self.cache.self_attention_cache.reorder_cache(rows)

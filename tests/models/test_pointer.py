@@ -217,3 +217,54 @@ def test_continuation_bias_alone_copies_a_span_in_order(tiny_bert_dir):
         assert probs[0, t].argmax().item() == source[t + 2] and probs[0, t, source[t + 2]] > 0.99
     assert probs[0, 0].max() < 0.5  # after the decoder start nothing is continued: uniform over the context
 
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_bigram_search_scores_equal_a_forward_without_cache(tiny_bert_dir, num_beams):
+    """Greedy and beam search with the bigram continuation head (KV cache, copy_history kept and reordered with the
+    beams) score every hypothesis as a teacher-forced forward over the whole sequence does (no self-attention cache);
+    RAG-Sequence thorough and fast decoding run on it, and greedy decoding emits transformers' generate tokens."""
+    from rag.generation.decoding import (
+        GenerationConfig,
+        encode_contexts,
+        generate_per_document,
+        rag_sequence_generate,
+        rag_token_generate,
+        teacher_forced_logprobs,
+    )
+    from rag.models.warm_start import build_warm_start_generator
+
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="bigram", seed=0)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in gen.parameters():
+            if p.requires_grad:
+                p.add_(0.05 * torch.randn_like(p))
+        gen.copy_gate.bias.fill_(-3.0)  # mostly copy, so the continuation heads decide the tokens
+        gen.copy_continue_bigram.bias.fill_(4.0)
+    gen.eval()
+    passages = ["alpha beta gamma beta delta gamma beta epsilon", "one two one three two one four",
+                "beta gamma beta gamma delta", "red green blue green red blue"]
+    enc = tok(passages, padding=True, return_tensors="pt")
+    contexts = encode_contexts(gen, enc["input_ids"], enc["attention_mask"])
+    config = GenerationConfig(num_beams=num_beams, num_return_sequences=num_beams, max_new_tokens=8)
+    hyps = generate_per_document(gen, contexts, config)
+    n, m, width = hyps.sequences.shape
+    seqs = hyps.sequences.reshape(n * m, width)
+    lp = teacher_forced_logprobs(gen, contexts, seqs, torch.arange(n).repeat_interleave(m)[:, None])[:, 0]
+    targets = seqs[:, 1:]
+    is_eos = (targets == gen.config.eos_token_id).long()
+    counted = (is_eos.cumsum(1) - is_eos) == 0  # up to and including the first EOS
+    want = (lp * counted).sum(1).view(n, m)
+    found = torch.isfinite(hyps.log_likelihood)
+    assert found.any()
+    torch.testing.assert_close(hyps.log_likelihood[found], want[found], rtol=1e-4, atol=1e-4)
+    doc_scores = torch.zeros(2, 2)
+    for decoding in ("thorough", "fast"):
+        out = rag_sequence_generate(gen, contexts, doc_scores, config, decoding=decoding)
+        assert out.sequences.shape[0] == 2 * num_beams and torch.isfinite(out.scores[::num_beams]).all()
+    if num_beams == 1:
+        ours = rag_token_generate(gen, contexts, torch.zeros(4, 1), config).sequences
+        ref = gen.generate(input_ids=enc["input_ids"], attention_mask=enc["attention_mask"], max_new_tokens=8,
+                           do_sample=False, num_beams=1)
+        width = min(ours.shape[1], ref.shape[1])
+        assert torch.equal(ours[:, :width], ref[:, :width])
