@@ -111,7 +111,7 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     module.configure_model()
     gen = module.model.generator
     assert is_warm_start(gen) and not any(p.requires_grad for p in gen.encoder.parameters())
-    assert gen.copy_continue is not None and gen.config.rag_warm_start["continuation"] is True  # the default
+    assert gen.copy_continue_bigram is not None and gen.config.rag_warm_start["continuation"] == "bigram"  # the default
     inner_forward = gen.encoder.forward
     gen.encoder.forward = lambda *a, **k: (calls.append(1), inner_forward(*a, **k))[1]
     trainer.fit(module, datamodule=make_data())
