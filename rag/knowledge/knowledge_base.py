@@ -71,6 +71,9 @@ class Manifest:
     parent: Optional[str] = None
     query_encoder: Optional[dict] = None
     build: dict = field(default_factory=dict)
+    passages_digest: Optional[str] = None
+    """SHA-256 over every passage's id, title and text, in order: two builds over the same passages share it even where
+    their embeddings (and so their versions) differ by float rounding (another machine, thread count or torch)."""
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -117,6 +120,7 @@ _REQUIRED_FIELDS = ("format_version", "version", "created", "count", "dim", "met
 _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "format_version": (int,), "version": (str,), "created": (str,), "count": (int,), "dim": (int,), "metric": (str,),
     "encoder": (dict,), "index": (dict,), "files": (dict,), "parent": (str,), "query_encoder": (dict,), "build": (dict,),
+    "passages_digest": (str,),
 }
 _JSON_NAMES = {int: "an integer", str: "a string", dict: "an object", list: "an array", float: "a number", bool: "a boolean"}
 
@@ -544,13 +548,14 @@ class KnowledgeBase:
 
                 BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
             files = file_checksums(tmp, (f for f in tmp.rglob("*") if f.is_file()))
+            digest = _passages_digest(passages)
             import faiss
 
             import rag
 
             manifest = Manifest(
                 format_version=FORMAT_VERSION,
-                version=_content_version(_passages_digest(passages), files[EMBEDDINGS]["sha256"], spec.to_dict(), encoder),
+                version=_content_version(digest, files[EMBEDDINGS]["sha256"], spec.to_dict(), encoder),
                 created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                 count=len(passages),
                 dim=int(embeddings.shape[1]),
@@ -567,6 +572,7 @@ class KnowledgeBase:
                     "faiss_version": faiss.__version__,
                     **(build_info or {}),
                 },
+                passages_digest=digest,
             )
             atomic_write_json(tmp / MANIFEST, manifest.to_dict())
         logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, len(passages))

@@ -97,6 +97,21 @@ def is_checkpoint_dir(path: Path) -> bool:
     return (Path(path) / CHECKPOINT_CONFIG).is_file()
 
 
+def check_knowledge_base_version(root: Path, kb, kb_ref: dict) -> None:
+    """Warn when `kb` is not the knowledge base the model at `root` was saved with. A rebuild of the same passages with
+    the same encoder and index spec (its embeddings, hence its version, differ by float rounding: another machine,
+    thread count or torch) holds the same knowledge: that is logged at INFO, not warned about."""
+    if not kb_ref.get("version") or kb.version == kb_ref["version"]:
+        return
+    same = (kb_ref.get("passages_digest") is not None and kb_ref.get("passages_digest") == kb.manifest.passages_digest
+            and (kb_ref.get("encoder") or {}).get("fingerprint") == kb.encoder.get("fingerprint"))
+    if same:
+        logger.info("%s: knowledge base %s (%s) is a rebuild of the one the model was saved with (%s): same passages and "
+                    "encoder", root, kb.path, kb.version, kb_ref["version"])
+    else:
+        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
+
+
 def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: bool = False, *,
                    reference_query_encoder: bool = False) -> None:
     """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
@@ -116,6 +131,7 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
         kb_ref = {
             **knowledge_base_reference(Path(kb.path), path),
             "version": kb.version,
+            "passages_digest": kb.manifest.passages_digest,
             "dim": kb.dim,
             "encoder": kb.encoder,
             "space": getattr(model.retriever, "space", kb.encoder.get("fingerprint")),
@@ -293,8 +309,7 @@ def load_rag_model(
 
     kb_ref = _entry(meta, "knowledge_base", cfg_file) or {}
     kb = open_knowledge_base(knowledge_base if knowledge_base is not None else referenced_knowledge_base(root, kb_ref))
-    if kb_ref.get("version") and kb.version != kb_ref["version"]:
-        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
+    check_knowledge_base_version(root, kb, kb_ref)
 
     with readable_weights(cfg_file):
         qenc = _load_query_encoder(root, qenc_meta or {}, verify, qenc_dir)

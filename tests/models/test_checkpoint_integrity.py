@@ -157,3 +157,39 @@ def test_bundled_demo_checkpoint_references_no_machine_path():
 
     ref = json.loads((demo_checkpoint_dir() / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
     assert ref["name"] == "demo" and ref["path"] is None
+
+
+def test_a_rebuild_of_the_same_passages_is_not_warned_about_another_knowledge_base_is(
+        saved, kb_dir, tmp_path, demo_passages, caplog):
+    """Embeddings (so versions) differ by float rounding between machines; the passages and the encoder decide."""
+    import logging
+
+    import numpy as np
+
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    kb = KnowledgeBase.open(kb_dir)
+    emb = np.load(kb_dir / "embeddings.npy")
+    rebuilt = KnowledgeBase.from_embeddings(demo_passages[:12], emb * (1 + 1e-6), kb.encoder, tmp_path / "rebuilt",
+                                            index="flat", show_progress=False)
+    other = KnowledgeBase.from_embeddings(demo_passages[1:13], emb, kb.encoder, tmp_path / "other", index="flat",
+                                          show_progress=False)
+    assert rebuilt.version != kb.version and rebuilt.manifest.passages_digest == kb.manifest.passages_digest
+    with caplog.at_level(logging.INFO, logger="rag.models.checkpoint"):
+        RagModel.from_pretrained(saved, knowledge_base=rebuilt.path)
+    assert "a rebuild of the one the model was saved with" in caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="rag.models.checkpoint"):
+        RagModel.from_pretrained(saved, knowledge_base=other.path)
+    assert [r for r in caplog.records if r.levelno == logging.WARNING and "the model was saved with" in r.message]
+
+
+def test_the_bundled_demo_checkpoint_knows_the_demo_passages():
+    """`rag demo` rebuilds the demo knowledge base on the user's machine: its passages must match the recorded digest."""
+    from rag.demo import load_demo_corpus
+    from rag.demo.model import demo_checkpoint_dir
+    from rag.knowledge.knowledge_base import _passages_digest
+
+    ref = json.loads((demo_checkpoint_dir() / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
+    assert ref["passages_digest"] == _passages_digest(load_demo_corpus())
