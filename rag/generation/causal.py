@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from rag.errors import RagError
+from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 
 __all__ = ["CausalLMDecoder", "causal_generate", "continuation_logprobs", "prompt_positions"]
@@ -71,9 +72,9 @@ class CausalLMDecoder:
             if self.mask is not None:
                 self.mask = torch.cat([self.mask, self.mask.new_ones(self.mask.shape[0], 1)], dim=1)
             out = self.model(input_ids=tokens[:, None], attention_mask=self.mask, position_ids=self.next_position,
-                             past_key_values=self.cache, use_cache=True, return_dict=True)
+                             **cache_kwarg(self.model, self.cache), use_cache=True, return_dict=True)
             self.next_position = self.next_position + 1
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         return out.logits[:, -1, :].float()
 
     def reorder(self, rows: Tensor) -> None:

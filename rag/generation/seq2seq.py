@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rag.errors import ConfigError, RagError
 from rag.generation.bart import BartStepDecoder, is_bart, rescore_packed
+from rag.generation.kv_cache import cache_kwarg, output_cache
 
 __all__ = [
     "EncodedContexts",
@@ -103,7 +104,7 @@ def _context_step(generator, contexts: EncodedContexts, token: int) -> tuple[Ten
     tokens = torch.full((n, 1), int(token), dtype=torch.long, device=contexts.last_hidden_state.device)
     out = generator(encoder_outputs=BaseModelOutput(last_hidden_state=contexts.last_hidden_state),
                     attention_mask=contexts.attention_mask, decoder_input_ids=tokens, use_cache=True, return_dict=True)
-    return out.logits[:, -1, :].float(), out.past_key_values
+    return out.logits[:, -1, :].float(), output_cache(out)
 
 
 def _dynamic_cache(kv: list[tuple[Tensor, Tensor]]):
@@ -175,9 +176,9 @@ class Seq2SeqStepDecoder:
                 return gather_rows(logits, self.context_of_row)
         extra = {"copy_history": self.history} if self.track_history else {}
         out = self.generator(encoder_outputs=self.encoder_outputs, attention_mask=self.mask,
-                             decoder_input_ids=tokens[:, None], past_key_values=self.cache, use_cache=True,
+                             decoder_input_ids=tokens[:, None], **cache_kwarg(self.generator, self.cache), use_cache=True,
                              return_dict=True, **extra)
-        self.cache = out.past_key_values
+        self.cache = output_cache(out)
         return out.logits[:, -1, :].float()
 
     def reorder(self, rows: Tensor) -> None:
@@ -280,7 +281,7 @@ def teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, cont
         past = None if cross_kv is None else _gathered_cache(None, cross_kv, ctx)
         logits = generator(encoder_outputs=BaseModelOutput(last_hidden_state=gather_rows(contexts.last_hidden_state, ctx)),
                            attention_mask=gather_rows(contexts.attention_mask, ctx), decoder_input_ids=sequences[cand, :n],
-                           past_key_values=past, use_cache=past is not None, return_dict=True).logits
+                           **cache_kwarg(generator, past), use_cache=past is not None, return_dict=True).logits
         del past
         lp = torch.log_softmax(logits.float(), -1).gather(-1, sequences[cand, 1:n + 1, None]).squeeze(-1)
         if eos is not None:

@@ -157,6 +157,8 @@ def pointer_model_class() -> type:
     from transformers import EncoderDecoderModel
     from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
+    from rag.generation.kv_cache import cache_field, cache_kwarg, output_cache
+
     class PointerEncoderDecoderModel(EncoderDecoderModel):
         """``EncoderDecoderModel`` + copy head. Its encoder must be a :func:`pointer_encoder_class` one;
         ``logits`` are the mixture's log-probabilities (:func:`copy_log_probs`)."""
@@ -226,7 +228,10 @@ def pointer_model_class() -> type:
 
                 kwargs["decoder_input_ids"] = shift_tokens_right(labels, cfg.pad_token_id, cfg.decoder_start_token_id)
             kwargs["decoder_output_hidden_states"] = True
-            past = kwargs.get("past_key_values", kwargs.get("cache"))
+            past = kwargs.pop("cache", None)
+            past = kwargs.pop("past_key_values", None) if past is None else past
+            if past is not None:
+                kwargs.update(cache_kwarg(EncoderDecoderModel, past))
             cached = past.get_seq_length() if hasattr(past, "get_seq_length") else 0  # before the forward extends it
             out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
             h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
@@ -247,7 +252,7 @@ def pointer_model_class() -> type:
             loss = None
             if labels is not None:
                 loss = nn.functional.nll_loss(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
-            return Seq2SeqLMOutput(loss=loss, logits=logits, past_key_values=out.past_key_values,
+            return Seq2SeqLMOutput(loss=loss, logits=logits, **{cache_field(): output_cache(out)},
                                    encoder_last_hidden_state=memory)
 
         @staticmethod

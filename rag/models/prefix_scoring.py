@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from rag.errors import RagError
+from rag.generation.kv_cache import cache_kwarg, output_cache
 
 __all__ = ["score_after_documents"]
 
@@ -52,7 +53,7 @@ def score_after_documents(scorer, docs: Sequence[Sequence[int]], windows: Sequen
         ids = torch.full((len(block), width), pad, dtype=torch.long)
         for r, d in enumerate(block):
             ids[r, :len(docs[d])] = torch.as_tensor(docs[d], dtype=torch.long)
-        cache = body(input_ids=ids.to(dev), use_cache=True, return_dict=True).past_key_values
+        cache = output_cache(body(input_ids=ids.to(dev), use_cache=True, return_dict=True))
         if not hasattr(cache, "reorder_cache"):  # a model without a transformers Cache: whole windows
             idx = [i for d in block for i in by_doc[d]]
             lps = scorer.score_positions([list(docs[windows[i][0]]) + list(windows[i][1]) for i in idx],
@@ -83,7 +84,7 @@ def score_after_documents(scorer, docs: Sequence[Sequence[int]], windows: Sequen
             rows_cache = copy.deepcopy(cache)
             rows_cache.reorder_cache(torch.as_tensor([row_of[windows[i][0]] for i in idx], dtype=torch.long, device=dev))
             res = body(input_ids=inp.to(dev), attention_mask=mask.to(dev), position_ids=position_ids.to(dev),
-                       past_key_values=rows_cache, use_cache=True, return_dict=True)
+                       **cache_kwarg(body, rows_cache), use_cache=True, return_dict=True)
             r_t = torch.as_tensor(rows, dtype=torch.long, device=dev)
             c_t = torch.as_tensor(cols, dtype=torch.long, device=dev)
             tgt = torch.as_tensor(targets, dtype=torch.long, device=dev)
