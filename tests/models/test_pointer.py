@@ -167,12 +167,12 @@ def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_b
     assert not torch.allclose(off[:, 1:], full[:, 1:], atol=1e-3)
 
 
-def test_bigram_bias_continues_the_copied_span_not_another_occurrence_of_its_last_token(tiny_bert_dir):
-    """A copy-only head that attends uniformly: after "w1 w2" in a passage holding w2 twice (w0 w2 w4 ... w1 w2 w3), the
-    unigram bias alone splits between the tokens after both w2s; with the bigram bias it continues with w3."""
+def _copy_only_generator(tiny_bert_dir, continuation):
+    """A warm-start generator whose head only copies, attending uniformly, with a unigram continuation bias of 10; and
+    five distinct single-token words of its vocabulary."""
     from rag.models.warm_start import build_warm_start_generator
 
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="bigram", seed=0)
+    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=continuation, seed=0)
     gen.eval()
     with torch.no_grad():
         for layer in (gen.copy_query, gen.copy_gate):
@@ -180,8 +180,15 @@ def test_bigram_bias_continues_the_copied_span_not_another_occurrence_of_its_las
             layer.bias.zero_()
         gen.copy_gate.bias.fill_(-50.0)  # copy only
         gen.copy_continue.bias.fill_(10.0)
+    return gen, tok, sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)[:5]
+
+
+def test_bigram_bias_continues_the_copied_span_not_another_occurrence_of_its_last_token(tiny_bert_dir):
+    """A copy-only head that attends uniformly: after "w1 w2" in a passage holding w2 twice (w0 w2 w4 ... w1 w2 w3), the
+    unigram bias alone splits between the tokens after both w2s; with the bigram bias it continues with w3."""
+    gen, tok, w = _copy_only_generator(tiny_bert_dir, "bigram")
+    with torch.no_grad():
         gen.copy_continue_bigram.bias.fill_(5.0)
-    w = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)[:5]  # five distinct single-token words
     enc = tok([f"{w[0]} {w[2]} {w[4]} {w[1]} {w[2]} {w[3]}"], return_tensors="pt")
     ids = {word: tok.convert_tokens_to_ids(word) for word in w}
     target = torch.tensor([[tok.cls_token_id, ids[w[1]], ids[w[2]]]])
@@ -196,17 +203,7 @@ def test_bigram_bias_continues_the_copied_span_not_another_occurrence_of_its_las
 def test_continuation_bias_alone_copies_a_span_in_order(tiny_bert_dir):
     """A copy head that attends uniformly and only copies: the continuation bias alone makes the next context token after
     each previous output token the likeliest output, so the head walks the passage in order."""
-    from rag.models.warm_start import build_warm_start_generator
-
-    gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=True, seed=0)
-    gen.eval()
-    with torch.no_grad():
-        for layer in (gen.copy_query, gen.copy_gate):
-            layer.weight.zero_()
-            layer.bias.zero_()
-        gen.copy_gate.bias.fill_(-50.0)  # copy only
-        gen.copy_continue.bias.fill_(10.0)
-    words = sorted(w for w in tok.get_vocab() if w.isalpha() and len(w) > 3)[:5]  # five distinct single-token words
+    gen, tok, words = _copy_only_generator(tiny_bert_dir, True)
     enc = tok([" ".join(words)], return_tensors="pt")
     source = enc["input_ids"][0].tolist()  # [CLS] w0 w1 w2 w3 w4 [SEP]
     assert len(source) == 7 and len(set(source)) == 7
