@@ -109,7 +109,7 @@ def build_models(d_model=512, layers=6, heads=8, ffn=2048, vocab_size=4000, embe
     from transformers import RagConfig, RagSequenceForGeneration, RagTokenForGeneration
 
     from rag.demo import load_demo_corpus
-    from rag.models.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer
+    from rag.generators.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer
 
     corpus = load_demo_corpus()
     tok = train_bpe_tokenizer([f"{p.title} {p.text}" for p in corpus], vocab_size=vocab_size)
@@ -434,7 +434,7 @@ def main(argv=None) -> int:
         return 0
     from tqdm.auto import tqdm
 
-    from rag.io import atomic_write_json
+    from rag.utils.io import atomic_write_json
 
     configs = [c for c in CONFIGS if not args.configs or c.name in args.configs]
     batch, context_len = BATCH, CONTEXT_LEN

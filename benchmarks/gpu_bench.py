@@ -15,7 +15,7 @@ GPU, and printed with their ratio:
 * **encoding** passages/s of a DPR context encoder the size of DPR's (BERT-base: 12 layers, 768 wide, random weights,
   WordPiece vocabulary trained on the Elements texts) over 100-word passages, through
   :meth:`TextEncoder.encode_passages`: CPU float32 vs GPU float32 vs GPU float16 (autocast).
-* **training**: RAG-Sequence training steps/s of :class:`rag.models.rag_model.RagModel` (question encoder BERT-base,
+* **training**: RAG-Sequence training steps/s of :class:`rag.models.rag.model.RagModel` (question encoder BERT-base,
   BART generator 768 wide with 6 + 6 layers, flat knowledge base of the Elements passages, ``--batch`` questions,
   ``--n-docs`` passages each, AdamW): forward with retrieval, backward and step, on the CPU (float32) vs the GPU
   (float32, and bfloat16 autocast). The same model, data and steps (``train_bench.py``'s builders).
@@ -169,8 +169,8 @@ def _texts(n: int) -> tuple[list, list[str]]:
 
 
 def bench_encode(args, root: Path, gpus_torch: bool) -> dict:
+    from rag.generators.tiny import save, tiny_dpr, train_wordpiece_tokenizer
     from rag.knowledge.encoders import TextEncoder
-    from rag.models.tiny import save, tiny_dpr, train_wordpiece_tokenizer
 
     passages, texts = _texts(args.encode)
     wp = train_wordpiece_tokenizer(texts, vocab_size=8000)
@@ -198,7 +198,7 @@ def bench_encode(args, root: Path, gpus_torch: bool) -> dict:
 def bench_train(args, root: Path, gpus_torch: bool) -> dict:
     from train_bench import build_kb, build_models, make_data
 
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     n_q = args.batch * (args.train_steps + 3)
     passages, qa, all_questions, texts, corpus = make_data("elements", 500, min(n_q, 64))

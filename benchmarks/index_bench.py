@@ -44,7 +44,6 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rag.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 from rag.knowledge.index import (  # noqa: E402
     IndexSpec,
     build_index,
@@ -52,6 +51,7 @@ from rag.knowledge.index import (  # noqa: E402
     faiss_threads,
     search_index,
 )
+from rag.utils.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_SPECS = ["flat", "hnsw", "hnsw_sq8", "ivf_pq"]

@@ -37,7 +37,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rag.io import atomic_write_bytes, atomic_write_json  # noqa: E402
+from rag.utils.io import atomic_write_bytes, atomic_write_json  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 TARGET = 21_015_324  # passages of the DPR Wikipedia split (psgs_w100.tsv)

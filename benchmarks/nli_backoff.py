@@ -5,7 +5,7 @@ Questions: the Elements dev + test splits (202 questions about elements no train
 bases: the demo one (every element's passage: retrieval is relevant) and one without the held-out elements' passages
 (only the training elements': every retrieved passage is irrelevant, the paper's "random retrieval" failure). For each,
 one batched call per batch generates with and without retrieval (``generate_with_and_without_retrieval``) and the NLI
-model picks (``rag.nli_backoff.choose_answers``), so the three EMs come from the same generations.
+model picks (``rag.retrobust.backoff.choose_answers``), so the three EMs come from the same generations.
 
     python benchmarks/nli_backoff.py --nli $RAG_CACHE/nli/minilm-snli [--threshold 0.5] [--out benchmarks/results/nli_backoff.json]
 """
@@ -20,9 +20,9 @@ from pathlib import Path
 import rag
 from rag.demo import load_demo_corpus, load_demo_qa
 from rag.eval.metrics import ExactMatch, exact_match
-from rag.io import atomic_write_json
-from rag.models.nli import NLIScorer, validate_threshold
-from rag.nli_backoff import choose_answers
+from rag.retrobust.backoff import choose_answers
+from rag.retrobust.nli import NLIScorer, validate_threshold
+from rag.utils.io import atomic_write_json
 
 
 def irrelevant_kb(path: Path, held_out: set[str]):

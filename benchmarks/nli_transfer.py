@@ -21,9 +21,9 @@ import time
 import torch
 from torchmetrics.functional.classification import binary_auroc
 
-from rag.io import atomic_write_json
-from rag.models.nli import NLIScorer, validate_threshold
+from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.training.nli_data import ENTAILMENT, NEUTRAL, elements_nli_pairs
+from rag.utils.io import atomic_write_json
 
 
 def score(scorer: NLIScorer, pairs, threshold: float) -> dict:

@@ -6,7 +6,7 @@ from the left ∘ the stride's tokens), so their token log-likelihoods must agre
 
 * reference: the shape of the authors' ``eval_lm.py`` loop — for every stride one retrieval call with one query,
   one tokenization of the retrieved document, one batch-1 forward pass computing logits over the whole window;
-* ours: :class:`rag.models.ralm.InContextRALM` — every query of a text group known up front and retrieved in one
+* ours: :class:`rag.models.ralm.model.InContextRALM` — every query of a text group known up front and retrieved in one
   call, documents tokenized once per group, chunks that read the same document after the same prefix cut scored in one window, windows batched (right-padded), logits only at the scored positions.
 
 Data: the bundled Elements passages (rag/demo/elements.jsonl, 137 short encyclopaedia entries) as both the
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._proc import machine_info, reset_peak_rss, status_kib  # noqa: E402
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig, doc_text, own_document_filter  # noqa: E402
+from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, doc_text, own_document_filter  # noqa: E402
 
 
 @torch.no_grad()
@@ -54,7 +54,7 @@ def reference_loop(model, tok, retriever, text: EvalText, stride: int, query_len
         doc: list[int] = []
         if a > 1:
             query = tok.decode(stream[max(1, a - query_length):a])
-            hits = retriever.retrieve([query], 9)  # top-1 after the leakage guard, as rag.models.ralm.retrieve_excluding
+            hits = retriever.retrieve([query], 9)  # top-1 after the leakage guard, as rag.models.ralm.model.retrieve_excluding
             best = next(p for p in hits.passages[0] if is_own is None or not is_own(p))
             doc = tok(doc_text(best), add_special_tokens=False, truncation=True, max_length=doc_max_length)["input_ids"]
         room = max_length - len(doc) - (b - a)
@@ -65,8 +65,8 @@ def reference_loop(model, tok, retriever, text: EvalText, stride: int, query_len
 
 
 def build_lm(passages, d_model: int, layers: int, max_length: int, out: Path):
-    from rag.models import tiny
-    from rag.models.generator import load_generator
+    from rag.generators import tiny
+    from rag.generators.load import load_generator
 
     tok = tiny.train_bpe_tokenizer([f"{p.title} {p.text}" for p in passages], vocab_size=4000)
     tiny.save(tiny.tiny_gpt2(tok, d_model=d_model, layers=layers, heads=max(1, d_model // 64), max_positions=max_length), tok, out)
@@ -160,7 +160,7 @@ def main(argv=None) -> int:
               f"peak +{row['reference_peak_mib']:.0f} MiB)  ours {row['ours_tokens_per_s']:>8.0f} tok/s ({med['ours']:.2f} s, "
               f"peak +{row['ours_peak_mib']:.0f} MiB)  speedup {row['speedup']:.2f}x  max |Δ log p| {row['max_abs_diff']:.1e}")
     if args.out:
-        from rag.io import atomic_write_json
+        from rag.utils.io import atomic_write_json
 
         atomic_write_json(args.out, {"settings": vars(args), "parameters": n_params, "machine": machine_info(args.threads), "rows": rows})
     return 0

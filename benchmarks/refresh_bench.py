@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 import pytorch_lightning as pl  # noqa: E402
 import torch  # noqa: E402
 
-from rag.io import atomic_write_json  # noqa: E402
 from rag.training.callbacks import IndexRefresh  # noqa: E402
+from rag.utils.io import atomic_write_json  # noqa: E402
 
 
 class StepTimer(pl.Callback):
@@ -83,9 +83,9 @@ def tiny_dpr_knowledge_base(root: Path) -> tuple[str, str]:
     """Random DPR question/context encoders the size of the tiny generator, and the demo corpus encoded
     by the context encoder (built once under `root`)."""
     from rag.demo import load_demo_corpus
+    from rag.generators.tiny import sample_texts, save, tiny_dpr, train_wordpiece_tokenizer
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.tiny import sample_texts, save, tiny_dpr, train_wordpiece_tokenizer
 
     q_dir, c_dir, kb_dir = root / "dpr_q", root / "dpr_c", root / "kb"
     if not (kb_dir / "manifest.json").is_file():

@@ -6,11 +6,11 @@ aborts unless the token log-likelihoods agree, ``allclose`` rtol = atol = 1e-4, 
 
 * reference: the authors' loop shape — per stride one retrieval call, then for each of the k documents one batch-1
   forward pass over ``document ∘ prefix`` with logits over the whole window, then the mixture of the k probabilities;
-* ours: :class:`rag.models.ralm.InContextRALM` with ``RalmConfig(ensemble=k)`` — all queries of a group in one retrieval
+* ours: :class:`rag.models.ralm.model.InContextRALM` with ``RalmConfig(ensemble=k)`` — all queries of a group in one retrieval
   call, every (chunk, document) window of the group batched (chunks sharing a document and prefix cut share a window),
   logits only at scored positions, one batched mixture (:func:`rag.generation.marginalize.token_marginal_target_logprobs`);
   a document retrieved for several texts (or prefix cuts) runs through the LM once per block, its KV cache shared by its
-  windows (:func:`rag.models.prefix_scoring.score_after_documents`).
+  windows (:func:`rag.models.ralm.prefix_scoring.score_after_documents`).
 
 LSR: :class:`rag.training.replug_lsr.ReplugLSRModule` steps (MiniLM query encoder over the Elements passages, a random
 GPT-2 as the frozen LM, k documents per question) over a few epochs of the same questions: with the score cache the LM
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._proc import machine_info  # noqa: E402
 from benchmarks.ralm_bench import build_lm, measure  # noqa: E402
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig, doc_text, own_document_filter, retrieve_excluding  # noqa: E402
+from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, doc_text, own_document_filter, retrieve_excluding  # noqa: E402
 
 
 @torch.no_grad()
@@ -119,7 +119,7 @@ def main(argv=None) -> int:
     retriever = BM25Retriever.from_passages(passages, show_progress=False)
     tmp = tempfile.TemporaryDirectory()
     if args.model:
-        from rag.models.generator import load_generator
+        from rag.generators.load import load_generator
 
         model, tok, _ = load_generator(args.model, kind="causal")
         lm_dir, lm_name = args.model, args.model
@@ -171,7 +171,7 @@ def main(argv=None) -> int:
     print(f"LSR k={args.k}, batch 8, {args.lsr_epochs} epochs of {len(qs)} questions: uncached {lsr[False]:.2f} steps/s, "
           f"cached {lsr[True]:.2f} steps/s ({lsr[True] / lsr[False]:.2f}x)")
     if args.out:
-        from rag.io import atomic_write_json
+        from rag.utils.io import atomic_write_json
 
         atomic_write_json(args.out, {"settings": vars(args), "machine": machine_info(args.threads), "rows": [row]})
     tmp.cleanup()

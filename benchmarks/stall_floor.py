@@ -58,10 +58,10 @@ sys.path.insert(0, str(HERE))
 from index_bench import clustered_embeddings  # noqa: E402
 from swap_bench import build, pct, start_probe, stop_probe  # noqa: E402
 
-from rag.checksums import check_niceness, sha256_files  # noqa: E402
-from rag.io import atomic_write_json  # noqa: E402
 from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
 from rag.knowledge.retriever import DenseRetriever  # noqa: E402
+from rag.utils.checksums import check_niceness, sha256_files  # noqa: E402
+from rag.utils.io import atomic_write_json  # noqa: E402
 
 KINDS = ("hash", "spin", "memcopy")
 # argv: niceness, seconds

@@ -162,11 +162,11 @@ sys.path.insert(0, str(HERE))
 
 from index_bench import clustered_embeddings  # noqa: E402
 
-from rag.io import atomic_write_json  # noqa: E402
 from rag.knowledge.hotswap import KnowledgeBaseSlot  # noqa: E402
 from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
 from rag.knowledge.passages import Passage  # noqa: E402
 from rag.knowledge.retriever import DenseRetriever  # noqa: E402
+from rag.utils.io import atomic_write_json  # noqa: E402
 
 ENCODER = "synthetic-clustered"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar papa quebec "
@@ -289,7 +289,7 @@ def _instrument() -> list[tuple[str, float, float]]:
     """Record when the swap path checksums files ("hash", inside a swap call), pre-warms the new version
     ("prewarm", inside a swap call, after verification) and when the slot closes a swapped-out knowledge
     base ("release", on its background thread after a swap): (phase, start, end)."""
-    import rag.checksums as kbmod
+    import rag.utils.checksums as kbmod
 
     phases: list[tuple[str, float, float]] = []
 
@@ -363,7 +363,7 @@ def run(args) -> dict:
                 for k, v in memory().items():
                     mem_peak[k] = max(mem_peak[k], v)
 
-    if args.gc_freeze:  # what `rag serve` does before serving (rag.serve.serve)
+    if args.gc_freeze:  # what `rag serve` does before serving (rag.serve.app.serve)
         gc.collect()
         gc.freeze()
     threads = [threading.Thread(target=worker, args=(w,), daemon=True) for w in range(args.workers)]

@@ -2,7 +2,7 @@
 
 What is compared: one full training step — forward *with retrieval* (question tokenization, query
 encoder, index search, context strings + tokenization, generator, RAG loss), backward and AdamW —
-of ``rag.models.rag_model.RagModel`` (RAG-Sequence, Eq. 1, and RAG-Token, Eq. 2) against
+of ``rag.models.rag.model.RagModel`` (RAG-Sequence, Eq. 1, and RAG-Token, Eq. 2) against
 ``transformers``' ``RagSequenceForGeneration`` / ``RagTokenForGeneration`` (``model(input_ids=...,
 labels=...)`` with its own ``RagRetriever``). Both sides start from the same saved DPR question
 encoder and BART generator weights, search the same passages and vectors with an exact
@@ -136,7 +136,7 @@ def make_data(corpus: str, n_passages: int, n_questions: int, seed: int = 0):
 
 def build_models(root: Path, texts, args) -> dict:
     """Tokenizers trained on the corpus `texts` + DPR question/context encoders + BART generator, saved under `root`."""
-    from rag.models.tiny import save, tiny_bart, tiny_dpr, train_bpe_tokenizer, train_wordpiece_tokenizer
+    from rag.generators.tiny import save, tiny_bart, tiny_dpr, train_bpe_tokenizer, train_wordpiece_tokenizer
 
     wp = train_wordpiece_tokenizer(texts, vocab_size=args.vocab)
     bpe = train_bpe_tokenizer(texts, vocab_size=args.vocab)
@@ -181,7 +181,7 @@ def build_kb(root: Path, dirs: dict, passages, questions):
 
 
 def make_ours(dirs: dict, kb_path: str, marginalization: str, n_docs: int):
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     model = RagModel.from_components(dirs["question"], dirs["generator"], kb_path, n_docs=n_docs,
                                      marginalization=marginalization, max_context_length=MAX_CONTEXT).train()
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
     out_path = args.out or (HERE / ".cache" / "train_bench_quick.json" if args.quick else HERE / "results" / "train_bench.json")
     from tqdm.auto import tqdm
 
-    from rag.io import atomic_write_json
+    from rag.utils.io import atomic_write_json
 
     info = machine_info(args.threads)
     t_start = time.perf_counter()

@@ -4,7 +4,7 @@
 The model is the RAG-Frozen system of ``examples/elements_recipe.py`` (same generator recipe, reading
 practice, optimiser, schedule and CPU budget): a RAG-Sequence model whose query encoder is the bundled
 all-MiniLM-L6-v2, kept frozen so the checkpoint references it by name and weights fingerprint instead of
-carrying its ~90 MB, and whose generator is :mod:`rag.models.warm_start`'s (frozen MiniLM encoder,
+carrying its ~90 MB, and whose generator is :mod:`rag.generators.warm_start`'s (frozen MiniLM encoder,
 referenced the same way, + a trained 2-layer decoder with a copy head: the only weights stored). The knowledge base is
 rebuilt from the bundled corpus on first use.
 
@@ -34,7 +34,7 @@ import elements_recipe as demo  # noqa: E402  (examples/elements_recipe.py: the 
 def evaluate_checkpoint(path: Path, kb_path=None, splits=("dev", "test")) -> dict:
     """Held-out metrics of the checkpoint at `path`, loaded with :func:`rag.load`."""
     from rag.demo.kb import ensure_demo_kb
-    from rag.pipeline import load
+    from rag.pipeline.api import load
     from rag.training.data import read_qa
 
     kb = ensure_demo_kb(kb_path, show_progress=False)
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
     report = {"checkpoint": str(args.out),
               "bytes": sum(f.stat().st_size for f in args.out.rglob("*") if f.is_file()),
               "eval": evaluate_checkpoint(args.out)}
-    from rag.io import atomic_write_json
+    from rag.utils.io import atomic_write_json
 
     atomic_write_json(args.out / "eval.json", report["eval"])  # what tests/test_demo_model.py checks the checkpoint against
     print(json.dumps(report, indent=1))

@@ -15,10 +15,10 @@ the same CPU-time budget (``--minutes``):
 4. **RAG-Frozen**: RAG-Sequence with the query encoder kept fixed (Table 6), to compare its retrieval
    recall@k with the end-to-end-trained encoders'.
 
-Every system shares the generator recipe of :mod:`rag.models.warm_start` (no pretrained BART can be
+Every system shares the generator recipe of :mod:`rag.generators.warm_start` (no pretrained BART can be
 downloaded here, and one trained from scratch only memorises): the bundled all-MiniLM-L6-v2 as a
 frozen encoder, a fresh 2-layer BERT decoder with MiniLM's word embeddings, frozen and tied to its
-output layer, and a copy head (:mod:`rag.models.pointer`). All systems start from one such generator
+output layer, and a copy head (:mod:`rag.generators.pointer`). All systems start from one such generator
 pre-trained for ``--pretrain-minutes`` (5) CPU-minutes on reading practice alone (cached; this demo's
 stand-in for BART's pre-training), so each system trains 5 + ``--minutes`` (10) CPU-minutes in all.
 Every system also gets the same auxiliary loss during fine-tuning, *reading practice*
@@ -28,7 +28,7 @@ it cannot teach it the held-out facts, which only retrieval can supply. Each ste
 pairs + ``--practice`` practice examples. RAG systems use the bundled MiniLM as query encoder over
 the demo knowledge base (document encoder and index frozen, §2.4).
 
-Model, loss, decoding and metrics are the package's (:class:`~rag.models.rag_model.RagModel`,
+Model, loss, decoding and metrics are the package's (:class:`~rag.models.rag.model.RagModel`,
 :mod:`rag.generation.decoding`, :mod:`rag.eval.metrics`: EM/F1 with SQuAD normalisation, recall@k = an
 answer string occurs in one of the top-k passages). Budgets are process CPU time (1 torch thread);
 evaluation is outside the budget.
@@ -70,15 +70,15 @@ from rag.demo import load_demo_corpus, load_demo_qa  # noqa: E402
 from rag.demo.kb import ensure_demo_kb  # noqa: E402
 from rag.demo.reading_practice import ReadingPractice  # noqa: E402
 from rag.eval.metrics import ExactMatch, RetrievalRecall, TokenF1  # noqa: E402
+from rag.eval.qa_data import expand_answers, read_qa  # noqa: E402
 from rag.generation.decoding import GenerationConfig, encode_contexts, rag_token_generate  # noqa: E402
 from rag.generation.detokenize import decode_answer  # noqa: E402
-from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
+from rag.generators.warm_start import build_warm_start_generator, cache_encoder_outputs, load_warm_start  # noqa: E402
 from rag.knowledge.encoders import TextEncoder  # noqa: E402
-from rag.models.rag_model import RagModel, RagModelConfig  # noqa: E402
-from rag.models.warm_start import build_warm_start_generator, cache_encoder_outputs, load_warm_start  # noqa: E402
-from rag.training.data import expand_answers, read_qa  # noqa: E402
+from rag.models.rag.model import RagModel, RagModelConfig  # noqa: E402
 from rag.training.modules import generate_answers  # noqa: E402
 from rag.training.schedules import warmup_linear_decay  # noqa: E402
+from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 logger = logging.getLogger("elements_recipe")
 
@@ -109,7 +109,7 @@ class DemoConfig:
     max_context_length: int = 160
     decoder_layers: int = 2
     pointer: bool = True
-    """Give the generator a copy head (:mod:`rag.models.pointer`). Without it the reader needs ~6x the
+    """Give the generator a copy head (:mod:`rag.generators.pointer`). Without it the reader needs ~6x the
     pre-training to read half as well (measured: oracle dev EM 0.049 vs 0.657 after 8 CPU-min)."""
     generator_lr: float = 2e-4
     """Peak generator learning rate while fine-tuning on real QA (1e-3 makes it memorise the training
@@ -209,8 +209,8 @@ def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None, eval_limit: 
     (randomised facts in training passages, each with its passage) for ``pretrain_minutes`` CPU minutes.
     It is this demo's stand-in for BART's pre-training: it learns to read, and it knows no held-out fact.
     Cached at `path` (default :func:`reader_dir`); returns the directory and its training record."""
-    from rag.io import atomic_directory
-    from rag.models.warm_start import save_generator
+    from rag.generators.warm_start import save_generator
+    from rag.utils.io import atomic_directory
 
     path = reader_dir(cfg) if path is None else Path(path)
     record_file = path / "pretraining.json"

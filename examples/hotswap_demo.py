@@ -59,9 +59,9 @@ if str(REPO) not in sys.path:  # run from a clone without `pip install -e .`
 
 from rag.demo import SPLITS, load_demo_qa  # noqa: E402
 from rag.demo.build_elements import YEAR_PATTERN  # noqa: E402  (the pattern the year questions were generated with)
-from rag.errors import ConfigError, RagError  # noqa: E402
-from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
 from rag.knowledge.passages import Passage  # noqa: E402
+from rag.utils.errors import ConfigError, RagError  # noqa: E402
+from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 logger = logging.getLogger("hotswap_demo")
 
@@ -443,7 +443,7 @@ def run(args: argparse.Namespace, *, encoder=None) -> dict:
 
     from rag.eval.hotswap_eval import evaluate_hotswap
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.pipeline import load
+    from rag.pipeline.api import load
 
     torch.set_num_threads(args.threads)
     if args.quiet:

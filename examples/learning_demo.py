@@ -154,7 +154,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                    "--out", str(args.kb), "--quiet"), check=True)
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
         results = list(pool.map(lambda s: run_system(s, args), systems))
-    from rag.io import atomic_write_json, atomic_write_text
+    from rag.utils.io import atomic_write_json, atomic_write_text
 
     atomic_write_json(args.out / "results.json", {"command": " ".join(["python", "examples/learning_demo.py", *(sys.argv[1:] if argv is None else argv)]),
                                                   "results": results})

@@ -12,7 +12,7 @@ the knowledge base (100-word passages, MiniLM dense index + BM25) holds every *o
 The predictive reranker is trained on ``--n-train`` knowledge-base documents (never on held-out ones) with
 ``rag fit --config lightning_configs/ralm_reranker_smollm2.yaml``.
 
-Measurements (Table 1, Figs. 5–6, §6 of the paper), every one through :class:`rag.models.ralm.InContextRALM`:
+Measurements (Table 1, Figs. 5–6, §6 of the paper), every one through :class:`rag.models.ralm.model.InContextRALM`:
 (a) no retrieval vs BM25 vs dense at ``--table-stride``; (b) the stride curve ``--strides`` at ``ℓ`` = 32 (BM25, Fig. 5);
 (c) the query-length curve ``--query-lengths`` at ``--qlen-stride`` (BM25, Fig. 6); (d) reranking among BM25's top
 ``--rerank-k`` at ``--rerank-stride``: zero-shot with the same LM (and ``--small-lm`` if given) and the trained
@@ -44,10 +44,11 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from rag.errors import ConfigError, CorpusError  # noqa: E402
-from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
-from rag.knowledge.passages import Document, Passage, split_passages  # noqa: E402
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig, TextScore  # noqa: E402
+from rag.knowledge.documents import Document  # noqa: E402
+from rag.knowledge.passages import Passage, split_passages  # noqa: E402
+from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, TextScore  # noqa: E402
+from rag.utils.errors import ConfigError, CorpusError  # noqa: E402
+from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 DEFAULT_CORPUS_GLOB = "/usr/share/doc/python3*/html/_sources/library"
 APT_PACKAGES = ("python3-doc",)
@@ -419,9 +420,9 @@ def report(results: dict, results_path: Path, plot_path: Optional[str]) -> None:
 def main(argv=None) -> dict:
     import torch
 
-    from rag.models.generator import load_generator
-    from rag.models.ralm import CausalScorer, open_retriever
-    from rag.models.rerank import LMReranker, PredictiveReranker
+    from rag.generators.load import load_generator
+    from rag.models.ralm.model import CausalScorer, open_retriever
+    from rag.models.ralm.rerank import LMReranker, PredictiveReranker
 
     args = parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}

@@ -7,7 +7,7 @@ passages, MiniLM dense index + BM25. ``--n-eval`` documents are held out entirel
 (x = ``--lsr-query-tokens`` tokens, y = the next ``--lsr-target-tokens``); the knowledge base holds every other document,
 and the leakage guard (``exclude_own``) stays on.
 
-Measurements, bits per byte and perplexity through :class:`rag.models.ralm.InContextRALM` (REPLUG: ``RalmConfig(ensemble=K)``,
+Measurements, bits per byte and perplexity through :class:`rag.models.ralm.model.InContextRALM` (REPLUG: ``RalmConfig(ensemble=K)``,
 every ``--stride`` tokens the last 32 tokens query the retriever, the K documents are read separately and the K
 next-token distributions mixed with λ = softmax(score / temperature)):
 (a) no retrieval; REPLUG with dense (MiniLM) and BM25 retrieval for K in ``--ks`` (Table 1, Fig. 4);
@@ -16,7 +16,7 @@ next-token distributions mixed with λ = softmax(score / temperature)):
 (c) the control: K random passages with the same weighting (Fig. 4);
 (d) the bundled Elements QA test questions (``rag.demo``): the same frozen LM as a causal reader prompted with
     ``Question: ...\\nAnswer:`` after each retrieved passage (dense top-K of the Elements knowledge base), greedy
-    REPLUG generation (:func:`rag.models.replug.replug_generate`) with K = 1 (top-1 only) vs ``--qa-k``: EM and F1.
+    REPLUG generation (:func:`rag.models.replug.ensemble.replug_generate`) with K = 1 (top-1 only) vs ``--qa-k``: EM and F1.
 
     apt-get install python3-doc && python -m rag lm prepare
     OMP_NUM_THREADS=1 python examples/replug_demo.py          # see examples/README.md for the CPU time
@@ -41,9 +41,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
-from rag.errors import ConfigError, CorpusError  # noqa: E402
-from rag.io import atomic_write_json, atomic_write_text  # noqa: E402
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig  # noqa: E402
+from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig  # noqa: E402
+from rag.utils.errors import ConfigError, CorpusError  # noqa: E402
+from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
 
 CONFIG = REPO / "lightning_configs" / "replug_lsr_smollm2.yaml"
 
@@ -187,8 +187,8 @@ def elements_qa(model, tokenizer, args, out: Path) -> dict:
     from rag.eval.metrics import exact_match, token_f1
     from rag.generation.search import GenerationConfig
     from rag.knowledge.retriever_kinds import retriever_for_kind
-    from rag.models.ralm import doc_text
-    from rag.models.replug import replug_generate
+    from rag.models.ralm.model import doc_text
+    from rag.models.replug.ensemble import replug_generate
 
     kb = ensure_demo_kb(out / "elements_kb", encoder=args.encoder, index="flat", bm25=False, show_progress=False)
     dense = retriever_for_kind("dense", kb)
@@ -334,10 +334,10 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     import torch
 
+    from rag.generators.load import load_generator
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.knowledge.retriever import DenseRetriever, default_query_encoder
-    from rag.models.generator import load_generator
-    from rag.models.ralm import open_retriever
+    from rag.models.ralm.model import open_retriever
 
     args = parse_args(argv)
     rd = _ralm_demo()

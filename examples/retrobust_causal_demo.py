@@ -39,10 +39,10 @@ for p in (REPO, REPO / "examples"):
 from retrobust_demo import CONDITIONS, MIXES, READERS, TOP_K, evaluate_and_write  # noqa: E402
 
 from rag.demo.kb import ensure_demo_kb  # noqa: E402
-from rag.io import atomic_write_json  # noqa: E402
 from rag.training.causal_reader import CausalReaderModule  # noqa: E402
 from rag.training.context_mixing import ContextMixing  # noqa: E402
 from rag.training.data import QADataModule  # noqa: E402
+from rag.utils.io import atomic_write_json  # noqa: E402
 
 logger = logging.getLogger("retrobust_causal_demo")
 if set(CONDITIONS) != {"top-1", "low-ranked", "random"}:  # the readers below are trained for these three mixes

@@ -23,7 +23,7 @@ the RetRobust reader. Then Self-Ask on the two-hop test questions (``--n-multiho
 retrieval (top-1 passage, RetRobust reader) or without (closed-book reader), and with the NLI filter over every step.
 
 NLI model: the MiniLM SNLI cross-encoder ``rag nli prepare`` builds (``$RAG_CACHE/nli/minilm-snli``), called directly
-through :class:`~rag.models.nli.NLIScorer` in :func:`nli_backoff`.
+through :class:`~rag.retrobust.nli.NLIScorer` in :func:`nli_backoff`.
 
     OMP_NUM_THREADS=1 python examples/retrobust_demo.py --minutes 4     # ~15 CPU-minutes on 1 thread
 
@@ -54,14 +54,15 @@ from elements_recipe import DemoConfig, _generate_alone, build_model  # noqa: E4
 from rag.demo.kb import ensure_demo_kb  # noqa: E402
 from rag.demo.multihop import load_multihop  # noqa: E402
 from rag.eval.metrics import ExactMatch  # noqa: E402
+from rag.eval.qa_data import read_qa  # noqa: E402
 from rag.generation.decoding import GenerationConfig  # noqa: E402
-from rag.io import atomic_directory, atomic_write_json  # noqa: E402
-from rag.models.nli import NLIScorer, nli_premise  # noqa: E402
-from rag.models.warm_start import cache_encoder_outputs, save_generator  # noqa: E402
-from rag.selfask import chain_training_examples, self_ask, step_hypotheses  # noqa: E402
+from rag.generators.warm_start import cache_encoder_outputs, save_generator  # noqa: E402
+from rag.retrobust.nli import NLIScorer, nli_premise  # noqa: E402
+from rag.retrobust.selfask import chain_training_examples, self_ask, step_hypotheses  # noqa: E402
 from rag.training.context_mixing import ContextMixing, retrieve_rows, sample_context_choices  # noqa: E402
-from rag.training.data import QADataModule, read_qa  # noqa: E402
+from rag.training.data import QADataModule  # noqa: E402
 from rag.training.schedules import warmup_linear_decay  # noqa: E402
+from rag.utils.io import atomic_directory, atomic_write_json  # noqa: E402
 
 logger = logging.getLogger("retrobust_demo")
 READERS = ("closed-book", "top-1", "retrobust")

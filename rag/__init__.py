@@ -9,8 +9,8 @@ Public API (everything else is internal and may change):
 - :class:`~rag.knowledge.retriever.DenseRetriever`, :class:`~rag.knowledge.bm25.BM25Retriever`,
   :class:`~rag.knowledge.types.Retrieved`, the :class:`~rag.knowledge.types.Retriever` and
   :class:`~rag.knowledge.types.Reranker` protocols
-- :class:`~rag.models.rag_model.RagModel`, :class:`~rag.models.rag_model.RagModelConfig`
-- :func:`~rag.pipeline.load`, :class:`~rag.pipeline.RagPipeline`, :class:`~rag.pipeline.Answer`
+- :class:`~rag.models.rag.model.RagModel`, :class:`~rag.models.rag.model.RagModelConfig`
+- :func:`~rag.pipeline.api.load`, :class:`~rag.pipeline.api.RagPipeline`, :class:`~rag.pipeline.api.Answer`
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ _LAZY = {
     "Retriever": "rag.knowledge.types",
     "Reranker": "rag.knowledge.types",
     "BM25Retriever": "rag.knowledge.bm25",
-    "RagError": "rag.errors",
-    "RagModel": "rag.models.rag_model",
-    "RagModelConfig": "rag.models.rag_model",
-    "RagPipeline": "rag.pipeline",
-    "Answer": "rag.pipeline",
-    "load": "rag.pipeline",
+    "RagError": "rag.utils.errors",
+    "RagModel": "rag.models.rag.model",
+    "RagModelConfig": "rag.models.rag.model",
+    "RagPipeline": "rag.pipeline.api",
+    "Answer": "rag.pipeline.api",
+    "load": "rag.pipeline.api",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

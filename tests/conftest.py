@@ -29,49 +29,49 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def demo_texts() -> list[str]:
-    from rag.models.tiny import sample_texts
+    from rag.generators.tiny import sample_texts
 
     return list(sample_texts())
 
 
 @pytest.fixture(scope="session")
 def wordpiece_tokenizer(demo_texts):
-    from rag.models.tiny import train_wordpiece_tokenizer
+    from rag.generators.tiny import train_wordpiece_tokenizer
 
     return train_wordpiece_tokenizer(demo_texts, vocab_size=600)
 
 
 @pytest.fixture(scope="session")
 def bpe_tokenizer(demo_texts):
-    from rag.models.tiny import train_bpe_tokenizer
+    from rag.generators.tiny import train_bpe_tokenizer
 
     return train_bpe_tokenizer(demo_texts, vocab_size=600)
 
 
 @pytest.fixture(scope="session")
 def tiny_bert_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_bert
+    from rag.generators.tiny import save, tiny_bert
 
     return save(tiny_bert(wordpiece_tokenizer), wordpiece_tokenizer, tmp_path_factory.mktemp("tiny_bert"))
 
 
 @pytest.fixture(scope="session")
 def tiny_dpr_question_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_dpr
+    from rag.generators.tiny import save, tiny_dpr
 
     return save(tiny_dpr(wordpiece_tokenizer, "question", seed=1), wordpiece_tokenizer, tmp_path_factory.mktemp("dpr_q"))
 
 
 @pytest.fixture(scope="session")
 def tiny_dpr_context_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_dpr
+    from rag.generators.tiny import save, tiny_dpr
 
     return save(tiny_dpr(wordpiece_tokenizer, "context", seed=2), wordpiece_tokenizer, tmp_path_factory.mktemp("dpr_c"))
 
 
 @pytest.fixture(scope="session")
 def tiny_bart_dir(tmp_path_factory, bpe_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_bart
+    from rag.generators.tiny import save, tiny_bart
 
     return save(tiny_bart(bpe_tokenizer), bpe_tokenizer, tmp_path_factory.mktemp("tiny_bart"))
 

@@ -142,7 +142,7 @@ def test_binary_stdin_is_refused_with_a_message(capsys, kb, monkeypatch):
 
 
 def test_query_encoder_of_another_identity_is_refused_unless_allowed(tmp_path, capsys, kb, tiny_bert_dir, wordpiece_tokenizer):
-    from rag.models.tiny import save, tiny_bert
+    from rag.generators.tiny import save, tiny_bert
 
     other = save(tiny_bert(wordpiece_tokenizer, seed=7), wordpiece_tokenizer, tmp_path / "other")  # same dimension, other weights
     code, _, err = run(capsys, "index", "search", str(kb), "element", "-k", "1", "--query-encoder", str(other))
@@ -228,6 +228,7 @@ def _env() -> dict:
     return {**os.environ, "PYTHONPATH": str(REPO)}
 
 
+@pytest.mark.slow
 def test_process_output_is_one_line_and_quiet_is_quiet(tmp_path, corpus, tiny_bert_dir):
     """As a process: --quiet prints no progress bar and no DEBUG line (bm25s sets its own logger to DEBUG on import)."""
     out = tmp_path / "kb"
@@ -255,7 +256,7 @@ def test_a_file_given_as_a_knowledge_base(tmp_path, capsys, corpus):
 
 
 def test_build_refuses_a_query_encoder_of_another_dimension_before_reading_the_corpus(tmp_path, capsys, tiny_bert_dir, wordpiece_tokenizer):
-    from rag.models.tiny import save, tiny_bert
+    from rag.generators.tiny import save, tiny_bert
 
     wide = save(tiny_bert(wordpiece_tokenizer, d_model=48), wordpiece_tokenizer, tmp_path / "wide")
     code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", tiny_bert_dir,

@@ -26,7 +26,7 @@ def demo_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def demo_pipe(demo_cache):
-    from rag.pipeline import load
+    from rag.pipeline.api import load
 
     return load("demo", knowledge_base=demo_cache / "demo_kb")
 
@@ -44,7 +44,7 @@ def test_checkpoint_is_small_and_references_its_encoders():
 def test_held_out_exact_match_is_what_checkpoints_readme_reports(demo_pipe):
     """Greedy answers to the held-out dev questions reproduce the EM recorded when the checkpoint was made."""
     from rag.eval.metrics import ExactMatch
-    from rag.training.data import read_qa
+    from rag.eval.qa_data import read_qa
 
     dev = read_qa("demo:dev")
     em = ExactMatch()

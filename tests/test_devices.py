@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from rag.cli import main
-from rag.devices import check_device, check_trainer_devices
-from rag.errors import ConfigError
+from rag.utils.devices import check_device, check_trainer_devices
+from rag.utils.errors import ConfigError
 
 REPO_CONFIG = "lightning_configs/tiny_cpu.yaml"
 
@@ -63,7 +63,7 @@ def test_trainer_options_lightning_rejects_are_one_line(capsys):
 
 
 def test_without_cudnn_attention_turns_cudnn_attention_off_inside_and_restores_it():
-    from rag.devices import without_cudnn_attention
+    from rag.utils.devices import without_cudnn_attention
 
     seen = []
     f = without_cudnn_attention(lambda x: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or x + 1)
@@ -73,7 +73,7 @@ def test_without_cudnn_attention_turns_cudnn_attention_off_inside_and_restores_i
 
 
 def test_passage_encoding_runs_attention_without_cudnn(monkeypatch, tiny_dpr_context_dir):
-    """The shape-dependent cuDNN attention plans cost 10x on GPUs in half precision (rag.devices.without_cudnn_attention)."""
+    """The shape-dependent cuDNN attention plans cost 10x on GPUs in half precision (rag.utils.devices.without_cudnn_attention)."""
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.passages import Passage
 
@@ -96,7 +96,7 @@ def test_passage_encoding_runs_attention_without_cudnn(monkeypatch, tiny_dpr_con
     ("rag.training.nli:NLIModule", ["training_step", "validation_step", "test_step"]),
     ("rag.training.causal_reader:CausalReaderModule", ["training_step", "validation_step", "test_step"]),
     ("rag.training.replug_lsr:ReplugLSRModule", ["training_step", "validation_step"]),
-    ("rag.pipeline:RagPipeline", ["generate", "retrieve"]),
+    ("rag.pipeline.api:RagPipeline", ["generate", "retrieve"]),
 ])
 def test_every_lightning_step_and_the_pipeline_run_without_cudnn_attention(module, methods):
     import importlib

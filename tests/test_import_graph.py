@@ -103,9 +103,9 @@ def test_graph_sees_the_package():
     graph = import_graph()
     assert "rag.knowledge.types" in graph["rag.knowledge.retriever"]
     assert "rag.knowledge.passages" in graph["rag.knowledge.types"]
-    assert "rag.models.rag_model" not in graph["rag.models.hf_compat"]  # imported inside a function
-    assert "rag.models.rag_model" in import_graph(lazy=True)["rag.models.hf_compat"]
-    assert "rag.models.rag_model" not in import_graph(lazy=True)["rag.models.checkpoint"]  # TYPE_CHECKING only
+    assert "rag.models.rag.model" not in graph["rag.models.rag.hf_compat"]  # imported inside a function
+    assert "rag.models.rag.model" in import_graph(lazy=True)["rag.models.rag.hf_compat"]
+    assert "rag.models.rag.model" not in import_graph(lazy=True)["rag.models.rag.checkpoint"]  # TYPE_CHECKING only
 
 
 def test_module_level_imports_have_no_cycle():
@@ -118,3 +118,34 @@ def test_imports_inside_functions_close_no_cycle_either():
     replaced alone. (The knowledge_base -> bm25 -> retriever and rag_model <-> hf_compat cycles were such.)"""
     cycle = find_cycle(import_graph(lazy=True))
     assert cycle is None, "import cycle (counting imports inside functions): " + " -> ".join(cycle)
+
+
+LAYERS = ("rag.utils", "rag.knowledge", "rag.demo", "rag.generation", "rag.generators", "rag.models", "rag.retrobust",
+          "rag.pipeline", "rag.eval", "rag.training", "rag.serve", "rag.cli")
+"""The package's layers, bottom first (docs/architecture.md): the data flows up this list, and a module imports only
+from its own layer or those below it. `rag` itself and `rag.__main__` stand above all."""
+
+
+def _layer(module: str) -> int:
+    found = [i for i, prefix in enumerate(LAYERS) if module == prefix or module.startswith(prefix + ".")]
+    if not found:
+        raise AssertionError(f"{module} belongs to no layer: add its folder to LAYERS and to docs/architecture.md")
+    return found[-1]
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_downwards():
+    graph = import_graph(lazy=True)
+    upward = [f"{m} -> {d}" for m, deps in sorted(graph.items()) if m not in ("rag", "rag.__main__")
+              for d in sorted(deps) if _layer(d) > _layer(m)]
+    assert not upward, "imports from a lower layer to a higher one:\n" + "\n".join(upward)
+
+
+def test_layer_check_sees_an_upward_import():
+    assert _layer("rag.knowledge.index") < _layer("rag.training.data")
+    assert _layer("rag.models.rag.model") == _layer("rag.models.ralm.model")
+
+
+def test_at_most_one_module_over_600_lines():
+    long = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
+                  if len(p.read_text(encoding="utf-8").splitlines()) > 600)
+    assert len(long) <= 1, f"modules over 600 lines (split them by concern): {long}"

@@ -11,11 +11,11 @@ import math
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
-from rag.models.nli import NLIScorer
-from rag.nli_backoff import check_steps
-from rag.pipeline import RagPipeline, RalmReader
-from rag.readers import DEFAULT_NO_REPEAT_NGRAM
+from rag.pipeline.api import RagPipeline, RalmReader
+from rag.pipeline.readers import DEFAULT_NO_REPEAT_NGRAM
+from rag.retrobust.backoff import check_steps
+from rag.retrobust.nli import NLIScorer
+from rag.utils.errors import ConfigError, RagError
 
 NLI_LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}
 QUESTIONS = ["what is the atomic number of argon?", "which element has the symbol He?"]
@@ -25,7 +25,7 @@ RALM = dict(stride=4, query_length=8, max_length=96, doc_max_length=24)
 
 def _planted(tokenizer, path, winner: int, labels=NLI_LABELS) -> str:
     """A tiny BERT NLI classifier whose bias makes class `winner` ~1 whatever the input."""
-    from rag.models.tiny import save, tiny_bert_classifier
+    from rag.generators.tiny import save, tiny_bert_classifier
 
     model = tiny_bert_classifier(tokenizer, labels, seed=1)
     with torch.no_grad():
@@ -52,7 +52,7 @@ def kb(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, demo_passa
 
 @pytest.fixture(scope="module")
 def rag_pipe(kb, tiny_dpr_question_dir, tiny_bart_dir):
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     torch.manual_seed(0)
     return RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, n_docs=3))
@@ -60,7 +60,7 @@ def rag_pipe(kb, tiny_dpr_question_dir, tiny_bart_dir):
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, bpe_tokenizer):
-    from rag.models.tiny import save, tiny_gpt2
+    from rag.generators.tiny import save, tiny_gpt2
 
     return save(tiny_gpt2(bpe_tokenizer, max_positions=128, seed=3), bpe_tokenizer, tmp_path_factory.mktemp("gpt2"))
 
@@ -147,8 +147,8 @@ def test_generation_without_retrieval_refuses_retrieval_options(rag_pipe, ralm_p
 
 
 def test_both_generations_are_one_batch(rag_pipe, ralm_pipe, nli_dirs, monkeypatch):
-    import rag.generation.answer as answer_mod
-    import rag.models.ralm_generate as ralm_mod
+    import rag.models.rag.generate as answer_mod
+    import rag.models.ralm.generate as ralm_mod
 
     calls = []
     real_encode = answer_mod.encode_contexts
@@ -180,14 +180,14 @@ def test_ralm_backoff(ralm_pipe, nli_dirs):
 
 
 def test_multi_step_needs_every_step_entailed(wordpiece_tokenizer, tmp_path):
-    from rag.models.tiny import save, tiny_bert_classifier
+    from rag.generators.tiny import save, tiny_bert_classifier
 
     scorer = NLIScorer.from_pretrained(save(tiny_bert_classifier(wordpiece_tokenizer, NLI_LABELS, seed=5), wordpiece_tokenizer, tmp_path / "m"))
     steps = [("Argon. Atomic number: 18.", "what is the atomic number of argon?", "18"),
              ("Helium. Symbol: He.", "which element has the symbol He?", "Helium"),
              ("Iron. Symbol: Fe.", "who discovered iron?", "nobody"),
              ("Neon. Atomic number: 10.", "what is the atomic number of neon?", "12")]
-    from rag.models.nli import nli_hypothesis
+    from rag.retrobust.nli import nli_hypothesis
 
     p = scorer.entailment_probs([s[0] for s in steps], [nli_hypothesis(s[1], s[2]) for s in steps]).tolist()
     order = sorted(range(4), key=lambda i: p[i])
@@ -249,7 +249,7 @@ def test_cli_generate_no_retrieval(capsys, gpt2_dir, kb):
 def test_serve_returns_the_fields(rag_pipe, nli_dirs):
     from fastapi.testclient import TestClient
 
-    from rag.serve import create_app
+    from rag.serve.app import create_app
 
     with TestClient(create_app(rag_pipe, nli=NLIScorer.from_pretrained(nli_dirs["no"]))) as client:
         r = client.post("/generate", json={"questions": QUESTIONS, "max_new_tokens": 4})

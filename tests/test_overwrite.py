@@ -1,6 +1,6 @@
 """`overwrite=True` / `--overwrite` replaces only the writer's own kind of directory: never a file, never other data.
 
-One test per writer (knowledge bases, BM25 indexes, saved TextEncoders) plus the shared `rag.io.atomic_directory`
+One test per writer (knowledge bases, BM25 indexes, saved TextEncoders) plus the shared `rag.utils.io.atomic_directory`
 they all go through. Each checks that the refused target is left byte for byte as it was.
 """
 
@@ -13,11 +13,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag.errors import OutputExistsError, RagError
-from rag.io import atomic_directory, check_output_dir
 from rag.knowledge.bm25 import BM25Index, is_bm25_index
-from rag.knowledge.knowledge_base import MANIFEST, KnowledgeBase, is_knowledge_base
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import MANIFEST, is_knowledge_base
 from rag.knowledge.passages import Passage
+from rag.utils.errors import OutputExistsError, RagError
+from rag.utils.io import atomic_directory, check_output_dir
 
 ENC = {"name": "hand-set", "fingerprint": "f" * 64, "dim": 4, "pooling": "cls", "normalize": False}
 PASSAGES = [Passage(f"p{i}", f"title {i}", f"text number {i} about element {i}") for i in range(6)]
@@ -47,7 +48,7 @@ def _is_mine(path: Path) -> bool:
     return (path / "MINE").is_file()
 
 
-# ------------------------------------------------------------------------------------- rag.io
+# ------------------------------------------------------------------------------------- rag.utils.io
 
 
 def test_atomic_directory_replaces_only_what_the_predicate_recognises(tmp_path):
@@ -201,7 +202,7 @@ def test_atomic_outputs_get_the_permissions_a_plain_write_would(tmp_path):
     by the other users of a machine (a serving account, Ray actors under another user)."""
     import stat
 
-    from rag.io import atomic_write_text, process_umask
+    from rag.utils.io import atomic_write_text, process_umask
 
     old = os.umask(0o022)
     try:

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
-from rag.pipeline import RagPipeline, load, plot_token_posterior
+from rag.pipeline.api import RagPipeline, load, plot_token_posterior
+from rag.utils.errors import ConfigError, RagError
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def kb(tmp_path_factory, tiny_dpr_context_dir, demo_passages):
 
 @pytest.fixture(scope="module")
 def pipe(kb, tiny_dpr_question_dir, tiny_bart_dir):
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     torch.manual_seed(0)
     return RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, n_docs=3))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rag.errors import ConfigError
-from rag.selfask import (
+from rag.retrobust.selfask import (
     FINAL,
     FOLLOW_UP,
     INTERMEDIATE,
@@ -18,6 +17,7 @@ from rag.selfask import (
     self_ask,
     step_hypotheses,
 )
+from rag.utils.errors import ConfigError
 
 Q = "what is the chemical symbol of the element discovered by Priestley?"
 STEPS = [SelfAskStep("which element was discovered by Priestley?", "Oxygen", "Oxygen. It was discovered by Priestley in 1774."),

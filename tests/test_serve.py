@@ -18,10 +18,10 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from rag.errors import ConfigError
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
-from rag.serve import ServeLimits, background_server, create_app
+from rag.serve.app import ServeLimits, background_server, create_app
+from rag.utils.errors import ConfigError
 
 TOKEN = "s3cret-admin-token-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -36,7 +36,7 @@ def _tagged(passages, tag):
 def layout(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_dir, tiny_bart_dir):
     """root/{kb_a, kb_b, kb_corrupt, link_out -> outside/kb_out}, outside/kb_out, and a model on kb_a."""
     from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     base = tmp_path_factory.mktemp("serve")
     root, outside = base / "root", base / "outside"
@@ -58,9 +58,9 @@ def layout(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_quest
 
 @pytest.fixture(scope="module")
 def server(layout):
-    import rag.pipeline
+    import rag.pipeline.api
 
-    pipe = rag.pipeline.load(layout["model"])
+    pipe = rag.pipeline.api.load(layout["model"])
     # No request timeout here: the tests on this server must not depend on how loaded the machine is.
     app = create_app(pipe, kb_roots=[layout["root"]], admin_token=TOKEN, max_concurrency=2, max_body_bytes=64 * 1024,
                      limits=ServeLimits(request_timeout=None))
@@ -248,9 +248,9 @@ def test_unauthorised_admin_requests(client, headers, status):
 
 
 def test_admin_disabled_without_token(layout):
-    import rag.pipeline
+    import rag.pipeline.api
 
-    app = create_app(rag.pipeline.load(layout["model"]), kb_roots=[layout["root"]], admin_token=None)
+    app = create_app(rag.pipeline.api.load(layout["model"]), kb_roots=[layout["root"]], admin_token=None)
     with background_server(app) as url:
         r = httpx.post(f"{url}/admin/swap", json={"path": "kb_b"}, headers=AUTH, timeout=30)
         assert r.status_code == 403 and "disabled" in r.json()["detail"]
@@ -296,11 +296,11 @@ def test_admin_swap_always_verifies_fully(client, layout):
 
 def test_size_verified_knowledge_base_is_reported_unverified(layout):
     """Opened locally with verify="size" (the opt-in fast path), its answers and retrievals say so."""
-    import rag.pipeline
+    import rag.pipeline.api
 
     kb = KnowledgeBase.open(layout["root"] / "kb_corrupt", verify="size")  # a flipped byte: sizes still match
     assert kb.verified == "size" and kb.served_version == f"{kb.version}+unverified"
-    pipe = rag.pipeline.load(layout["model"], knowledge_base=kb)
+    pipe = rag.pipeline.api.load(layout["model"], knowledge_base=kb)
     [hits] = pipe.retrieve(["who discovered oxygen?"], k=2)
     [ans] = pipe.generate(["who discovered oxygen?"], max_new_tokens=2)
     assert hits.kb_version == ans.kb_version == pipe.kb_version == f"{kb.version}+unverified"
@@ -375,11 +375,11 @@ def test_unauthenticated_errors_name_no_server_path(client, layout):
 
 @pytest.mark.parametrize("token", ["   ", " " * 20, "\t\n", f" {TOKEN}", f"{TOKEN} ", "tøken-with-non-ascii-chars"])
 def test_admin_tokens_that_cannot_match_are_refused_at_startup(layout, token, monkeypatch):
-    import rag.pipeline
+    import rag.pipeline.api
     from rag.cli import main
 
     with pytest.raises(ConfigError, match="printable ASCII"):
-        create_app(rag.pipeline.load(layout["model"]), admin_token=token)
+        create_app(rag.pipeline.api.load(layout["model"]), admin_token=token)
     monkeypatch.setenv("RAG_TEST_BAD_TOKEN", token)
     assert main(["serve", "--model", layout["model"], "--admin-token-env", "RAG_TEST_BAD_TOKEN", "--port", "0"]) == 2
 
@@ -499,11 +499,11 @@ def own_server(layout):
     A behind a gate, so that requests park inside retrieval until the test releases them."""
     import contextlib
 
-    import rag.pipeline
+    import rag.pipeline.api
 
     with contextlib.ExitStack() as stack:
         def start(**kw):
-            app = create_app(rag.pipeline.load(layout["model"]), kb_roots=[layout["root"]], admin_token=TOKEN, **kw)
+            app = create_app(rag.pipeline.api.load(layout["model"]), kb_roots=[layout["root"]], admin_token=TOKEN, **kw)
             gated = _GatedKB(app.state.slot.current)
             app.state.slot.swap(gated)
             stack.callback(gated.release.set)  # runs before the server stops (LIFO), so no request stays parked

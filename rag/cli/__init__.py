@@ -23,7 +23,7 @@ import traceback
 import warnings
 from typing import Optional, Sequence
 
-from rag.errors import RagError
+from rag.utils.errors import RagError
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.

@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
 def cmd_demo(args) -> int:
     from rag.cli.index import check_positive
     from rag.demo.kb import ensure_demo_kb
-    from rag.validate import check_strings
+    from rag.utils.validate import check_strings
 
     check_positive(args, "k")
     if args.questions:
@@ -43,7 +43,7 @@ def cmd_demo(args) -> int:
         return 0
     from rag.cli.generate import print_answer
     from rag.demo.model import demo_checkpoint_dir
-    from rag.pipeline import load
+    from rag.pipeline.api import load
 
     pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
     if not args.json:

@@ -7,8 +7,8 @@ import sys
 import textwrap
 
 from rag.cli.index import check_positive, read_queries
-from rag.cli.options import add_retrieval_temperature
-from rag.errors import ConfigError
+from rag.cli.options import add_generation_options, generation_options
+from rag.utils.errors import ConfigError
 
 
 def add_parser(sub) -> None:
@@ -21,28 +21,11 @@ def add_parser(sub) -> None:
                                                      "or a causal LM directory / 'smollm2' (In-Context RALM; needs --kb)")
     p.add_argument("--kb", default=None, help="knowledge-base directory (default: the one the checkpoint references)")
     p.add_argument("--file", default=None, help="read questions from this file, one per line")
-    p.add_argument("--n-docs", type=int, default=None, help="passages to retrieve per question (default: the model's)")
-    p.add_argument("--num-beams", type=int, default=1)
-    p.add_argument("--marginalization", choices=["sequence", "token"], default=None, help="default: the model's")
-    p.add_argument("--decoding", choices=["thorough", "fast"], default=None, help="RAG-Sequence decoding (§2.5; default thorough)")
-    p.add_argument("--stride", type=int, default=None, help="causal LM: generated tokens between retrievals (default 4)")
-    p.add_argument("--query-length", type=int, default=None, help="causal LM: the last this-many tokens are the query (default 32)")
-    p.add_argument("--retrieval", choices=["bm25", "dense"], default=None,
-                   help="causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, else dense)")
     p.add_argument("--no-retrieval", action="store_true",
                    help="retrieve nothing: the generator answers the bare questions (the closed-book baseline; no passages)")
     p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
-    p.add_argument("--ensemble", type=int, default=None, metavar="K",
-                   help="causal LM: REPLUG (Shi et al. 2023): retrieve the top-K documents once, read the prompt after each "
-                        "(one KV cache per document) and mix the K next-token distributions with weights "
-                        "softmax(scores / --retrieval-temperature); a RAG model: RAG-Token decoding over K passages (= --n-docs K "
-                        "--marginalization token)")
-    add_retrieval_temperature(p, "causal LM with --ensemble: temperature T of the REPLUG weights softmax(scores / T) (default 1); "
-                                 "a RAG model's is part of its config", deprecated_alias=False)
-    p.add_argument("--sample", action="store_true", help="causal LM: sample instead of greedy decoding (see --seed)")
-    p.add_argument("--seed", type=int, default=None, help="causal LM: seed of --sample")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    add_generation_options(p)
     p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
     p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here")
@@ -84,23 +67,23 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
 def cmd_generate(args) -> int:
     from pathlib import Path
 
-    from rag.pipeline import load, plot_token_posterior
+    from rag.pipeline.api import load, plot_token_posterior
 
-    check_positive(args, "n_docs", "num_beams", "max_new_tokens", "batch_size", "stride", "query_length", "doc_max_length", "max_length",
-                   "ensemble")
+    check_positive(args, "batch_size", "doc_max_length", "max_length")
+    options = generation_options(args).set_options()  # only what was given: the rest is the model's stored setting
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")
     queries = read_queries(args)  # checked before the model is loaded
     nli = None
     if args.nli is not None:
-        from rag.models.nli import validate_threshold
-        from rag.nli_backoff import resolve_nli
+        from rag.retrobust.backoff import resolve_nli
+        from rag.retrobust.nli import validate_threshold
 
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
-        from rag.models.generator import checkpoint_generator_kind
+        from rag.generators.load import checkpoint_generator_kind
 
         if checkpoint_generator_kind(args.model) != "causal":
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
@@ -110,13 +93,8 @@ def cmd_generate(args) -> int:
 
     def run(batch: list[str]) -> None:
         nonlocal n_written
-        options = dict(n_docs=args.n_docs, num_beams=args.num_beams, marginalization=args.marginalization, decoding=args.decoding,
-                       max_new_tokens=args.max_new_tokens, stride=args.stride, query_length=args.query_length,
-                       retrieval=args.retrieval, do_sample=args.sample or None, seed=args.seed, ensemble=args.ensemble,
-                       retrieval_temperature=args.retrieval_temperature)
-        if args.no_retrieval:
-            options["retrieval"] = False
-        answers = pipe.generate(batch, nli=nli, nli_threshold=args.nli_threshold, **{k: v for k, v in options.items() if v is not None})
+        extra = {"retrieval": False} if args.no_retrieval else {}
+        answers = pipe.generate(batch, nli=nli, nli_threshold=args.nli_threshold, **{**options, **extra})
         for a in answers:
             heatmap = None
             if args.heatmap_dir and a.token_doc_posterior:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rag.errors import RagError
+from rag.utils.errors import RagError
 
 
 def add_parser(sub) -> None:
@@ -46,9 +46,9 @@ def add_parser(sub) -> None:
 
 def cmd_hotswap_eval(args) -> int:
     from rag.cli.index import check_positive
-    from rag.devices import check_device
     from rag.eval.hotswap_eval import evaluate_hotswap
-    from rag.pipeline import load
+    from rag.pipeline.api import load
+    from rag.utils.devices import check_device
 
     check_positive(args, "batch_size", "n_docs", "num_beams", "max_new_tokens", "limit")
     check_device(args.device)
@@ -57,8 +57,8 @@ def cmd_hotswap_eval(args) -> int:
             raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open JSONL, CSV, ...)")
     nli = None
     if args.nli is not None:
-        from rag.models.nli import validate_threshold
-        from rag.nli_backoff import resolve_nli
+        from rag.retrobust.backoff import resolve_nli
+        from rag.retrobust.nli import validate_threshold
 
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)

@@ -10,7 +10,7 @@ import textwrap
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from rag.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, RagError
 
 
 def add_parser(sub) -> None:
@@ -105,13 +105,14 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
 def cmd_build(args) -> int:
     import torch
 
-    from rag.devices import check_device
-    from rag.io import check_output_dir
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase, is_knowledge_base
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.manifest import is_knowledge_base
     from rag.knowledge.passages import load_corpus
     from rag.knowledge.shards import parse_shard, shard_info, shard_passages
+    from rag.utils.devices import check_device
+    from rag.utils.io import check_output_dir
 
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
@@ -201,7 +202,7 @@ def read_queries(args) -> Iterator[str]:
     """The queries of `rag index search` / `rag generate`: the arguments, else --file's lines, else stdin's lines
     (blank lines skipped). Every query must be UTF-8 text: the arguments are checked here, before anything is loaded
     (a blank argument is refused with the same message as :meth:`RagPipeline.generate`), lines as they are read."""
-    from rag.validate import check_strings
+    from rag.utils.validate import check_strings
 
     if args.queries:
         queries = check_strings(args.queries, "questions")
@@ -262,8 +263,8 @@ def _check_text(q: str, where: str) -> str:
 def _query_encoder(kb, name: Optional[str], allow_change: bool):
     """The query encoder for `kb` (rag.knowledge.retriever.default_query_encoder), refusing an explicit `name` whose
     identity is not the one the knowledge base was built for unless `allow_change` (--allow-encoder-change)."""
-    from rag.errors import KnowledgeBaseError
     from rag.knowledge.retriever import default_query_encoder
+    from rag.utils.errors import KnowledgeBaseError
 
     recorded = (kb.manifest.query_encoder or {}).get("name")
     expected = recorded or kb.encoder.get("name")

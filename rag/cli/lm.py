@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from rag.models.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
+    from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
 
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
     path = prepare_demo_lm(force=args.force, show_progress=not args.json)
@@ -44,5 +44,5 @@ def cmd_prepare(args) -> int:
           f"exact round trip on {tok['round_trip_texts']} texts ({tok['round_trip_chars']:,} characters)")
     print(f"  language model: perplexity {lm['prose_perplexity']:.2f} on {lm['prose_tokens']} tokens of plain English prose; "
           f"{lm['capital_prompt']!r} -> {lm['capital_next_token']!r}")
-    print(f"  load it with: rag.models.generator.load_generator('smollm2') (aliases: {', '.join(sorted(DEMO_LM_NAMES))})")
+    print(f"  load it with: rag.generators.load.load_generator('smollm2') (aliases: {', '.join(sorted(DEMO_LM_NAMES))})")
     return 0

@@ -46,10 +46,10 @@ def add_parser(sub) -> None:
 def cmd_lm_eval(args) -> int:
     import torch
 
-    from rag.errors import ConfigError
     from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
-    from rag.models.generator import load_generator
-    from rag.models.ralm import CausalScorer, InContextRALM, RalmConfig, open_retriever
+    from rag.generators.load import load_generator
+    from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
+    from rag.utils.errors import ConfigError
 
     if args.rerank != "none" and args.retrieval == "none":
         raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")
@@ -68,7 +68,7 @@ def cmd_lm_eval(args) -> int:
     retriever = open_retriever(args.retrieval, args.kb)
     reranker = None
     if args.rerank == "zero-shot":
-        from rag.models.rerank import LMReranker
+        from rag.models.ralm.rerank import LMReranker
 
         scorer = None
         if args.rerank_model:
@@ -77,7 +77,7 @@ def cmd_lm_eval(args) -> int:
                                   batch_size=args.batch_size)
         reranker = LMReranker(scorer, rerank_tokens=args.rerank_tokens)
     elif args.rerank == "trained":
-        from rag.models.rerank import PredictiveReranker
+        from rag.models.ralm.rerank import PredictiveReranker
 
         reranker = PredictiveReranker.load(args.rerank_model).to(device)
     ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)

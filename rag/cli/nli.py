@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "nli_minilm_qa.yaml"
+CONFIG = Path(__file__).parents[1] / "configs" / "nli_minilm_qa.yaml"  # lightning_configs/, bundled with the package
 
 
 def add_parser(sub) -> None:
@@ -26,10 +26,10 @@ def add_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from rag.errors import ConfigError
-    from rag.models.nli import default_nli_dir
+    from rag.retrobust.nli import default_nli_dir
     from rag.training.nli import EXPORT_INFO
     from rag.training.snli import fetch_snli
+    from rag.utils.errors import ConfigError
 
     out = Path(args.out) if args.out else default_nli_dir()
     if (out / EXPORT_INFO).is_file() and not args.force:
@@ -37,7 +37,7 @@ def cmd_prepare(args) -> int:
         print(f"  {_summary(json.loads((out / EXPORT_INFO).read_text()))}")
         return 0
     if not Path(args.config).is_file():
-        raise ConfigError(f"--config {args.config}: no such file (the recipe ships in the source checkout's lightning_configs/)")
+        raise ConfigError(f"--config {args.config}: no such file (the recipe ships with rag: lightning_configs/ of the repository)")
     snli = fetch_snli(args.sdist)
     print(f"SNLI pairs: {snli}")
     from rag.cli.train import make_cli

@@ -1,4 +1,4 @@
-"""`rag serve`: an HTTP server for a RAG model with a hot-swappable knowledge base (rag.serve)."""
+"""`rag serve`: an HTTP server for a RAG model with a hot-swappable knowledge base (rag.serve.app)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    from rag.serve_limits import ServeLimits
+    from rag.serve.limits import ServeLimits
 
     p = sub.add_parser(
         "serve",
@@ -54,10 +54,10 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    from rag.errors import ConfigError
-    from rag.pipeline import load
-    from rag.serve import check_admin_token, create_app, serve
-    from rag.serve_limits import ServeLimits
+    from rag.pipeline.api import load
+    from rag.serve.app import check_admin_token, create_app, serve
+    from rag.serve.limits import ServeLimits
+    from rag.utils.errors import ConfigError
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
@@ -71,7 +71,7 @@ def cmd_serve(args) -> int:
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     from pathlib import Path
 
-    from rag.devices import check_device
+    from rag.utils.devices import check_device
 
     # Checked before the model loads (minutes for a large one).
     for option, value in (("--max-concurrency", args.max_concurrency), ("--max-body-bytes", args.max_body_bytes)):
@@ -85,8 +85,8 @@ def cmd_serve(args) -> int:
     check_admin_token(token, f"${args.admin_token_env}")
     nli = None
     if args.nli is not None:
-        from rag.models.nli import validate_threshold
-        from rag.nli_backoff import resolve_nli
+        from rag.retrobust.backoff import resolve_nli
+        from rag.retrobust.nli import validate_threshold
 
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)

@@ -57,7 +57,7 @@ _SPLITS_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)
 def _check_data_files(data, subcommand: str) -> None:
     """A data file the `subcommand` reads that does not exist is one error before anything is built (the model's
     knowledge base can take minutes): ``data.train|val|test|predict`` given as paths (``DIR#split`` included)."""
-    from rag.errors import ConfigError
+    from rag.utils.errors import ConfigError
 
     init = data.get("init_args") if data is not None else None
     if init is None or not str(data.get("class_path", "")).endswith("QADataModule"):  # other modules name sources otherwise
@@ -102,7 +102,7 @@ def _cli_class():
 
         def before_instantiate_classes(self) -> None:
             """GPUs asked for that this machine lacks: one clear error before anything is built."""
-            from rag.devices import check_trainer_devices
+            from rag.utils.devices import check_trainer_devices
 
             config = self.config[self.subcommand] if self.subcommand else self.config
             trainer = config.get("trainer")
@@ -115,7 +115,7 @@ def _cli_class():
             """Trainer options Lightning rejects (e.g. ``strategy: fsdp`` on a CPU) are the user's to fix: one line."""
             from lightning_fabric.utilities.exceptions import MisconfigurationException
 
-            from rag.errors import ConfigError
+            from rag.utils.errors import ConfigError
 
             try:
                 return super().instantiate_trainer(**kwargs)

@@ -21,7 +21,7 @@ import random
 import re
 from pathlib import Path
 
-from rag.io import atomic_write_text
+from rag.utils.io import atomic_write_text
 
 DICT_PATH = Path("/usr/share/dictd/elements.dict.dz")
 OUT_DIR = Path(__file__).resolve().parent

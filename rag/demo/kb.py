@@ -6,7 +6,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from rag.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
+from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 
 DEFAULT_ENCODER = "minilm"
 

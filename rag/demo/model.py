@@ -4,18 +4,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+CHECKPOINTS_DIR = Path(__file__).parent / "checkpoints"
+"""The repository's `checkpoints/` as the package sees it: a link to it in a clone, a copy of the bundled
+checkpoints in an installed wheel (setup.cfg's package_data), so `rag demo` works either way."""
 
 
 def demo_checkpoint_dir() -> Path:
-    """`checkpoints/demo` of this repository (made by `python checkpoints/make_demo.py`)."""
-    path = REPO_ROOT / "checkpoints" / "demo"
+    """The bundled demo RAG model (`checkpoints/demo`, made by `python checkpoints/make_demo.py`)."""
+    path = CHECKPOINTS_DIR / "demo"
     if not (path / "rag_config.json").is_file():
         raise ConfigError(
-            f"{path}: the demo checkpoint is missing. It ships with the repository (install with `pip install -e .` "
-            f"from a clone); to remake it run `python checkpoints/make_demo.py`"
+            f"{path}: the demo checkpoint is missing. It ships with the package (checkpoints/demo of the repository); "
+            f"reinstall rag (`pip install .` from a clone), or remake it with `python checkpoints/make_demo.py`"
         )
     return path
 

@@ -99,7 +99,7 @@ def load_multihop(split: Optional[str] = None) -> list[dict]:
 
 
 def main() -> None:
-    from rag.io import atomic_write_text
+    from rag.utils.io import atomic_write_text
 
     rows = build_multihop()
     atomic_write_text(MULTIHOP_PATH, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))

@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
-from rag.errors import ConfigError, RagError
-from rag.validate import check_positive_int
+from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class HotswapEvalResult:
         import matplotlib.pyplot as plt
         import numpy as np
 
-        from rag.io import atomic_write_bytes
+        from rag.utils.io import atomic_write_bytes
 
         grid = 100 * np.asarray(self._metric(metric), dtype=float)
         n_kb, n_data = grid.shape
@@ -178,14 +178,14 @@ def evaluate_hotswap(
     pipeline that is serving requests: they would see the swaps.
 
     Args:
-        pipeline: a :class:`rag.pipeline.RagPipeline` (anything with ``generate`` and a
+        pipeline: a :class:`rag.pipeline.api.RagPipeline` (anything with ``generate`` and a
             ``model.retriever`` that can swap).
         kbs: knowledge-base directories (rows of the matrix).
         data: QA files in NQ-open JSONL (``question``, ``answers``) or any format
-            :func:`rag.training.data.read_qa` reads (columns).
+            :func:`rag.eval.qa_data.read_qa` reads (columns).
         limit: score only the first `limit` questions of each set.
         nli, nli_threshold: the RetRobust NLI back-off (``pipeline.generate(..., nli=...)``; pass a loaded
-            :class:`~rag.models.nli.NLIScorer` to load it once); the result then records, per cell, the fraction of
+            :class:`~rag.retrobust.nli.NLIScorer` to load it once); the result then records, per cell, the fraction of
             answers that kept the retrieval answer (``answered_with_retrieval``).
         The generation keywords go to ``pipeline.generate``.
 
@@ -199,8 +199,8 @@ def evaluate_hotswap(
     from tqdm.auto import tqdm
 
     from rag.eval.metrics import ExactMatch, TokenF1
+    from rag.eval.qa_data import read_qa
     from rag.knowledge.hotswap import KnowledgeBaseSlot
-    from rag.training.data import read_qa
 
     kbs, data = list(kbs), list(data)
     if not kbs or not data:
@@ -210,8 +210,8 @@ def evaluate_hotswap(
         raise ConfigError(f"limit must be a positive integer or None, got {limit!r}")
     klabels, dlabels = _labels(kb_labels, kbs, "knowledge base"), _labels(data_labels, data, "question set")
     if nli is not None:
-        from rag.models.nli import validate_threshold
-        from rag.nli_backoff import resolve_nli
+        from rag.retrobust.backoff import resolve_nli
+        from rag.retrobust.nli import validate_threshold
 
         nli_threshold = validate_threshold(nli_threshold)
         nli = resolve_nli(nli)  # once, not per batch

@@ -27,7 +27,7 @@ import torch
 from torchmetrics import Metric
 from torchmetrics.text import BLEUScore, ROUGEScore
 
-from rag.errors import RagError
+from rag.utils.errors import RagError
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")

@@ -1,6 +1,6 @@
 """Perplexity of long texts under (retrieval-augmented) causal LMs: token-level, word-level, and bits per byte.
 
-Every text token is scored exactly once (see :mod:`rag.models.ralm`); the totals are summed over texts:
+Every text token is scored exactly once (see :mod:`rag.models.ralm.model`); the totals are summed over texts:
 
 * token perplexity ``exp(NLL / tokens)``;
 * word perplexity ``exp(NLL / words)`` (whitespace-separated words; comparable across tokenizers);
@@ -16,8 +16,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-from rag.errors import CorpusError
-from rag.models.ralm import EvalText, InContextRALM, TextScore
+from rag.models.ralm.model import EvalText, InContextRALM, TextScore
+from rag.utils.errors import CorpusError
 
 __all__ = ["PerplexityResult", "perplexity_totals", "evaluate_perplexity", "read_eval_texts"]
 

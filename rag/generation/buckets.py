@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rag.errors import RagError
-from rag.validate import check_positive_int
+from rag.utils.errors import RagError
+from rag.utils.validate import check_positive_int
 
 __all__ = [
     "Bucket",

@@ -17,9 +17,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rag.errors import RagError
 from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
+from rag.utils.errors import RagError
 
 __all__ = ["CausalLMDecoder", "causal_generate", "continuation_logprobs", "prompt_positions"]
 

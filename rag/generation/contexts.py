@@ -27,7 +27,7 @@ from typing import Literal, Protocol, Sequence
 import torch
 from torch import Tensor
 
-from rag.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
     "Context",

@@ -30,7 +30,6 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rag.errors import ConfigError, RagError
 from rag.generation.marginalize import doc_log_prior, token_marginal_logprobs
 from rag.generation.search import (
     Decoder,
@@ -42,6 +41,7 @@ from rag.generation.search import (
     resolve_spec,
 )
 from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced, teacher_forced_logprobs
+from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
     "GenerationConfig",
@@ -274,7 +274,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     `search_contexts`: what the per-passage search (step 1) attends to; None: `contexts`, the masked encodings.
     transformers 5's per-passage search drops `context_attention_mask` (`generate(attention_mask=None)`, and v5
     infers no mask for encoder-decoder models), so its padded contexts attend to their pads there but not in
-    rescoring: pass the contexts encoded without a mask, as it pads them (`rag.generation.answer.unmasked_contexts`;
+    rescoring: pass the contexts encoded without a mask, as it pads them (`rag.models.rag.generate.unmasked_contexts`;
     `RagModelConfig.mask_padded_contexts=False` does this), to reproduce that; rescoring always uses `contexts`.
     (transformers also re-encodes every context once per candidate during rescoring.)
 

@@ -71,7 +71,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from rag.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
     "Reduction",

@@ -23,7 +23,7 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
 __all__ = [
     "Decoder",

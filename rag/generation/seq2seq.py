@@ -30,9 +30,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from rag.errors import ConfigError, RagError
 from rag.generation.bart import BartStepDecoder, is_bart, rescore_packed
 from rag.generation.kv_cache import cache_kwarg, output_cache
+from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
     "EncodedContexts",

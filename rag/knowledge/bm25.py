@@ -5,7 +5,7 @@ PyStemmer) and BM25 scoring come from the `bm25s` library; this module adds the
 `rag` conventions around it: passages are indexed as ``title + " " + text``,
 results are ``(B, k)`` arrays with a deterministic order (score descending, then
 row ascending, so ties and queries without any known term are reproducible),
-errors are :class:`~rag.errors.RagError` subclasses, and saving is atomic.
+errors are :class:`~rag.utils.errors.RagError` subclasses, and saving is atomic.
 
 BM25 is the sparse baseline of the RAG paper (Lewis et al. 2020, §4.1/Table 6) and
 the retriever of In-Context RALM (Ram et al. 2023, §3).
@@ -25,11 +25,11 @@ from typing import Any, Callable, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
-from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved
-from rag.validate import check_strings
+from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
+from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.validate import check_strings
 
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"

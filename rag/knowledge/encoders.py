@@ -30,11 +30,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError, RagError
-from rag.io import atomic_directory, atomic_write_json
 from rag.knowledge.passages import Passage
-from rag.validate import check_strings
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError, RagError
+from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.validate import check_strings
 
 Pooling = Literal["auto", "cls", "mean", "pooler"]
 Role = Literal["auto", "question", "context"]
@@ -133,7 +133,7 @@ def _sentence_transformers_settings(path: str) -> Optional[dict]:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ConfigError(f"{modules_file} must hold a JSON list of modules")
-    from rag.checksums import confined_path
+    from rag.utils.checksums import confined_path
 
     out: dict = {"transformer_dir": "", "pooling": None, "normalize": False, "unsupported": []}
     for m in modules:

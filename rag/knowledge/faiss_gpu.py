@@ -13,7 +13,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger("rag.knowledge.gpu")  # one logger for GPU search and builds
 

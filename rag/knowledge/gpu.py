@@ -23,9 +23,9 @@ from typing import Sequence, Union
 
 import numpy as np
 
-from rag.errors import ConfigError, RagError
 from rag.knowledge.faiss_gpu import faiss_gpu_problem, gpu_count
 from rag.knowledge.index import IndexSpec, _check_matrix
+from rag.utils.errors import ConfigError, RagError
 
 logger = logging.getLogger(__name__)
 

@@ -47,10 +47,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from rag.checksums import check_niceness
-from rag.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
-from rag.validate import check_positive_int
+from rag.utils.checksums import check_niceness
+from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
+from rag.utils.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ class KnowledgeBaseSlot:
         retriever: anything with a ``knowledge_base`` attribute and
             ``set_knowledge_base(kb, allow_encoder_change=...)`` that validates and assigns one
             reference (:class:`~rag.knowledge.retriever.DenseRetriever`). Use :meth:`for_model`
-            for a :class:`~rag.models.rag_model.RagModel` or a pipeline.
+            for a :class:`~rag.models.rag.model.RagModel` or a pipeline.
             A retriever may also offer ``prepare_knowledge_base(kb, allow_encoder_change=...)``
             (:class:`~rag.knowledge.bm25.BM25Retriever`: loads the new BM25 index): the slot calls it
             off the lock and passes its result to ``set_knowledge_base(kb, ..., prepared=result)``.

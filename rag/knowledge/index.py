@@ -36,8 +36,8 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
-from rag.io import atomic_write_file
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
+from rag.utils.io import atomic_write_file
 
 __all__ = [
     "IndexSpec",

@@ -3,7 +3,7 @@
 Each actor opens the knowledge base itself (memory-mapped: actors on one node share its pages) and answers
 ``search(query_embeds, k)``. Queries go round-robin over the actors. An actor that dies is restarted by Ray
 (``max_restarts``; it reopens the knowledge base); a query whose actor died or timed out is retried once on the
-next actor, then fails with a :class:`~rag.errors.RetrievalError` naming the actor and the cause. A cluster that
+next actor, then fails with a :class:`~rag.utils.errors.RetrievalError` naming the actor and the cause. A cluster that
 cannot be reached fails at construction with an error naming the address. Needs ``pip install -e ".[ray]"``.
 
     pool = RayRetrievalPool("kbs/wiki", n_actors=4)                 # a local Ray, or address="head:6379"
@@ -20,7 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from rag.errors import ConfigError, RetrievalError
+from rag.utils.errors import ConfigError, RetrievalError
 
 __all__ = ["RayRetrievalPool", "SearchActor"]
 

@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rag.errors import ConfigError, KnowledgeBaseError, RagError
+from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 
 logger = logging.getLogger(__name__)
 

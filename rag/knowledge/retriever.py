@@ -25,7 +25,7 @@ def check_compatible(kb, query_dim: int, space: Optional[str], *, allow_encoder_
     another space, which only `allow_encoder_change=True` accepts (e.g. after a
     deliberate document-encoder update).
     """
-    from rag.errors import KnowledgeBaseError
+    from rag.utils.errors import KnowledgeBaseError
 
     if kb.dim != query_dim:
         raise KnowledgeBaseError(
@@ -98,8 +98,8 @@ def default_query_encoder(kb, name: Optional[str] = None):
     fingerprint recorded at build time (otherwise queries and passages would be
     embedded by different models).
     """
-    from rag.errors import KnowledgeBaseError
     from rag.knowledge.encoders import TextEncoder, check_fingerprint
+    from rag.utils.errors import KnowledgeBaseError
 
     doc = kb.encoder
     if name is None and kb.manifest.query_encoder:

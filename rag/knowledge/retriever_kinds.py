@@ -13,8 +13,8 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
-from rag.errors import ConfigError, KnowledgeBaseError
 from rag.knowledge.types import Retrieved
+from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 __all__ = ["RETRIEVAL_KINDS", "retriever_for_kind", "ServedRetrievers", "KnowledgeBaseRetrievers"]
 

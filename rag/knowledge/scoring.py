@@ -11,7 +11,7 @@ encoder (REALM / REPLUG-style, ``doc_scores = q · d_fresh``); ``rerank_candidat
 passages in the (stale) index, re-embeds them and keeps the best K (REPLUG §4.4). BM25 retrieval
 (RAG Table 6) uses the BM25 scores as retrieval logits, without gradient.
 
-RAG uses it through :class:`~rag.models.rag_model.RagModel`; REPLUG LSR (a loss over these ``(B, K)``
+RAG uses it through :class:`~rag.models.rag.model.RagModel`; REPLUG LSR (a loss over these ``(B, K)``
 scores) and In-Context RALM (retrieval every stride) reuse it with their own readers.
 """
 
@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
-from rag.errors import ConfigError, KnowledgeBaseError
 from rag.knowledge.types import Retrieved, Retriever
+from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
@@ -32,7 +32,7 @@ __all__ = ["ScoringSettings", "RetrievalScorer", "make_retriever"]
 
 
 class ScoringSettings(Protocol):
-    """The options :class:`RetrievalScorer` reads at every call (:class:`~rag.models.config.RagModelConfig` is one)."""
+    """The options :class:`RetrievalScorer` reads at every call (:class:`~rag.models.rag.config.RagModelConfig` is one)."""
 
     retrieval: str
     """``"dense"`` (MIPS, trainable query encoder) or ``"bm25"`` (BM25 scores as logits)."""

@@ -27,8 +27,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rag.errors import ConfigError, KnowledgeBaseError
-from rag.io import check_output_dir
+from rag.utils.errors import ConfigError, KnowledgeBaseError
+from rag.utils.io import check_output_dir
 
 __all__ = ["ShardSpec", "parse_shard", "shard_passages", "shard_info", "merge_shards"]
 
@@ -68,11 +68,11 @@ def shard_passages(passages: Sequence, shard: ShardSpec) -> list:
 
 def shard_info(passages: Sequence, shard: ShardSpec, index: str) -> dict:
     """The manifest's ``build.shard`` record for `shard` of the whole corpus `passages`."""
-    from rag.knowledge.knowledge_base import _passages_digest
+    from rag.knowledge.manifest import passages_digest
 
     start, stop = shard.bounds(len(passages))
     return {"index": shard.index, "count": shard.count, "start": start, "stop": stop, "corpus_passages": len(passages),
-            "corpus_digest": _passages_digest(passages), "index_spec": index}
+            "corpus_digest": passages_digest(passages), "index_spec": index}
 
 
 def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
@@ -138,7 +138,8 @@ def merge_shards(
     the spec recorded in the shards. Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
     """
     from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase, _passages_digest, is_knowledge_base
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.manifest import is_knowledge_base, passages_digest
 
     out = Path(out)
     check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
@@ -149,7 +150,7 @@ def merge_shards(
     n = sum(len(kb) for kb in shards)
     check_fits(spec, n, first.dim)
     passages = [p for kb in shards for p in kb.all_passages()]
-    if len(passages) != info["corpus_passages"] or _passages_digest(passages) != info["corpus_digest"]:
+    if len(passages) != info["corpus_passages"] or passages_digest(passages) != info["corpus_digest"]:
         raise KnowledgeBaseError(f"the {len(shards)} shards hold {len(passages)} passages whose digest differs from the corpus "
                                  f"they record ({info['corpus_passages']} passages); rebuild the shards")
     out.parent.mkdir(parents=True, exist_ok=True)

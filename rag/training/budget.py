@@ -12,7 +12,7 @@ import time
 
 import pytorch_lightning as pl
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

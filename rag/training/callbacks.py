@@ -45,7 +45,7 @@ from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
 
-from rag.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, RagError
 
 logger = logging.getLogger(__name__)
 

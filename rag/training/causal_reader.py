@@ -1,5 +1,5 @@
 """Fine-tune a decoder-only reader on QA pairs with ``rag fit``: each answer is learnt after its training passage, laid
-out exactly as :class:`~rag.readers.RalmReader` generates (``doc ∘ [ctx] ∘ prompt``), or after the prompt alone.
+out exactly as :class:`~rag.pipeline.readers.RalmReader` generates (``doc ∘ [ctx] ∘ prompt``), or after the prompt alone.
 
 With :class:`~rag.training.data.QADataModule` ``context_mixing`` (RetRobust, Yoran et al. 2024 §2.2) the passage is
 the question's top-1, a low-ranked or a random one, so the reader learns to use relevant passages and ignore
@@ -24,12 +24,12 @@ from typing import Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError
 from rag.eval.metrics import ExactMatch, TokenF1
 from rag.knowledge.passages import Passage
-from rag.models.ralm import CausalScorer, window_ids, window_start
+from rag.models.ralm.model import CausalScorer, window_ids, window_start
 from rag.training.schedules import step_schedule
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ DEFAULT_PROMPT = "Question: {question}\nAnswer:"
 def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Sequence[str],
                     passages: Optional[Sequence[Optional[Passage]]] = None) -> list[tuple[list[int], int]]:
     """Per example ``(window, n)``: ``doc ∘ [ctx] ∘ prompt ∘ answer ∘ EOS`` with the answer and EOS as the last ``n``
-    tokens — the window :func:`~rag.models.ralm_generate.ralm_generate` decodes the answer in (the document cut to
+    tokens — the window :func:`~rag.models.ralm.generate.ralm_generate` decodes the answer in (the document cut to
     ``scorer.doc_max_length`` tokens, the prompt cut from the left when the window would exceed ``scorer.max_length``).
     A passage of None (or no `passages`) gives the prompt alone. The answer is read with a leading space."""
     eos = scorer.tokenizer.eos_token_id
@@ -70,7 +70,7 @@ def first_line(text: str) -> str:
 def prompt_windows(scorer: CausalScorer, prompts: Sequence[str], passages: Optional[Sequence[Optional[Passage]]],
                    max_new_tokens: int) -> list[list[int]]:
     """Per prompt ``doc ∘ [ctx] ∘ prompt``, the prompt cut from the left so that `max_new_tokens` more fit the window: what
-    :class:`~rag.readers.RalmReader` decodes an answer from when the stride covers the answer (one retrieval)."""
+    :class:`~rag.pipeline.readers.RalmReader` decodes an answer from when the stride covers the answer (one retrieval)."""
     passages = list(passages) if passages is not None else [None] * len(prompts)
     docs = iter(scorer.doc_tokens([p for p in passages if p is not None]))
     out = []
@@ -165,7 +165,7 @@ class CausalReaderModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.lm is not None:
             return
-        from rag.models.generator import load_generator
+        from rag.generators.load import load_generator
 
         h = self.hparams
         path = h.lm
@@ -182,7 +182,7 @@ class CausalReaderModule(pl.LightningModule):
 
     @staticmethod
     def _load_chains(spec: str) -> list[tuple[str, str]]:
-        from rag.selfask import chain_training_examples
+        from rag.retrobust.selfask import chain_training_examples
 
         if spec == "demo":
             from rag.demo.multihop import load_multihop
@@ -248,7 +248,7 @@ class CausalReaderModule(pl.LightningModule):
                raw_prompts: bool = False, max_new_tokens: Optional[int] = None) -> list[str]:
         """Greedy answers (the first generated line) of `questions` (formatted with ``model.prompt`` unless `raw_prompts`),
         each read after its given passage (None: alone): the reader under chosen contexts, e.g. RetRobust's
-        low-ranked or random ones. The same tokens as :meth:`RalmReader.generate <rag.readers.RalmReader.generate>`
+        low-ranked or random ones. The same tokens as :meth:`RalmReader.generate <rag.pipeline.readers.RalmReader.generate>`
         gives when it retrieved that passage."""
         scorer = self._require()
         new = self.hparams.max_new_tokens if max_new_tokens is None else max_new_tokens
@@ -267,10 +267,10 @@ class CausalReaderModule(pl.LightningModule):
         return [first_line(t) for t in texts]
 
     def _reader(self):
-        """The :class:`~rag.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
+        """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
         if self._ralm_reader is None:
-            from rag.models.ralm import RalmConfig
-            from rag.readers import RalmReader
+            from rag.models.ralm.model import RalmConfig
+            from rag.pipeline.readers import RalmReader
 
             h = self.hparams
             cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
@@ -325,7 +325,7 @@ class CausalReaderModule(pl.LightningModule):
     def export(self, directory: str | os.PathLike, *, overwrite: bool = True) -> Path:
         """Write the trained LM and tokenizer (``save_pretrained``), atomically; with `overwrite` only a directory that
         holds a saved model (``config.json``) is replaced."""
-        from rag.io import atomic_directory
+        from rag.utils.io import atomic_directory
 
         with atomic_directory(directory, overwrite=overwrite, replaces=lambda p: (p / "config.json").is_file(),
                               kind="causal reader") as tmp:

@@ -15,7 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from rag.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, RagError
 
 KINDS = ("top1", "low", "random")
 

@@ -17,7 +17,7 @@ from typing import Optional
 import pytorch_lightning as pl
 import torch
 
-from rag.errors import KnowledgeBaseError
+from rag.utils.errors import KnowledgeBaseError
 
 __all__ = ["version_code", "check_same_knowledge_base", "knowledge_base_of"]
 

@@ -1,7 +1,7 @@
 """From training to answers: a Lightning checkpoint of ``rag fit`` (or a module at the end of ``fit``) written as the
 model directory that ``rag generate --model DIR`` and ``rag.load(DIR)`` read.
 
-* :class:`~rag.training.modules.RagModule` -> a :meth:`RagModel.save_pretrained <rag.models.rag_model.RagModel.save_pretrained>`
+* :class:`~rag.training.modules.RagModule` -> a :meth:`RagModel.save_pretrained <rag.models.rag.model.RagModel.save_pretrained>`
   directory; a query encoder that training left unchanged (e.g. the bundled MiniLM of a RAG-Frozen run) is referenced by
   name and weights fingerprint instead of copied.
 * :class:`~rag.training.causal_reader.CausalReaderModule` -> the fine-tuned LM's ``save_pretrained`` directory
@@ -19,26 +19,13 @@ from typing import Optional, Union
 
 import torch
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
-__all__ = ["export_checkpoint", "is_lightning_checkpoint"]
+__all__ = ["export_checkpoint"]
 
 RAG_MODULE = "rag.training.modules.RagModule"
 CAUSAL_READER = "rag.training.causal_reader.CausalReaderModule"
 
-
-def is_lightning_checkpoint(path: Union[str, os.PathLike]) -> bool:
-    """True for a file that looks like a Lightning / torch checkpoint (``.ckpt``, or a zip archive torch wrote)."""
-    p = Path(path)
-    if not p.is_file():
-        return False
-    if p.suffix == ".ckpt":
-        return True
-    try:
-        with open(p, "rb") as f:
-            return f.read(4) == b"PK\x03\x04"  # torch.save's zip container
-    except OSError:
-        return False
 
 
 def _module_arguments(ckpt: dict, where: Path) -> tuple[str, dict]:
@@ -64,7 +51,7 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         ConfigError: not a ``rag fit`` checkpoint of a module that exports, or its knowledge base is not found.
         OutputExistsError: `directory` exists, is not empty and is not an earlier export (or `overwrite` is off).
     """
-    from rag.io import check_output_dir
+    from rag.utils.io import check_output_dir
 
     src = Path(checkpoint)
     check_output_dir(directory, overwrite, replaces=lambda p: (p / "config.json").is_file() or (p / "rag_config.json").is_file(),

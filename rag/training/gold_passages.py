@@ -11,9 +11,9 @@ from __future__ import annotations
 import logging
 from typing import Literal, Optional, Sequence
 
-from rag.errors import ConfigError
 from rag.eval.metrics import normalize_answer
 from rag.knowledge.passages import Passage
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

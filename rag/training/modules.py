@@ -1,6 +1,6 @@
 """LightningModules for training retrieval-augmented models.
 
-:class:`RagModule` fine-tunes a :class:`~rag.models.rag_model.RagModel` end to end
+:class:`RagModule` fine-tunes a :class:`~rag.models.rag.model.RagModel` end to end
 (Lewis et al. 2020, §2.4): the query encoder and the generator are trained jointly
 on the marginal negative log-likelihood; the document encoder and the index stay
 fixed unless ``rag.train_doc_encoder`` trains the document encoder too (then pair it
@@ -16,8 +16,8 @@ base / query-encoder dimension mismatch therefore surfaces at setup, never mid-e
 
 Special generator value ``tiny:bart`` / ``tiny:t5``: a randomly initialised small
 generator (sizes in ``tiny``) with a tokenizer trained on the knowledge base's own
-passages — no hub needed (built and cached by :mod:`rag.models.tiny_generator`). A
-missing knowledge base is built by :func:`rag.knowledge.ensure.ensure_knowledge_base`
+passages — no hub needed (built and cached by :mod:`rag.generators.tiny_generator`). A
+missing knowledge base is built by :func:`rag.training.ensure_kb.ensure_knowledge_base`
 when ``build_knowledge_base_from`` names a corpus.
 """
 
@@ -33,13 +33,13 @@ from typing import Any, Literal, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError
 from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
-from rag.models.config import RagModelConfig
-from rag.models.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
+from rag.generators.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
+from rag.models.rag.config import RagModelConfig
 from rag.training.reading_practice import ReadingPracticeSettings
 from rag.training.schedules import SCHEDULES, step_schedule
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +48,7 @@ logger = logging.getLogger(__name__)
 
 def _no_repeat(model) -> int:
     """The pipeline's default (no repeated bigram), except for imported transformers checkpoints."""
-    from rag.readers import DEFAULT_NO_REPEAT_NGRAM
+    from rag.pipeline.readers import DEFAULT_NO_REPEAT_NGRAM
 
     return 0 if model.config.hf_compat else DEFAULT_NO_REPEAT_NGRAM
 
@@ -57,13 +57,13 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
                      sequence_decoding: Literal["fast", "thorough"] = "fast", length_penalty: float = 1.0):
     """Answer strings for B questions, plus the :class:`Retrieved` passages used and the truncated-context count.
 
-    Decodes through :func:`rag.generation.answer.generate_for_questions` (the pipeline's path too) with the
+    Decodes through :func:`rag.models.rag.generate.generate_for_questions` (the pipeline's path too) with the
     model's marginalization (RAG-Token: greedy/beam over the marginal; RAG-Sequence: per-passage search + fast
     or thorough rescoring, Lewis et al. 2020 §2.5).
     """
-    from rag.generation.answer import generate_for_questions
     from rag.generation.decoding import GenerationConfig
     from rag.generation.detokenize import decode_answer
+    from rag.models.rag.generate import generate_for_questions
 
     cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                            no_repeat_ngram_size=_no_repeat(model))
@@ -118,7 +118,7 @@ class RagModule(pl.LightningModule):
             questions alone (``RagModel.generator_loss`` without passages), nothing is retrieved and the query encoder is
             not trained; compare it with a RAG run of the same config.
         warm_start: the generator built for ``generator: warm:<encoder>`` (e.g. ``warm:minilm``): frozen pretrained encoder,
-            fresh decoder, copy head (:class:`~rag.models.tiny_generator.WarmStartGenerator`).
+            fresh decoder, copy head (:class:`~rag.generators.tiny_generator.WarmStartGenerator`).
         reading_practice: an auxiliary generator loss on examples only reading their passage answers, mixed into every
             step (:class:`~rag.training.reading_practice.ReadingPracticeSettings`; built from the knowledge base's passages),
             and with ``pretrain_steps`` the run's first steps on practice alone (the reader's pre-training).
@@ -137,7 +137,7 @@ class RagModule(pl.LightningModule):
         predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
             (answer, passages with ids, titles and scores, knowledge-base version); default
             ``<trainer.default_root_dir>/predictions.jsonl``. The path is printed.
-        export_dir: write the trained model there at the end of ``fit`` (:func:`rag.models.checkpoint.save_model_directory`:
+        export_dir: write the trained model there at the end of ``fit`` (:func:`rag.models.rag.checkpoint.save_model_directory`:
             ``rag generate --model DIR`` reads it); an earlier export there is replaced, any other content refused.
     """
 
@@ -231,7 +231,7 @@ class RagModule(pl.LightningModule):
         self._ensure_artifacts()
 
     def _ensure_artifacts(self) -> tuple[str, str]:
-        from rag.knowledge.ensure import ensure_knowledge_base
+        from rag.training.ensure_kb import ensure_knowledge_base
 
         h = self.hparams
         kb = h.knowledge_base
@@ -248,7 +248,7 @@ class RagModule(pl.LightningModule):
         checkpoint is restored). Raises a clear error for a KB / query-encoder dimension mismatch."""
         if self.model is not None:
             return
-        from rag.models.rag_model import RagModel
+        from rag.models.rag.model import RagModel
 
         kb, gen = self._ensure_artifacts()
         model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config,
@@ -386,9 +386,9 @@ class RagModule(pl.LightningModule):
                 self._samples.extend(zip(questions, preds, answers))
 
     def _generate_closed_book(self, questions: Sequence[str]) -> list[str]:
-        from rag.generation.answer import generate_closed_book
         from rag.generation.decoding import GenerationConfig
         from rag.generation.detokenize import decode_answer
+        from rag.models.rag.generate import generate_closed_book
 
         model = self._require_model()
         with torch.no_grad():
@@ -446,7 +446,7 @@ class RagModule(pl.LightningModule):
     def on_predict_end(self) -> None:
         import json
 
-        from rag.io import atomic_write_text
+        from rag.utils.io import atomic_write_text
 
         path = self.hparams.get("predictions_file") or os.path.join(self.trainer.default_root_dir, "predictions.jsonl")
         if self.trainer.world_size > 1:
@@ -545,7 +545,7 @@ class RagModule(pl.LightningModule):
     # ------------------------------------------------------------------ checkpoints
     def on_train_start(self) -> None:
         """A warm-started generator's frozen encoder runs once per distinct context (``model.cache_encoder``)."""
-        from rag.models.warm_start import cache_encoder_outputs, is_warm_start
+        from rag.generators.warm_start import cache_encoder_outputs, is_warm_start
 
         gen = self._require_model().generator
         if self.hparams.get("cache_encoder", True) and self._encoder_cache is None and is_warm_start(gen) \
@@ -593,7 +593,7 @@ class RagModule(pl.LightningModule):
                         self.practice_settings.per_step)
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
-            from rag.io import check_output_dir
+            from rag.utils.io import check_output_dir
 
             check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                              option="model.export_dir")
@@ -606,9 +606,9 @@ class RagModule(pl.LightningModule):
         return {"num_beams": h.num_beams, "max_new_tokens": h.max_new_tokens, "length_penalty": float(h.get("length_penalty", 1.0))}
 
     def export(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the model to `directory` (:func:`rag.models.checkpoint.save_model_directory`) with
+        """Write the model to `directory` (:func:`rag.models.rag.checkpoint.save_model_directory`) with
         :meth:`decoding_defaults` as its stored decoding defaults; returns the directory."""
-        from rag.models.checkpoint import save_model_directory
+        from rag.models.rag.checkpoint import save_model_directory
 
         model = self._require_model()
         stored = model.config.generation

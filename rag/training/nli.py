@@ -1,5 +1,5 @@
 """The NLI cross-encoder LightningModule: a 3-way entailment / neutral / contradiction classifier fine-tuned from an
-encoder (the bundled MiniLM by default) and exported with ``save_pretrained`` for :class:`rag.models.nli.NLIScorer`.
+encoder (the bundled MiniLM by default) and exported with ``save_pretrained`` for :class:`rag.retrobust.nli.NLIScorer`.
 
 The model is ``AutoModelForSequenceClassification`` with ``num_labels=3`` and ``id2label`` set to
 :data:`rag.training.snli.LABELS`, so the exported directory loads like any hub NLI checkpoint. Metrics: ``train/loss``,
@@ -17,12 +17,12 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError
-from rag.io import atomic_directory
-from rag.models.nli import encode_nli_pairs
+from rag.retrobust.nli import encode_nli_pairs
 from rag.training.schedules import step_schedule
 from rag.training.snli import LABELS
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError
+from rag.utils.io import atomic_directory
 
 __all__ = ["NLIModule", "EXPORT_INFO"]
 

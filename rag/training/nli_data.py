@@ -18,9 +18,9 @@ from typing import Optional, Sequence, Union
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
-from rag.errors import ConfigError
-from rag.models.nli import nli_premise, qa_statement
+from rag.retrobust.nli import nli_premise, qa_statement
 from rag.training.snli import LABELS, NLIPair, fetch_snli, load_snli, parse_snli_lines
+from rag.utils.errors import ConfigError
 
 __all__ = ["elements_nli_pairs", "read_nli_source", "NLIDataModule"]
 

@@ -20,8 +20,8 @@ import re
 from dataclasses import dataclass
 from typing import Literal, Sequence
 
-from rag.errors import ConfigError
 from rag.knowledge.passages import Passage
+from rag.utils.errors import ConfigError
 
 __all__ = ["ReadingPracticeSettings", "PracticeExample", "corpus_practice", "practice_pool"]
 

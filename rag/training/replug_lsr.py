@@ -6,14 +6,14 @@ y = answer; or any text split into a context and its continuation):
 1. retrieve the top-k documents and their differentiable scores s(d, x) = q(x) · d (:class:`~rag.knowledge.scoring.RetrievalScorer`,
    the only gradient path into the retriever);
 2. score log P_LM(y | d ∘ x) with the frozen LM — a local transformers LM or an OpenAI-compatible completions endpoint
-   (:mod:`rag.models.lm_scorer`), every (LM, document, input, continuation) asked once (:class:`~rag.models.lm_scorer.ScoreCache`);
-3. minimise KL(P_R ‖ Q_LM) (:func:`rag.generation.lsr.lsr_loss`, temperatures γ (`retrieval_temperature`) and β);
+   (:mod:`rag.models.replug.lm_scorer`), every (LM, document, input, continuation) asked once (:class:`~rag.models.replug.lm_scorer.ScoreCache`);
+3. minimise KL(P_R ‖ Q_LM) (:func:`rag.models.replug.lsr.lsr_loss`, temperatures γ (`retrieval_temperature`) and β);
 4. with ``train_doc_encoder`` the retrieved documents are re-embedded with gradients, and the
    :class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus, rebuilds the index and hot-swaps it every
    T steps (§4.4).
 
 The LM never receives gradients (it is not a submodule: checkpoints hold the retriever only). A failing endpoint raises
-:class:`~rag.models.lm_scorer.LMEndpointError` and stops training: no step ever trains on a missing score.
+:class:`~rag.models.replug.lm_scorer.LMEndpointError` and stops training: no step ever trains on a missing score.
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ from typing import Any, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError
-from rag.generation.lsr import lsr_loss
-from rag.models.lm_scorer import LMScorer, ScoreCache, document_logprobs
-from rag.models.ralm import doc_text
+from rag.models.ralm.model import doc_text
+from rag.models.replug.lm_scorer import LMScorer, ScoreCache, document_logprobs
+from rag.models.replug.lsr import lsr_loss
 from rag.training.schedules import step_schedule
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +168,7 @@ class ReplugLSRModule(pl.LightningModule):
     def _ensure_kb(self) -> str:
         h = self.hparams
         if h.build_knowledge_base_from is not None:
-            from rag.knowledge.ensure import ensure_knowledge_base
+            from rag.training.ensure_kb import ensure_knowledge_base
 
             if h.question_encoder is None:
                 raise ConfigError("model.build_knowledge_base_from needs model.question_encoder (the encoder that embeds the passages)")
@@ -199,12 +199,12 @@ class ReplugLSRModule(pl.LightningModule):
     def _load_lm(self, kb) -> LMScorer:
         h = self.hparams
         if h.lm_endpoint is not None:
-            from rag.models.lm_scorer import CompletionsLMScorer
+            from rag.models.replug.lm_scorer import CompletionsLMScorer
 
             return CompletionsLMScorer(h.lm_endpoint, h.lm_endpoint_model, timeout=h.lm_timeout, max_retries=h.lm_max_retries,
                                        batch_size=h.lm_batch_size)
-        from rag.models.generator import load_generator
-        from rag.models.lm_scorer import LocalLMScorer
+        from rag.generators.load import load_generator
+        from rag.models.replug.lm_scorer import LocalLMScorer
 
         path = h.lm
         if path == TINY_GPT2:

@@ -3,7 +3,7 @@
 :class:`RerankerDataModule` collects examples from the LM's own signal: for a prefix ``x_{≤s·j}`` of a training text
 it retrieves the top-k BM25 (or dense) documents for the query of the last ``ℓ`` tokens (leakage guard on) and
 scores the next stride ``y`` under each, ``log p_θ(y | [d_i; x_{≤s·j}])`` (Eq. 4), with the frozen LM.
-:class:`PredictiveRerankerModule` trains the cross-encoder :class:`~rag.models.rerank.PredictiveReranker` on them
+:class:`PredictiveRerankerModule` trains the cross-encoder :class:`~rag.models.ralm.rerank.PredictiveReranker` on them
 with Eq. 9, ``-log Σ_i p_rank(d_i | x) p_θ(y | [d_i; x])`` (or a soft-label cross-entropy against
 ``softmax(log p_θ / τ)``), the LM frozen; ``export_dir`` receives the trained reranker for
 ``rag lm-eval --rerank trained --rerank-model DIR``.
@@ -28,11 +28,8 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
-from rag.devices import without_cudnn_attention
-from rag.errors import ConfigError
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood
-from rag.io import cache_dir
-from rag.models.ralm import (
+from rag.models.ralm.model import (
     EvalText,
     InContextRALM,
     RalmConfig,
@@ -42,8 +39,11 @@ from rag.models.ralm import (
     retrieve_excluding,
     window_ids,
 )
-from rag.models.rerank import PredictiveReranker
+from rag.models.ralm.rerank import PredictiveReranker
 from rag.training.schedules import step_schedule
+from rag.utils.devices import without_cudnn_attention
+from rag.utils.errors import ConfigError
+from rag.utils.io import cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,8 @@ def read_training_texts(source: str) -> list[EvalText]:
 def ensure_tiny_gpt2(texts: list[str], *, d_model: int = 64, layers: int = 2, vocab_size: int = 1000, max_positions: int = 256,
                      seed: int = 0) -> str:
     """Directory of a random tiny GPT-2 whose BPE tokenizer is trained on `texts`; built once, then reused."""
-    from rag.io import atomic_directory
-    from rag.models import tiny
+    from rag.generators import tiny
+    from rag.utils.io import atomic_directory
 
     key = json.dumps({"d": d_model, "l": layers, "v": vocab_size, "p": max_positions, "s": seed,
                       "texts": hashlib.sha256("\x00".join(texts).encode()).hexdigest(), "format": 1}, sort_keys=True)
@@ -178,7 +178,7 @@ class RerankerDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_examples:
             return
-        from rag.models.generator import load_generator
+        from rag.generators.load import load_generator
 
         h = self.hparams
         texts = read_training_texts(h.texts)
@@ -214,7 +214,7 @@ def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "ma
 
 
 class PredictiveRerankerModule(pl.LightningModule):
-    """Trains :class:`~rag.models.rerank.PredictiveReranker` (§6.2) on :class:`RerankerDataModule` examples.
+    """Trains :class:`~rag.models.ralm.rerank.PredictiveReranker` (§6.2) on :class:`RerankerDataModule` examples.
 
     Args:
         encoder: BERT-family encoder to start from (``minilm``: the bundled all-MiniLM-L6-v2; the paper: RoBERTa-base).

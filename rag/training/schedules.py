@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 
-from rag.errors import ConfigError
+from rag.utils.errors import ConfigError
 
 if TYPE_CHECKING:
     import pytorch_lightning as pl

@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Optional
 
-from rag.checksums import sha256_file
-from rag.errors import IntegrityError, RagError
-from rag.io import atomic_directory, atomic_write_json
+from rag.utils.checksums import sha256_file
+from rag.utils.errors import IntegrityError, RagError
+from rag.utils.io import atomic_directory, atomic_write_json
 
 __all__ = [
     "LABELS", "NLIPair", "SNLI_PACKAGE", "SNLI_VERSION", "SNLI_SDIST_SHA256", "SNLI_MEMBERS", "snli_dir", "parse_snli_lines",

@@ -15,11 +15,11 @@ import types
 import numpy as np
 import pytest
 
-from rag.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.eval.hotswap_eval import HotswapEvalResult, evaluate_hotswap
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import DenseRetriever
+from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 
 N = 6
 ENCODER = {"name": "synthetic", "dim": 4, "fingerprint": "synthetic-4"}
@@ -137,7 +137,7 @@ def test_a_swap_from_elsewhere_during_evaluation_is_detected(world):
 def test_cli_with_a_tiny_rag_model(tmp_path, demo_passages, tiny_dpr_question_dir, tiny_dpr_context_dir, tiny_bart_dir, capsys):
     from rag.cli import main
     from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     enc = TextEncoder(tiny_dpr_context_dir)
     for tag in "AB":

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag.errors import RagError
 from rag.eval.metrics import (
     ExactMatch,
     RetrievalRecall,
@@ -16,6 +15,7 @@ from rag.eval.metrics import (
     token_f1,
 )
 from rag.knowledge.passages import Passage
+from rag.utils.errors import RagError
 
 
 @pytest.mark.parametrize(

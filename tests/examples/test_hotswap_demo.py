@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from rag.demo import CORPUS_PATH, load_demo_corpus, load_demo_qa
-from rag.errors import RagError
+from rag.utils.errors import RagError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,7 +147,7 @@ def test_value_derangement_handles_repeated_values(demo):
 def test_demo_end_to_end_with_a_tiny_model(demo, tmp_path, tiny_dpr_question_dir, tiny_dpr_context_dir, tiny_bart_dir, capsys):
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     kb_a = KnowledgeBase.build(load_demo_corpus(), TextEncoder(tiny_dpr_context_dir), tmp_path / "kb_A", index="flat",
                                show_progress=False)

@@ -77,14 +77,15 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
-    from rag.models import tiny
-    from rag.models.tiny import sample_texts
+    from rag.generators import tiny
+    from rag.generators.tiny import sample_texts
 
     tok = tiny.train_bpe_tokenizer(sample_texts(), vocab_size=500)
     model = tiny.tiny_gpt2(tok, d_model=32, layers=2, max_positions=256, seed=0)
     return tiny.save(model, tok, tmp_path_factory.mktemp("lm"))
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     out, res, png = tmp_path / "out", tmp_path / "r.json", tmp_path / "r.png"

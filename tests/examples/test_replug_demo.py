@@ -41,8 +41,8 @@ def corpus(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
-    from rag.models import tiny
-    from rag.models.tiny import sample_texts
+    from rag.generators import tiny
+    from rag.generators.tiny import sample_texts
 
     tok = tiny.train_bpe_tokenizer(sample_texts(), vocab_size=500)
     model = tiny.tiny_gpt2(tok, d_model=32, layers=2, max_positions=256, seed=0)
@@ -50,13 +50,14 @@ def tiny_lm(tmp_path_factory):
 
 
 def test_replug_settings_name_the_config_fields(demo):
-    from rag.models.ralm import RalmConfig
+    from rag.models.ralm.model import RalmConfig
 
     cfg = RalmConfig(**demo.replug_settings(3, 0.5, True))
     assert (cfg.ensemble, cfg.retrieval_temperature, cfg.random_docs) == (3, 0.5, True)
     assert demo.replug_settings(None, 0.5) == {}
 
 
+@pytest.mark.slow
 def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     out, res, png = tmp_path / "out", tmp_path / "r.json", tmp_path / "r.png"

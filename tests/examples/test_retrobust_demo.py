@@ -27,7 +27,7 @@ def demo():
 
 
 def _planted_nli_dir(tmp_path, wordpiece_tokenizer, winner: int) -> str:
-    from rag.models.tiny import tiny_bert_classifier
+    from rag.generators.tiny import tiny_bert_classifier
 
     model = tiny_bert_classifier(wordpiece_tokenizer, LABELS)
     with torch.no_grad():
@@ -41,7 +41,7 @@ def _planted_nli_dir(tmp_path, wordpiece_tokenizer, winner: int) -> str:
 
 
 def test_nli_backoff_follows_the_planted_model(demo, tmp_path, wordpiece_tokenizer):
-    from rag.models.nli import NLIScorer
+    from rag.retrobust.nli import NLIScorer
 
     passages = [Passage("elements/oxygen", "Oxygen", "Symbol: O."), Passage("elements/iron", "Iron", "Symbol: Fe.")]
     qs, with_ret, without = ["symbol of oxygen?", "symbol of neon?"], ["O", "Fe"], ["O", "Ne"]

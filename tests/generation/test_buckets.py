@@ -7,7 +7,6 @@ import itertools
 import pytest
 import torch
 
-from rag.errors import RagError
 from rag.generation.buckets import (
     Bucket,
     encode_in_buckets,
@@ -17,6 +16,7 @@ from rag.generation.buckets import (
     scatter_buckets,
     take_bucket,
 )
+from rag.utils.errors import RagError
 
 PAD = 1
 
@@ -226,7 +226,7 @@ def test_seq2seq_loss_and_gradients_equal_unbucketed(generator):
 def rag_model(tmp_path_factory, demo_passages, tiny_dpr_question_dir, tiny_dpr_context_dir, tiny_bart_dir):
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     kb = tmp_path_factory.mktemp("buckets_kb") / "kb"
     KnowledgeBase.build(demo_passages[:40], TextEncoder(tiny_dpr_context_dir), kb, index="flat", show_progress=False)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
 from rag.generation.causal import CausalLMDecoder, causal_generate, continuation_logprobs
 from rag.generation.search import GenerationConfig, resolve_spec, sample
+from rag.utils.errors import ConfigError, RagError
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog", "hydrogen is the lightest element",
@@ -23,7 +23,7 @@ def lm(tmp_path_factory):
     """Tiny random GPT-2 (weights N(0, 0.3) so tokens vary, EOS made likely), saved and loaded back as a user would."""
     from transformers import AutoModelForCausalLM
 
-    from rag.models.tiny import tiny_gpt2, train_bpe_tokenizer
+    from rag.generators.tiny import tiny_gpt2, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(TEXTS * 3, vocab_size=300)
     tok.padding_side = "left"

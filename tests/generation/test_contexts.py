@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
 from rag.generation.contexts import (
     Context,
     ContextFormat,
@@ -18,6 +17,7 @@ from rag.generation.contexts import (
     tokenize_contexts,
 )
 from rag.knowledge.passages import Passage
+from rag.utils.errors import ConfigError, RagError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -43,7 +43,7 @@ PASSAGES = [
 
 @pytest.fixture(scope="module")
 def tokenizers():
-    from rag.models.tiny import train_bpe_tokenizer, train_wordpiece_tokenizer
+    from rag.generators.tiny import train_bpe_tokenizer, train_wordpiece_tokenizer
 
     return train_bpe_tokenizer(TEXTS, vocab_size=300), train_wordpiece_tokenizer(TEXTS, vocab_size=200)
 
@@ -181,7 +181,7 @@ def test_short_contexts_pad_to_longest_without_warning(tokenizers):
 
 @pytest.fixture(scope="module")
 def sentencepiece_tokenizer(tmp_path_factory):
-    from rag.models.tiny import train_sentencepiece_tokenizer
+    from rag.generators.tiny import train_sentencepiece_tokenizer
 
     return train_sentencepiece_tokenizer(TEXTS * 3, vocab_size=80, workdir=tmp_path_factory.mktemp("spm"))
 

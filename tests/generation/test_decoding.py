@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
 from rag.generation.decoding import (
     EncodedContexts,
     GenerationConfig,
@@ -17,6 +16,7 @@ from rag.generation.decoding import (
     rag_token_generate,
     teacher_forced_logprobs,
 )
+from rag.utils.errors import ConfigError, RagError
 
 TEXTS = [
     "the quick brown fox jumps over the lazy dog", "hydrogen is the lightest element",
@@ -39,7 +39,7 @@ def _one_thread():
 @pytest.fixture(scope="module")
 def tiny():
     """Tiny random BART (weights N(0, 0.25), EOS logit bias so lengths vary) + BPE tokenizer + DPR encoder."""
-    from rag.models.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer
+    from rag.generators.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer
 
     tok = train_bpe_tokenizer(TEXTS * 3, vocab_size=300)
     gen = tiny_bart(tok, seed=0).eval()
@@ -157,7 +157,7 @@ def test_unmasked_search_matches_transformers_on_padded_contexts(tiny, num_beams
     """transformers searches each passage with no attention mask (padded contexts attend to their pads) and rescores
     with the mask: `search_contexts=unmasked_contexts(...)` reproduces that token for token, where the default
     (masked) search gives other answers; fast decoding pools the unmasked search's hypotheses."""
-    from rag.generation.answer import unmasked_contexts
+    from rag.models.rag.generate import unmasked_contexts
 
     tok, gen, _ = tiny
     batch, n_docs = 2, 5
@@ -210,7 +210,7 @@ def test_per_document_search_matches_generator_generate_with_padding(tiny):
 def test_t5_generator_rag_token_matches_transformers():
     from transformers import RagConfig, RagTokenForGeneration
 
-    from rag.models.tiny import tiny_dpr, tiny_t5
+    from rag.generators.tiny import tiny_dpr, tiny_t5
 
     class _Vocab:
         def __init__(self, n):
@@ -554,7 +554,7 @@ def test_invalid_configuration_and_shapes_raise(tiny):
 
 def test_t5_teacher_forced_logprobs_match_full_forward():
     """The generic (non-BART) rescoring path: per-context cross-attention K/V copied to rows, chunked."""
-    from rag.models.tiny import tiny_t5
+    from rag.generators.tiny import tiny_t5
 
     class _Vocab:
         def __init__(self, n):

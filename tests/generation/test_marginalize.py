@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rag.errors import ConfigError, RagError
 from rag.generation.marginalize import (
     doc_log_prior,
     gather_target_logprobs,
@@ -25,6 +24,7 @@ from rag.generation.marginalize import (
     target_mask,
     token_marginal_logprobs,
 )
+from rag.utils.errors import ConfigError, RagError
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -33,7 +33,7 @@ TEXTS = [
     "Water boils at 100 degrees Celsius at sea level.",
     "Hydrogen is the lightest element; helium is the second.",
 ]
-PAD, BOS, EOS = 1, 0, 2  # BART layout (rag.models.tiny.BART_SPECIALS)
+PAD, BOS, EOS = 1, 0, 2  # BART layout (rag.generators.tiny.BART_SPECIALS)
 START = EOS  # BART's decoder_start_token_id
 
 
@@ -54,7 +54,7 @@ def tiny_rag():
     """A tiny random BART + DPR question encoder wrapped in transformers' two RAG classes."""
     from transformers import RagConfig, RagSequenceForGeneration, RagTokenForGeneration
 
-    from rag.models.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer, train_wordpiece_tokenizer
+    from rag.generators.tiny import tiny_bart, tiny_dpr, train_bpe_tokenizer, train_wordpiece_tokenizer
 
     gen_tok = train_bpe_tokenizer(TEXTS, vocab_size=300)
     q_tok = train_wordpiece_tokenizer(TEXTS, vocab_size=200)

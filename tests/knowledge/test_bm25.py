@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.knowledge.bm25 import BM25Index, BM25Retriever, passage_text, top_k
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved, Retriever
+from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 
 CORPUS = [
     Passage("p0", "Hydrogen", "The lightest element; stars such as the Sun are made mostly of it."),

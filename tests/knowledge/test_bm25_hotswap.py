@@ -13,11 +13,11 @@ import threading
 import numpy as np
 import pytest
 
-from rag.errors import IntegrityError, KnowledgeBaseError
 from rag.knowledge.bm25 import BM25Retriever
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
+from rag.utils.errors import IntegrityError, KnowledgeBaseError
 
 N = 12
 ZR = "zirconium"
@@ -158,8 +158,8 @@ def test_lookup_of_a_knowledge_base_is_recognised(kbs):
 
 def test_rag_bm25_pipeline_swaps_its_index(kbs, tiny_dpr_question_dir, tiny_bart_dir):
     """A RAG-BM25 model behind a pipeline: answers and retrievals name and use the swapped-in version."""
-    from rag.models.rag_model import RagModel
-    from rag.pipeline import RagPipeline
+    from rag.models.rag.model import RagModel
+    from rag.pipeline.api import RagPipeline
 
     pipe = RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kbs["A"], retrieval="bm25", n_docs=2))
     slot = KnowledgeBaseSlot.for_model(pipe)

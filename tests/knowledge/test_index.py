@@ -6,7 +6,6 @@ import faiss
 import numpy as np
 import pytest
 
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.knowledge.index import (
     IndexSpec,
     build_index,
@@ -16,6 +15,7 @@ from rag.knowledge.index import (
     search_index,
     write_index,
 )
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 
 
 def clustered(n: int, dim: int = 64, latent: int = 16, clusters: int = 50, seed: int = 0) -> np.ndarray:

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
-from rag.knowledge.knowledge_base import EMBEDDINGS, INDEX, MANIFEST, KnowledgeBase
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import EMBEDDINGS, INDEX, MANIFEST
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import DenseRetriever
+from rag.utils.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
 
 ENC = {"name": "hand-set", "fingerprint": "f" * 64, "dim": 4, "pooling": "cls", "normalize": False}
 
@@ -220,7 +221,7 @@ def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
     child = textwrap.dedent(
         f"""
         import time, numpy as np
-        import rag.knowledge.knowledge_base as kbm
+        import rag.knowledge.manifest as kbm
         from rag.knowledge.passages import Passage
         real = kbm.write_index
         def slow(index, path):
@@ -273,7 +274,7 @@ def _rewrite_manifest(root: Path, edit) -> None:
 
 def _rechecksum(root: Path, rel: str) -> None:
     """Update the manifest's record of `rel` to the file's current content (a consistent tampering)."""
-    from rag.checksums import file_checksums
+    from rag.utils.checksums import file_checksums
 
     _rewrite_manifest(root, lambda m: m["files"].update(file_checksums(root, [root / rel])))
 
@@ -313,7 +314,7 @@ def test_unrecorded_file_in_a_loaded_directory_is_refused(tmp_path, bert_encoder
 def test_non_finite_embeddings_are_refused_at_open(toy_kb, value, monkeypatch):
     """A knowledge base whose records agree with NaN/Inf embeddings (written by another tool, or re-checksummed)
     is refused on opening; the check reads the memory map in blocks (forced small here)."""
-    import rag.knowledge.knowledge_base as kbm
+    import rag.knowledge.manifest as kbm
 
     root = Path(toy_kb.path)
     emb = np.load(root / EMBEDDINGS)

@@ -9,18 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from rag.errors import ConfigError, CorpusError
-from rag.knowledge.passages import (
-    Document,
-    EmptyDocumentsWarning,
-    Passage,
-    content_id,
-    detect_format,
-    iter_corpus,
-    load_corpus,
-    read_documents,
-    split_passages,
-)
+from rag.knowledge.documents import Document, detect_format, read_documents
+from rag.knowledge.passages import EmptyDocumentsWarning, Passage, content_id, iter_corpus, load_corpus, split_passages
+from rag.utils.errors import ConfigError, CorpusError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "corpora"
 
@@ -330,7 +321,7 @@ def test_unknown_inputs(tmp_path):
 
 
 def test_folder_reads_txt_jsonl_csv_tsv_and_warns_about_other_files(tmp_path):
-    from rag.knowledge.passages import SkippedFilesWarning
+    from rag.knowledge.documents import SkippedFilesWarning
 
     (tmp_path / "sub").mkdir()
     (tmp_path / "a.txt").write_text("text file")

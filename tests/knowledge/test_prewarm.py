@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import rag.checksums as checksums
 import rag.knowledge.pagecache as pagecache
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
+import rag.utils.checksums as checksums
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import DenseRetriever
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prewarm reads /proc/self/maps (Linux)")
 

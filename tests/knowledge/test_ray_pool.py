@@ -11,10 +11,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from rag.errors import RetrievalError  # noqa: E402
 from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
 from rag.knowledge.passages import Passage  # noqa: E402
 from rag.knowledge.ray_pool import RayRetrievalPool  # noqa: E402
+from rag.utils.errors import RetrievalError  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starting a local Ray takes ~10-20 s on 2 busy cores
 
@@ -36,6 +36,7 @@ def local_ray():
     ray.shutdown()
 
 
+@pytest.mark.slow
 def test_pool_matches_local_search_and_survives_a_killed_actor(kb_dir, local_ray):
     kb = KnowledgeBase.open(kb_dir)
     pool = RayRetrievalPool(kb_dir, n_actors=2, timeout=30)
@@ -81,8 +82,9 @@ def test_pool_matches_local_search_and_survives_a_killed_actor(kb_dir, local_ray
         pool.close()
 
 
+@pytest.mark.slow
 def test_search_errors_of_the_knowledge_base_pass_through(kb_dir, local_ray):
-    from rag.errors import KnowledgeBaseError, RagError
+    from rag.utils.errors import KnowledgeBaseError, RagError
 
     pool = RayRetrievalPool(kb_dir, n_actors=1, timeout=30)
     try:
@@ -120,6 +122,7 @@ class socket_free_port:
         return None
 
 
+@pytest.mark.slow
 def test_rag_module_retrieves_through_the_actors_while_training(local_ray, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir,
                                                                tmp_path):
     """model.retrieval_actors: the training retriever's searches are served by the actors (the same results as local

@@ -8,9 +8,9 @@ from typing import Optional
 import pytest
 import torch
 
-from rag.errors import ConfigError
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.scoring import RetrievalScorer
+from rag.utils.errors import ConfigError
 
 
 @dataclass

@@ -9,9 +9,9 @@ import pytest
 
 from rag.cli import main
 from rag.demo import CORPUS_PATH
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.shards import ShardSpec, merge_shards, parse_shard
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 
 N = 3
 

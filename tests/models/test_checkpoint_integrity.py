@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from rag.checksums import file_checksums
-from rag.errors import ConfigError, IntegrityError
-from rag.models.rag_model import CHECKPOINT_CONFIG, RagModel
+from rag.models.rag.model import CHECKPOINT_CONFIG, RagModel
+from rag.utils.checksums import file_checksums
+from rag.utils.errors import ConfigError, IntegrityError
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +144,7 @@ def test_missing_knowledge_base_says_to_pass_kb(ckpt, capsys):
 
 def test_demo_knowledge_base_is_referenced_by_name(monkeypatch, tmp_path):
     from rag.demo.kb import demo_kb_path
-    from rag.models.checkpoint import knowledge_base_reference
+    from rag.models.rag.checkpoint import knowledge_base_reference
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     assert knowledge_base_reference(demo_kb_path(), tmp_path / "anywhere" / "ckpt") == {"name": "demo", "path": None}
@@ -175,12 +175,12 @@ def test_a_rebuild_of_the_same_passages_is_not_warned_about_another_knowledge_ba
     other = KnowledgeBase.from_embeddings(demo_passages[1:13], emb, kb.encoder, tmp_path / "other", index="flat",
                                           show_progress=False)
     assert rebuilt.version != kb.version and rebuilt.manifest.passages_digest == kb.manifest.passages_digest
-    with caplog.at_level(logging.INFO, logger="rag.models.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="rag.models.rag.checkpoint"):
         RagModel.from_pretrained(saved, knowledge_base=rebuilt.path)
     assert "a rebuild of the one the model was saved with" in caplog.text
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="rag.models.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="rag.models.rag.checkpoint"):
         RagModel.from_pretrained(saved, knowledge_base=other.path)
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "the model was saved with" in r.message]
 
@@ -189,7 +189,7 @@ def test_the_bundled_demo_checkpoint_knows_the_demo_passages():
     """`rag demo` rebuilds the demo knowledge base on the user's machine: its passages must match the recorded digest."""
     from rag.demo import load_demo_corpus
     from rag.demo.model import demo_checkpoint_dir
-    from rag.knowledge.knowledge_base import _passages_digest
+    from rag.knowledge.manifest import passages_digest
 
     ref = json.loads((demo_checkpoint_dir() / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
-    assert ref["passages_digest"] == _passages_digest(load_demo_corpus())
+    assert ref["passages_digest"] == passages_digest(load_demo_corpus())

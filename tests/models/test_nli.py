@@ -8,8 +8,8 @@ import math
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
-from rag.models.nli import NLIScorer, default_nli_model, find_nli_labels, resolve_nli_model, validate_threshold
+from rag.retrobust.nli import NLIScorer, default_nli_model, find_nli_labels, resolve_nli_model, validate_threshold
+from rag.utils.errors import ConfigError, RagError
 
 BART_MNLI = {0: "contradiction", 1: "neutral", 2: "entailment"}  # facebook/bart-large-mnli's id2label
 ROBERTA_MNLI = {0: "CONTRADICTION", 1: "NEUTRAL", 2: "ENTAILMENT"}  # roberta-large-mnli's
@@ -27,7 +27,7 @@ HYPOTHESES = ["The chemical symbol of selenium is Se.", "Hydrogen is the lightes
 
 @pytest.fixture(scope="module")
 def nli_dir(tmp_path_factory, wordpiece_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_bert_classifier
+    from rag.generators.tiny import save, tiny_bert_classifier
 
     return save(tiny_bert_classifier(wordpiece_tokenizer, BART_MNLI, seed=3), wordpiece_tokenizer, tmp_path_factory.mktemp("nli"))
 
@@ -53,7 +53,7 @@ def test_label_discovery(id2label, expected):
 
 
 def test_no_entailment_label_is_a_clear_error(tmp_path, wordpiece_tokenizer):
-    from rag.models.tiny import save, tiny_bert_classifier
+    from rag.generators.tiny import save, tiny_bert_classifier
 
     path = save(tiny_bert_classifier(wordpiece_tokenizer, {0: "LABEL_0", 1: "LABEL_1"}), wordpiece_tokenizer, tmp_path / "m")
     with pytest.raises(ConfigError) as e:
@@ -83,7 +83,7 @@ def test_premise_is_truncated_never_the_hypothesis(nli_dir):
     scorer = NLIScorer.from_pretrained(nli_dir, max_length=24)
     long_premise = " ".join(PREMISES * 4)
     hypothesis = "The chemical symbol of selenium is Se."
-    from rag.models.nli import encode_nli_pairs
+    from rag.retrobust.nli import encode_nli_pairs
 
     enc = encode_nli_pairs(scorer.tokenizer, [long_premise], [hypothesis], scorer.max_length)
     ids = enc["input_ids"][0].tolist()

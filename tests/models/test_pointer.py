@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag.models.pointer import attach_ids, copy_log_probs, split_memory
+from rag.generators.pointer import attach_ids, copy_log_probs, split_memory
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -59,7 +59,7 @@ def test_gradients_are_finite_where_the_copy_distribution_is_zero():
 def test_pointer_generator_learns_to_copy_tokens_it_never_saw_as_targets(tiny_bert_dir):
     """Trained to answer 'key X' with X for 100 steps on half the vocabulary, a pointer generator copies
     tokens from the other half; without the copy head the same training does not."""
-    from rag.models.warm_start import build_warm_start_generator
+    from rag.generators.warm_start import build_warm_start_generator
 
     def train_and_test(pointer: bool) -> float:
         gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=pointer, seed=0)
@@ -100,7 +100,7 @@ def test_pointer_generator_learns_to_copy_tokens_it_never_saw_as_targets(tiny_be
 
 
 def test_continuation_matches_mark_the_token_after_each_occurrence_of_the_previous_output():
-    from rag.models.pointer import continuation_matches
+    from rag.generators.pointer import continuation_matches
 
     source = torch.tensor([[101, 5, 6, 5, 7, 102]])
     previous = torch.tensor([[101, 5, 7, 0]])  # decoder start, then tokens 5 and 7, then padding
@@ -113,7 +113,7 @@ def test_continuation_matches_mark_the_token_after_each_occurrence_of_the_previo
 
 
 def test_bigram_matches_mark_only_the_continuation_of_the_last_two_output_tokens():
-    from rag.models.pointer import bigram_continuation_matches, continuation_matches
+    from rag.generators.pointer import bigram_continuation_matches, continuation_matches
 
     source = torch.tensor([[101, 8, 5, 6, 9, 5, 7, 102]])  # token 5 occurs twice: after 8 and after 9
     history = torch.tensor([[101, 9, 5, 7, 0]])  # decoder start, then 9 5 7, then padding
@@ -133,7 +133,7 @@ def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_b
     """With the continuation head, step-by-step decoding with a KV cache (one previous token per step; for the bigram
     head the tokens so far as copy_history) gives the logits of one teacher-forced forward over the whole sequence, and
     the head changes them."""
-    from rag.models.warm_start import build_warm_start_generator
+    from rag.generators.warm_start import build_warm_start_generator
 
     bigram = continuation == "bigram"
     gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=continuation, seed=0)
@@ -170,7 +170,7 @@ def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_b
 def _copy_only_generator(tiny_bert_dir, continuation):
     """A warm-start generator whose head only copies, attending uniformly, with a unigram continuation bias of 10; and
     five distinct single-token words of its vocabulary."""
-    from rag.models.warm_start import build_warm_start_generator
+    from rag.generators.warm_start import build_warm_start_generator
 
     gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation=continuation, seed=0)
     gen.eval()
@@ -228,7 +228,7 @@ def test_bigram_search_scores_equal_a_forward_without_cache(tiny_bert_dir, num_b
         rag_token_generate,
         teacher_forced_logprobs,
     )
-    from rag.models.warm_start import build_warm_start_generator
+    from rag.generators.warm_start import build_warm_start_generator
 
     gen, tok = build_warm_start_generator(tiny_bert_dir, decoder_layers=1, pointer=True, continuation="bigram", seed=0)
     torch.manual_seed(0)

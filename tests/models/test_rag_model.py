@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.generation import marginalize as M
-from rag.models.rag_model import CHECKPOINT_CONFIG, RagModel, RagModelConfig
+from rag.models.rag.model import CHECKPOINT_CONFIG, RagModel, RagModelConfig
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 
 QUESTIONS = ["What is the atomic number of iron?", "Who discovered oxygen?", "Which element has symbol Na?"]
 ANSWERS = ["26", "Joseph Priestley", "Sodium"]
@@ -347,7 +347,7 @@ def test_label_smoothing_changes_loss_and_keeps_gradients(make_model):
 
 
 def test_t5_generator_works_and_has_no_bos_to_exclude(tmp_path, demo_texts, kb_dir, dirs):
-    from rag.models.tiny import save, tiny_t5, train_sentencepiece_tokenizer
+    from rag.generators.tiny import save, tiny_t5, train_sentencepiece_tokenizer
 
     sp = train_sentencepiece_tokenizer(demo_texts, vocab_size=300, workdir=tmp_path)
     t5_dir = save(tiny_t5(sp), sp, tmp_path / "t5")
@@ -409,7 +409,7 @@ def test_unchanged_query_encoder_is_saved_by_reference_and_verified_on_load(tmp_
 
 def test_save_never_replaces_other_data_even_with_overwrite(model, tmp_path):
     """A checkpoint save replaces an earlier checkpoint, never a folder of the user's files (overwrite or not)."""
-    from rag.io import atomic_directory
+    from rag.utils.io import atomic_directory
 
     notes = tmp_path / "notes"
     notes.mkdir()
@@ -444,10 +444,10 @@ def test_temperature_divides_scores_in_both_marginalizations(make_model, tau):
 
 @pytest.mark.parametrize("marginalization", ["token", "sequence"])
 def test_decoding_and_provenance_use_the_temperature(make_model, marginalization):
-    from rag.generation.answer import generate_for_questions
     from rag.generation.decoding import encode_contexts, rag_sequence_generate, rag_token_generate
     from rag.generation.search import GenerationConfig
-    from rag.readers import RagReader
+    from rag.models.rag.generate import generate_for_questions
+    from rag.pipeline.readers import RagReader
 
     tau = 0.05
     model = make_model(retrieval_temperature=tau, marginalization=marginalization).eval()

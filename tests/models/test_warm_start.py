@@ -8,9 +8,7 @@ import os
 import pytest
 import torch
 
-from rag.errors import ConfigError, IntegrityError
-from rag.models.rag_model import RagModel, RagModelConfig
-from rag.models.warm_start import (
+from rag.generators.warm_start import (
     WEIGHTS_FILE,
     build_warm_start_generator,
     cache_encoder_outputs,
@@ -19,6 +17,8 @@ from rag.models.warm_start import (
     load_warm_start,
     save_generator,
 )
+from rag.models.rag.model import RagModel, RagModelConfig
+from rag.utils.errors import ConfigError, IntegrityError
 
 CONTEXTS = ["Iron / Symbol: Fe. Atomic number: 26. // what is the symbol of iron?", "Neon / a noble gas // which gas?"]
 TARGETS = ["Fe", "noble gas"]

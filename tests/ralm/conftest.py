@@ -13,14 +13,14 @@ import torch
 
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, bpe_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_gpt2
+    from rag.generators.tiny import save, tiny_gpt2
 
     return save(tiny_gpt2(bpe_tokenizer, max_positions=256), bpe_tokenizer, tmp_path_factory.mktemp("tiny_gpt2"))
 
 
 @pytest.fixture(scope="session")
 def lm(tiny_gpt2_dir):
-    from rag.models.generator import load_generator
+    from rag.generators.load import load_generator
 
     model, tok, _ = load_generator(tiny_gpt2_dir, kind="causal")
     return model, tok

@@ -42,7 +42,7 @@ def test_json_equals_the_python_api(capsys, tiny_gpt2_dir, kbs, data, lm):
     from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
     from rag.knowledge.bm25 import BM25Retriever
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.ralm import InContextRALM, RalmConfig
+    from rag.models.ralm.model import InContextRALM, RalmConfig
 
     code, out, _ = _run(capsys, ["lm-eval", "--model", tiny_gpt2_dir, "--kb", kbs["bm25"], "--data", data, "--retrieval", "bm25",
                                  "--json", *ARGS])

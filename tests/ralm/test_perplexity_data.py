@@ -8,9 +8,9 @@ import math
 import numpy as np
 import pytest
 
-from rag.errors import CorpusError
 from rag.eval.perplexity import perplexity_totals, read_eval_texts
-from rag.models.ralm import EvalText, TextScore
+from rag.models.ralm.model import EvalText, TextScore
+from rag.utils.errors import CorpusError
 
 
 def test_jsonl_text_and_datasets_sources(tmp_path):

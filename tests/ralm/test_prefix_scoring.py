@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import RagError
-from rag.models.prefix_scoring import score_after_documents
-from rag.models.ralm import CausalScorer
+from rag.models.ralm.model import CausalScorer
+from rag.models.ralm.prefix_scoring import score_after_documents
+from rag.utils.errors import RagError
 
 
 @pytest.mark.parametrize("split_head", [True, False])

@@ -9,9 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError, RagError
 from rag.eval.perplexity import evaluate_perplexity
-from rag.models.ralm import (
+from rag.models.ralm.model import (
     CausalScorer,
     EvalText,
     InContextRALM,
@@ -22,6 +21,7 @@ from rag.models.ralm import (
     query_spans,
     window_ids,
 )
+from rag.utils.errors import ConfigError, RagError
 
 SMALL = dict(max_length=96, doc_max_length=40)
 
@@ -174,7 +174,7 @@ def test_bad_inputs_name_the_option(lm, bm25, tiny_bart_dir):
         InContextRALM(model, tok, None, RalmConfig(max_length=512))
     from transformers import AutoTokenizer
 
-    from rag.models.generator import load_generator
+    from rag.generators.load import load_generator
 
     bare = AutoTokenizer.from_pretrained(tok.name_or_path)
     bare.pad_token = bare.eos_token = bare.bos_token = None
@@ -197,7 +197,7 @@ def test_chunks_reading_the_same_document_share_one_window_and_the_head_split_is
     assert sum(calls) < n_chunks  # consecutive chunks often retrieve the same passage
     assert ralm.scorer._head is not None  # GPT-2: base model + LM head reproduce the logits
     ralm.scorer._head = None  # full logits, then gather
-    monkeypatch.setattr("rag.models.ralm.WINDOW_SLICE", 3)  # and windows built 3 at a time
+    monkeypatch.setattr("rag.models.ralm.model.WINDOW_SLICE", 3)  # and windows built 3 at a time
     for a, b in zip(merged, (s.token_logprobs for s in ralm.score_texts(texts))):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     for t, lp in zip(texts, merged):
@@ -208,7 +208,7 @@ def test_chunks_reading_the_same_document_share_one_window_and_the_head_split_is
 def test_leakage_guard_digs_deeper_when_the_own_document_fills_the_top(tmp_path):
     from rag.knowledge.bm25 import BM25Retriever
     from rag.knowledge.passages import Passage
-    from rag.models.ralm import retrieve_excluding
+    from rag.models.ralm.model import retrieve_excluding
 
     own = [Passage(f"doc/tin-{i}", "Tin", f"tin solder pewter bronze part {i}") for i in range(12)]  # a document split in 12
     others = [Passage("doc/lead", "Lead", "lead solder pipes"), Passage("doc/zinc", "Zinc", "zinc bronze brass"),

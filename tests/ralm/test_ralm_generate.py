@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rag.errors import ConfigError
 from rag.generation.search import GenerationConfig
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved
-from rag.models.ralm import InContextRALM, RalmConfig, doc_text, window_start
-from rag.models.ralm_generate import ralm_generate
+from rag.models.ralm.generate import ralm_generate
+from rag.models.ralm.model import InContextRALM, RalmConfig, doc_text, window_start
+from rag.utils.errors import ConfigError
 
 SMALL = dict(max_length=96, doc_max_length=24)
 PROMPTS = ["Hydrogen is the lightest element and", "The noble gases are"]

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import rag
-from rag.errors import ConfigError
 from rag.generation.search import GenerationConfig
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.passages import Passage
-from rag.pipeline import RagPipeline, RalmReader
-from rag.serve import ServeLimits, background_server, create_app
+from rag.pipeline.api import RagPipeline, RalmReader
+from rag.serve.app import ServeLimits, background_server, create_app
+from rag.utils.errors import ConfigError
 
 SETTINGS = dict(stride=4, query_length=8, max_length=96, doc_max_length=24)
 PROMPTS = ["The capital of France is", "Oxygen was discovered by"]
@@ -45,7 +45,7 @@ def kbs(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question
 @pytest.fixture(scope="module")
 def gpt2_512(tmp_path_factory, bpe_tokenizer):
     """A tiny GPT-2 whose window fits the default document length (256 + stride + 1)."""
-    from rag.models.tiny import save, tiny_gpt2
+    from rag.generators.tiny import save, tiny_gpt2
 
     return save(tiny_gpt2(bpe_tokenizer, max_positions=512, seed=3), bpe_tokenizer, tmp_path_factory.mktemp("gpt2_512"))
 
@@ -56,10 +56,10 @@ def pipe(tiny_gpt2_dir, kbs):
 
 
 def test_load_recognises_a_causal_lm_and_generates_with_provenance(pipe, kbs, lm):
+    from rag.generators.load import checkpoint_generator_kind
     from rag.knowledge.bm25 import BM25Retriever
-    from rag.models.generator import checkpoint_generator_kind
-    from rag.models.ralm import InContextRALM, RalmConfig
-    from rag.models.ralm_generate import ralm_generate
+    from rag.models.ralm.generate import ralm_generate
+    from rag.models.ralm.model import InContextRALM, RalmConfig
 
     assert isinstance(pipe, RagPipeline) and isinstance(pipe.reader, RalmReader) and pipe.kind == "causal"
     assert checkpoint_generator_kind("smollm2") == "causal"  # the demo LM alias (not converted here)
@@ -100,7 +100,7 @@ def test_retrieval_kinds(pipe, kbs):
 
 
 def test_wrong_kind_is_a_clear_error(pipe, kbs, tiny_bart_dir, tiny_dpr_question_dir, tiny_gpt2_dir):
-    from rag.models.rag_model import RagModel
+    from rag.models.rag.model import RagModel
 
     with pytest.raises(ConfigError, match=r"marginalization= \(--marginalization\).*seq2seq"):
         pipe.generate(PROMPTS, marginalization="token")
@@ -156,9 +156,9 @@ def test_hot_swap_under_the_ralm_reader(pipe, kbs):
 
 
 def test_swap_refuses_a_knowledge_base_without_bm25(pipe, kbs, tmp_path, tiny_dpr_context_dir, demo_passages):
-    from rag.errors import KnowledgeBaseError
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.utils.errors import KnowledgeBaseError
 
     dense_only = KnowledgeBase.build(demo_passages[:12], TextEncoder(tiny_dpr_context_dir), tmp_path / "dense", index="flat",
                                      show_progress=False)
@@ -219,7 +219,7 @@ def test_serve_generate_retrieve_and_swap(tiny_gpt2_dir, kbs):
 
 def test_python_reader_from_components(lm, kbs):
     """A RalmReader built in Python (an open KnowledgeBase, a default retrieval) behaves as the loaded one."""
-    from rag.models.ralm import RalmConfig
+    from rag.models.ralm.model import RalmConfig
 
     reader = RalmReader(*lm, kbs["A"], RalmConfig(**SETTINGS), retrieval="dense")
     pipe = RagPipeline(reader)

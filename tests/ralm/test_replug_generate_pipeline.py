@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import rag
-from rag.errors import ConfigError, RagError
 from rag.generation.search import GenerationConfig
 from rag.knowledge.passages import Passage
-from rag.models.ralm import doc_text
-from rag.models.replug import replug_generate
-from rag.serve import ServeLimits, background_server, create_app
+from rag.models.ralm.model import doc_text
+from rag.models.replug.ensemble import replug_generate
+from rag.serve.app import ServeLimits, background_server, create_app
+from rag.utils.errors import ConfigError, RagError
 
 SETTINGS = dict(stride=4, query_length=8, max_length=96, doc_max_length=24)
 PROMPTS = ["The capital of France is", "Oxygen was discovered by"]

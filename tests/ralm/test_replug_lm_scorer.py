@@ -8,8 +8,15 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError
-from rag.models.lm_scorer import CompletionsLMScorer, LMEndpointError, LocalLMScorer, ScoreCache, document_logprobs, replug_prompt
+from rag.models.replug.lm_scorer import (
+    CompletionsLMScorer,
+    LMEndpointError,
+    LocalLMScorer,
+    ScoreCache,
+    document_logprobs,
+    replug_prompt,
+)
+from rag.utils.errors import ConfigError
 
 PAIRS = [("Hydrogen\nHydrogen is the lightest element.\n\nThe lightest element is", " hydrogen."),
          ("Helium is a noble gas.\n\nA noble gas", " does not react."),

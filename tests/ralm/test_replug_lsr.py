@@ -10,10 +10,10 @@ import pytest
 import torch
 import yaml
 
-from rag.errors import ConfigError, RagError
-from rag.generation.lsr import lsr_loss
-from rag.models.lm_scorer import LMEndpointError
+from rag.models.replug.lm_scorer import LMEndpointError
+from rag.models.replug.lsr import lsr_loss
 from rag.training.replug_lsr import ReplugLSRModule, lm_scores
+from rag.utils.errors import ConfigError, RagError
 
 CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "replug_lsr_tiny.yaml"
 QUESTION, ANSWER = "Which element is the lightest?", "hydrogen"

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError
-from rag.models.ralm import CausalScorer, EvalText, InContextRALM, RalmConfig, doc_text, retrieve_excluding
-from rag.models.rerank import LMReranker, best_documents
+from rag.models.ralm.model import CausalScorer, EvalText, InContextRALM, RalmConfig, doc_text, retrieve_excluding
+from rag.models.ralm.rerank import LMReranker, best_documents
+from rag.utils.errors import ConfigError
 
 SMALL = dict(max_length=96, doc_max_length=40)
 
@@ -38,7 +38,7 @@ def test_lm_reranker_scores_equal_a_brute_force_loop_and_choose_the_document_rea
     text = EvalText(demo_passages[7].text, demo_passages[7].id, demo_passages[7].title)
     stream = ralm.scorer.stream(text.text)
     spans, queries = ralm.plan(stream)
-    from rag.models.ralm import own_document_filter
+    from rag.models.ralm.model import own_document_filter
 
     guard = own_document_filter(text)
     cands = retrieve_excluding(bm25, queries[1:], 5, [guard] * (len(queries) - 1))
@@ -57,8 +57,8 @@ def test_lm_reranker_scores_equal_a_brute_force_loop_and_choose_the_document_rea
 
 
 def test_a_smaller_reranking_lm_with_its_own_tokenizer(lm, bm25, demo_passages, tmp_path):
-    from rag.models import tiny
-    from rag.models.generator import load_generator
+    from rag.generators import tiny
+    from rag.generators.load import load_generator
 
     model, tok = lm
     small_tok = tiny.train_bpe_tokenizer(tiny.sample_texts(), vocab_size=350)

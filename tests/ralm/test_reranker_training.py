@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag.models.ralm import EvalText, InContextRALM, RalmConfig, window_ids
+from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, window_ids
 from rag.training.reranker import (
     PredictiveRerankerModule,
     RerankerDataModule,
@@ -95,7 +95,7 @@ def test_training_lowers_the_loss_on_a_toy_task(tiny_bert_dir, tmp_path):
 
 
 def test_exported_reranker_serves_lm_eval(tiny_bert_dir, tiny_gpt2_dir, bm25, lm, demo_passages, tmp_path, capsys):
-    from rag.models.rerank import PredictiveReranker
+    from rag.models.ralm.rerank import PredictiveReranker
 
     module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8)
     module.export(tmp_path / "rr")

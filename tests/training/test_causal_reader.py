@@ -10,16 +10,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from rag.errors import ConfigError
 from rag.knowledge.passages import Passage
 from rag.training.causal_reader import DEFAULT_PROMPT, CausalReaderModule, answer_nll, reading_windows
+from rag.utils.errors import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "retrobust_reader_tiny.yaml"
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, bpe_tokenizer) -> str:
-    from rag.models.tiny import save, tiny_gpt2
+    from rag.generators.tiny import save, tiny_gpt2
 
     return save(tiny_gpt2(bpe_tokenizer, max_positions=128), bpe_tokenizer, tmp_path_factory.mktemp("reader"))
 
@@ -94,8 +94,8 @@ def test_answer_under_a_given_passage_equals_ralm_reader_generation(module):
     """The reader's greedy answer after a chosen passage is RalmReader's answer when that passage is the one it retrieved
     (stride >= answer length: one retrieval), and the no-passage answer is its no-retrieval one. The random LM is first
     taught to say a passage's title, so that answers are real words that depend on the passage."""
-    from rag.models.ralm import RalmConfig
-    from rag.readers import RalmReader
+    from rag.models.ralm.model import RalmConfig
+    from rag.pipeline.readers import RalmReader
     from rag.training.causal_reader import first_line
 
     kb = module._knowledge_base()
@@ -136,13 +136,14 @@ def test_selfask_chains_join_every_training_step(gpt2_dir, tiny_kb_dir, monkeypa
     assert all(p.startswith("Question:") and "Are follow up questions needed here: Yes." in p for p in seen["prompts"][2:])
 
 
+@pytest.mark.slow
 def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
     """RetRobust's claim (§2.2) on a toy task, for the decoder-only reader: 12 entities with a code each, one passage per
     entity. Trained on its own passage only, a tiny GPT-2 learns to copy the code from whatever it reads; trained on
     contexts from the RetRobust sampler it must also know the codes, and a random passage hurts it far less."""
-    from rag.models.generator import load_generator
-    from rag.models.ralm import CausalScorer
-    from rag.models.tiny import save, tiny_gpt2, train_bpe_tokenizer
+    from rag.generators.load import load_generator
+    from rag.generators.tiny import save, tiny_gpt2, train_bpe_tokenizer
+    from rag.models.ralm.model import CausalScorer
     from rag.training.context_mixing import ContextMixing, sample_context_choices
 
     names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]

@@ -143,6 +143,7 @@ def test_nested_option_help_shows_the_fields_with_their_docs(argv, shows, tmp_pa
         assert "marginalised" in out.split("--model.rag.n_docs N_DOCS", 2)[-1][:200]
 
 
+@pytest.mark.slow
 def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
     """`rag fit` then `rag validate` and a resumed `rag fit`, all via rag.cli.main."""
     from rag.cli import main

@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import yaml
 
-from rag.errors import ConfigError, RagError
 from rag.training.context_mixing import ContextMixing, sample_context_choices
+from rag.utils.errors import ConfigError, RagError
 
 
 def _rows(n_questions: int, k: int, n_passages: int, seed: int = 0) -> list[list[int]]:
@@ -125,6 +125,7 @@ def test_cli_reads_context_mixing(tmp_path, monkeypatch, capsys):
     assert "data.context_mixing.p_top1 + p_low + p_random = 1.25" in str(e.value) + capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
     """The toy version of RetRobust's claim (§2.2, Fig. 4): 12 entities with a code each, one passage per entity.
     A tiny BART trained on its question's own passage only learns to copy from whatever it reads, so a random
@@ -132,11 +133,11 @@ def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
     1/3 low-ranked, 1/3 random) it must also know the codes, and a random passage hurts it far less."""
     import torch
 
+    from rag.generators.tiny import save, tiny_bart, tiny_dpr, train_bpe_tokenizer
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.knowledge.passages import Passage
-    from rag.models.rag_model import RagModel
-    from rag.models.tiny import save, tiny_bart, tiny_dpr, train_bpe_tokenizer
+    from rag.models.rag.model import RagModel
 
     names = ["alpha", "bravo", "charlie", "delta", "echo", "foxtrot", "golf", "hotel", "india", "juliet", "kilo", "lima"]
     codes = ["red", "blue", "green", "black", "white", "pink", "gray", "brown", "gold", "cyan", "lime", "navy"]

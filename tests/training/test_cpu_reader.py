@@ -7,10 +7,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from rag.errors import ConfigError
 from rag.knowledge.passages import Passage
 from rag.training.budget import CpuBudget
 from rag.training.reading_practice import ReadingPracticeSettings, corpus_practice
+from rag.utils.errors import ConfigError
 
 PASSAGES = [
     Passage("a", "Quicksort", "Quicksort is a sorting algorithm that picks a pivot. It partitions the array around the pivot "
@@ -92,7 +92,7 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
                                                                          trainer_kw, tmp_path):
     """generator: warm:minilm builds (once) a copy-head generator over the bundled MiniLM; training caches its frozen
     encoder inside the module, mixes reading practice into each step, and the checkpoint and export load back."""
-    from rag.models.warm_start import is_warm_start
+    from rag.generators.warm_start import is_warm_start
     from rag.training.export import export_checkpoint
     from rag.training.modules import RagModule
 
@@ -125,8 +125,8 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
     assert (tmp_path / "model" / "rag_config.json").is_file()
     out = export_checkpoint(tmp_path / "ckpt" / "last.ckpt", tmp_path / "exported", knowledge_base=tiny_kb_dir)
     assert (out / "generator" / "config.json").is_file()
-    from rag.models.warm_start import load_warm_start
-    from rag.pipeline import load
+    from rag.generators.warm_start import load_warm_start
+    from rag.pipeline.api import load
 
     for exported in (tmp_path / "model", out):  # the end of fit and rag export store the run's decoding settings
         stored = load(exported, knowledge_base=tiny_kb_dir).model.config.generation

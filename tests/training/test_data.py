@@ -7,18 +7,9 @@ import warnings
 
 import pytest
 
-from rag.errors import ConfigError
-from rag.training.data import (
-    EmptyExamplesWarning,
-    QADataError,
-    QADataModule,
-    QAEvalDataset,
-    QAPairsDataset,
-    collate_qa,
-    expand_answers,
-    read_qa,
-    read_source_target,
-)
+from rag.eval.qa_data import EmptyExamplesWarning, QADataError, expand_answers, read_qa, read_source_target
+from rag.training.data import QADataModule, QAEvalDataset, QAPairsDataset, collate_qa
+from rag.utils.errors import ConfigError
 
 
 def _jsonl(path, rows):

@@ -138,8 +138,8 @@ class _Trainer:
 def test_ranks_disagreeing_on_the_knowledge_base_refuse_to_step():
     from types import SimpleNamespace
 
-    from rag.errors import KnowledgeBaseError
     from rag.training.distributed import check_same_knowledge_base, version_code
+    from rag.utils.errors import KnowledgeBaseError
 
     kb = SimpleNamespace(version="kb-aaaaaaaaaaaa", path="/kbs/a")
     check_same_knowledge_base(_Trainer(["kb-aaaaaaaaaaaa"] * 2), kb)
@@ -154,8 +154,8 @@ def test_reranker_ranks_with_examples_from_different_knowledge_bases_refuse_to_t
     """The reranker's examples are retrieved by each rank's data module at setup: they must come from one version."""
     from types import SimpleNamespace
 
-    from rag.errors import KnowledgeBaseError
     from rag.training.reranker import PredictiveRerankerModule
+    from rag.utils.errors import KnowledgeBaseError
 
     module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8)
     data = SimpleNamespace(knowledge_base=SimpleNamespace(version="kb-aaaaaaaaaaaa", path="/kbs/a"))

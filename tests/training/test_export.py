@@ -101,3 +101,75 @@ def test_predict_writes_jsonl_with_provenance_and_test_prints_samples(run, capsy
     assert "test samples:" in capsys.readouterr().out
     assert main(["predict", "--config", run["config"], "--ckpt_path", str(run["ckpt"]), "--data.predict", "null"]) == 2
     assert "data.predict" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def beam_run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> dict:
+    """A 1-step `rag fit` scored with 4 beams and length penalty 2: the exported model stores those settings."""
+    from rag.cli import main
+
+    root = tmp_path_factory.mktemp("beam_run")
+    cfg = {
+        "seed_everything": 3,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+                    "default_root_dir": str(root / "run"), "enable_progress_bar": False, "logger": False,
+                    "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
+                                   "init_args": {"dirpath": str(root / "ckpt"), "save_last": True}}]},
+        "model": {"class_path": "RagModule", "init_args": {
+            "generator": tiny_bart_dir, "question_encoder": tiny_dpr_question_dir, "knowledge_base": tiny_kb_dir,
+            "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "freeze_query_encoder": True},
+            "num_beams": 4, "length_penalty": 2.0, "max_new_tokens": 4, "recall_at": [1],
+            "predictions_file": str(root / "predictions.jsonl"), "export_dir": str(root / "exported")}},
+        "data": {"class_path": "QADataModule", "init_args": {
+            "train": "demo:train", "predict": "demo:test", "batch_size": 4, "max_eval_examples": 4}},
+    }
+    path = root / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    assert main(["fit", "--config", str(path)]) == 0
+    # `rag predict` decodes as `rag test` scores (RagModule.decoding_defaults)
+    assert main(["predict", "--config", str(path), "--ckpt_path", str(root / "ckpt" / "last.ckpt")]) == 0
+    predictions = [json.loads(line) for line in (root / "predictions.jsonl").read_text().splitlines()]
+    return {"exported": root / "exported", "predictions": predictions}
+
+
+def test_exported_decoding_settings_apply_on_every_path(beam_run, monkeypatch, capsys):
+    """A model exported with num_beams 4 / length_penalty 2 answers alike through `rag generate --model DIR`,
+    rag.load(DIR).generate and POST /generate: no path substitutes its own defaults for the stored ones."""
+    import httpx
+
+    import rag
+    from rag.cli import main
+    from rag.generation.search import GenerationConfig
+    from rag.pipeline import readers
+    from rag.serve.app import ServeLimits, background_server, create_app
+
+    seen: list[GenerationConfig] = []
+    original = readers.RagReader._generation_config
+
+    def spy(self, *a, **kw):
+        config = original(self, *a, **kw)
+        seen.append(config)
+        return config
+
+    monkeypatch.setattr(readers.RagReader, "_generation_config", spy)
+    model_dir = str(beam_run["exported"])
+    questions = [p["question"] for p in beam_run["predictions"]]
+    scored = [p["answer"] for p in beam_run["predictions"]]
+    stored = json.loads((beam_run["exported"] / "rag_config.json").read_text())
+    assert stored["config"]["generation"] == {"num_beams": 4, "max_new_tokens": 4, "length_penalty": 2.0}
+
+    assert main(["generate", "--model", model_dir, "--json", *questions]) == 0
+    by_cli = [json.loads(line)["text"] for line in capsys.readouterr().out.strip().splitlines()]
+    pipe = rag.load(model_dir)
+    by_api = [a.text for a in pipe.generate(questions)]
+    app = create_app(pipe, limits=ServeLimits(request_timeout=None))
+    with background_server(app) as url:
+        resp = httpx.post(f"{url}/generate", json={"questions": questions}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    by_http = [a["text"] for a in resp.json()["answers"]]
+    assert by_cli == by_api == by_http == scored
+    assert len(seen) >= 3 and all((c.num_beams, c.length_penalty, c.max_new_tokens) == (4, 2.0, 4) for c in seen)
+    # an explicit option still wins over the stored one
+    seen.clear()
+    assert main(["generate", "--model", model_dir, "--num-beams", "2", QUESTIONS[0]]) == 0
+    assert seen[0].num_beams == 2 and seen[0].length_penalty == 2.0

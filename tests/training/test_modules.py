@@ -6,10 +6,10 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from rag.errors import ConfigError, KnowledgeBaseError
-from rag.models.tiny_generator import TinyGenerator, ensure_tiny_generator
+from rag.generators.tiny_generator import TinyGenerator, ensure_tiny_generator
 from rag.training.modules import RagModule
 from rag.training.schedules import warmup_constant, warmup_linear_decay
+from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 
 def _snapshot(params):
@@ -187,8 +187,8 @@ def test_closed_book_trains_only_the_generator_on_bare_questions(make_module, ma
 
 
 def test_closed_book_refuses_mixed_contexts(make_module):
-    from rag.errors import ConfigError
     from rag.knowledge.passages import Passage
+    from rag.utils.errors import ConfigError
 
     module = make_module(closed_book=True)
     module.configure_model()
@@ -198,7 +198,7 @@ def test_closed_book_refuses_mixed_contexts(make_module):
 
 
 def test_generation_metrics_are_logged_in_validation(make_module, make_data, trainer_kw):
-    from rag.errors import ConfigError
+    from rag.utils.errors import ConfigError
 
     module = make_module(generation_metrics=["bleu1", "rougeL"])
     trainer = pl.Trainer(max_steps=1, limit_val_batches=1, val_check_interval=1, **trainer_kw)
@@ -211,8 +211,8 @@ def test_generation_metrics_are_logged_in_validation(make_module, make_data, tra
 
 
 def test_rag_module_actor_options_are_checked():
-    from rag.errors import ConfigError
     from rag.training.modules import RagModule
+    from rag.utils.errors import ConfigError
 
     with pytest.raises(ConfigError, match="model.retrieval_actors"):
         RagModule(retrieval_actors=-1)

@@ -15,7 +15,7 @@ CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "nli_tiny.y
 @pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
 def test_tiny_config_trains_and_exports(tmp_path, monkeypatch):
     from rag.cli import main
-    from rag.models.nli import NLIScorer
+    from rag.retrobust.nli import NLIScorer
     from rag.training.nli import EXPORT_INFO
 
     monkeypatch.chdir(tmp_path)  # runs/nli_tiny/... is relative to the working directory
@@ -37,8 +37,8 @@ def test_tiny_config_trains_and_exports(tmp_path, monkeypatch):
 
 
 def test_nli_module_rejects_bad_options():
-    from rag.errors import ConfigError
     from rag.training.nli import NLIModule
+    from rag.utils.errors import ConfigError
 
     with pytest.raises(ConfigError, match="warmup_ratio"):
         NLIModule(warmup_ratio=1.5)
@@ -49,10 +49,10 @@ def test_nli_module_rejects_bad_options():
 @pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
 def test_rag_nli_prepare_trains_tests_and_is_then_a_no_op(tmp_path, monkeypatch, capsys, make_snli_sdist):
     """`rag nli prepare` with a local sdist (the tiny layout of test_snli) and the tiny recipe."""
-    from rag.checksums import sha256_file
     from rag.cli import main
     from rag.training import snli
     from rag.training.nli import EXPORT_INFO
+    from rag.utils.checksums import sha256_file
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))

@@ -17,11 +17,11 @@ import pytest
 import pytorch_lightning as pl
 import torch
 
-from rag.errors import ConfigError, KnowledgeBaseError
 from rag.knowledge.encoders import TextEncoder, weights_fingerprint
 from rag.knowledge.knowledge_base import KnowledgeBase
-from rag.models.rag_model import RagModel, RagModelConfig
+from rag.models.rag.model import RagModel, RagModelConfig
 from rag.training.callbacks import IndexRefresh, parse_schedule
+from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 QUESTIONS = ["Who discovered oxygen?", "What is the atomic number of iron?", "Which element has the symbol Na?"]
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "lightning_configs"
@@ -293,6 +293,7 @@ def _fake_worker(tmp_path: Path, body: str) -> list[str]:
     return [sys.executable, str(fake)]
 
 
+@pytest.mark.slow
 def test_refresh_swaps_in_a_new_index_during_training(make_module, make_data, trainer_kw, tmp_path, tiny_kb_dir):
     """Refresh at step 1 (background build), swapped in after step 2; step 3 trains on the new index, whose
     ids for a fixed query are the exact top-k under the document encoder as it was at step 1."""
@@ -361,6 +362,7 @@ def test_failed_build_is_logged_and_training_goes_on_with_the_old_index(make_mod
     _assert_nothing_half_built(tmp_path / "refresh" / "step-00000001")
 
 
+@pytest.mark.slow
 def test_killed_build_is_logged_and_never_swapped_in(make_module, make_data, trainer_kw, tmp_path, tiny_kb_dir, caplog):
     old = KnowledgeBase.open(tiny_kb_dir)
     hang = _worker_script(tmp_path, "    (OUT.parent / 'inside-build').write_text('1')\n    time.sleep(600)")

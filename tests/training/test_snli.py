@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from rag.errors import ConfigError, IntegrityError, RagError
-from rag.models.nli import qa_statement
+from rag.retrobust.nli import qa_statement
 from rag.training import snli
 from rag.training.nli_data import NLIDataModule, elements_nli_pairs
 from rag.training.snli import LABELS, SNLI_MEMBERS, NLIPair, fetch_snli, load_snli, read_snli_sdist
+from rag.utils.errors import ConfigError, IntegrityError, RagError
 
 
 def test_read_sdist_maps_labels_and_counts_dropped(tmp_path, make_snli_sdist):
@@ -34,7 +34,7 @@ def test_read_sdist_errors(tmp_path, make_snli_sdist):
 
 
 def test_fetch_writes_the_cache_and_checks_the_checksum(tmp_path, monkeypatch, make_snli_sdist):
-    from rag.checksums import sha256_file
+    from rag.utils.checksums import sha256_file
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     path = make_snli_sdist(tmp_path / "s.tar.gz")

@@ -1,0 +1,162 @@
+"""RagModelConfig: the typed options of a RagModel (saved in ``rag_config.json``, read by LightningCLI as ``model.rag``)."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rag.utils.errors import ConfigError
+from rag.utils.validate import check_positive_int
+
+__all__ = ["RagModelConfig", "check_overrides", "check_generation_settings"]
+
+_MARGINALIZATIONS = ("sequence", "token")
+_RETRIEVALS = ("dense", "bm25")
+_TRUNCATIONS = ("keep_question", "hf")
+
+
+@dataclass
+class RagModelConfig:
+    """Typed options of a :class:`RagModel` (saved in ``rag_config.json``)."""
+
+    n_docs: int = 5
+    """Top-k passages retrieved per question and marginalised over."""
+    marginalization: Literal["sequence", "token"] = "sequence"
+    """RAG-Sequence (Eq. 1: one passage per answer) or RAG-Token (Eq. 2: a passage per token)."""
+    label_smoothing: float = 0.0
+    """Label smoothing epsilon in [0, 1) (fairseq/transformers definition)."""
+    exclude_bos_score: bool = False
+    """Do not score a first target token equal to the generator's BOS token."""
+    reduce_loss: bool = True
+    """Return a scalar loss (batch mean; sum under hf_compat) instead of per-example NLL (B,)."""
+    freeze_query_encoder: bool = False
+    """RAG-Frozen (Table 6): keep the query encoder fixed; only the generator trains."""
+    retrieval: Literal["dense", "bm25"] = "dense"
+    """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25)."""
+    max_context_length: int = 300
+    """Most generator input tokens per (question, passage) context."""
+    max_target_length: int = 64
+    """Most target tokens (longer answers are truncated, keeping EOS)."""
+    max_question_length: int = 64
+    """Most query-encoder tokens per question."""
+    truncation: Literal["keep_question", "hf"] = "keep_question"
+    """keep_question: shorten the passage so the question always fits; hf: cut on the right like transformers."""
+    hf_compat: bool = False
+    """Reproduce transformers' RAG exactly (contexts, question round trip, loss quirks, summed loss)."""
+    mask_padded_contexts: bool = True
+    """RAG-Sequence's per-passage search attends only to each context's own tokens. False reproduces
+    transformers' ``RagSequenceForGeneration.generate`` (the importer sets it): its search runs on contexts padded
+    to ``max_context_length`` with no attention mask, so encoder and cross-attention attend to the pad tokens;
+    rescoring stays masked, as there. RAG-Token decoding always masks (transformers does too)."""
+    retrieval_temperature: float = 1.0
+    """τ > 0 dividing the retrieval scores before the document prior, p(z|x) = softmax(s(z, x) / τ), in both
+    marginalizations (training loss) and in decoding. 1 is the paper's plain softmax. With L2-normalised encoders
+    (all-MiniLM-L6-v2) scores lie in [-1, 1], so the prior over K passages stays nearly flat unless τ is small
+    (e.g. 0.05). The same setting as REPLUG's λ and LSR's γ (``retrieval_temperature`` there)."""
+    learn_retrieval_temperature: bool = False
+    """Learn τ (a log-scale parameter, like CLIP's logit scale, clamped to [0.01, 100]) with the query encoder's
+    learning rate, starting at ``retrieval_temperature``; the learned value is saved as ``retrieval_temperature``."""
+    title_sep: str = " / "
+    """Separator between a passage's title and its text in the generator input."""
+    doc_sep: str = " // "
+    """Separator between the passage and the question in the generator input."""
+    train_doc_encoder: bool = False
+    """Train the document encoder end to end: re-embed the retrieved passages with gradients and score them
+    with those fresh vectors (doc_scores = q · d_fresh); pair with the IndexRefresh callback so the index
+    follows the encoder. Dense retrieval only."""
+    rerank_candidates: Optional[int] = None
+    """Stale-index re-ranking: search this many candidates (>= n_docs) in the index, re-embed them with the
+    current document encoder and keep the n_docs best by fresh score. None: no re-ranking. Dense retrieval only."""
+    generation: Optional[dict] = None
+    """Decoding defaults stored with the model (GenerationConfig field -> value, e.g. ``num_beams``, ``max_length``,
+    ``no_repeat_ngram_size``, ``forced_bos_token_id``; the transformers importer carries those of the checkpoint):
+    :meth:`RagPipeline.generate <rag.pipeline.api.RagPipeline.generate>` uses them where the caller passes no value."""
+
+    def __post_init__(self) -> None:
+        def positive_int(name: str) -> None:
+            check_positive_int(getattr(self, name), f"RagModelConfig.{name}", error=ConfigError)
+
+        for name in ("n_docs", "max_context_length", "max_target_length", "max_question_length"):
+            positive_int(name)
+        if self.marginalization not in _MARGINALIZATIONS:
+            raise ConfigError(f"RagModelConfig.marginalization={self.marginalization!r}; choose one of {_MARGINALIZATIONS}")
+        if self.retrieval not in _RETRIEVALS:
+            raise ConfigError(f"RagModelConfig.retrieval={self.retrieval!r}; choose one of {_RETRIEVALS}")
+        if self.truncation not in _TRUNCATIONS:
+            raise ConfigError(f"RagModelConfig.truncation={self.truncation!r}; choose one of {_TRUNCATIONS}")
+        if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing < 1.0:
+            raise ConfigError(f"RagModelConfig.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
+        self.label_smoothing = float(self.label_smoothing)
+        for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "mask_padded_contexts",
+                     "train_doc_encoder"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
+        t = self.retrieval_temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.01 <= t <= 100:
+            raise ConfigError(f"RagModelConfig.retrieval_temperature must be a number in [0.01, 100], got {t!r} "
+                              "(1: the plain softmax over retrieval scores; smaller: a sharper document prior)")
+        self.retrieval_temperature = float(t)
+        if not isinstance(self.learn_retrieval_temperature, bool):
+            raise ConfigError(f"RagModelConfig.learn_retrieval_temperature must be true or false, got {self.learn_retrieval_temperature!r}")
+        for name in ("title_sep", "doc_sep"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")
+        if self.rerank_candidates is not None:
+            positive_int("rerank_candidates")
+            if self.rerank_candidates < self.n_docs:
+                raise ConfigError(
+                    f"RagModelConfig.rerank_candidates={self.rerank_candidates} is smaller than n_docs={self.n_docs}; "
+                    "re-ranking keeps the best n_docs of rerank_candidates, so give at least n_docs (or null to disable)"
+                )
+        if self.generation is not None:
+            check_generation_settings(self.generation, "RagModelConfig.generation")
+        if self.retrieval == "bm25" and self.uses_doc_encoder:
+            raise ConfigError(
+                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (document vectors); "
+                "BM25 has no document encoder — set retrieval: dense or disable them"
+            )
+
+    @property
+    def uses_doc_encoder(self) -> bool:
+        """True when the model re-embeds retrieved passages with its own document encoder
+        (``train_doc_encoder`` or ``rerank_candidates``)."""
+        return self.train_doc_encoder or self.rerank_candidates is not None
+
+    @property
+    def effective_truncation(self) -> str:
+        """The truncation rule in force: hf_compat implies transformers' right truncation."""
+        return "hf" if self.hf_compat else self.truncation
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "RagModelConfig") -> "RagModelConfig":
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        return cls(**d)
+
+
+def check_overrides(overrides: dict) -> dict:
+    """`overrides` (field name -> value) unchanged, or ConfigError naming the unknown fields."""
+    known = {f.name for f in dataclasses.fields(RagModelConfig)}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ConfigError(f"unknown RagModelConfig field(s) {unknown}; valid fields are {sorted(known)}")
+    return overrides
+
+
+def check_generation_settings(settings, where: str) -> dict:
+    """`settings` unchanged if it maps GenerationConfig field names to values, else ConfigError naming the bad keys."""
+    from rag.generation.decoding import GenerationConfig
+
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{where} must be an object of decoding options, got {type(settings).__name__}")
+    known = {f.name for f in dataclasses.fields(GenerationConfig)}
+    unknown = sorted(set(settings) - known)
+    if unknown:
+        raise ConfigError(f"{where}: unknown decoding option(s) {unknown}; valid options are {sorted(known)}")
+    return settings

@@ -1,0 +1,173 @@
+"""Rerankers for In-Context RALM (Ram et al. 2023, §6): choose which of the top-k retrieved documents the LM reads.
+
+* :class:`LMReranker` (§6.1, Eq. 6): zero-shot — the document under which an LM (the reader itself or a smaller one,
+  possibly with another tokenizer) best predicts the last ``s'`` tokens of the prefix.
+* :class:`PredictiveReranker` (§6.2, Eqs. 7–8): a BERT-family cross-encoder ``f(prefix, doc)`` trained on the LM's own
+  signal (:mod:`rag.training.reranker`); saved and loaded as a directory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+
+from rag.knowledge.passages import Passage
+from rag.models.ralm.model import CausalScorer, InContextRALM, doc_text, window_ids
+from rag.utils.errors import ConfigError
+from rag.utils.io import atomic_directory, atomic_write_json
+
+__all__ = ["LMReranker", "PredictiveReranker", "best_documents", "RERANKER_FILE"]
+
+RERANKER_FILE = "rag_reranker.json"
+HEAD_FILE = "head.safetensors"
+
+Request = tuple[list[int], int, list[Passage]]
+
+
+def best_documents(scores: np.ndarray | torch.Tensor) -> np.ndarray:
+    """Eq. 6 / Eq. 8: per request the index of the best-scoring candidate; ``(n, k)`` scores -> ``(n,)`` (ties: first)."""
+    s = np.asarray(scores.detach().cpu() if isinstance(scores, torch.Tensor) else scores)
+    if s.ndim != 2 or s.shape[1] < 1:
+        raise ConfigError(f"scores must have shape (n_requests, k>=1), got {s.shape}")
+    return s.argmax(axis=1)
+
+
+class LMReranker:
+    """Zero-shot LM reranking (§6.1): score candidate ``d_i`` by ``log p_φ(y' | [d_i; x_{<s·j-s'}])``, y' = the last ``s'``
+    prefix tokens. One batched LM pass over all (chunk, candidate) windows.
+
+    Args:
+        scorer: the reranking LM; None = the reader's own LM (its stream and document tokens are reused). A different
+            LM (e.g. a smaller one) may use another tokenizer: the prefix is then decoded and re-tokenized with it.
+        rerank_tokens: ``s'`` (the paper's best: 16).
+    """
+
+    def __init__(self, scorer: Optional[CausalScorer] = None, rerank_tokens: int = 16):
+        if not isinstance(rerank_tokens, int) or rerank_tokens < 1:
+            raise ConfigError(f"rerank_tokens (--rerank-tokens) must be an integer >= 1, got {rerank_tokens!r}")
+        self.own_scorer, self.rerank_tokens = scorer, rerank_tokens
+
+    def _streams(self, ralm: InContextRALM, requests: Sequence[Request]) -> tuple[CausalScorer, list[tuple[list[int], int]]]:
+        scorer = self.own_scorer or ralm.scorer
+        if scorer is ralm.scorer or scorer.tokenizer.get_vocab() == ralm.tokenizer.get_vocab():
+            return scorer, [(stream, a) for stream, a, _ in requests]
+        tail = scorer.max_length  # more prefix than the reranker's window can use is never needed
+        texts = ralm.tokenizer.batch_decode([stream[max(1, a - tail):a] for stream, a, _ in requests])
+        out = []
+        for t in texts:
+            s = scorer.stream(t)
+            out.append((s, len(s)))
+        return scorer, out
+
+    def scores(self, ralm: InContextRALM, requests: Sequence[Request]) -> np.ndarray:
+        """``(n, k)`` summed log-likelihoods of each request's last ``s'`` prefix tokens under each candidate."""
+        scorer, streams = self._streams(ralm, requests)
+        if scorer.doc_max_length + self.rerank_tokens + 1 > scorer.max_length:
+            raise ConfigError(
+                f"zero-shot reranking reads a document of up to {scorer.doc_max_length} tokens + {self.rerank_tokens} prefix tokens "
+                f"(--rerank-tokens) + 1, more than the reranking LM's window of {scorer.max_length}; lower --rerank-tokens or --doc-max-length"
+            )
+        k = len(requests[0][2]) if requests else 0
+        windows, n_scored = [], []
+        for (stream, a), (_, _, cands) in zip(streams, requests):
+            if len(cands) != k:
+                raise ConfigError("every rerank request needs the same number of candidates")
+            m = min(self.rerank_tokens, a - 1)  # a >= 2: at least one text token precedes a retrieval chunk
+            for doc in scorer.doc_tokens(cands):
+                windows.append(window_ids(stream, a - m, a, doc, scorer.max_length))
+                n_scored.append(m)
+        lps = scorer.score(windows, n_scored)
+        return np.asarray([lp.sum() for lp in lps], dtype=np.float64).reshape(len(requests), k)
+
+
+def is_reranker_dir(path: Path) -> bool:
+    """True for a directory written by :meth:`PredictiveReranker.save` (the only kind its save replaces)."""
+    return (Path(path) / RERANKER_FILE).is_file()
+
+
+class PredictiveReranker(nn.Module):
+    """Cross-encoder ``f(x_{≤s·j}, d_i)`` (§6.2): a BERT-family encoder over ``[CLS] prefix [SEP] doc [SEP]`` and a linear
+    head on the ``[CLS]`` state; ``p_rank(d_i | x) = softmax_i f`` (Eq. 7).
+
+    Args:
+        encoder: name or path of the encoder (``"minilm"``: the bundled all-MiniLM-L6-v2).
+        max_length: word pieces per (prefix, document) pair; the prefix keeps its end, the document its start.
+        query_tokens: the prefix is the last this-many tokens of the LM's stream before the chunk.
+    """
+
+    def __init__(self, encoder: str = "minilm", max_length: int = 256, query_tokens: int = 32):
+        super().__init__()
+        from transformers import AutoModel, AutoTokenizer
+
+        from rag.knowledge.encoders import resolve_name_or_path
+
+        path = resolve_name_or_path(encoder)
+        try:
+            self.encoder = AutoModel.from_pretrained(path)
+            self.tokenizer = AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the reranker encoder {encoder!r}: {e}; pass a BERT-family directory or 'minilm'") from e
+        self.tokenizer.truncation_side = "right"
+        self.head = nn.Linear(self.encoder.config.hidden_size, 1)
+        self.max_length, self.query_tokens, self.encoder_name = int(max_length), int(query_tokens), str(encoder)
+
+    def forward(self, prefixes: Sequence[str], docs: Sequence[Sequence[str]]) -> torch.Tensor:
+        """``(B,)`` prefix texts and ``B × K`` document texts -> ``(B, K)`` scores ``f``."""
+        b, k = len(prefixes), len(docs[0]) if docs else 0
+        if any(len(d) != k for d in docs) or len(docs) != b:
+            raise ConfigError("docs must be B lists of the same K document texts")
+        q = self._tail([p for p in prefixes for _ in range(k)])
+        enc = self.tokenizer(q, [d for row in docs for d in row], truncation="only_second", max_length=self.max_length,
+                             padding=True, return_tensors="pt").to(self.head.weight.device)
+        cls = self.encoder(**enc).last_hidden_state[:, 0]
+        return self.head(cls).squeeze(-1).view(b, k)
+
+    def _tail(self, texts: list[str]) -> list[str]:
+        """Keep the end of each prefix within half the pair's budget (the end of the prefix matters most, §3.2)."""
+        budget = self.max_length // 2
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        return [t if len(i) <= budget else self.tokenizer.decode(i[-budget:]) for t, i in zip(texts, ids)]
+
+    @torch.no_grad()
+    def scores(self, ralm: InContextRALM, requests: Sequence[Request], batch_size: int = 8) -> np.ndarray:
+        """``(n, k)`` reranker scores for In-Context RALM requests (the prefix tail decoded with the LM's tokenizer)."""
+        was = self.training
+        self.eval()
+        prefixes = ralm.tokenizer.batch_decode([s[max(1, a - self.query_tokens):a] for s, a, _ in requests])
+        out = [self(prefixes[i:i + batch_size], [[doc_text(p) for p in c] for _, _, c in requests[i:i + batch_size]]).float().cpu()
+               for i in range(0, len(requests), batch_size)]
+        self.train(was)
+        return torch.cat(out).numpy() if out else np.zeros((0, 0))
+
+    # ------------------------------------------------------------------ persistence
+    def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> None:
+        """Write encoder, tokenizer and head to `directory` atomically."""
+        from safetensors.torch import save_file
+
+        with atomic_directory(directory, overwrite=overwrite, replaces=is_reranker_dir, kind="predictive reranker") as tmp:
+            self.encoder.save_pretrained(tmp / "encoder")
+            self.tokenizer.save_pretrained(tmp / "encoder")
+            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(tmp / HEAD_FILE))
+            atomic_write_json(tmp / RERANKER_FILE, {"format": 1, "max_length": self.max_length, "query_tokens": self.query_tokens,
+                                                    "encoder": self.encoder_name})
+
+    @classmethod
+    def load(cls, directory: str | os.PathLike) -> "PredictiveReranker":
+        """Open a directory written by :meth:`save` (``--rerank-model`` of ``rag lm-eval --rerank trained``)."""
+        from safetensors.torch import load_file
+
+        d = Path(directory)
+        if not (d / RERANKER_FILE).is_file():
+            raise ConfigError(f"{d}: not a trained reranker ({RERANKER_FILE} missing); train one with "
+                              "`rag fit --config lightning_configs/ralm_reranker_tiny.yaml` and pass its export_dir")
+        settings = json.loads((d / RERANKER_FILE).read_text(encoding="utf-8"))
+        model = cls(str(d / "encoder"), max_length=int(settings["max_length"]), query_tokens=int(settings["query_tokens"]))
+        model.head.load_state_dict(load_file(str(d / HEAD_FILE)))
+        model.encoder_name = settings.get("encoder", model.encoder_name)
+        return model.eval()

@@ -1,0 +1,1 @@
+"""rag serve: the FastAPI app, its request bounds, and its response bodies."""

@@ -1,0 +1,77 @@
+"""Operator-set bounds on what one HTTP request may ask of `rag serve` (sizes, time, queue).
+
+Kept apart from :mod:`rag.serve.app` so that the command line can read the defaults and validate an
+operator's settings before FastAPI is imported or a model is loaded.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+from rag.generation.options import option_specs
+from rag.utils.errors import ConfigError
+
+__all__ = ["ServeLimits", "MAX_QUESTIONS", "MAX_N_DOCS", "MAX_BEAMS", "MAX_NEW_TOKENS"]
+
+MAX_QUESTIONS = 64
+"""Most questions per request the request schema accepts (the ceiling of ``max_batch``)."""
+MAX_N_DOCS = int(option_specs()["n_docs"].high)
+"""Most passages per question the request schema accepts (the ceiling of ``max_n_docs``)."""
+MAX_BEAMS = int(option_specs()["num_beams"].high)
+"""Most beams the request schema accepts (the ceiling of ``max_beams``)."""
+MAX_NEW_TOKENS = int(option_specs()["max_new_tokens"].high)
+"""Most new tokens the request schema accepts (the ceiling of ``max_new_tokens``)."""
+
+_CEILINGS = {"max_n_docs": MAX_N_DOCS, "max_beams": MAX_BEAMS, "max_new_tokens": MAX_NEW_TOKENS, "max_batch": MAX_QUESTIONS}
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one request may ask for, and how long and how many may wait.
+
+    A request over a size limit is refused with 422 naming the limit (``rag serve --max-...``);
+    one that has not finished after `request_timeout` seconds (queueing included) gets 504; one
+    that finds `max_queue` requests already waiting for a model slot gets 503 with ``Retry-After:
+    retry_after`` seconds. Work stops at the next question when its client disconnects or its
+    time is up.
+
+    Attributes:
+        max_n_docs: most passages per question (``n_docs`` of /generate, ``k`` of /retrieve).
+        max_beams: most beams (``num_beams``; ``num_return_sequences`` cannot exceed it either).
+        max_new_tokens: most generated tokens per answer.
+        max_batch: most questions per request.
+        request_timeout: seconds a request may take, waiting included; None: no limit.
+        max_queue: requests that may wait for a model slot beyond the ``max_concurrency`` running.
+        retry_after: the ``Retry-After`` seconds of a 503.
+    """
+
+    max_n_docs: int = 20
+    max_beams: int = 8
+    max_new_tokens: int = 64
+    max_batch: int = 16
+    request_timeout: Optional[float] = 60.0
+    max_queue: int = 16
+    retry_after: int = 1
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int, high: Optional[int]) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
+                bound = f"between {low} and {high}" if high is not None else f">= {low}"
+                raise ConfigError(f"{name} (rag serve {self.option(name)}) must be an integer {bound}, got {v!r}")
+
+        for name, ceiling in _CEILINGS.items():
+            integer(name, 1, ceiling)
+        integer("max_queue", 0, None)
+        integer("retry_after", 1, None)
+        t = self.request_timeout
+        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0):
+            raise ConfigError(f"request_timeout (rag serve --request-timeout) must be a positive number of seconds "
+                              f"(or none for no limit), got {t!r}")
+
+    @staticmethod
+    def option(name: str) -> str:
+        """The `rag serve` option that sets field `name`."""
+        return "--" + name.replace("_", "-")

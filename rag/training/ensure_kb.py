@@ -1,0 +1,56 @@
+"""Build a knowledge base on demand: ``ensure_knowledge_base(path, source, encoder)`` builds it once, then reuses it.
+
+Training configs (``model.build_knowledge_base_from``) and examples use it so that a first run builds its
+knowledge base from a corpus (or the bundled demo corpus) and later runs open the same directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Optional
+
+from rag.utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["ensure_knowledge_base"]
+
+
+def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *, query_encoder: Optional[str] = None,
+                          index: str = "flat", words_per_passage: Optional[int] = 100, show_progress: bool = True) -> Path:
+    """Build a knowledge base at `path` from `source` unless one is already there.
+
+    `source`: ``"demo"`` (the bundled Elements corpus, one passage per entry) or a
+    corpus path for :func:`rag.knowledge.passages.load_corpus`. `encoder` embeds the
+    passages (a DPR *context* encoder, or a shared encoder such as ``minilm``);
+    `query_encoder` is recorded in the manifest as the encoder queries should use.
+    Safe against a concurrent build of the same path (the first one wins).
+    """
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.manifest import MANIFEST
+
+    path = Path(path)
+    if (path / MANIFEST).is_file():
+        return path
+    if path.exists() and any(path.iterdir()):
+        raise ConfigError(f"{path} exists but is not a knowledge base (no {MANIFEST}); remove it or choose another path")
+    if source == "demo":
+        from rag.demo import load_demo_corpus
+
+        passages = load_demo_corpus()
+    else:
+        from rag.knowledge.passages import load_corpus
+
+        passages = load_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress)
+    logger.info("building knowledge base %s from %s (%d passages) with %s", path, source, len(passages), encoder)
+    enc = TextEncoder(encoder, role="context")
+    try:
+        KnowledgeBase.build(passages, enc, path, index=index, query_encoder=query_encoder, show_progress=show_progress,
+                            overwrite=path.exists(), build_info={"corpus": source})
+    except FileExistsError:
+        if not (path / MANIFEST).is_file():
+            raise
+    return path
