@@ -7,9 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError
 from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
-from rag.models.ralm import (
+from rag.models.ralm.model import (
     EvalText,
     InContextRALM,
     RalmConfig,
@@ -19,6 +18,7 @@ from rag.models.ralm import (
     retrieve_excluding,
     window_ids,
 )
+from rag.utils.errors import ConfigError
 
 SMALL = dict(max_length=96, doc_max_length=40, stride=6, query_length=8)
 
@@ -73,8 +73,8 @@ def test_ensemble_of_one_equals_in_context_ralm(lm, bm25, demo_passages):
     texts = _texts(demo_passages)
     plain = list(InContextRALM(model, tok, bm25, RalmConfig(**SMALL)).score_texts(texts))
     one = list(InContextRALM(model, tok, bm25, RalmConfig(ensemble=1, retrieval_temperature=0.3, **SMALL)).score_texts(texts))
-    for a, b in zip(plain, one):
-        np.testing.assert_array_equal(a.token_logprobs, b.token_logprobs)
+    for a, b in zip(plain, one):  # the ensemble path batches its windows its own way: float32 LM rounding, not equality
+        np.testing.assert_allclose(a.token_logprobs, b.token_logprobs, rtol=0, atol=1e-5)
         assert [None if d is None else [d] for d in a.doc_ids] == b.doc_ids
 
 

@@ -9,22 +9,26 @@ import numpy as np
 import pytest
 import torch
 
-from rag.errors import ConfigError
 from rag.generation.causal import causal_generate
 from rag.generation.search import GenerationConfig
-from rag.models.lm_scorer import LocalLMScorer, replug_prompt
-from rag.models.replug import replug_generate, replug_score_options
+from rag.models.replug.ensemble import replug_generate, replug_score_options
+from rag.models.replug.lm_scorer import LocalLMScorer, replug_prompt
+from rag.utils.errors import ConfigError
 
 DOCS = ["Hydrogen is the lightest element.", "Helium is a noble gas.", "Carbon forms four bonds."]
 QUESTION = "Question: which element is the lightest?\nAnswer:"
 OPTIONS = [" hydrogen", " helium gas", " carbon"]
+LM_ATOL = 1e-4
+"""Float32 forward passes of different batch shapes (one prompt vs K prompts padded together) take different BLAS
+kernels: a token's log-prob agrees to ~1e-6 of the logits' scale, so a sum over an option's few tokens to ~1e-5. The
+mixing itself is float64; 1e-4 still tells a wrong mixture (differences of 1e-2 and more) from rounding."""
 
 
 def test_options_one_document_equals_the_conditioned_lm(lm):
     scorer = LocalLMScorer(*lm)
     got = replug_score_options(scorer, QUESTION, OPTIONS, DOCS[:1], [3.0])
     want = [scorer.continuation_logprobs([replug_prompt(DOCS[0], QUESTION)], [o])[0].sum() for o in OPTIONS]
-    np.testing.assert_allclose(got.numpy(), want, rtol=1e-10)
+    np.testing.assert_allclose(got.numpy(), want, rtol=0, atol=LM_ATOL)
 
 
 @pytest.mark.parametrize("marginalization", ["token", "sequence"])
@@ -38,7 +42,7 @@ def test_options_equal_scores_mean_and_weights(lm, marginalization):
         for o, rows in enumerate(per_doc):
             p = np.exp(np.stack(rows))  # (k, T)
             want = np.log(lam @ p).sum() if marginalization == "token" else math.log(lam @ p.prod(1))
-            assert got[o].item() == pytest.approx(want, rel=1e-9)
+            assert got[o].item() == pytest.approx(want, rel=0, abs=LM_ATOL)
 
 
 def _prompt(tok, doc, x):
