@@ -247,8 +247,9 @@ class Runner:
                 cached["groups"].append(group)
                 atomic_write_json(self.results_path, self.results)
             return cached
+        # window_step: the no-retrieval baseline scores the same chunks of `stride` tokens as the retrieval runs
         cfg = RalmConfig(stride=stride, query_length=query_length, max_length=a.max_length, doc_max_length=a.doc_max_length,
-                         k=k, batch_size=a.batch_size)
+                         k=k, batch_size=a.batch_size, window_step=stride)
         ralm = InContextRALM(self.model, self.tokenizer, retriever, cfg, reranker)
         c0, w0 = time.process_time(), time.perf_counter()
         scores = list(ralm.score_texts(self.texts, progress=True))

@@ -130,8 +130,9 @@ class Runner:
         cached = next((r for r in self.results["runs"] if r["name"] == name), None)
         if cached is not None:
             return cached
+        # window_step: the no-retrieval baseline scores the same chunks of `stride` tokens as the retrieval runs
         cfg = RalmConfig(stride=a.stride, query_length=a.query_length, max_length=a.max_length, doc_max_length=a.doc_max_length,
-                         batch_size=a.batch_size, seed=a.seed, **replug_settings(k, temperature, random_docs))
+                         batch_size=a.batch_size, seed=a.seed, window_step=a.stride, **replug_settings(k, temperature, random_docs))
         ralm = InContextRALM(self.model, self.tokenizer, retriever, cfg)
         c0, w0 = time.process_time(), time.perf_counter()
         scores = list(ralm.score_texts(self.texts, progress=True))

@@ -18,6 +18,7 @@ import argparse
 import errno
 import importlib
 import logging
+import re
 import sys
 import traceback
 import warnings
@@ -77,13 +78,19 @@ _USAGE_ERRNOS = {errno.ENOENT: "check the path", errno.EACCES: "check its permis
                  errno.ENOSPC: "the disk is full; free space or choose another path"}
 
 
-def describe_error(e: BaseException) -> tuple[str, int]:
+def describe_error(e: BaseException, *, batch_option: Optional[str] = None) -> tuple[str, int]:
     """The one-line message and exit status `rag` gives for an exception a command raised.
 
     RagError (the library's errors for bad input), undecodable input and file-system errors are the
     user's to fix: exit 2 with a message naming the file and the fix. Anything else is unexpected:
-    exit 1, naming the exception and pointing to -v for the traceback.
+    exit 1, naming the exception and pointing to -v for the traceback. A message is always one line.
+    `batch_option`: the command's batch-size option, suggested when memory ran out (None: it has none).
     """
+    message, status = _describe(e, batch_option)
+    return " ".join(part.strip() for part in message.splitlines() if part.strip()), status
+
+
+def _describe(e: BaseException, batch_option: Optional[str]) -> tuple[str, int]:
     if isinstance(e, RagError):
         return str(e), 2
     if isinstance(e, UnicodeDecodeError):
@@ -95,9 +102,23 @@ def describe_error(e: BaseException) -> tuple[str, int]:
         where = f"{e.filename}: " if e.filename is not None else ""
         return f"{where}{e.strerror or e}; {_USAGE_ERRNOS.get(e.errno, 'check the path')}", 2
     if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
-        return f"out of memory ({type(e).__name__}); lower --batch-size, or use a machine with more memory", 1
+        lower = f"lower {batch_option}, or " if batch_option else ""
+        return f"out of memory ({type(e).__name__}); {lower}use a machine with more memory", 1
     return (f"unexpected {type(e).__name__}: {e}; rerun with -v for the traceback, and please report it if the input was "
             f"valid"), 1
+
+
+def user_error_in(e: BaseException) -> Optional[BaseException]:
+    """The first error in `e`'s chain of causes that is the user's to fix (a RagError, a file-system error, undecodable
+    input, memory): LightningCLI (jsonargparse) reports a module's ``ConfigError`` from its ``__init__`` as a ValueError
+    ("Does not validate against any of the Union subtypes") whose cause it is. None when there is none."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (RagError, UnicodeDecodeError, MemoryError)) or (isinstance(e, OSError) and describe_error(e)[1] == 2):
+            return e
+        e = e.__cause__  # explicit causes only: an error raised while handling another is not caused by it
+    return None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -113,19 +134,34 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if own:
                 sys.argv[1:] = rest  # LightningCLI reads the process's command line
         try:
-            run_lightning_cli(rest)
+            try:
+                run_lightning_cli(rest)
+            except Exception as e:  # jsonargparse wraps a class's own error in its ValueError: the user's is the cause
+                cause = user_error_in(e)
+                if cause is None:
+                    raise
+                raise cause from e
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             return 130
         except (RagError, OSError, UnicodeDecodeError, MemoryError) as e:  # the user's to fix: one line (-v: traceback)
-            message, status = describe_error(e)
+            message, status = describe_error(e, batch_option="--data.batch_size")
+            # RagModelConfig's checks name its fields; here they are the options --model.rag.<field>
+            message = re.sub(r"\bRagModelConfig\.(\w+)", r"--model.rag.\1", message)
             if verbose:
                 traceback.print_exc()
             print(f"rag {rest[0]}: error: {message}", file=sys.stderr)
             return status
         return 0
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    trailing = getattr(args, "trailing_positional", None)
+    if extra and trailing and not any(e.startswith("-") for e in extra):
+        # `rag index search KB -k 2 oxygen`: argparse gives `queries` nothing once an option follows the first
+        # positional, so words after the options are queries too (in order)
+        setattr(args, trailing, [*getattr(args, trailing), *extra])
+    elif extra:
+        parser.parse_args(argv)  # argparse's own error for what is really unknown (exit 2, naming the subcommand)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()
@@ -147,7 +183,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except BrokenPipeError:  # `rag index search ... | head`
             return 0
         except Exception as e:  # noqa: BLE001 - every failure becomes one line (and a traceback with -v)
-            message, status = describe_error(e)
+            message, status = describe_error(e, batch_option="--batch-size" if hasattr(args, "batch_size") else None)
             if args.verbose:
                 traceback.print_exc()
             print(f"rag {command}: error: {message}", file=sys.stderr)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import textwrap
 
 from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
 from rag.utils.errors import ConfigError
+from rag.utils.io import to_json
 
 
 def add_parser(sub) -> None:
@@ -28,21 +28,22 @@ def add_parser(sub) -> None:
     add_generation_options(p)
     p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
-    p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here")
+    p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here "
+                                                             "(answer_NNNN.png, numbered past the files already there: none is replaced)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
                    help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
                         "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
                         "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the default model: --nli minilm-snli")
     p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
-    p.set_defaults(func=cmd_generate)
+    p.set_defaults(func=cmd_generate, trailing_positional="queries")  # questions may also follow the options
 
 
 def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=None) -> None:
     """One answer: a JSON line with full provenance, or the answer, its score and knowledge-base version,
     and its best passages by posterior (prior when there is none)."""
     if as_json:
-        print(json.dumps(a.to_dict(), ensure_ascii=False))
+        print(to_json(a.to_dict()))
         return
     print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
     if a.answered_with is not None and a.nli_entailment is not None:
@@ -64,10 +65,27 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
         print(f"   heatmap: {heatmap}")
 
 
+def _new_heatmap(answer, directory, first: int = 1):
+    """Draw `answer`'s heatmap as ``answer_NNNN.png`` in `directory` under the first number from `first` on that no file
+    holds yet: a file there (a heatmap of an earlier run, or anything else) is never replaced. Returns (path, number)."""
+    from rag.pipeline.api import plot_token_posterior
+    from rag.utils.errors import OutputExistsError
+
+    n = first
+    while True:
+        path = directory / f"answer_{n:04d}.png"
+        if not (path.exists() or path.is_symlink()):
+            try:
+                return plot_token_posterior(answer, path), n
+            except OutputExistsError:  # appeared meanwhile (another run writing there): take the next number
+                pass
+        n += 1
+
+
 def cmd_generate(args) -> int:
     from pathlib import Path
 
-    from rag.pipeline.api import load, plot_token_posterior
+    from rag.pipeline.api import load
 
     check_positive(args, "batch_size", "doc_max_length", "max_length")
     options = generation_options(args).set_options()  # only what was given: the rest is the model's stored setting
@@ -89,17 +107,15 @@ def cmd_generate(args) -> int:
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
     pipe = load(args.model, knowledge_base=args.kb, **settings)
-    n_written = 0
+    number = [0]  # the last heatmap's number
 
     def run(batch: list[str]) -> None:
-        nonlocal n_written
         extra = {"retrieval": False} if args.no_retrieval else {}
         answers = pipe.generate(batch, nli=nli, nli_threshold=args.nli_threshold, **{**options, **extra})
         for a in answers:
             heatmap = None
             if args.heatmap_dir and a.token_doc_posterior:
-                n_written += 1
-                heatmap = plot_token_posterior(a, Path(args.heatmap_dir) / f"answer_{n_written:04d}.png")
+                heatmap, number[0] = _new_heatmap(a, Path(args.heatmap_dir), number[0] + 1)
             print_answer(a, as_json=args.json, show_passages=args.show_passages, heatmap=heatmap)
         sys.stdout.flush()
 

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rag.utils.errors import RagError
+from rag.utils.io import to_json
 
 
 def add_parser(sub) -> None:
@@ -76,7 +76,7 @@ def cmd_hotswap_eval(args) -> int:
     if args.plot:
         path = result.plot(args.plot, metric=args.metric)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
+        print(to_json(result.to_dict(), indent=2))
     else:
         print(result.table(args.metric))
         if args.plot:

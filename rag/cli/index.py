@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import sys
 import textwrap
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.io import to_json
 
 
 def add_parser(sub) -> None:
@@ -33,6 +33,11 @@ def add_parser(sub) -> None:
     b.add_argument("--text-field", default="text")
     b.add_argument("--id-field", default="id")
     b.add_argument("--encoding", default="utf-8", help="text encoding of corpus files")
+    b.add_argument("--max-document-chars", type=int, default=None, metavar="N",
+                   help="refuse a document, line or row longer than N characters (default 33554432); a corpus source must "
+                        "be a regular file or a folder (never a device or pipe)")
+    b.add_argument("--follow-symlinks", action="store_true",
+                   help="read a corpus folder's symbolic links that point outside it (default: skip them with a warning)")
     b.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"])
     b.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction, help="L2-normalise embeddings (default: the encoder's own convention)")
     b.add_argument("--max-length", type=int, default=256, help="token limit per passage")
@@ -77,7 +82,7 @@ def add_parser(sub) -> None:
     s.add_argument("--json", action="store_true", help="one JSON object per query: {query, kb_version, passages: [{id, title, text, score}]}")
     s.add_argument("--verify", default="full", choices=["full", "size", "none"])
     s.add_argument("--batch-size", type=int, default=32)
-    s.set_defaults(func=cmd_search)
+    s.set_defaults(func=cmd_search, trailing_positional="queries")  # queries may also follow the options
 
 
 def check_positive(args, *names: str) -> None:
@@ -117,7 +122,7 @@ def cmd_build(args) -> int:
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
     shard = parse_shard(args.shard) if args.shard is not None else None
-    check_positive(args, "batch_size", "max_length")
+    check_positive(args, "batch_size", "max_length", "max_document_chars")
     if args.words_per_passage < 0:
         raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive number of words")
     check_device(args.device)
@@ -134,6 +139,8 @@ def cmd_build(args) -> int:
     passages = load_corpus(
         corpus, words_per_passage=args.words_per_passage or None, min_tail_words=args.min_tail_words, format=args.format, title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
+        follow_symlinks=args.follow_symlinks,
+        **({} if args.max_document_chars is None else {"max_document_chars": args.max_document_chars}),
     )
     build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage,
                   "min_tail_words": args.min_tail_words}
@@ -163,8 +170,11 @@ def cmd_merge(args) -> int:
         _check_not_an_input(args.out, [shard])
     kb = merge_shards(args.out, args.shards, index=args.index, bm25=args.bm25, verify=args.verify,
                       show_progress=not args.quiet, overwrite=args.overwrite)
-    print(f"merged {len(args.shards)} shards into {kb.path} ({kb.version}): {len(kb)} passages, dim {kb.dim}, index "
+    print(f"merged {len(args.shards)} shards into {kb.path} ({kb.served_version}): {len(kb)} passages, dim {kb.dim}, index "
           f"{kb.index_spec.kind}, {kb.manifest.build['index_seconds']:.1f}s indexing")
+    if kb.unverified_inputs:
+        print(f"  the shards were opened with --verify {args.verify}, so their content was not proven unaltered: the merged "
+              "knowledge base is marked +unverified; merge with --verify full to serve it under its plain version")
     return 0
 
 
@@ -173,13 +183,14 @@ def cmd_info(args) -> int:
 
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
     d = kb.describe()
+    d["served_version"] = kb.served_version
     if args.json:
-        print(json.dumps(d, indent=2, sort_keys=True))
+        print(to_json(d, indent=2, sort_keys=True))
         return 0
     enc = d["encoder"]
     lines = [
         f"knowledge base  {d['path']}",
-        f"version         {d['version']}" + (f" (parent {d['parent']})" if d.get("parent") else ""),
+        f"version         {kb.served_version}" + (f" (parent {d['parent']})" if d.get("parent") else ""),
         f"created         {d['created']}",
         f"passages        {d['count']:,}",
         f"embeddings      dim {d['dim']}, metric {d['metric']}",
@@ -193,7 +204,8 @@ def cmd_info(args) -> int:
     lines.append("build           " + ", ".join(f"{k}={v}" for k, v in d["build"].items()))
     total = sum(f["bytes"] for f in d["files"].values())
     lines.append(f"files           {len(d['files'])} files, {total / 1e6:.1f} MB, checksums "
-                 + {"full": "verified", "size": "sizes verified", "none": "not verified"}[args.verify])
+                 + {"full": "verified", "size": "sizes verified", "none": "not verified"}[args.verify]
+                 + ("; made from unverified inputs (build.unverified_inputs), so served as +unverified" if kb.unverified_inputs else ""))
     print("\n".join(lines))
     return 0
 
@@ -319,7 +331,7 @@ def _print_results(queries, retrieved, as_json: bool) -> None:
             for p, s in zip(retrieved.passages[b], retrieved.scores[b].tolist())
         ]
         if as_json:
-            print(json.dumps({"query": query, "kb_version": retrieved.kb_version, "passages": hits}, ensure_ascii=False))
+            print(to_json({"query": query, "kb_version": retrieved.kb_version, "passages": hits}))
             continue
         print(f"\nquery: {query}")
         for rank, h in enumerate(hits, 1):

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import sys
 
 from rag.cli.options import add_retrieval_temperature, retrieval_temperature
+from rag.utils.io import to_json
 
 DEFAULT_LM = "smollm2"
 
@@ -19,8 +19,12 @@ def add_parser(sub) -> None:
     p.add_argument("--data", required=True, help=".jsonl (field 'text', optional 'id'/'title'), a plain text file, or a datasets directory")
     p.add_argument("--text-field", default="text", help="JSON / dataset field holding the text")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N texts")
-    p.add_argument("--stride", type=int, default=4, help="retrieval stride s: tokens between retrievals (default 4)")
+    p.add_argument("--stride", type=int, default=4, help="retrieval stride s: tokens between retrievals (default 4; "
+                                                         "--retrieval none scores plain sliding windows and ignores it)")
     p.add_argument("--query-length", type=int, default=32, help="retrieval query length ℓ in tokens (default 32)")
+    p.add_argument("--window-step", type=int, default=None, metavar="N",
+                   help="--retrieval none: tokens each sliding window scores (default: half of --max-length, so every token "
+                        "sees at least half a window of context and the LM reads the text about twice)")
     p.add_argument("--retrieval", choices=["bm25", "dense", "none"], default="bm25")
     p.add_argument("--rerank", choices=["none", "zero-shot", "trained"], default="none",
                    help="choose among the top --rerank-k documents: the LM's zero-shot reranking (§6.1) or a trained reranker (§6.2)")
@@ -32,7 +36,7 @@ def add_parser(sub) -> None:
                         "next-token distributions with weights softmax(scores / --retrieval-temperature)")
     add_retrieval_temperature(p, "REPLUG: temperature of the retrieval-score weights λ = softmax(scores / T) (default 1)")
     p.add_argument("--random-docs", action="store_true", help="REPLUG control: K random passages with equal weights instead of the top-K")
-    p.add_argument("--seed", type=int, default=0, help="seed of --random-docs")
+    p.add_argument("--seed", type=int, default=0, help="seed of --random-docs (an integer >= 0)")
     p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=256, help="retrieved documents are cut to this many tokens")
     p.add_argument("--batch-size", type=int, default=8, help="windows per forward pass (default 8; raise it on a GPU)")
@@ -46,11 +50,19 @@ def add_parser(sub) -> None:
 def cmd_lm_eval(args) -> int:
     import torch
 
+    from rag.cli.index import check_positive
     from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
     from rag.generators.load import load_generator
     from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
+    from rag.utils.devices import check_device
     from rag.utils.errors import ConfigError
 
+    # Every option is checked before the texts, the knowledge base and the LM are read.
+    check_positive(args, "limit", "stride", "query_length", "window_step", "rerank_k", "rerank_tokens", "ensemble", "batch_size",
+                   "doc_max_length", "max_length")
+    if args.seed < 0:
+        raise ConfigError(f"--seed {args.seed}: must be an integer >= 0")
+    check_device(args.device)
     if args.rerank != "none" and args.retrieval == "none":
         raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")
     if args.rerank == "trained" and not args.rerank_model:
@@ -60,7 +72,7 @@ def cmd_lm_eval(args) -> int:
     temperature = retrieval_temperature(args)
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
                      k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size, ensemble=args.ensemble,
-                     retrieval_temperature=temperature, random_docs=args.random_docs, seed=args.seed)
+                     retrieval_temperature=temperature, random_docs=args.random_docs, seed=args.seed, window_step=args.window_step)
     cfg.check()
     texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -82,12 +94,14 @@ def cmd_lm_eval(args) -> int:
         reranker = PredictiveReranker.load(args.rerank_model).to(device)
     ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)
     result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)
+    plain = args.retrieval == "none"  # plain sliding windows: no retrieval stride or query
     settings = {"model": str(args.model), "kb": args.kb, "retrieval": args.retrieval, "rerank": args.rerank,
-                "rerank_model": args.rerank_model, "stride": cfg.stride, "query_length": cfg.query_length,
+                "rerank_model": args.rerank_model, "stride": None if plain else cfg.stride,
+                "query_length": None if plain else cfg.query_length, "window_step": ralm.window_step if plain else None,
                 "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own,
                 "ensemble": cfg.ensemble, "retrieval_temperature": cfg.retrieval_temperature, "random_docs": cfg.random_docs}
     if args.json:
-        print(json.dumps({**result.to_dict(), "settings": settings}))
+        print(to_json({**result.to_dict(), "settings": settings}))
     else:
         print(f"texts {result.texts}  tokens {result.tokens}  words {result.words}  bytes {result.bytes}  "
               f"retrieved chunks {result.retrieved_chunks}")

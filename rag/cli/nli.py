@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from rag.utils.files import read_json
 
 CONFIG = Path(__file__).parents[1] / "configs" / "nli_minilm_qa.yaml"  # lightning_configs/, bundled with the package
 
@@ -34,7 +35,7 @@ def cmd_prepare(args) -> int:
     out = Path(args.out) if args.out else default_nli_dir()
     if (out / EXPORT_INFO).is_file() and not args.force:
         print(f"NLI model: {out} (exists; --force trains again)")
-        print(f"  {_summary(json.loads((out / EXPORT_INFO).read_text()))}")
+        print(f"  {_summary(read_json(out / EXPORT_INFO, fix='train it again: rag nli prepare --force'))}")
         return 0
     if not Path(args.config).is_file():
         raise ConfigError(f"--config {args.config}: no such file (the recipe ships with rag: lightning_configs/ of the repository)")
@@ -46,7 +47,7 @@ def cmd_prepare(args) -> int:
     result = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]
     cli.model.export(out, test={"data": cli.datamodule.hparams.test, "pairs": len(cli.datamodule.splits["test"]),
                                 **{k: round(float(v), 4) for k, v in result.items()}})
-    info = json.loads((out / EXPORT_INFO).read_text())
+    info = read_json(out / EXPORT_INFO, fix="train it again: rag nli prepare --force")
     print(f"NLI model: {out}")
     print(f"  {_summary(info)}")
     return 0

@@ -17,6 +17,7 @@ with an error naming it. `rag fit --print_config` shows every option with its de
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Optional, Sequence
@@ -101,13 +102,22 @@ def _cli_class():
                             target[name] = value
 
         def before_instantiate_classes(self) -> None:
-            """GPUs asked for that this machine lacks: one clear error before anything is built."""
+            """GPUs asked for that this machine lacks: one clear error before anything is built. Output paths follow
+            ``trainer.default_root_dir`` (``{default_root_dir}`` in a config), and the run locks that folder
+            (:mod:`rag.training.run_dir`)."""
+            from rag.training.run_dir import expand_run_dir, hold_run_dir
             from rag.utils.devices import check_trainer_devices
 
             config = self.config[self.subcommand] if self.subcommand else self.config
             trainer = config.get("trainer")
             if trainer is not None:
                 check_trainer_devices(trainer.get("accelerator", "auto"), trainer.get("devices", "auto"))
+                root = trainer.get("default_root_dir") or os.getcwd()
+                for key in ("trainer", "model", "data"):
+                    if config.get(key) is not None:
+                        config[key] = expand_run_dir(config[key], str(root))
+                if self.subcommand:
+                    hold_run_dir(root, self.subcommand)
             if self.subcommand:
                 _check_data_files(config.get("data"), self.subcommand)
 
@@ -163,13 +173,18 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     argv = list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         raise SystemExit(f"rag: expected one of {', '.join(SUBCOMMANDS)} followed by --config FILE.yaml")
+    from rag.training.run_dir import release_run_dirs
+
     own = argv == sys.argv[1:]
     nested = nested_help(argv)
     if nested is not None:
         argv = nested
         if own:  # it stays the process's command line, as LightningCLI expects
             sys.argv[1:] = nested
-    make_cli(None if own else argv, run=True)
+    try:
+        make_cli(None if own else argv, run=True)
+    finally:
+        release_run_dirs()  # the run's folder is free for the next run of this process
 
 
 def _class_in(argv: Sequence[str], key: str) -> str:

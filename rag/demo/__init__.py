@@ -6,14 +6,15 @@ how the files were made.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from rag.knowledge.passages import Passage
+from rag.utils.files import parse_json
 
 DEMO_DIR = Path(__file__).resolve().parent
 CORPUS_PATH = DEMO_DIR / "elements.jsonl"
 SPLITS = ("train", "dev", "test")
+_REINSTALL = "the bundled demo data is damaged; reinstall rag"
 
 
 def qa_path(split: str) -> Path:
@@ -26,10 +27,10 @@ def qa_path(split: str) -> Path:
 def load_demo_corpus() -> list[Passage]:
     """The 137 Elements database entries as passages (one per entry, unsplit)."""
     with open(CORPUS_PATH, encoding="utf-8") as f:
-        return [Passage(**json.loads(line)) for line in f]
+        return [Passage(**parse_json(line, f"{CORPUS_PATH}:{n}", fix=_REINSTALL)) for n, line in enumerate(f, 1)]
 
 
 def load_demo_qa(split: str) -> list[dict]:
     """QA pairs of one split: dicts with `question`, `answers` (list), `type`, `element`."""
     with open(qa_path(split), encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        return [parse_json(line, f"{qa_path(split)}:{n}", fix=_REINSTALL) for n, line in enumerate(f, 1)]

@@ -19,6 +19,7 @@ from collections import defaultdict
 from typing import Optional
 
 from rag.demo import DEMO_DIR, SPLITS, load_demo_corpus, load_demo_qa
+from rag.utils.files import parse_json
 
 MULTIHOP_PATH = DEMO_DIR / "elements_multihop.jsonl"
 DISCOVERER = re.compile(r"\b[Dd]iscovered (?:\w+ )?(?:in \d{4} )?by (?:Sir )?((?:[A-Z][a-z]+ )*(?:(?:de|del|von) )?[A-Z][a-z]{2,})"
@@ -94,7 +95,7 @@ def build_multihop(seed: int = 0, per_bridge: int = 1) -> list[dict]:
 def load_multihop(split: Optional[str] = None) -> list[dict]:
     """The bundled two-hop records (of one QA split when given)."""
     with open(MULTIHOP_PATH, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f]
+        rows = [parse_json(line, f"{MULTIHOP_PATH}:{n}", fix="reinstall rag") for n, line in enumerate(f, 1)]
     return [r for r in rows if split is None or r["split"] == split]
 
 

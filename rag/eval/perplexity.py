@@ -9,15 +9,16 @@ Every text token is scored exactly once (see :mod:`rag.models.ralm.model`); the 
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from rag.knowledge.documents import MAX_DOCUMENT_CHARS
 from rag.models.ralm.model import EvalText, InContextRALM, TextScore
 from rag.utils.errors import CorpusError
+from rag.utils.files import bounded_lines, parse_json, regular_file
 
 __all__ = ["PerplexityResult", "perplexity_totals", "evaluate_perplexity", "read_eval_texts"]
 
@@ -78,6 +79,11 @@ def _record(obj, where: str, field: str) -> EvalText:
     text = obj.get(field)
     if not isinstance(text, str) or not text.strip():
         raise CorpusError(f"{where}: field {field!r} is missing or empty; each record needs its text there (--text-field)")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise CorpusError(f"{where}: field {field!r} holds {text[e.start]!r}, a lone UTF-16 surrogate that is not valid "
+                          "Unicode (a JSON escape such as \\ud800 without its pair); fix the escape") from None
     ident, title = obj.get("id"), obj.get("title")
     return EvalText(text, None if ident is None else str(ident), None if title is None else str(title))
 
@@ -107,24 +113,27 @@ def read_eval_texts(path: str | os.PathLike, *, field: str = "text", limit: Opti
             out.append(_record(row, f"{p}[{i}]", field))
             if limit is not None and len(out) >= limit:
                 break
-    elif p.is_file():
+    elif p.exists():
+        regular_file(p, "--data", error=CorpusError)  # a device or pipe (/dev/zero) is never read
         try:
-            raw = p.read_text(encoding="utf-8")
+            with open(p, encoding="utf-8") as f:
+                if p.suffix == ".jsonl":
+                    for n, line in enumerate(bounded_lines(f, str(p), MAX_DOCUMENT_CHARS, error=CorpusError), 1):
+                        if not line.strip():
+                            continue
+                        out.append(_record(parse_json(line, f"{p}:{n}", fix="fix or remove the line", error=CorpusError),
+                                           f"{p}:{n}", field))
+                        if limit is not None and len(out) >= limit:
+                            break
+                else:
+                    raw = f.read(MAX_DOCUMENT_CHARS + 1)
+                    if len(raw) > MAX_DOCUMENT_CHARS:
+                        raise CorpusError(f"--data {p}: longer than {MAX_DOCUMENT_CHARS:,} characters, the most one plain text "
+                                          "may hold; split it into a .jsonl file of texts (one JSON object per line)")
+                    if raw.strip():
+                        out.append(EvalText(raw))
         except UnicodeDecodeError as e:
             raise CorpusError(f"--data {p}: not UTF-8 text ({e})") from e
-        if p.suffix == ".jsonl":
-            for n, line in enumerate(raw.splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    obj = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise CorpusError(f"{p}:{n}: invalid JSON ({e.msg})") from e
-                out.append(_record(obj, f"{p}:{n}", field))
-                if limit is not None and len(out) >= limit:
-                    break
-        elif raw.strip():
-            out.append(EvalText(raw))
     else:
         raise CorpusError(f"--data {p}: no such file or directory")
     if not out:

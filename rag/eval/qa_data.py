@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import json
 import logging
 import os
 import warnings
@@ -42,6 +41,7 @@ from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.files import parse_json, read_json
 
 logger = logging.getLogger(__name__)
 
@@ -185,28 +185,23 @@ def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
         head = f.read(1 << 12).lstrip()
         f.seek(0)
         if path.suffix == ".json" and head.startswith("["):
-            try:
-                items = json.load(f)
-            except json.JSONDecodeError as e:
-                raise QADataError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from e
+            items = read_json(path, fix="fix the file, or convert it to JSONL (one object per line, read as a stream)",
+                              error=QADataError)
             for i, item in enumerate(items):
                 yield f"{path}[{i}]", item
             return
         for lineno, line in enumerate(f, 1):
             if not line.strip():
                 continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise QADataError(f"{path}:{lineno}: not valid JSON ({e.msg} at column {e.colno})") from e
+            yield f"{path}:{lineno}", parse_json(line, f"{path}:{lineno}", fix="fix or remove the line", error=QADataError)
 
 
 def _parse_tsv_answers(cells: list[str], where: str) -> list[Any]:
     if len(cells) == 1 and cells[0].lstrip().startswith("["):
         text = cells[0].strip()
         try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
+            value = parse_json(text, where, fix="", error=QADataError)
+        except QADataError:
             try:
                 value = ast.literal_eval(text)
             except (ValueError, SyntaxError) as e:

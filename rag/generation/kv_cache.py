@@ -25,9 +25,15 @@ def cache_kwarg(model, cache) -> dict:
 
 
 def output_cache(out):
-    """The cache a forward returned (its ``cache`` field, or ``past_key_values`` before the rename); None if none."""
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
+    """The cache a forward returned, read by the field name its output class declares (``cache``, or
+    ``past_key_values`` before the rename); None if none. Never the other name: after the rename ``past_key_values`` is a
+    deprecated property that logs "`past_key_values`/`cache_params` are deprecated" (reading it whenever ``cache`` was
+    None, e.g. a forward with ``use_cache=False``, printed that warning on loading the demo generator)."""
+    fields = getattr(type(out), "__dataclass_fields__", None)
+    if fields is not None:
+        name = "cache" if "cache" in fields else "past_key_values" if "past_key_values" in fields else None
+        return getattr(out, name, None) if name is not None else None
+    return getattr(out, "cache", None) if hasattr(out, "cache") else getattr(out, "past_key_values", None)
 
 
 @functools.lru_cache(maxsize=None)

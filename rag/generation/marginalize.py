@@ -72,6 +72,7 @@ import torch
 from torch import Tensor
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number
 
 __all__ = [
     "Reduction",
@@ -170,11 +171,15 @@ def doc_log_prior(doc_scores: Tensor, *, temperature: float = 1.0, doc_mask: Ten
         ``(batch, n_docs)`` log-probabilities; float32 for half-precision input.
     """
     _check_dims("doc_scores", doc_scores, 2, "(batch, n_docs)")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ConfigError(f"temperature={temperature!r} must be a number > 0.")
+    check_number(temperature, "temperature", above=0, error=ConfigError)
     scores = _promote(doc_scores)
     if temperature != 1.0:
-        scores = scores / temperature
+        # Shifted by the row maximum first (softmax is shift-invariant) and divided in float64 (a τ such as 1e-300 is 0 in
+        # float32): the best document's scaled score is 0, the others (s - max) / τ <= 0, so a tiny τ gives -inf (weight
+        # 0), never 0/0 or inf - inf = NaN; as τ -> 0 the prior tends to one-hot on the best document (ties split evenly).
+        finite = torch.where(torch.isfinite(scores), scores, torch.full_like(scores, float("-inf")))
+        top = finite.amax(dim=-1, keepdim=True).clamp_min(torch.finfo(scores.dtype).min).detach()
+        scores = ((scores - top).double() / temperature).to(scores.dtype)
     if doc_mask is not None:
         if tuple(doc_mask.shape) != tuple(doc_scores.shape):
             raise RagError(f"`doc_mask` must have the shape of `doc_scores` {tuple(doc_scores.shape)}; got {tuple(doc_mask.shape)}.")

@@ -11,7 +11,6 @@ second call is a no-op and a damaged cache is rebuilt. ``load_generator("smollm2
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import logging
 import math
 import time
@@ -21,6 +20,7 @@ from typing import Any, Iterable, Optional
 
 from rag.utils.checksums import file_checksums, sha256_file, verify_files
 from rag.utils.errors import IntegrityError, RagError
+from rag.utils.files import read_json
 from rag.utils.io import atomic_directory, atomic_write_json
 
 __all__ = [
@@ -307,10 +307,7 @@ def check_language_model(model, tokenizer, *, prose: str = PROSE_SAMPLE) -> dict
 def read_demo_lm_manifest(path: str | Path) -> dict[str, Any]:
     """The manifest ``prepare_demo_lm`` wrote into ``path``; IntegrityError if it is missing or unreadable."""
     f = Path(path) / MANIFEST
-    try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{f}: cannot be read ({e}); rebuild with `rag lm prepare --force`") from e
+    data = read_json(f, fix="rebuild with `rag lm prepare --force`")
     if not isinstance(data, dict) or not isinstance(data.get("files"), dict):
         raise IntegrityError(f"{f}: not a demo LM manifest; rebuild with `rag lm prepare --force`")
     return data

@@ -8,12 +8,13 @@ a message that names the option to change instead of failing deep inside a forwa
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from rag.utils.errors import ConfigError, IntegrityError, RagError
+from rag.utils.files import check_json_files, read_json, readable_model_files
 
 __all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind"]
 
@@ -41,14 +42,14 @@ def check_generator_kind(model: Any, expected: GeneratorKind, where: str) -> Non
         raise ConfigError(f"{where} needs {_WHAT[expected]}, got {_WHAT[found]} ({name}); {hint}")
 
 
+_FIX = "restore the generator directory"
+
+
 def _read_config(path: Path) -> Optional[dict]:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         return None
-    try:
-        cfg = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the generator directory") from e
+    cfg = read_json(cfg_file, fix=_FIX)
     if not isinstance(cfg, dict):
         raise IntegrityError(f"{cfg_file}: is not a JSON object; restore the generator directory")
     return cfg
@@ -129,6 +130,7 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
     src = resolve_name_or_path(os.fspath(path))
     local = Path(src)
     raw = _read_config(local) if local.is_dir() else None
+    check_json_files(local, fix=_FIX)  # transformers and tokenizers parse them without bounds
     if raw is not None and WARM_START_KEY in raw:
         found: GeneratorKind = "seq2seq"
     else:
@@ -143,16 +145,18 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
             + ("pass it to the decoder-only reader (rag.models.ralm.model / `rag lm-eval --model`) instead" if found == "causal"
                else "pass it as a RagModel generator (`--model.generator`) instead")
         )
+    if found == "seq2seq" and from_pretrained_kw and raw is not None and WARM_START_KEY in raw:
+        raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got {sorted(from_pretrained_kw)}")
     try:
-        if found == "seq2seq":
-            if from_pretrained_kw and raw is not None and WARM_START_KEY in raw:
-                raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got {sorted(from_pretrained_kw)}")
-            if from_pretrained_kw:
-                model, tok = AutoModelForSeq2SeqLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
+        # A damaged weights or tokenizer file (``SafetensorError: header too large``) is named, as for RAG checkpoints.
+        with readable_model_files(local, f"the generator ({_WHAT[found]})", _FIX) if local.is_dir() else contextlib.nullcontext():
+            if found == "seq2seq":
+                if from_pretrained_kw:
+                    model, tok = AutoModelForSeq2SeqLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
+                else:
+                    model, tok = load_seq2seq(src)
             else:
-                model, tok = load_seq2seq(src)
-        else:
-            model, tok = AutoModelForCausalLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
+                model, tok = AutoModelForCausalLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
     except (OSError, ValueError) as e:
         if isinstance(e, RagError):
             raise

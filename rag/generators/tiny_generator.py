@@ -19,6 +19,7 @@ from typing import Literal, Optional, Union
 
 from rag.utils.errors import ConfigError
 from rag.utils.io import cache_dir as rag_cache_dir
+from rag.utils.validate import check_bool, check_choice, check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,13 @@ class TinyGenerator:
     seed: int = 0
     """Initialisation seed."""
 
+    def __post_init__(self) -> None:
+        for name in ("d_model", "layers", "heads", "ffn", "vocab_size"):
+            check_positive_int(getattr(self, name), f"model.tiny.{name}", error=ConfigError)
+        check_number(self.seed, "model.tiny.seed", integer=True, low=0, error=ConfigError)
+        if self.d_model % self.heads:
+            raise ConfigError(f"model.tiny.d_model ({self.d_model}) must be a multiple of model.tiny.heads ({self.heads})")
+
 
 def check_tiny_name(generator: str, where: str) -> None:
     """ConfigError (naming `where`) if `generator` is a ``tiny:`` name of an unknown kind."""
@@ -74,6 +82,12 @@ class WarmStartGenerator:
     frequent word (FOLDOC, 8 CPU-min, validation F1 44.5 -> 58.7); ``false``: no bias."""
     seed: int = 0
     """Seed of the decoder's initial weights."""
+
+    def __post_init__(self) -> None:
+        check_positive_int(self.decoder_layers, "model.warm_start.decoder_layers", error=ConfigError)
+        check_bool(self.pointer, "model.warm_start.pointer", error=ConfigError)
+        check_choice(self.continuation, "model.warm_start.continuation", (True, False, "bigram"), error=ConfigError)
+        check_number(self.seed, "model.warm_start.seed", integer=True, low=0, error=ConfigError)
 
 
 def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str | os.PathLike,

@@ -28,7 +28,6 @@ memoises it per context during training (each (question, passage) pair is then e
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 from pathlib import Path
@@ -38,6 +37,7 @@ import torch
 from torch import nn
 
 from rag.utils.errors import ConfigError, IntegrityError
+from rag.utils.files import read_json
 
 logger = logging.getLogger(__name__)
 
@@ -200,8 +200,9 @@ def load_warm_start(path: Union[str, os.PathLike]):
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
     record = getattr(cfg, WARM_START_KEY, None)
-    if not isinstance(record, dict) or "encoder" not in record or "fingerprint" not in record:
-        raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY!r} is missing or incomplete; save the generator again")
+    if not isinstance(record, dict) or not isinstance(record.get("encoder"), str) or not isinstance(record.get("fingerprint"), str):
+        raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY!r} is missing or incomplete (it needs the strings "
+                             "'encoder' and 'fingerprint'); save the generator again")
     name = record["encoder"]
     pointer = bool(record.get("pointer", False))
     try:
@@ -257,11 +258,8 @@ def load_seq2seq(path: Union[str, os.PathLike]):
 
     cfg_file = Path(path) / "config.json"
     if cfg_file.is_file():
-        try:
-            marked = WARM_START_KEY in json.loads(cfg_file.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the generator directory") from e
-        if marked:
+        cfg = read_json(cfg_file, fix="restore the generator directory")
+        if isinstance(cfg, dict) and WARM_START_KEY in cfg:
             return load_warm_start(path)
     return AutoModelForSeq2SeqLM.from_pretrained(path), AutoTokenizer.from_pretrained(path)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
+from rag.utils.files import check_json_files, read_json
 from rag.utils.io import atomic_directory, atomic_write_json
 from rag.utils.validate import check_strings
 
@@ -38,9 +38,10 @@ FORMAT = 1
 def is_bm25_index(path: str | os.PathLike) -> bool:
     """True when `path` is a directory written by :meth:`BM25Index.save` (what ``overwrite=True`` may replace)."""
     try:
-        return json.loads((Path(path) / SETTINGS_FILE).read_text(encoding="utf-8")).get("format") is not None
-    except (OSError, ValueError, AttributeError):
+        s = read_json(Path(path) / SETTINGS_FILE, fix="")
+    except RagError:
         return False
+    return isinstance(s, dict) and s.get("format") is not None
 
 
 PassageLookup = Callable[[np.ndarray], "list[list[Passage]]"]
@@ -210,8 +211,11 @@ class BM25Index:
         settings_file = directory / SETTINGS_FILE
         if not settings_file.is_file():
             raise KnowledgeBaseError(f"{directory} is not a BM25 index directory ({SETTINGS_FILE} missing); build one with BM25Index.build(...).save(...)")
+        s = read_json(settings_file, fix="rebuild the index", error=KnowledgeBaseError)
+        check_json_files(directory / BM25S_DIR, fix="rebuild the index", error=KnowledgeBaseError)  # bm25s parses them unbounded
+        if not isinstance(s, dict):
+            raise KnowledgeBaseError(f"{settings_file}: holds a JSON {type(s).__name__}, not an object; rebuild the index")
         try:
-            s = json.loads(settings_file.read_text(encoding="utf-8"))
             if s.get("format") != FORMAT:
                 raise KnowledgeBaseError(f"{settings_file}: format {s.get('format')!r} is not {FORMAT}; rebuild the index")
             bm25 = bm25s.BM25.load(directory / BM25S_DIR, mmap=mmap, load_corpus=False, show_progress=False)

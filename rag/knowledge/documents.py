@@ -11,7 +11,6 @@ import bz2
 import codecs
 import csv
 import gzip
-import json
 import lzma
 import os
 import sys
@@ -21,10 +20,17 @@ from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal, Sequence
 
 from rag.utils.errors import CorpusError
+from rag.utils.files import MAX_JSON_BYTES, bounded_lines, parse_json, regular_file
+from rag.utils.validate import check_bool, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
-__all__ = ["Document", "Format", "SkippedFilesWarning", "read_documents", "detect_format"]
+__all__ = ["Document", "Format", "SkippedFilesWarning", "read_documents", "detect_format", "MAX_DOCUMENT_CHARS"]
+
+MAX_DOCUMENT_CHARS = 1 << 25
+"""Default bound on one document (a text file, a JSONL line, a CSV/TSV row) in characters: 33,554,432 (~32 MB of
+text, a hundred books); ``max_document_chars=`` / ``--max-document-chars`` changes it. Nothing longer is read into
+memory, so a file without line breaks (or a device) cannot exhaust it."""
 
 Format = Literal["auto", "jsonl", "csv", "tsv", "psgs_w100", "text", "dataset"]
 _FORMATS = ("auto", "jsonl", "csv", "tsv", "psgs_w100", "text", "dataset")
@@ -61,6 +67,8 @@ def read_documents(
     text_field: str = "text",
     id_field: str | None = "id",
     encoding: str = "utf-8",
+    max_document_chars: int = MAX_DOCUMENT_CHARS,
+    follow_symlinks: bool = False,
 ) -> Iterator[Document]:
     """Stream the documents of one source, or of a list of sources in order.
 
@@ -74,7 +82,11 @@ def read_documents(
     is exactly ``id, text, title`` is read as DPR ``psgs_w100`` (rows kept whole).
     `title_field=None` means the corpus has no titles (all titles ""). A missing id
     field is allowed (content-hash ids). Files are read lazily, row by row, so a
-    21M-row TSV is never held in memory. Raises CorpusError for bad input.
+    21M-row TSV is never held in memory. Raises CorpusError for bad input: among others a source that is not a regular
+    file or folder (a device such as ``/dev/zero``, a pipe), a document, line or row longer than `max_document_chars`
+    characters, and text that is not valid Unicode (a lone surrogate from a JSON ``\\ud800`` escape). A folder's
+    symbolic links that point outside it are skipped with a :class:`SkippedFilesWarning` naming them, unless
+    `follow_symlinks`.
     """
     if format not in _FORMATS:
         raise CorpusError(f"unknown corpus format {format!r}; choose one of {', '.join(_FORMATS)} (--format)")
@@ -84,9 +96,11 @@ def read_documents(
         codecs.lookup(encoding)
     except LookupError:
         raise CorpusError(f"unknown encoding {encoding!r}; pass a Python codec name such as utf-8 or latin-1 (--encoding)") from None
-    fields = _Fields(title_field or None, text_field, id_field or None)
+    check_positive_int(max_document_chars, "max_document_chars (--max-document-chars)", error=CorpusError)
+    check_bool(follow_symlinks, "follow_symlinks (--follow-symlinks)", error=CorpusError)
+    fields = _Fields(title_field or None, text_field, id_field or None, max_document_chars, follow_symlinks)
     if is_dataset(source):
-        yield from _read_dataset(source, "dataset", fields)
+        yield from _checked(_read_dataset(source, "dataset", fields), fields)
         return
     if isinstance(source, (str, os.PathLike)):
         sources: list[Any] = [source]
@@ -100,17 +114,19 @@ def read_documents(
         )
     for one in sources:
         if is_dataset(one):
-            yield from _read_dataset(one, "dataset", fields)
+            yield from _checked(_read_dataset(one, "dataset", fields), fields)
             continue
         if not isinstance(one, (str, os.PathLike)):
             raise CorpusError(f"cannot read a corpus from a {type(one).__name__}; pass a path or a datasets.Dataset")
         path = Path(one)
         if not path.exists():
             raise CorpusError(f"corpus source {path} does not exist; check the path")
+        if not path.is_dir():
+            regular_file(path, "a corpus source (--corpus)", error=CorpusError)
         fmt = detect_format(path, encoding) if format == "auto" else format
         reader = _read_folder if format == "auto" and fmt == "text" and path.is_dir() else _READERS[fmt]
         count = 0
-        for doc in reader(path, fields, encoding):
+        for doc in _checked(reader(path, fields, encoding), fields):
             count += 1
             yield doc
         if count == 0:
@@ -135,7 +151,9 @@ def detect_format(path: str | os.PathLike, encoding: str = "utf-8") -> str:
     if suffix == ".tsv":
         with _open_text(path, encoding) as f:
             try:
-                header = next(csv.reader(f, delimiter="\t"), [])
+                header = next(csv.reader(_RowBound(f, str(path), MAX_DOCUMENT_CHARS), delimiter="\t"), [])
+            except csv.Error:
+                header = []
             except UnicodeDecodeError:
                 raise _decode_error(path, encoding) from None
         return "psgs_w100" if header == _PSGS_W100_HEADER else "tsv"
@@ -149,9 +167,64 @@ def detect_format(path: str | os.PathLike, encoding: str = "utf-8") -> str:
 
 @dataclass(frozen=True)
 class _Fields:
+    """Which fields hold what, and how much may be read (every reader takes it)."""
+
     title: str | None
     text: str
     id: str | None
+    max_chars: int = MAX_DOCUMENT_CHARS
+    follow_symlinks: bool = False
+
+
+def _checked(docs: Iterator[Document], fields: _Fields) -> Iterator[Document]:
+    """`docs`, each within the length bound and holding only valid Unicode: a lone surrogate (a JSON ``\\ud800`` escape)
+    cannot be written as UTF-8, so the knowledge base could not store it."""
+    for doc in docs:
+        if len(doc.text) + len(doc.title) > fields.max_chars:
+            raise _too_long(doc.source, fields.max_chars)
+        for name, value in (("text", doc.text), ("title", doc.title), ("id", doc.id or "")):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise CorpusError(f"{doc.source}: the {name} holds {value[e.start]!r} at character {e.start}, a lone UTF-16 "
+                                  "surrogate that is not valid Unicode (a JSON escape such as \\ud800 without its pair); fix "
+                                  "the escape or remove the character") from None
+        yield doc
+
+
+_LIMIT_FIX = ("split the document, check that the file is text with line breaks, or raise the limit "
+              "(--max-document-chars / max_document_chars=)")
+
+
+def _too_long(where: str, limit: int) -> CorpusError:
+    return CorpusError(f"{where}: a document, line or row longer than {limit:,} characters; {_LIMIT_FIX}")
+
+
+def _bounded_lines(f: IO[str], where: str, limit: int) -> Iterator[str]:
+    return bounded_lines(f, where, limit, error=CorpusError, fix=_LIMIT_FIX)
+
+
+class _RowBound:
+    """Lines for csv.reader, refusing a row (which quoted line breaks may spread over many lines) longer than
+    `limit` characters; :meth:`next_row` starts counting a new row."""
+
+    def __init__(self, f: IO[str], where: str, limit: int):
+        self._lines = _bounded_lines(f, where, limit)
+        self._where, self._limit, self._used, self._line, self._start = where, limit, 0, 0, 1
+
+    def next_row(self) -> None:
+        self._used, self._start = 0, self._line + 1
+
+    def __iter__(self) -> "_RowBound":
+        return self
+
+    def __next__(self) -> str:
+        line = next(self._lines)
+        self._line += 1
+        self._used += len(line)
+        if self._used > self._limit:
+            raise _too_long(f"{self._where}:{self._start}", self._limit)
+        return line
 
 
 def _data_suffix(path: Path) -> str:
@@ -182,19 +255,21 @@ def _open_text(path: Path, encoding: str, newline: str | None = "") -> IO[str]:
 def _decode_error(path: Path, encoding: str) -> CorpusError:
     """Locate the first undecodable byte of a file (line and byte offset) for the message."""
     decoder = codecs.getincrementaldecoder(_python_encoding(encoding))(errors="strict")
-    offset = 0
+    offset, lineno = 0, 1
     with _open_binary(path) as f:
-        for lineno, line in enumerate(f, start=1):
+        for block in iter(lambda: f.read(1 << 20), b""):  # blocks, not lines: a line may be any length
             try:
-                decoder.decode(line)
+                decoder.decode(block)
             except UnicodeDecodeError as e:
                 bad = e.object[e.start : e.end]
+                lineno += block.count(b"\n", 0, max(0, e.start))
                 return CorpusError(
                     f"{path}:{lineno}: cannot decode byte(s) {bad!r} at byte offset {offset + e.start} "
                     f"as {encoding} ({e.reason}); pass the file's real encoding with --encoding "
                     f"(encoding=, e.g. latin-1) or fix those bytes (they are never replaced silently)"
                 )
-            offset += len(line)
+            offset += len(block)
+            lineno += block.count(b"\n")
         try:
             decoder.decode(b"", final=True)
         except UnicodeDecodeError as e:
@@ -265,12 +340,13 @@ def _jsonl_rows(path: Path, fields: _Fields, encoding: str) -> Iterator[Document
             while first and first.isspace():
                 first = f.read(1)
         if first == "[":
-            # A .json file holding one array: it cannot be streamed, so it is parsed whole.
+            # A .json file holding one array: it cannot be streamed, so it is parsed whole (up to MAX_JSON_BYTES).
             f.seek(0)
-            try:
-                rows = json.load(f)
-            except json.JSONDecodeError as e:
-                raise CorpusError(f"{path}:{e.lineno}: invalid JSON ({e.msg}, column {e.colno}); fix the file") from None
+            text = f.read(MAX_JSON_BYTES + 1)
+            if len(text) > MAX_JSON_BYTES:
+                raise CorpusError(f"{path}: a JSON array larger than {MAX_JSON_BYTES:,} characters is not read whole; convert "
+                                  "it to JSONL (one object per line), which is read as a stream")
+            rows = parse_json(text, str(path), fix="fix the file", error=CorpusError)
             for i, row in enumerate(rows):
                 where = f"{path}[{i}]"
                 if not isinstance(row, dict):
@@ -278,17 +354,12 @@ def _jsonl_rows(path: Path, fields: _Fields, encoding: str) -> Iterator[Document
                 yield _make_document(row, fields, where)
             return
         f.seek(0)
-        for lineno, line in enumerate(f, start=1):
+        for lineno, line in enumerate(_bounded_lines(f, str(path), fields.max_chars), start=1):
             if not line.strip():
                 continue
             where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise CorpusError(
-                    f"{where}: invalid JSON ({e.msg}, column {e.colno}); each line must be one JSON object "
-                    f"such as {{\"title\": ..., \"text\": ...}}; fix or remove the line"
-                ) from None
+            row = parse_json(line, where, error=CorpusError, fix="each line must be one JSON object such as "
+                             "{\"title\": ..., \"text\": ...}; fix or remove the line")
             if not isinstance(row, dict):
                 raise CorpusError(
                     f"{where}: expected a JSON object with field {fields.text!r}, got a JSON {type(row).__name__}; "
@@ -310,9 +381,11 @@ def _enable_long_csv_fields() -> None:
 
 
 def _delimited_rows(path: Path, fields: _Fields, encoding: str, delimiter: str, psgs_w100: bool) -> Iterator[Document]:
-    _enable_long_csv_fields()
+    _enable_long_csv_fields()  # rows are bounded by _RowBound (fields.max_chars) instead
     with _open_text(path, encoding) as f:
-        reader = csv.reader(f, delimiter=delimiter)
+        lines = _RowBound(f, str(path), fields.max_chars)
+        # strict: an unterminated quote is an error ("unexpected end of data"), not one field that swallows every row after it
+        reader = csv.reader(lines, delimiter=delimiter, strict=True)
         header: list[str] = []
         while not header:  # blank lines before the header are skipped
             try:
@@ -338,11 +411,15 @@ def _delimited_rows(path: Path, fields: _Fields, encoding: str, delimiter: str, 
         id_i = header.index(fields.id) if fields.id is not None and fields.id in header else None
         last_line = reader.line_num
         while True:
+            lines.next_row()
             try:
                 values = next(reader)
             except StopIteration:
                 return
             except csv.Error as e:
+                if "end of data" in str(e):
+                    raise CorpusError(f"{path}:{last_line + 1}: a quote opened in this row is never closed, so it would swallow "
+                                      "every row after it; close the quote (write a quote inside a quoted field as \"\")") from None
                 raise CorpusError(f"{path}:{last_line + 1}: cannot parse the row ({e}); fix the quoting of that row") from None
             where = f"{path}:{last_line + 1}"
             last_line = reader.line_num
@@ -378,30 +455,42 @@ class SkippedFilesWarning(UserWarning):
     """Files in a corpus folder that were not read (their format is not one a folder's files are read as)."""
 
 
-def _folder_files(path: Path) -> tuple[list[Path], list[Path], list[Path]]:
-    """A folder's non-hidden files, recursively, sorted by relative path: (text files, data files, others)."""
-    texts, data, other = [], [], []
+def _folder_files(path: Path, follow_symlinks: bool = False) -> tuple[list[Path], list[Path], list[Path]]:
+    """A folder's non-hidden regular files, recursively, sorted by relative path: (text files, data files, others).
+
+    A symbolic link whose target lies outside the folder is skipped with a :class:`SkippedFilesWarning` naming it (a
+    link to a system file would otherwise become a passage that retrieval serves), unless `follow_symlinks`."""
+    texts, data, other, outside = [], [], [], []
+    root = path.resolve()
     for p in sorted((p for p in path.rglob("*") if p.is_file()), key=lambda p: p.relative_to(path).as_posix()):
         if any(part.startswith(".") for part in p.relative_to(path).parts):
             continue
+        if not follow_symlinks and not p.resolve().is_relative_to(root):
+            outside.append(p)
+            continue
         suffix = _data_suffix(p)
         (texts if suffix == ".txt" else data if suffix in _DATA_SUFFIXES else other).append(p)
+    _warn_skipped(path, outside, "symbolic links to files outside the folder are not read (pass --follow-symlinks, "
+                  "follow_symlinks=True, to read them)", stacklevel=4)
     return texts, data, other
 
 
-def _warn_skipped(path: Path, skipped: list[Path], why: str) -> None:
+def _warn_skipped(path: Path, skipped: list[Path], why: str, stacklevel: int = 2) -> None:
     if skipped:
         names = ", ".join(p.relative_to(path).as_posix() for p in skipped[:5]) + (", ..." if len(skipped) > 5 else "")
-        warnings.warn(f"corpus folder {path}: skipped {len(skipped)} file(s) ({names}): {why}", SkippedFilesWarning, stacklevel=2)
+        warnings.warn(f"corpus folder {path}: skipped {len(skipped)} file(s) ({names}): {why}", SkippedFilesWarning,
+                      stacklevel=stacklevel)
 
 
-def _text_documents(path: Path, files: list[Path], encoding: str) -> Iterator[Document]:
+def _text_documents(path: Path, files: list[Path], encoding: str, limit: int) -> Iterator[Document]:
     for p in files:
         try:
             with _open_text(p, encoding, newline=None) as f:
-                text = f.read()
+                text = f.read(limit + 1)
         except UnicodeDecodeError:
             raise _decode_error(p, encoding) from None
+        if len(text) > limit:
+            raise _too_long(str(p), limit)
         name = p.name[: -len(p.suffix)] if p.suffix.lower() in _COMPRESSED else p.name
         rel = p.relative_to(path).as_posix() if p != path else p.name
         yield Document(id=rel, title=Path(name).stem, text=text, source=f"{p}:1")
@@ -409,21 +498,21 @@ def _text_documents(path: Path, files: list[Path], encoding: str) -> Iterator[Do
 
 def _read_text(path: Path, fields: _Fields, encoding: str) -> Iterator[Document]:
     if not path.is_dir():
-        return _text_documents(path, [path], encoding)
-    texts, data, other = _folder_files(path)
+        return _text_documents(path, [path], encoding, fields.max_chars)
+    texts, data, other = _folder_files(path, fields.follow_symlinks)
     _warn_skipped(path, data + other, "format='text' (--format text) reads only .txt files; --format auto also reads "
                   ".jsonl/.json/.csv/.tsv files")
-    return _text_documents(path, texts, encoding)
+    return _text_documents(path, texts, encoding, fields.max_chars)
 
 
 def _read_folder(path: Path, fields: _Fields, encoding: str) -> Iterator[Document]:
     """A folder read with format='auto': its .txt files (one document each, id = relative path), then its
     .jsonl/.json/.ndjson/.csv/.tsv files (each read in the format its extension says), all in sorted order;
     other files are skipped with a :class:`SkippedFilesWarning`."""
-    texts, data, other = _folder_files(path)
+    texts, data, other = _folder_files(path, fields.follow_symlinks)
     _warn_skipped(path, other, f"a folder's files are read only when they are {', '.join(('.txt',) + _DATA_SUFFIXES)} "
                   "(optionally .gz/.bz2/.xz compressed); convert them, or pass them as separate --corpus sources with --format")
-    yield from _text_documents(path, texts, encoding)
+    yield from _text_documents(path, texts, encoding, fields.max_chars)
     for p in data:
         yield from _READERS[detect_format(p, encoding)](p, fields, encoding)
 

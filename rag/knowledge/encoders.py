@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from rag.knowledge.passages import Passage
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.files import check_json_files, read_json, readable_model_files
 from rag.utils.io import atomic_directory, atomic_write_json
-from rag.utils.validate import check_strings
+from rag.utils.validate import check_bool, check_choice, check_number, check_strings
 
 Pooling = Literal["auto", "cls", "mean", "pooler"]
 Role = Literal["auto", "question", "context"]
@@ -115,10 +116,7 @@ def pool(last_hidden_state: torch.Tensor, attention_mask: torch.Tensor, mode: st
 
 
 def _read_json(path: Path) -> object:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"cannot read {path}: {e}; fix or delete the file") from e
+    return read_json(path, fix="fix or restore the file", error=ConfigError)
 
 
 def _sentence_transformers_settings(path: str) -> Optional[dict]:
@@ -202,20 +200,18 @@ class TextEncoder(torch.nn.Module):
         super().__init__()
         from transformers import AutoConfig, AutoModel, AutoTokenizer
 
-        if pooling not in POOLINGS:
-            raise ConfigError(f"pooling={pooling!r} is not one of {POOLINGS}")
-        if role not in ROLES:
-            raise ConfigError(f"role={role!r} is not one of {ROLES}")
-        if not isinstance(max_length, int) or isinstance(max_length, bool) or max_length < 2:
-            raise ConfigError(f"max_length must be an integer >= 2, got {max_length!r}")
-        if normalize is not None and not isinstance(normalize, bool):
-            raise ConfigError(f"normalize must be True, False or None, got {normalize!r}")
+        check_choice(pooling, "pooling", POOLINGS, error=ConfigError)
+        check_choice(role, "role", ROLES, error=ConfigError)
+        check_number(max_length, "max_length", integer=True, low=2, error=ConfigError)
+        check_bool(normalize, "normalize", allow_none=True, error=ConfigError)
 
         self.name_or_path = os.fspath(name_or_path)
         path = resolve_name_or_path(self.name_or_path)
         st = _sentence_transformers_settings(path)
         model_path = str(Path(path) / st["transformer_dir"]) if st and st["transformer_dir"] else path
 
+        fix = "restore the encoder's directory, or pass another encoder"
+        check_json_files(model_path, fix=fix)  # transformers and tokenizers parse them without bounds
         try:
             config = AutoConfig.from_pretrained(model_path)
         except (OSError, ValueError) as e:  # ValueError: a directory whose config.json names no known model_type
@@ -227,14 +223,17 @@ class TextEncoder(torch.nn.Module):
         self.is_dpr = self.model_type == "dpr"
 
         missing: set = set()
+        with readable_model_files(model_path, f"the encoder {self.name_or_path!r}", fix):
+            if self.is_dpr:
+                model_cls = self._dpr_class(config, role)
+                self.model = model_cls.from_pretrained(model_path)
+            else:
+                self.model, info = AutoModel.from_pretrained(model_path, output_loading_info=True)
+                missing = set(info.get("missing_keys", ()))
         if self.is_dpr:
-            model_cls = self._dpr_class(config, role)
-            self.model = model_cls.from_pretrained(model_path)
             pooling = "pooler" if pooling == "auto" else pooling
             default_normalize = False
         else:
-            self.model, info = AutoModel.from_pretrained(model_path, output_loading_info=True)
-            missing = set(info.get("missing_keys", ()))
             if pooling == "auto":
                 if st is not None:
                     if st["unsupported"] or st["pooling"] is None:
@@ -257,10 +256,16 @@ class TextEncoder(torch.nn.Module):
                     "choose pooling='cls' or pooling='mean' (valid choices: auto, cls, mean, pooler)"
                 )
 
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        with readable_model_files(model_path, f"the tokenizer of the encoder {self.name_or_path!r}", fix):
+            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
         if self.tokenizer.pad_token is None:
             raise ConfigError(f"tokenizer of {self.name_or_path!r} has no pad token; set one and save it again")
         self.pooling: str = pooling
+        unused = getattr(self.model, "pooler", None) if pooling != "pooler" else None
+        if isinstance(unused, torch.nn.Module):
+            # A BERT-style pooler that cls/mean pooling never runs (MiniLM's): its weights get no gradient on any
+            # step, so they are frozen (still saved, still in the fingerprint); DDP then needs no unused-parameter search.
+            unused.requires_grad_(False)
         self.normalize: bool = default_normalize if normalize is None else normalize
         self.max_length: int = max_length
 
@@ -460,7 +465,10 @@ class TextEncoder(torch.nn.Module):
         s = _read_json(settings_file)
         if not isinstance(s, dict) or s.get("format") != SETTINGS_FORMAT:
             raise ConfigError(f"{settings_file}: unknown format (expected {{'format': {SETTINGS_FORMAT}, ...}})")
-        try:
-            return cls(path, pooling=s["pooling"], normalize=s["normalize"], max_length=s["max_length"])
-        except KeyError as e:
-            raise ConfigError(f"{settings_file} lacks field {e}; save the encoder again") from e
+        missing = [k for k in ("pooling", "normalize", "max_length") if k not in s]
+        if missing:
+            raise ConfigError(f"{settings_file} lacks field(s) {missing}; save the encoder again")
+        check_choice(s["pooling"], f"{settings_file}: pooling", POOLINGS, error=ConfigError)
+        check_bool(s["normalize"], f"{settings_file}: normalize", allow_none=True, error=ConfigError)
+        check_number(s["max_length"], f"{settings_file}: max_length", integer=True, low=2, error=ConfigError)
+        return cls(path, pooling=s["pooling"], normalize=s["normalize"], max_length=s["max_length"])

@@ -30,8 +30,9 @@ that is serving requests:
 
 :meth:`KnowledgeBaseSlot.swap_back` undoes the last swap in one call. The slot keeps a
 short history; only the most recent ``keep_loaded`` previous knowledge bases stay
-open in memory (so the undo is instant), older entries are re-opened and re-verified
-from their directory when swapped back to.
+open in memory (their index and mappings need not be loaded again), older entries are
+re-opened from their directory when swapped back to; either way the files are verified
+again first (a version kept open is re-hashed: an edit in place would change what it serves).
 """
 
 from __future__ import annotations
@@ -72,7 +73,8 @@ class SwapResult:
     seconds: float
     """Whole swap: open + verify + validate + prewarm + commit."""
     load_seconds: float
-    """Opening and verifying the new knowledge base (0 when it was already open), off the request path."""
+    """Opening and verifying the new knowledge base (one kept open by swap_back: verifying its files again; 0 only with
+    ``verify="none"``), off the request path."""
     commit_seconds: float
     """Time the swap lock was held (validation + one reference assignment)."""
     path: Optional[str]
@@ -319,8 +321,10 @@ class KnowledgeBaseSlot:
         """Undo the last swap: serve the previous version again (and drop it from the history).
 
         Repeated calls walk further back. The previous knowledge base is still open when it is
-        among the last ``keep_loaded``; otherwise it is re-opened and verified from its
-        directory first (off the lock). `allow_encoder_change` defaults to True, and a metric
+        among the last ``keep_loaded``: its files are then checked again (`verify`; "full" hashes
+        every one, in the low-priority child), since an edit in place would change what its memory
+        maps serve; otherwise it is re-opened and verified from its directory first. Both happen off
+        the lock. `allow_encoder_change` defaults to True, and a metric
         change is accepted, because the version being returned to already served this retriever
         (e.g. before a deliberate encoder or metric change); its dimension is still checked.
         It is pre-warmed as in :meth:`swap` (`prewarm`): pages of a version kept open may have
@@ -340,6 +344,18 @@ class KnowledgeBaseSlot:
                 entry = self._history[-1]
                 target = entry.kb
             load_seconds = 0.0
+            if target is not None and verify != "none":
+                # Kept open, but its memory-mapped files may have been edited in place since it served: what it would
+                # serve is proven to be what its version id names by hashing the files again (off the lock).
+                tl = time.perf_counter()
+                try:
+                    target.recheck(verify, hash_nice=self._verify_nice)
+                except RagError as e:
+                    raise type(e)(f"swap_back refused, still serving {self.version}: {entry.version}'s files changed since it "
+                                  f"served ({e}); restore them, or swap to a rebuilt knowledge base") from e
+                load_seconds = time.perf_counter() - tl
+            elif target is not None:
+                target.verified = "none"  # served as +unverified: nothing was checked this time
             if target is None:
                 if entry.path is None:
                     raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; swap to a directory instead")

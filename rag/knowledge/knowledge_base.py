@@ -19,8 +19,6 @@ whose manifest names its parent.
 from __future__ import annotations
 
 import contextlib
-import datetime as _dt
-import json
 import logging
 import os
 import sys
@@ -37,7 +35,6 @@ from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, check_
 from rag.knowledge.manifest import (
     BM25_DIR,
     EMBEDDINGS,
-    FORMAT_VERSION,
     INDEX,
     MANIFEST,
     PASSAGES,
@@ -45,16 +42,17 @@ from rag.knowledge.manifest import (
     check_arrow_files,
     check_finite,
     check_passages,
-    content_version,
     is_knowledge_base,
-    passages_digest,
+    new_manifest,
     verify_kb_files,
 )
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
 from rag.knowledge.passages import Passage
 from rag.utils.checksums import Verify, file_checksums
 from rag.utils.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.utils.files import read_json
 from rag.utils.io import atomic_directory, atomic_write_json, check_output_dir
+from rag.utils.validate import check_choice
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
@@ -93,9 +91,16 @@ class KnowledgeBase:
     @property
     def served_version(self) -> str:
         """The version id to report with answers: :attr:`version` when every file was checked against its
-        SHA-256 (``verified == "full"``), else ``"<version>+unverified"`` — content opened with
-        ``verify="size"``/``"none"`` may differ from what the version id names."""
-        return self.version if self.verified == "full" else f"{self.version}+unverified"
+        SHA-256 (``verified == "full"``) and it was made from verified inputs (:attr:`unverified_inputs`), else
+        ``"<version>+unverified"`` — content opened with ``verify="size"``/``"none"``, or merged from shards that were,
+        may differ from what the version id names."""
+        return self.version if self.verified == "full" and not self.unverified_inputs else f"{self.version}+unverified"
+
+    @property
+    def unverified_inputs(self) -> bool:
+        """True when this knowledge base was made from inputs whose checksums were not all verified (``rag index merge
+        --verify size|none``, or :meth:`add` to such a one): its manifest's ``build.unverified_inputs``."""
+        return bool(self.manifest.build.get("unverified_inputs"))
 
     @property
     def dim(self) -> int:
@@ -379,32 +384,10 @@ class KnowledgeBase:
 
                 BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
             files = file_checksums(tmp, (f for f in tmp.rglob("*") if f.is_file()))
-            digest = passages_digest(passages)
-            import faiss
-
-            import rag
-
-            manifest = Manifest(
-                format_version=FORMAT_VERSION,
-                version=content_version(digest, files[EMBEDDINGS]["sha256"], spec.to_dict(), encoder),
-                created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-                count=len(passages),
-                dim=int(embeddings.shape[1]),
-                metric=spec.metric,
-                encoder=dict(encoder),
-                index=spec.to_dict(),
-                files=files,
-                parent=parent,
-                query_encoder=query_encoder,
-                build={
-                    "index_seconds": round(index_seconds, 3),
-                    "bytes_per_vector": round(bytes_per_vector(faiss_index), 2),
-                    "rag_version": rag.__version__,
-                    "faiss_version": faiss.__version__,
-                    **(build_info or {}),
-                },
-                passages_digest=digest,
-            )
+            build = {"index_seconds": round(index_seconds, 3), "bytes_per_vector": round(bytes_per_vector(faiss_index), 2),
+                     **(build_info or {})}
+            manifest = new_manifest(passages, int(embeddings.shape[1]), spec, encoder, files, parent=parent,
+                                    query_encoder=query_encoder, build=build)
             atomic_write_json(tmp / MANIFEST, manifest.to_dict())
         logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, len(passages))
         kb = cls.open(out, verify="none")
@@ -455,7 +438,8 @@ class KnowledgeBase:
             bm25=has_bm25,
             show_progress=show_progress,
             overwrite=overwrite,
-            build_info={"added": len(new)},
+            build_info={"added": len(new), **({} if self.served_version == self.version else  # an unverified parent: so is this
+                                               {"unverified_inputs": {"verify": self.verified, "parent": str(self.path)}})},
         )
 
     # ------------------------------------------------------------------ opening
@@ -483,10 +467,7 @@ class KnowledgeBase:
         mpath = path / MANIFEST
         if not mpath.is_file():
             raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
-        try:
-            manifest = Manifest.from_dict(json.loads(mpath.read_text(encoding="utf-8")), mpath)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise IntegrityError(f"{mpath}: not valid JSON ({e}); the file is damaged — rebuild the knowledge base") from e
+        manifest = Manifest.from_dict(read_json(mpath, fix="the file is damaged — rebuild the knowledge base"), mpath)
         verify_kb_files(path, manifest, verify, hash_nice=hash_nice)
         check_arrow_files(path / PASSAGES)
         try:
@@ -515,6 +496,23 @@ class KnowledgeBase:
         kb.verified = verify
         return kb
 
+
+    def recheck(self, verify: Verify = "full", *, hash_nice: Optional[int] = None) -> None:
+        """Check this open knowledge base's files against its manifest again, as :meth:`open` did (`verify`: "full"
+        hashes every file; `hash_nice` as in :meth:`open`), and record the check in :attr:`verified`.
+
+        Its files are memory-mapped: an edit made in place after opening changes what it serves without changing
+        anything in memory, so a version kept open (e.g. for :meth:`KnowledgeBaseSlot.swap_back
+        <rag.knowledge.hotswap.KnowledgeBaseSlot.swap_back>`) is re-checked before it serves again.
+
+        Raises:
+            IntegrityError: a file no longer matches its recorded checksum (or size), naming it.
+        """
+        check_choice(verify, "verify", ("full", "size", "none"), error=ConfigError)
+        with self.in_use():
+            verify_kb_files(self.path, self.manifest, verify, hash_nice=hash_nice)
+            check_arrow_files(self.path / PASSAGES)
+        self.verified = verify
 
     # ------------------------------------------------------------------ reading
     def search(self, query_embeds: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:

@@ -4,6 +4,7 @@ from content, and the finite-embeddings / Arrow-file checks run when a directory
 
 from __future__ import annotations
 
+import datetime as _dt
 import hashlib
 import json
 import os
@@ -17,6 +18,7 @@ from rag.knowledge.index import IndexSpec
 from rag.knowledge.passages import Passage
 from rag.utils.checksums import Verify, verify_files
 from rag.utils.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
+from rag.utils.files import check_json_files, read_json
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -100,13 +102,31 @@ def json_type_name(value: Any) -> str:
     return "null" if value is None else _JSON_NAMES.get(type(value), type(value).__name__)
 
 
+def new_manifest(passages: Sequence[Passage], dim: int, spec: IndexSpec, encoder: dict, files: dict, *,
+                 parent: Optional[str] = None, query_encoder: Optional[dict] = None, build: Optional[dict] = None) -> Manifest:
+    """The manifest of a knowledge base being written: its content-addressed version (passages, embeddings' checksum,
+    index spec, encoder), the time, the versions of rag and faiss that wrote it, and `build`'s entries."""
+    import faiss
+
+    import rag
+
+    digest = passages_digest(passages)
+    return Manifest(
+        format_version=FORMAT_VERSION, version=content_version(digest, files[EMBEDDINGS]["sha256"], spec.to_dict(), encoder),
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), count=len(passages), dim=dim,
+        metric=spec.metric, encoder=dict(encoder), index=spec.to_dict(), files=files, parent=parent,
+        query_encoder=query_encoder, passages_digest=digest,
+        build={"rag_version": rag.__version__, "faiss_version": faiss.__version__, **(build or {})},
+    )
+
+
 def is_knowledge_base(path: str | os.PathLike) -> bool:
     """True when `path` is a directory whose `manifest.json` is a knowledge-base manifest (the files need not verify).
 
     What ``overwrite=True`` may replace: a knowledge base, possibly damaged, but never a directory of anything else."""
     try:
-        d = json.loads((Path(path) / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        d = read_json(Path(path) / MANIFEST, fix="")
+    except RagError:
         return False
     return isinstance(d, dict) and all(k in d for k in _REQUIRED_FIELDS) and str(d.get("version", "")).startswith("kb-")
 
@@ -190,10 +210,9 @@ def check_arrow_files(passages_dir: Path) -> None:
     from rag.utils.checksums import confined_path
 
     state = passages_dir / "state.json"
-    try:
-        data = json.loads(state.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{state}: cannot be read ({e}); rebuild the knowledge base") from e
+    # datasets parses the folder's JSON files itself (without bounds): each is read through the bounded reader first
+    check_json_files(passages_dir, fix="rebuild the knowledge base")
+    data = read_json(state, fix="rebuild the knowledge base")
     entries = data.get("_data_files") if isinstance(data, dict) else None
     if not isinstance(entries, list) or not entries:
         raise IntegrityError(f"{state}: names no data files; rebuild the knowledge base")

@@ -17,6 +17,7 @@ corpora or encoders, or a shard given twice: a clear error before anything is wr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import re
 import shutil
@@ -27,10 +28,11 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from rag.utils.errors import ConfigError, KnowledgeBaseError
+from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.utils.io import check_output_dir
+from rag.utils.validate import is_integer
 
-__all__ = ["ShardSpec", "parse_shard", "shard_passages", "shard_info", "merge_shards"]
+__all__ = ["ShardSpec", "parse_shard", "shard_passages", "shard_info", "merge_shards", "check_shard_record", "UNVERIFIED_INPUTS"]
 
 _SHARD = re.compile(r"^\s*(\d+)\s*/\s*(\d+)\s*$")
 
@@ -75,6 +77,39 @@ def shard_info(passages: Sequence, shard: ShardSpec, index: str) -> dict:
             "corpus_digest": passages_digest(passages), "index_spec": index}
 
 
+_SHARD_FIELDS = ("index", "count", "start", "stop", "corpus_passages", "corpus_digest", "index_spec")
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def check_shard_record(info: object, manifest: Path) -> dict:
+    """The ``build.shard`` record of the shard whose manifest is `manifest`, checked field by field before any of it is
+    used (types, ranges, and rows that are exactly slice ``index`` of ``count`` of ``corpus_passages``); IntegrityError
+    naming the field otherwise."""
+    def bad(what: str) -> IntegrityError:
+        return IntegrityError(f"{manifest}: build.shard.{what}; the shard's manifest is damaged — rebuild the shard with "
+                              "`rag index build --shard i/N`")
+
+    missing = [k for k in _SHARD_FIELDS if k not in info]
+    if missing:
+        raise bad(f"{missing[0]} is missing (a shard record holds {', '.join(_SHARD_FIELDS)})")
+    for key in ("index", "start", "stop", "corpus_passages"):
+        if not is_integer(info[key]) or info[key] < 0:
+            raise bad(f"{key} is {info[key]!r}, not an integer >= 0")
+    count, n = info["count"], info["corpus_passages"]
+    if not is_integer(count) or not 1 <= count <= max(1, n):
+        raise bad(f"count is {count!r}, not an integer between 1 and corpus_passages ({n!r})")
+    if info["index"] >= count:
+        raise bad(f"index is {info['index']}, not below count ({count})")
+    if (info["start"], info["stop"]) != ShardSpec(info["index"], count).bounds(n):
+        raise bad(f"start/stop are {info['start']}/{info['stop']}, but slice {info['index']}/{count} of {n} passages is rows "
+                  f"{ShardSpec(info['index'], count).bounds(n)}")
+    if not isinstance(info["corpus_digest"], str) or not _HEX64.match(info["corpus_digest"]):
+        raise bad(f"corpus_digest is {str(info['corpus_digest'])[:80]!r}, not a SHA-256 (64 hex digits)")
+    if not isinstance(info["index_spec"], str):
+        raise bad(f"index_spec is {info['index_spec']!r}, not an index spec string")
+    return info
+
+
 def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
     """Open and verify the shard knowledge bases, ordered by slice; KnowledgeBaseError unless they are exactly the N
     slices of one corpus encoded by one encoder."""
@@ -89,7 +124,7 @@ def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
         if not isinstance(info, dict):
             raise KnowledgeBaseError(f"{d}: is a knowledge base but not a shard (its manifest has no build.shard record); "
                                      "give the directories written by `rag index build --shard i/N`")
-        shards.append((info, kb))
+        shards.append((check_shard_record(info, Path(d) / "manifest.json"), kb))
     first_info, first = shards[0]
     n_shards = first_info["count"]
     for info, kb in shards:
@@ -108,9 +143,10 @@ def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
         if info["index"] in by_index:
             raise KnowledgeBaseError(f"shard {info['index']}/{n_shards} is given twice: {by_index[info['index']].path} and {kb.path}")
         by_index[info["index"]] = kb
-    missing = [i for i in range(n_shards) if i not in by_index]
-    if missing:
-        raise KnowledgeBaseError(f"shard(s) {', '.join(f'{i}/{n_shards}' for i in missing)} missing: got {len(shards)} of "
+    if len(by_index) < n_shards:  # name a few of the missing ones (never a list of count items: count comes from a file)
+        missing = list(itertools.islice((i for i in range(n_shards) if i not in by_index), 5))
+        more = ", ..." if n_shards - len(by_index) > len(missing) else ""
+        raise KnowledgeBaseError(f"shard(s) {', '.join(f'{i}/{n_shards}' for i in missing)}{more} missing: got {len(shards)} of "
                                  f"{n_shards}; build them with `rag index build --shard i/{n_shards}` (same options) and pass every "
                                  "shard directory to `rag index merge`")
     ordered = [by_index[i] for i in range(n_shards)]
@@ -119,6 +155,12 @@ def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
         if info["stop"] - info["start"] != len(kb):
             raise KnowledgeBaseError(f"{kb.path}: holds {len(kb)} passages but its shard record says rows {info['start']}–{info['stop']}")
     return ordered
+
+
+UNVERIFIED_INPUTS = "unverified_inputs"
+"""The manifest ``build`` field of a knowledge base made from inputs whose checksums were not all verified (``rag index
+merge --verify size|none``): it serves as ``<version>+unverified`` (:attr:`KnowledgeBase.served_version`), since its
+files are what its manifest records but what they hold was never proven to be what the shards recorded."""
 
 
 def merge_shards(
@@ -135,7 +177,9 @@ def merge_shards(
 
     The embeddings are concatenated into a memory-mapped temporary file beside `out` (not into RAM), so the merge
     needs the disk of the result twice over but memory only for the passages' text and the index. `index` overrides
-    the spec recorded in the shards. Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
+    the spec recorded in the shards. `verify` other than ``"full"`` marks the result (``build.unverified_inputs``, so it
+    serves as ``<version>+unverified``): a shard altered in place would otherwise come out with fresh checksums.
+    Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
     """
     from rag.knowledge.index import IndexSpec, check_fits
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -165,6 +209,8 @@ def merge_shards(
         build = {k: v for k, v in first.manifest.build.items() if k not in ("shard", "index_seconds", "bytes_per_vector")}
         build["merged_shards"] = [{"path": str(Path(kb.path).resolve()), "version": kb.version} for kb in shards]
         build["encode_seconds"] = round(sum(float(kb.manifest.build.get("encode_seconds", 0.0)) for kb in shards), 3)
+        if verify != "full" or any(kb.unverified_inputs for kb in shards):
+            build[UNVERIFIED_INPUTS] = {"verify": verify, "shards": [str(Path(kb.path).resolve()) for kb in shards]}
         merged = KnowledgeBase.from_embeddings(
             passages, vectors, first.encoder, out, index=spec, query_encoder=first.manifest.query_encoder, bm25=bm25,
             show_progress=show_progress, overwrite=overwrite, build_info=build,

@@ -31,12 +31,14 @@ or :class:`RalmReader` (a frozen causal LM, re-retrieving every ``stride`` gener
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence, Union
 
 import torch
 
-from rag.utils.errors import ConfigError, RagError
+from rag.utils.errors import ConfigError, OutputExistsError, RagError
+from rag.utils.io import process_umask
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -153,7 +155,10 @@ class RagPipeline:
 
 
 def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: int = 40) -> Path:
-    """Draw a RAG-Token answer's per-token document posterior (paper Fig. 2) as a heatmap PNG."""
+    """Draw a RAG-Token answer's per-token document posterior (paper Fig. 2) as a heatmap PNG at `path`.
+
+    Never replaces a file: an existing `path` (a file, a link, anything) is an :class:`OutputExistsError`, and the PNG is
+    linked into place only if nothing appeared there meanwhile."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -174,9 +179,22 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
     fig.colorbar(im, ax=ax, fraction=0.03)
     fig.tight_layout()
     path = Path(path)
+    if path.exists() or path.is_symlink():
+        plt.close(fig)
+        raise OutputExistsError(f"{path} exists; a heatmap never replaces a file — choose another path")
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120)
+        os.chmod(tmp, 0o666 & ~process_umask())
+        try:
+            os.link(tmp, path)  # fails, replacing nothing, if path appeared meanwhile
+        except FileExistsError:
+            raise OutputExistsError(f"{path} exists; a heatmap never replaces a file — choose another path") from None
+    finally:
+        plt.close(fig)
+        os.unlink(tmp)
     return path
 
 

@@ -11,6 +11,7 @@ the model's maximum length, never the hypothesis (the question and answer being 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -163,10 +164,15 @@ class NLIScorer:
     def from_pretrained(cls, name_or_path: Optional[str | os.PathLike] = None, **kw) -> "NLIScorer":
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+        from rag.utils.files import check_json_files, readable_model_files
+
         path = resolve_nli_model(name_or_path)
+        fix = "restore the NLI model's directory (the default one: `rag nli prepare --force`), or pass another model"
+        check_json_files(path, fix=fix)  # transformers and tokenizers parse them without bounds
         try:
-            model = AutoModelForSequenceClassification.from_pretrained(path)
-            tokenizer = AutoTokenizer.from_pretrained(path)
+            with readable_model_files(path, "the NLI model", fix) if Path(path).is_dir() else contextlib.nullcontext():
+                model = AutoModelForSequenceClassification.from_pretrained(path)
+                tokenizer = AutoTokenizer.from_pretrained(path)
         except OSError as e:
             raise ConfigError(f"NLI model {path}: cannot load it as a transformers sequence-classification model ({e})") from None
         return cls(model, tokenizer, name=str(path), **kw)

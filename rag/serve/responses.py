@@ -3,31 +3,15 @@
 from __future__ import annotations
 
 import json
-import math
 import re
 from typing import Any, Sequence
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from rag.utils.io import json_safe  # the one JSON sanitiser (also the CLI's --json output)
+
 __all__ = ["SafeJSONResponse", "json_safe", "redact_paths", "validation_errors"]
-
-
-def json_safe(obj: Any) -> Any:
-    """A copy of `obj` that JSON (UTF-8, no NaN) can always carry: non-finite floats (e.g. an
-    impossible answer's -inf score) become None, lone surrogates in strings (and keys) become
-    ``\\udXXX`` escapes, tuples lists, and anything else its ``str``."""
-    if obj is None or isinstance(obj, (bool, int)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, str):
-        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
-    if isinstance(obj, dict):
-        return {json_safe(str(k)): json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [json_safe(v) for v in obj]
-    return json_safe(str(obj))
 
 
 class SafeJSONResponse(JSONResponse):

@@ -189,7 +189,7 @@ class CausalReaderModule(pl.LightningModule):
 
             records = load_multihop("train")
         else:
-            import json
+            from rag.utils.files import parse_json
 
             path = Path(spec)
             if not path.is_file():
@@ -199,8 +199,8 @@ class CausalReaderModule(pl.LightningModule):
                 for n, line in enumerate(f, 1):
                     if not line.strip():
                         continue
+                    r = parse_json(line, f"{path}:{n}", fix="fix the line", error=ConfigError)
                     try:
-                        r = json.loads(line)
                         if not (isinstance(r["question"], str) and r["answers"] and isinstance(r["follow_ups"], list)
                                 and all(isinstance(s["question"], str) and isinstance(s["answer"], str) for s in r["follow_ups"])):
                             raise ValueError

@@ -444,15 +444,13 @@ class RagModule(pl.LightningModule):
         self._predictions = []
 
     def on_predict_end(self) -> None:
-        import json
-
-        from rag.utils.io import atomic_write_text
+        from rag.utils.io import atomic_write_text, to_json
 
         path = self.hparams.get("predictions_file") or os.path.join(self.trainer.default_root_dir, "predictions.jsonl")
         if self.trainer.world_size > 1:
             root, ext = os.path.splitext(path)
             path = f"{root}.rank{self.trainer.global_rank}{ext}"
-        atomic_write_text(path, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self._predictions))
+        atomic_write_text(path, "".join(to_json(r) + "\n" for r in self._predictions))
         print(f"rag predict: wrote {len(self._predictions)} predictions to {path}")
 
     # ------------------------------------------------------------------ epoch ends

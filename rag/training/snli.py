@@ -23,6 +23,7 @@ from typing import IO, Iterable, Optional
 
 from rag.utils.checksums import sha256_file
 from rag.utils.errors import IntegrityError, RagError
+from rag.utils.files import parse_json
 from rag.utils.io import atomic_directory, atomic_write_json
 
 __all__ = [
@@ -74,8 +75,8 @@ def parse_snli_lines(lines: Iterable[str | bytes], source: str) -> tuple[list[NL
             line = line.decode("utf-8")
         if not line.strip():
             continue
+        row = parse_json(line, f"{source}:{n}", fix="it is not an SNLI record (JSON with sentence1, sentence2, gold_label)")
         try:
-            row = json.loads(line)
             premise, hypothesis, gold = row["sentence1"], row["sentence2"], row["gold_label"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
             raise RagError(f"{source}:{n}: not an SNLI record (needs JSON with sentence1, sentence2, gold_label): {e}") from None
@@ -162,5 +163,5 @@ def load_snli(split: str) -> list[NLIPair]:
         raise RagError(f"{path}: the SNLI pairs are not cached; run `rag nli prepare` (or rag.training.snli.fetch_snli())")
     index = {name: i for i, name in enumerate(LABELS)}
     with open(path, encoding="utf-8") as f:
-        rows = [json.loads(line) for line in f if line.strip()]
+        rows = [parse_json(line, f"{path}:{n}", fix="run `rag nli prepare` again") for n, line in enumerate(f, 1) if line.strip()]
     return [NLIPair(r["premise"], r["hypothesis"], index[r["label"]]) for r in rows]

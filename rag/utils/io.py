@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -79,6 +80,30 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def json_safe(obj: Any) -> Any:
+    """A copy of `obj` that JSON (UTF-8, no NaN) can always carry: non-finite floats (e.g. an impossible answer's -inf
+    score) become None, lone surrogates in strings (and keys) become ``\\udXXX`` escapes, tuples lists, and anything else
+    its ``str``. Every JSON document rag emits goes through it (:func:`to_json`; the server's responses too)."""
+    if obj is None or isinstance(obj, (bool, int)):
+        return obj
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, str):
+        return obj.encode("utf-8", "backslashreplace").decode("utf-8")
+    if isinstance(obj, dict):
+        return {json_safe(str(k)): json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    if hasattr(obj, "item") and getattr(obj, "ndim", None) == 0:  # a numpy / torch scalar
+        return json_safe(obj.item())
+    return json_safe(str(obj))
+
+
+def to_json(obj: Any, **dumps_kw: Any) -> str:
+    """`obj` as JSON text that every parser accepts (:func:`json_safe`: never ``NaN``/``Infinity``), non-ASCII kept."""
+    return json.dumps(json_safe(obj), ensure_ascii=False, allow_nan=False, **dumps_kw)
 
 
 def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,

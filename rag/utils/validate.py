@@ -7,11 +7,22 @@ the fix, so every public entry point refuses bad input with the same words.
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Any, Optional
 
 from rag.utils.errors import RagError
 
-__all__ = ["check_strings", "check_positive_int", "check_number", "check_choice", "check_bool"]
+__all__ = ["check_strings", "check_positive_int", "check_number", "check_choice", "check_bool", "is_integer", "is_number"]
+
+
+def is_integer(value: Any) -> bool:
+    """True for an integer (Python or numpy), never for a bool (True is not 1 here)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """True for a finite real number (Python or numpy, integer or float), never for a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_strings(items: Any, what: str, *, allow_empty: bool = False, allow_blank: bool = False,
@@ -39,25 +50,29 @@ def check_strings(items: Any, what: str, *, allow_empty: bool = False, allow_bla
     return items
 
 
-def check_positive_int(value: Any, what: str, *, error: type[RagError] = RagError) -> int:
-    """`value` if it is an integer >= 1 (not a bool), else `error` naming `what`."""
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+def check_positive_int(value: Any, what: str, *, allow_none: bool = False, error: type[RagError] = RagError) -> Any:
+    """`value` if it is an integer >= 1 (not a bool; None too with `allow_none`), else `error` naming `what`."""
+    if value is None and allow_none:
+        return None
+    if not is_integer(value) or value < 1:
         raise error(f"{what} must be a positive integer, got {value!r}")
     return value
 
 
 def check_number(value: Any, what: str, *, integer: bool = False, low: Optional[float] = None, high: Optional[float] = None,
-                 error: type[RagError] = RagError) -> Any:
-    """`value` if it is a finite number (an integer with `integer`; never a bool) within [`low`, `high`], else `error`
-    naming `what` and the range."""
+                 above: Optional[float] = None, allow_none: bool = False, error: type[RagError] = RagError) -> Any:
+    """`value` if it is a finite number (an integer with `integer`; never a bool) within [`low`, `high`] and greater than
+    `above` (None too with `allow_none`), else `error` naming `what` and the range."""
+    if value is None and allow_none:
+        return None
     kind = "an integer" if integer else "a number"
-    ok_type = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if not ok_type or isinstance(value, bool) or (not integer and not math.isfinite(value)):
+    if not (is_integer(value) if integer else is_number(value)):
         raise error(f"{what} must be {kind}, got {value!r}")
-    if (low is not None and value < low) or (high is not None and value > high):
-        bound = (f"between {low:g} and {high:g}" if low is not None and high is not None
-                 else f">= {low:g}" if low is not None else f"<= {high:g}")
-        raise error(f"{what} must be {kind} {bound}, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high) or (above is not None and not value > above):
+        parts = ([f"> {above:g}"] if above is not None else []) + (
+            [f"between {low:g} and {high:g}"] if low is not None and high is not None
+            else [f">= {low:g}"] if low is not None else [f"<= {high:g}"] if high is not None else [])
+        raise error(f"{what} must be {kind} {' and '.join(parts)}, got {value!r}")
     return value
 
 
@@ -68,8 +83,10 @@ def check_choice(value: Any, what: str, choices: tuple, *, error: type[RagError]
     return value
 
 
-def check_bool(value: Any, what: str, *, error: type[RagError] = RagError) -> bool:
-    """`value` if it is True or False (not 0/1, not a string), else `error` naming `what`."""
+def check_bool(value: Any, what: str, *, allow_none: bool = False, error: type[RagError] = RagError) -> Any:
+    """`value` if it is True or False (not 0/1, not a string; None too with `allow_none`), else `error` naming `what`."""
+    if value is None and allow_none:
+        return None
     if not isinstance(value, bool):
-        raise error(f"{what} must be true or false, got {value!r}")
+        raise error(f"{what} must be true or false{' (or null)' if allow_none else ''}, got {value!r}")
     return value

@@ -436,12 +436,14 @@ class _TableGenerator(torch.nn.Module):
     def forward(self, encoder_outputs, decoder_input_ids, past_key_values=None, use_cache=False, **_):
         from transformers.modeling_outputs import Seq2SeqLMOutput
 
+        from rag.generation.kv_cache import cache_field
+
         doc = encoder_outputs.last_hidden_state[:, 0, 0].long()
         start = past_key_values.length if past_key_values is not None else 0
         pos = (start + torch.arange(decoder_input_ids.shape[1])).clamp(max=self.table.shape[1] - 1)
         logits = self.table[doc][:, pos]
         cache = _PositionCache(start + decoder_input_ids.shape[1]) if use_cache else None
-        return Seq2SeqLMOutput(logits=logits, past_key_values=cache)
+        return Seq2SeqLMOutput(logits=logits, **{cache_field(): cache})  # the installed transformers' field name
 
 
 def _table(rows):

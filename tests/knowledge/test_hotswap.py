@@ -92,6 +92,7 @@ def _assert_one_version(answer, versions) -> str:
 def test_swap_and_swap_back(pipe, kbs):
     slot = KnowledgeBaseSlot.for_model(pipe)
     va = slot.version
+    kept = slot.current
     assert kbs["versions"][va] == "A"
     res = slot.swap(kbs["kb_b"])
     assert res.old_version == va and res.new_version == pipe.kb_version and kbs["versions"][res.new_version] == "B"
@@ -103,11 +104,41 @@ def test_swap_and_swap_back(pipe, kbs):
 
     back = slot.swap_back()
     assert (back.old_version, back.new_version, back.kind) == (res.new_version, va, "swap_back")
-    assert back.load_seconds == 0.0  # the previous version was still open
+    assert slot.current is kept  # the previous version was still open: not re-opened (its files were hashed again)
     assert pipe.kb_version == va and slot.history == []
     with pytest.raises(KnowledgeBaseError, match="no previous knowledge base"):
         slot.swap_back()
     assert pipe.kb_version == va
+
+
+def test_swap_back_refuses_a_version_kept_open_whose_files_were_edited_in_place(model_dir, kbs, tmp_path):
+    """Issue #28.1: a version kept open for swap_back serves its files through memory maps, so an edit in place changes
+    what it would serve under its (verified) version id; swap_back hashes its files again and refuses it."""
+    import rag.pipeline.api
+
+    kb_a = tmp_path / "kb_a"
+    shutil.copytree(kbs["kb_a"], kb_a)
+    pipe = rag.pipeline.api.load(model_dir, knowledge_base=str(kb_a))
+    slot = KnowledgeBaseSlot.for_model(pipe, keep_loaded=1, background_release=False, verify_nice=None, prewarm=False)
+    va = slot.version
+    vb = slot.swap(kbs["kb_b"]).new_version
+    arrow = next((kb_a / "passages").glob("*.arrow"))
+    at = arrow.read_bytes().index(b"[A]") + 1
+    with open(arrow, "r+b") as f:  # in place (same inode, same size): the open memory map shows the edit
+        f.seek(at)
+        f.write(b"X")
+    kept = slot._history[-1].kb
+    assert any(p.text.startswith("[X]") for p in kept.all_passages())  # what it would serve as va
+    del kept
+    with pytest.raises(IntegrityError, match=r"swap_back refused, still serving .*changed since it served.*passages/"):
+        slot.swap_back(verify="full")
+    assert slot.version == vb == pipe.kb_version and [h["version"] for h in slot.history] == [va]
+    with open(arrow, "r+b") as f:  # restored: its files hash as recorded again
+        f.seek(at)
+        f.write(b"A")
+    back = slot.swap_back()
+    assert back.new_version == va == pipe.kb_version
+    assert {tag_of(p) for ps in pipe.model.retrieve(QUESTIONS, n_docs=3)[0].passages for p in ps} == {"A"}
 
 
 def test_swap_back_walks_history_and_reopens_unloaded(pipe, kbs):

@@ -221,7 +221,7 @@ def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
     child = textwrap.dedent(
         f"""
         import time, numpy as np
-        import rag.knowledge.manifest as kbm
+        import rag.knowledge.knowledge_base as kbm
         from rag.knowledge.passages import Passage
         real = kbm.write_index
         def slow(index, path):

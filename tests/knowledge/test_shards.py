@@ -105,3 +105,69 @@ def test_shards_of_another_split_or_corpus_are_refused(built, tmp_path, tiny_dpr
         merge_shards(tmp_path / "m", [tmp_path / "half0", built / "shard1", built / "shard2"], show_progress=False)
     assert main(["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", tiny_dpr_context_dir, "--out",
                  str(tmp_path / "x"), "--shard", "3/3", "--quiet"]) == 2
+
+
+def _tampered(built, tmp_path, i: int, edit):
+    """A copy of shard `i` whose manifest's build.shard record `edit` changed (the manifest is not among its own checksums)."""
+    import json
+
+    copy = tmp_path / f"shard{i}"
+    shutil.copytree(built / f"shard{i}", copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(manifest["build"]["shard"])
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda s: s.update(count=10**9), r"build\.shard\.count is 1000000000, not an integer between 1 and corpus_passages"),
+    (lambda s: s.update(count="3"), r"build\.shard\.count is '3'"),
+    (lambda s: s.pop("count"), r"build\.shard\.count is missing"),
+    (lambda s: s.update(start=7), r"build\.shard\.start/stop are 7/"),
+    (lambda s: s.update(index=5), r"build\.shard\.index is 5, not below count"),
+    (lambda s: s.update(corpus_digest=None), r"build\.shard\.corpus_digest is 'None', not a SHA-256"),
+    (lambda s: s.update(index_spec={"kind": "flat"}), r"build\.shard\.index_spec is \{'kind': 'flat'\}"),
+])
+def test_a_tampered_shard_record_is_refused_naming_the_field(built, tmp_path, capsys, edit, field):
+    """Issue #28.7: a shard record is checked (types, ranges, rows) before use: no MemoryError, KeyError or TypeError."""
+    bad = _tampered(built, tmp_path, 1, edit)
+    with pytest.raises(IntegrityError, match=field):
+        merge_shards(tmp_path / "m", [built / "shard0", bad, built / "shard2"], show_progress=False)
+    code = main(["index", "merge", str(tmp_path / "m2"), str(built / "shard0"), str(bad), str(built / "shard2"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unexpected" not in err and str(bad / "manifest.json") in err and "rebuild the shard" in err
+    assert not (tmp_path / "m").exists() and not (tmp_path / "m2").exists()
+
+
+def test_every_shard_claiming_a_huge_count_names_a_few_missing_ones(built, tmp_path):
+    n = 10**9  # consistent records (start/stop of slice i of 10^9 passages) still leave 10^9 - 3 shards missing
+    bad = [_tampered(built, tmp_path, i, lambda s, i=i: s.update(count=n, corpus_passages=n, start=i * n // n, stop=(i + 1)))
+           for i in range(N)]
+    with pytest.raises(KnowledgeBaseError, match=r"shard\(s\) 3/1000000000, 4/1000000000, .*, \.\.\. missing: got 3 of 1000000000"):
+        merge_shards(tmp_path / "m", bad, show_progress=False)
+
+
+def test_merge_without_verification_marks_its_result_unverified(built, tmp_path, capsys):
+    """Issue #28.2: `merge --verify none` of a shard altered in place cannot come out as a verified knowledge base."""
+    altered = tmp_path / "shard1"
+    shutil.copytree(built / "shard1", altered)
+    emb = altered / "embeddings.npy"
+    data = bytearray(emb.read_bytes())
+    data[-3] ^= 0xFF  # one flipped byte in the vectors; the size is unchanged
+    emb.write_bytes(bytes(data))
+    shards = [str(built / "shard0"), str(altered), str(built / "shard2")]
+    assert main(["index", "merge", str(tmp_path / "strict"), *shards, "--quiet"]) == 2  # --verify full refuses it
+    assert "embeddings.npy" in capsys.readouterr().err
+    for verify in ("none", "size"):
+        out = tmp_path / f"merged-{verify}"
+        assert main(["index", "merge", str(out), *shards, "--verify", verify, "--quiet"]) == 0
+        said = capsys.readouterr().out
+        kb = KnowledgeBase.open(out)  # its own files verify: they are what its manifest records ...
+        assert kb.verified == "full" and kb.unverified_inputs
+        assert kb.served_version == f"{kb.version}+unverified" and f"({kb.served_version})" in said  # ... but it is marked
+        assert main(["index", "info", str(out)]) == 0
+        info = capsys.readouterr().out
+        assert f"version         {kb.version}+unverified" in info and "made from unverified inputs" in info
+        assert kb.manifest.build["unverified_inputs"]["verify"] == verify
+    clean = merge_shards(tmp_path / "clean", [built / f"shard{i}" for i in range(N)], verify="full", show_progress=False)
+    assert not clean.unverified_inputs and clean.served_version == clean.version

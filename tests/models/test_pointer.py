@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rag.generation.kv_cache import output_cache
 from rag.generators.pointer import attach_ids, copy_log_probs, split_memory
 
 
@@ -150,7 +151,7 @@ def test_continuation_bias_makes_cached_decoding_and_a_full_forward_agree(tiny_b
                       past_key_values=past, use_cache=True) if past is None else \
                 gen(encoder_outputs=memory, attention_mask=enc["attention_mask"], decoder_input_ids=target[:, t : t + 1],
                     past_key_values=past, use_cache=True, **history)
-            past = out.past_key_values
+            past = output_cache(out)  # by the installed transformers' field name (rag.generation.kv_cache)
             steps.append(out.logits[:, -1])
         torch.testing.assert_close(torch.stack(steps, 1), full, rtol=1e-4, atol=1e-4)
         if bigram:

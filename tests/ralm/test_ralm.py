@@ -95,14 +95,17 @@ def _user_sliding_window(model, ids, max_length, stride):
 def test_no_retrieval_equals_the_plain_sliding_window_perplexity(lm, demo_passages):
     model, tok = lm
     text = " ".join(p.text for p in demo_passages[:3])
-    # the guide's grid: a first window of max_length tokens, then steps of `stride`; ours: chunks of `stride` from token 1.
-    # They coincide when max_length = 1 + m·stride and the text's length is a multiple of the stride.
-    stride, max_length = 4, 33
-    n = 4 * (len(tok(text, add_special_tokens=False)["input_ids"]) // 4)
+    # the guide's grid: a first window of max_length tokens, then steps of `stride`; ours without retrieval: chunks of
+    # window_step = (max_length - 1) // 2 from token 1, whatever the retrieval --stride. They coincide when
+    # max_length = 1 + 2·window_step and the text's length is a multiple of the step.
+    max_length = 33
+    stride = (max_length - 1) // 2
+    n = stride * (len(tok(text, add_special_tokens=False)["input_ids"]) // stride)
     ids = tok(text, add_special_tokens=False)["input_ids"][:n]
     text = tok.decode(ids)
     assert tok(text, add_special_tokens=False)["input_ids"] == ids
-    ralm = InContextRALM(model, tok, None, RalmConfig(stride=stride, max_length=max_length, batch_size=5))
+    ralm = InContextRALM(model, tok, None, RalmConfig(stride=4, max_length=max_length, batch_size=5))
+    assert ralm.window_step == stride
     result = evaluate_perplexity(ralm, [text])
     user_ids = torch.tensor([[tok.bos_token_id] + ids])  # the user prepends BOS so the first token is scored too
     expected = _user_sliding_window(model, user_ids, max_length, stride)
@@ -111,6 +114,46 @@ def test_no_retrieval_equals_the_plain_sliding_window_perplexity(lm, demo_passag
     assert result.perplexity == pytest.approx(math.exp(expected / len(ids)), rel=1e-5)
     assert result.bits_per_byte == pytest.approx(expected / math.log(2) / len(text.encode()), rel=1e-5)
     assert result.word_perplexity == pytest.approx(math.exp(expected / len(text.split())), rel=1e-5)
+
+
+class _Counting:
+    """Wraps a CausalScorer, counting the token positions the LM runs over (every window's length)."""
+
+    def __init__(self, scorer):
+        self.scorer, self.positions = scorer, 0
+        real = scorer.score_positions
+
+        def counted(windows, positions, **kw):
+            self.positions += sum(len(w) for w in windows)
+            return real(windows, positions, **kw)
+
+        scorer.score_positions = counted
+
+
+def test_without_retrieval_the_stride_does_not_matter_and_the_work_is_bounded(lm, demo_passages):
+    """Issue #28.9: `rag lm-eval --retrieval none` is plain sliding-window perplexity: the retrieval stride changes
+    neither the result nor the work (stride 4 ran one window per 4 tokens: a 155 KB line did not finish in 150 s). Bound:
+    windows of max_length tokens advancing by window_step = (max_length - 1) // 2, so the LM runs over at most
+    ~max_length / window_step (~2) times the text's tokens and every token sees >= max_length - window_step tokens."""
+    model, tok = lm
+    text = " ".join(p.text for p in demo_passages[:40])  # ~several thousand tokens, many windows
+    n = len(tok(text, add_special_tokens=False)["input_ids"])
+    max_length = 64
+    results = {}
+    for stride in (1, 4, 64):
+        ralm = InContextRALM(model, tok, None, RalmConfig(stride=stride, max_length=max_length, batch_size=16))
+        counter = _Counting(ralm.scorer)
+        results[stride] = (evaluate_perplexity(ralm, [text]).nll, counter.positions)
+    assert results[1] == results[4] == results[64]  # identical windows, identical numbers
+    step = (max_length - 1) // 2
+    assert results[4][1] <= (n // step + 2) * max_length <= 2.2 * n + 2 * max_length
+    # the context bound: every scored token after the first window has >= max_length - step tokens before it
+    ralm = InContextRALM(model, tok, None, RalmConfig(max_length=max_length))
+    stream = ralm.scorer.stream(text)
+    from rag.models.ralm.model import window_start
+    for a, b in chunk_spans(len(stream) - 1, ralm.window_step):
+        c = window_start(a, b, 0, max_length)
+        assert a - c >= min(a, max_length - step) and b - c <= max_length
 
 
 def _one_window_at_a_time(model, tok, retriever, text: EvalText, stride, query_length, max_length, doc_max_length):

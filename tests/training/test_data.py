@@ -103,7 +103,7 @@ def test_demo_splits():
         ('{"question": 3, "answers": ["a"]}', "question", "must be a string, got int"),
         ('{"answers": ["a"]}', "question", "missing field"),
         ('{"question": "q"}', "answers", "no 'answers'"),
-        ('{"question": "q", "answers": [', None, "not valid JSON"),
+        ('{"question": "q", "answers": [', None, "invalid JSON"),
         ("[1, 2]", None, "expected a JSON object"),
     ],
 )

@@ -16,9 +16,7 @@ importer (:mod:`rag.models.rag.hf_compat`) uses its directory and knowledge-base
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import json
 import logging
 import os
 from pathlib import Path
@@ -27,6 +25,7 @@ from typing import TYPE_CHECKING, Literal, Union
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
 from rag.utils.errors import ConfigError, IntegrityError, RagError
+from rag.utils.files import read_json
 from rag.utils.io import atomic_directory, atomic_write_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,9 +72,10 @@ def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
     if not cfg.is_file():
         return False
     try:
-        return json.loads(cfg.read_text(encoding="utf-8")).get("model_type") == "rag"
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        data = read_json(cfg, fix="")
+    except RagError:
         return False
+    return isinstance(data, dict) and data.get("model_type") == "rag"
 
 
 def open_knowledge_base(kb, verify: str = "full"):
@@ -286,10 +286,7 @@ def load_rag_model(
         hint = (" It looks like a transformers RAG checkpoint: load it with rag.models.rag.hf_compat.load_hf_rag"
                 if is_hf_rag_checkpoint(root) else "")
         raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with RagModel.save_pretrained).{hint}")
-    try:
-        meta = json.loads(cfg_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise IntegrityError(f"{cfg_file}: cannot be read ({e}); restore the checkpoint") from e
+    meta = read_json(cfg_file, fix="restore the checkpoint")
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
         raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} (expected {CHECKPOINT_FORMAT})")
     gen_meta, qenc_meta, denc_meta = (_entry(meta, k, cfg_file) for k in ("generator", "question_encoder", "doc_encoder"))
@@ -332,19 +329,14 @@ def _entry(meta: dict, key: str, cfg_file: Path):
     return value
 
 
-@contextlib.contextmanager
 def readable_weights(record: Path):
     """Turn a weights or config file that cannot be parsed (garbage in ``model.safetensors``, a truncated
-    ``config.json``) into an IntegrityError naming the checkpoint, instead of the parser's own exception."""
-    from safetensors import SafetensorError
+    ``config.json``) into an IntegrityError naming that file of the checkpoint, instead of the parser's own exception."""
+    from rag.utils.files import readable_model_files
 
-    try:
-        yield
-    except RagError:
-        raise
-    except (SafetensorError, OSError, ValueError, EOFError, RuntimeError, UnicodeDecodeError) as e:
-        raise IntegrityError(f"{record.parent}: a component file cannot be loaded ({type(e).__name__}: {e}); the checkpoint is "
-                             f"damaged — restore it, or save the model again (load with verify='full' to find the altered file)") from e
+    return readable_model_files(record.parent, "a component file of the RAG checkpoint",
+                                "the checkpoint is damaged — restore it, or save the model again (load with verify='full' to "
+                                "find the altered file)")
 
 
 def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None = None):

@@ -133,11 +133,16 @@ class RagModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "RagModelConfig") -> "RagModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"{where}: the model config must be a JSON object, got {type(d).__name__}")
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
-        return cls(**d)
+        try:
+            return cls(**d)
+        except ConfigError as e:  # the field's own check, prefixed with the file it came from
+            raise ConfigError(f"{where}: {e}") from None
 
 
 def check_overrides(overrides: dict) -> dict:

@@ -30,14 +30,14 @@ must be given: a knowledge base built with the matching DPR context encoder.
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
 from rag.models.rag.checkpoint import is_hf_rag_checkpoint, open_knowledge_base, resolve_checkpoint_dir
-from rag.utils.errors import ConfigError, IntegrityError
+from rag.utils.errors import ConfigError, IntegrityError, RagError
+from rag.utils.files import check_json_files, read_json
 
 __all__ = ["is_hf_rag_checkpoint", "rag_config_from_hf", "stored_generation_settings", "split_hf_rag", "load_hf_rag",
            "convert_hf_rag"]
@@ -109,8 +109,8 @@ def stored_generation_settings(root: Union[str, os.PathLike]) -> dict:
     sources = []
     for name in ("generation_config.json", "config.json"):
         try:
-            data = json.loads((root / name).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            data = read_json(root / name, fix="")
+        except RagError:
             continue
         if isinstance(data, dict):
             sources.append(data)
@@ -145,7 +145,7 @@ def _load_state_dict(root: Path) -> dict:
         if single.is_file():
             return load_file(single)
         if index.is_file():
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            weight_map = read_json(index, fix="download the checkpoint again")["weight_map"]
             if not isinstance(weight_map, dict):
                 raise IntegrityError(f"{index}: 'weight_map' is not an object; download the checkpoint again")
             # Shard names come from a file: each must stay inside the checkpoint directory.
@@ -175,6 +175,8 @@ def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike])
     root = Path(src)
     if not is_hf_rag_checkpoint(root):
         raise ConfigError(f"{root}: not a transformers RAG checkpoint (needs config.json with model_type 'rag')")
+    for d in (root, root / _QUESTION_TOKENIZER_DIR, root / _GENERATOR_TOKENIZER_DIR):  # transformers parses them unbounded
+        check_json_files(d, fix="download the checkpoint again")
     hf_config = RagConfig.from_pretrained(root)
     if getattr(hf_config.question_encoder, "model_type", None) != "dpr":
         raise ConfigError(
@@ -225,6 +227,7 @@ def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[s
     from rag.knowledge.encoders import TextEncoder
     from rag.models.rag.model import RagModel
 
+    check_json_files(src, fix="download the checkpoint again")  # transformers parses them without bounds
     hf_config = RagConfig.from_pretrained(src)
     config = rag_config_from_hf(hf_config, marginalization, stored_generation_settings(src), **overrides)
     qdir, gdir = split_hf_rag(src, work)

@@ -12,7 +12,6 @@ never cut. Without retrieval the windows are the plain sliding-window ("fixed-le
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
@@ -23,6 +22,7 @@ import torch
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_bool, check_number
 
 __all__ = [
     "RalmConfig", "EvalText", "TextScore", "CausalScorer", "InContextRALM", "DocumentScorer",
@@ -66,20 +66,24 @@ class RalmConfig:
     """REPLUG control (Fig. 4, ``--random-docs``): K random passages with equal weights instead of the top-K."""
     seed: int = 0
     """Seed of the random passages of ``random_docs``."""
+    window_step: Optional[int] = None
+    """Without retrieval (the plain sliding-window LM): tokens each window scores (``--window-step``); None: half the
+    window, (max_length − 1) // 2. Unused with retrieval, whose windows advance by ``stride``."""
 
     def check(self) -> None:
         for name, flag in (("stride", "--stride"), ("query_length", "--query-length"), ("doc_max_length", "--doc-max-length"),
                            ("k", "--rerank-k"), ("batch_size", "--batch-size"), ("retrieval_batch", "retrieval_batch")):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(f"{name} ({flag}) must be an integer >= 1, got {v!r}")
-        if self.max_length is not None and (not isinstance(self.max_length, int) or self.max_length < 2):
-            raise ConfigError(f"max_length (--max-length) must be an integer >= 2, got {self.max_length!r}")
-        if self.ensemble is not None and (not isinstance(self.ensemble, int) or isinstance(self.ensemble, bool) or self.ensemble < 1):
-            raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents per chunk), got {self.ensemble!r}")
-        t = self.retrieval_temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
-            raise ConfigError(f"retrieval_temperature (--retrieval-temperature) must be a number > 0, got {t!r}")
+            check_number(getattr(self, name), f"{name} ({flag})", integer=True, low=1, error=ConfigError)
+        check_number(self.max_length, "max_length (--max-length)", integer=True, low=2, allow_none=True, error=ConfigError)
+        check_number(self.ensemble, "ensemble (--ensemble, documents per chunk)", integer=True, low=1, allow_none=True,
+                     error=ConfigError)
+        check_number(self.window_step, "window_step (--window-step)", integer=True, low=1, allow_none=True, error=ConfigError)
+        check_number(self.seed, "seed (--seed)", integer=True, low=0, error=ConfigError)
+        check_bool(self.exclude_own, "exclude_own", error=ConfigError)
+        check_bool(self.random_docs, "random_docs (--random-docs)", error=ConfigError)
+        # Any T > 0 is computed in log space (doc_log_prior shifts the scores by their maximum first): as T -> 0 the
+        # weights tend to one-hot on the best document, never to NaN.
+        check_number(self.retrieval_temperature, "retrieval_temperature (--retrieval-temperature)", above=0, error=ConfigError)
         if self.random_docs and self.ensemble is None:
             raise ConfigError("random_docs (--random-docs) replaces REPLUG's top-K documents; pass --ensemble K too")
 
@@ -382,7 +386,11 @@ class DocumentScorer(Protocol):
 class InContextRALM:
     """In-Context RALM over a causal LM and any retriever with ``retrieve(queries, k) -> Retrieved`` (dense or BM25).
 
-    ``retriever=None`` gives the plain sliding-window LM; `reranker` (§6) chooses among the top ``config.k``.
+    ``retriever=None`` gives the plain sliding-window LM, whatever ``config.stride`` says (it is the retrieval stride):
+    windows of ``max_length`` tokens advancing by :attr:`window_step` tokens (default (max_length − 1) // 2), each
+    scoring its last ``window_step`` tokens, so every token is predicted from at least max_length − window_step (by
+    default more than half the window) preceding tokens, or all of them near the start, and the LM reads about
+    max_length / window_step (by default 2) times the text's tokens. `reranker` (§6) chooses among the top ``config.k``.
     """
 
     def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[DocumentScorer] = None):
@@ -394,7 +402,7 @@ class InContextRALM:
         if self.config.ensemble is not None and (reranker is not None or retriever is None):
             raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval (--retrieval bm25|dense) "
                               "and no --rerank")
-        need = (self.config.doc_max_length if retriever is not None else 0) + self.config.stride + 1
+        need = (self.config.doc_max_length if retriever is not None else 0) + self.stride + 1
         if need > self.scorer.max_length:
             raise ConfigError(
                 f"a document of up to {self.config.doc_max_length} tokens (--doc-max-length) + a stride of {self.config.stride} "
@@ -406,9 +414,23 @@ class InContextRALM:
     def tokenizer(self):
         return self.scorer.tokenizer
 
+    @property
+    def window_step(self) -> int:
+        """Tokens scored per window of the plain sliding-window LM (no retriever): ``config.window_step``, by default
+        (max_length − 1) // 2."""
+        if self.config.window_step is not None:
+            return self.config.window_step
+        return max(1, (self.scorer.max_length - 1) // 2)
+
+    @property
+    def stride(self) -> int:
+        """Tokens scored per chunk: the retrieval stride ``config.stride``, or :attr:`window_step` without a retriever
+        (plain perplexity does not depend on a retrieval stride; a stride of 4 would run one window per 4 tokens)."""
+        return self.config.stride if self.retriever is not None else self.window_step
+
     def plan(self, stream: Sequence[int]) -> tuple[list[tuple[int, int]], list[Optional[str]]]:
         """Chunk spans of a stream and, per chunk, its retrieval query text (None: no retrieval)."""
-        spans = chunk_spans(len(stream) - 1, self.config.stride)
+        spans = chunk_spans(len(stream) - 1, self.stride)
         if self.retriever is None:
             return spans, [None] * len(spans)
         qs = query_spans(spans, self.config.query_length)
@@ -430,11 +452,11 @@ class InContextRALM:
                     t = EvalText(str(t))
                 stream = self.scorer.stream(t.text)
                 n = len(stream) - 1
-                if n < cfg.stride:
+                if n < 1 or (self.retriever is not None and n < cfg.stride):
                     raise RagError(f"text {t.id or repr(t.text[:40])}: {n} tokens, shorter than one stride (--stride {cfg.stride}); "
                                    "use a smaller --stride or drop the text")
                 group.append((t, stream))
-                n_queries += (n - 1) // cfg.stride
+                n_queries += (n - 1) // self.stride
                 if n_queries >= cfg.retrieval_batch:
                     yield from self._score_group(group, bar)
                     group, n_queries = [], 0

@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-import json
+import contextlib
 import os
 from pathlib import Path
 from typing import Optional, Sequence
@@ -19,8 +19,10 @@ from torch import nn
 
 from rag.knowledge.passages import Passage
 from rag.models.ralm.model import CausalScorer, InContextRALM, doc_text, window_ids
-from rag.utils.errors import ConfigError
+from rag.utils.errors import ConfigError, IntegrityError
+from rag.utils.files import check_json_files, read_json, readable_model_files
 from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.validate import check_positive_int
 
 __all__ = ["LMReranker", "PredictiveReranker", "best_documents", "RERANKER_FILE"]
 
@@ -107,10 +109,15 @@ class PredictiveReranker(nn.Module):
 
         from rag.knowledge.encoders import resolve_name_or_path
 
+        check_positive_int(max_length, "max_length (the reranker's pair_max_length)", error=ConfigError)
+        check_positive_int(query_tokens, "query_tokens", error=ConfigError)
         path = resolve_name_or_path(encoder)
+        fix = "restore the reranker's encoder directory, or pass a BERT-family directory or 'minilm'"
+        check_json_files(path, fix=fix)  # transformers and tokenizers parse them without bounds
         try:
-            self.encoder = AutoModel.from_pretrained(path)
-            self.tokenizer = AutoTokenizer.from_pretrained(path)
+            with readable_model_files(path, "the reranker's encoder", fix) if Path(path).is_dir() else contextlib.nullcontext():
+                self.encoder = AutoModel.from_pretrained(path)
+                self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the reranker encoder {encoder!r}: {e}; pass a BERT-family directory or 'minilm'") from e
         self.tokenizer.truncation_side = "right"
@@ -166,8 +173,19 @@ class PredictiveReranker(nn.Module):
         if not (d / RERANKER_FILE).is_file():
             raise ConfigError(f"{d}: not a trained reranker ({RERANKER_FILE} missing); train one with "
                               "`rag fit --config lightning_configs/ralm_reranker_tiny.yaml` and pass its export_dir")
-        settings = json.loads((d / RERANKER_FILE).read_text(encoding="utf-8"))
-        model = cls(str(d / "encoder"), max_length=int(settings["max_length"]), query_tokens=int(settings["query_tokens"]))
-        model.head.load_state_dict(load_file(str(d / HEAD_FILE)))
+        fix = "the reranker directory is damaged — restore it, or train it again"
+        settings_file = d / RERANKER_FILE
+        settings = read_json(settings_file, fix=fix)
+        if not isinstance(settings, dict):
+            raise IntegrityError(f"{settings_file}: holds a JSON {type(settings).__name__}, not an object; {fix}")
+        for key in ("max_length", "query_tokens"):  # each named, as a RAG checkpoint's fields are
+            if key not in settings:
+                raise IntegrityError(f"{settings_file}: field {key!r} is missing; {fix}")
+            check_positive_int(settings[key], f"{settings_file}: field {key!r}", error=IntegrityError)
+        if not isinstance(settings.get("encoder", ""), str):
+            raise IntegrityError(f"{settings_file}: field 'encoder' must be a string; {fix}")
+        model = cls(str(d / "encoder"), max_length=settings["max_length"], query_tokens=settings["query_tokens"])
+        with readable_model_files(d, "the reranker's head", fix):
+            model.head.load_state_dict(load_file(str(d / HEAD_FILE)))
         model.encoder_name = settings.get("encoder", model.encoder_name)
         return model.eval()
