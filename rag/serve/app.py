@@ -72,6 +72,7 @@ from rag.serve.openai_routes import OpenAIRoutes, openai_error
 from rag.serve.page import add_page_routes
 from rag.serve.requests import RequestRunner, generate_one_version
 from rag.serve.responses import SafeJSONResponse, redact_paths, validation_errors
+from rag.serve.scheduler import DEFAULT_QUANTUM, ModelTurns
 from rag.utils.errors import ConfigError, RagError
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "create_app",
     "check_admin_token",
+    "check_bind",
     "serve",
     "background_server",
     "resolve_kb_path",
@@ -301,6 +303,7 @@ def create_app(
     nli_threshold: float = 0.5,
     api_key: Optional[str] = None,
     model_name: str = "rag",
+    fairness_quantum: float = DEFAULT_QUANTUM,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.api.RagPipeline`).
 
@@ -323,6 +326,8 @@ def create_app(
         api_key: the Bearer key every route but the page needs (None or empty: none needed; printable ASCII without
             spaces, as `admin_token`).
         model_name: the model id of the OpenAI-compatible routes (``GET /v1/models``; requests naming another get 404).
+        fairness_quantum: seconds of model time a request may use before a request that has used less goes first
+            (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
     import anyio
 
@@ -346,7 +351,7 @@ def create_app(
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
     token = (admin_token or "").encode("ascii")
     key = (api_key or "").encode("ascii")
-    runner = RequestRunner(limits, max_concurrency)
+    runner = RequestRunner(limits, max_concurrency, turns=ModelTurns(max_concurrency, quantum=fairness_quantum))
     swap_limiter = anyio.CapacityLimiter(1)
 
     import rag
@@ -356,6 +361,7 @@ def create_app(
     app.state.pipeline = pipeline
     app.state.slot = slot
     app.state.limits = limits
+    app.state.api_key = bool(key)  # whether one is needed (the key itself stays in this closure)
 
     def server_paths() -> list[str]:
         """The knowledge bases' directories (which may be relative) and the roots, as given and resolved;
@@ -508,8 +514,28 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", freeze_gc: bool = True) -> None:
+def check_bind(host: str, api_key: bool, no_auth: bool = False) -> Optional[str]:
+    """What serving on `host` needs (issue #28): a loopback address needs nothing; any other address (``0.0.0.0``, a
+    LAN address, a host name) needs an API key, unless `no_auth` says explicitly to serve without one. Returns the
+    warning to print (None: nothing to say); raises ConfigError naming the fix when the bind is refused. Sends nothing."""
+    if _is_loopback(host):
+        return None
+    if api_key:
+        return f"serving on {host}: reachable from other machines (API key required); put TLS in front of it"
+    if not no_auth:
+        raise ConfigError(f"--host {host} is reachable from other machines, and the server has no API key: anyone reaching "
+                          "the port could run the model and read the knowledge base. Set $RAG_API_KEY (or --api-key-env VAR) "
+                          "to a random key of at least 16 characters, or pass --no-auth to serve without one")
+    return (f"serving on {host} WITHOUT an API key (--no-auth): anyone who reaches the port can use /generate, /retrieve and "
+            "/v1/*; put an authenticating TLS proxy in front of it")
+
+
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", freeze_gc: bool = True,
+          allow_unauthenticated: bool = False) -> None:
     """Run `app` with uvicorn in this process (one worker; see module docstring) until interrupted.
+
+    A non-loopback `host` needs an app with an API key, unless `allow_unauthenticated` (:func:`check_bind`; refused
+    before anything is bound).
 
     `freeze_gc`: move every object alive now (the libraries and the loaded model, ~10^5-10^6
     objects) out of the cyclic garbage collector's view (``gc.freeze``) before serving. A full
@@ -522,8 +548,9 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 
     import uvicorn
 
-    if not _is_loopback(host):
-        logger.warning("serving on %s: reachable from other machines; put TLS in front of it", host)
+    warning = check_bind(host, bool(getattr(app.state, "api_key", False)), allow_unauthenticated)
+    if warning:
+        logger.warning(warning)
     if freeze_gc:
         gc.collect()
         gc.freeze()

@@ -25,6 +25,8 @@ import threading
 import time
 from typing import Optional, Protocol
 
+from rag.utils.errors import ConfigError
+
 __all__ = ["ModelTurns", "Turnholder"]
 
 DEFAULT_QUANTUM = 0.05
@@ -49,7 +51,10 @@ class ModelTurns:
 
     def __init__(self, slots: int, *, quantum: float = DEFAULT_QUANTUM):
         if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ValueError(f"slots must be a positive integer, got {slots!r}")
+            raise ConfigError(f"slots must be a positive integer, got {slots!r}")
+        if isinstance(quantum, bool) or not isinstance(quantum, (int, float)) or not quantum > 0:
+            raise ConfigError(f"the fairness quantum must be a positive number of seconds (math.inf: first come, first served), "
+                              f"got {quantum!r}")
         self.slots, self.quantum = slots, float(quantum)
         self._cond = threading.Condition()
         self._holding: dict[int, float] = {}  # id(request) -> when it took the turn
@@ -66,8 +71,14 @@ class ModelTurns:
         with self._cond:
             return len(self._holding)
 
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a turn now."""
+        with self._cond:
+            return len(self._waiting)
+
     def level(self, served: float) -> int:
-        """0 below one quantum of model time, then one more per doubling."""
+        """0 below one quantum of model time, then one more per doubling (an infinite quantum: always 0)."""
         return 0 if served < self.quantum else 1 + int(math.log2(served / self.quantum))
 
     def wake(self) -> None:
