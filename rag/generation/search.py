@@ -16,9 +16,11 @@ The search follows the semantics of `transformers`' (v5) vectorized beam search 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Callable, Iterator, Literal, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -35,6 +37,8 @@ __all__ = [
     "greedy_search",
     "sample",
     "beam_search",
+    "unit_hook",
+    "unit_boundary",
 ]
 
 # Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
@@ -202,6 +206,36 @@ def resolve_spec(config: GenerationConfig, generator, prompt_len: int = 1, pad_f
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Units of work: a caller (rag serve) can act between decoding steps without the decoders knowing it
+
+_units = threading.local()
+
+
+@contextlib.contextmanager
+def unit_hook(hook: Callable[[Optional[Tensor]], None]) -> Iterator[None]:
+    """Call `hook` at every unit boundary of the decoding this thread runs inside the block: before each search step
+    (with the tokens generated so far, `(rows, n)` int64, in greedy search and sampling; None in beam search) and
+    between the chunks of a teacher-forced rescoring pass (None).
+
+    The hook may raise to abandon the decoding (``rag serve``: a request past its deadline or whose client left), or
+    block (the server hands the model to another request between two units). Nothing is called outside the block.
+    """
+    previous = getattr(_units, "hook", None)
+    _units.hook = hook
+    try:
+        yield
+    finally:
+        _units.hook = previous
+
+
+def unit_boundary(generated: Optional[Tensor] = None) -> None:
+    """A point between two bounded units of decoding work: runs this thread's :func:`unit_hook`, if any."""
+    hook = getattr(_units, "hook", None)
+    if hook is not None:
+        hook(generated)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Logits processing (same semantics and order as transformers' processors for these options)
 
 
@@ -275,6 +309,7 @@ def _one_token_search(decoder: Decoder, start: Tensor, spec: SearchSpec, rng: to
     running = torch.ones(rows, dtype=torch.bool, device=start.device)
     loglik = torch.zeros(rows, dtype=torch.float32, device=start.device)
     while True:
+        unit_boundary(seqs[:, spec.prompt_len:])
         logits = decoder.step(seqs[:, -1])
         banned, forced = _constraints(seqs, logits.shape[-1], spec)
         if sampled:
@@ -356,6 +391,7 @@ def beam_search(decoder: Decoder, start: Tensor, spec: SearchSpec) -> Beams:
     item_offset = torch.arange(items, device=device)[:, None] * beams
     cur = prompt
     while True:
+        unit_boundary(None)
         logits = decoder.step(run_seq[:, :, cur - 1].reshape(-1))
         vocab = logits.shape[-1]
         banned, forced = _constraints(run_seq[:, :, :cur].reshape(items * beams, cur), vocab, spec)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rag.generation.bart import BartStepDecoder, is_bart, rescore_packed
 from rag.generation.kv_cache import cache_kwarg, output_cache
+from rag.generation.search import unit_boundary
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
@@ -274,6 +275,7 @@ def teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, cont
         lengths, order = torch.sort(lengths, descending=True, stable=True)
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
     for lo in range(0, rows.shape[0], batch_size):
+        unit_boundary()  # one chunk is one bounded unit of work
         pick = order[lo:lo + batch_size]  # flat (candidate, doc) rows of this chunk
         n = int(lengths[lo:lo + batch_size].max())
         cand = pick // n_docs
