@@ -21,7 +21,7 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
 
 from rag.utils.errors import CorpusError
 from rag.utils.files import MAX_JSON_BYTES, bounded_lines, parse_json, regular_file
-from rag.utils.validate import check_bool, check_positive_int
+from rag.utils.validate import check_bool, check_positive_int, is_integer
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
@@ -301,7 +301,7 @@ def _string_field(value: Any, name: str, where: str) -> str:
 def _id_field(value: Any, name: str, where: str) -> str | None:
     if value is None or value == "":
         return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    if not (isinstance(value, str) or is_integer(value)):
         raise CorpusError(
             f"{where}: id field {name!r} holds a {type(value).__name__} ({str(value)[:40]!r}), expected a string "
             f"or integer; fix the row, or pass --id-field (id_field=) naming another column"

@@ -40,6 +40,7 @@ from rag.training.reading_practice import ReadingPracticeSettings
 from rag.training.schedules import SCHEDULES, step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +191,7 @@ class RagModule(pl.LightningModule):
         if unknown:
             raise ConfigError(f"model.generation_metrics: unknown {unknown}; choose from {sorted(GENERATION_METRICS)}")
         for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr), ("doc_encoder_lr", doc_encoder_lr)):
-            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
-                raise ConfigError(f"model.{name} must be a number >= 0, got {lr!r}")
+            check_number(lr, f"model.{name}", low=0, error=ConfigError)
         if warmup_ratio is not None and (not 0.0 <= warmup_ratio < 1.0):
             raise ConfigError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
         if warmup_ratio is not None and warmup_steps:
@@ -200,8 +200,7 @@ class RagModule(pl.LightningModule):
             raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if schedule not in SCHEDULES:
             raise ConfigError(f"model.schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
-        if isinstance(retrieval_actors, bool) or not isinstance(retrieval_actors, int) or retrieval_actors < 0:
-            raise ConfigError(f"model.retrieval_actors must be an integer >= 0 (0: search in this process), got {retrieval_actors!r}")
+        check_number(retrieval_actors, "model.retrieval_actors (0: search in this process)", integer=True, low=0, error=ConfigError)
         if ray_address is not None and not retrieval_actors:
             raise ConfigError("model.ray_address is the cluster of the retrieval actors; set model.retrieval_actors too")
         check_tiny_name(generator, "model.generator")
