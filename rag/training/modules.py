@@ -254,9 +254,33 @@ class RagModule(pl.LightningModule):
                                          document_encoder=self.hparams.get("document_encoder"))
         if self.hparams.get("retrieval_actors"):
             self._start_search_pool(model.knowledge_base)
+        if self._trains_without_retrieval():
+            # Every training step reads the generator alone: the retrieval side never gets a gradient, so it is frozen
+            # (before DDP wraps the model, which otherwise waits for gradients that never come).
+            model.question_encoder.requires_grad_(False)
+            for extra in (model.doc_encoder, getattr(model, "log_retrieval_temperature", None)):
+                if extra is not None:
+                    extra.requires_grad_(False)
         # from_pretrained returns modules in eval mode; Lightning keeps module modes as they are,
         # so switch to train mode here (dropout on; a frozen query encoder stays in eval).
         self.model = model.train(self.training)
+
+    def _trains_without_retrieval(self) -> bool:
+        """True when no training step retrieves: the closed-book baseline, or RetRobust's context mixing (the data gives
+        each pair its passage)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return bool(self.hparams.get("closed_book")) or getattr(datamodule, "context_mixing", None) is not None
+
+    @property
+    def ddp_find_unused_parameters(self) -> bool:
+        """Whether DDP must search for parameters without a gradient: only when some steps leave trainable ones unused,
+        i.e. the reader's pre-training (``reading_practice.pretrain_steps``) trains the generator alone for its first
+        steps while the query encoder (or the document encoder) trains afterwards. ``rag fit --trainer.strategy ddp``
+        then uses ``ddp_find_unused_parameters_true`` (:mod:`rag.cli.train`); every other run uses plain DDP."""
+        if self.practice_settings is None or not self.practice_settings.pretrain_steps or self.hparams.get("closed_book"):
+            return False
+        rag = self.rag_config
+        return not (rag.freeze_query_encoder or rag.retrieval == "bm25") or rag.train_doc_encoder or rag.learn_retrieval_temperature
 
     def _start_search_pool(self, kb) -> None:
         """``retrieval_actors`` Ray actors serving `kb`'s search (:class:`~rag.knowledge.ray_pool.RayRetrievalPool`)."""
@@ -489,7 +513,7 @@ class RagModule(pl.LightningModule):
                 stage, n, total, self.rag_config.max_context_length,
             )
         if not self.trainer.sanity_checking:
-            self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum")
+            self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum", sync_dist=True)  # summed over DDP ranks
         self._truncated[stage] = self._contexts[stage] = 0
 
     def on_train_epoch_end(self) -> None:
