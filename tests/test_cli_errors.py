@@ -259,6 +259,8 @@ def test_build_refuses_a_query_encoder_of_another_dimension_before_reading_the_c
     from rag.generators.tiny import save, tiny_bert
 
     wide = save(tiny_bert(wordpiece_tokenizer, d_model=48), wordpiece_tokenizer, tmp_path / "wide")
-    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", tiny_bert_dir,
+    unread = tmp_path / "corpus.jsonl"
+    unread.write_text("not JSON: reading it would be an error of its own\n")
+    code, _, err = run(capsys, "index", "build", "--corpus", str(unread), "--encoder", tiny_bert_dir,
                        "--query-encoder", str(wide), "--out", str(tmp_path / "kb"), "--quiet")
     assert code == 2 and "dimension 48" in one_line_error(err) and "32" in err

@@ -156,12 +156,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     trailing = getattr(args, "trailing_positional", None)
-    if extra and trailing and not any(e.startswith("-") for e in extra):
+    if extra and trailing:
+        unknown = [e for e in extra if e.startswith("-")]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         # `rag index search KB -k 2 oxygen`: argparse gives `queries` nothing once an option follows the first
         # positional, so words after the options are queries too (in order)
         setattr(args, trailing, [*getattr(args, trailing), *extra])
     elif extra:
-        parser.parse_args(argv)  # argparse's own error for what is really unknown (exit 2, naming the subcommand)
+        parser.parse_args(argv)  # argparse's own error for what is really unknown (exit 2)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if not getattr(args, "func", None):
         parser.print_help()

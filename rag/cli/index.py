@@ -110,6 +110,7 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
 def cmd_build(args) -> int:
     import torch
 
+    from rag.knowledge.documents import check_sources
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.index import IndexSpec, check_fits
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -128,6 +129,8 @@ def cmd_build(args) -> int:
     check_device(args.device)
     _check_not_an_input(args.out, args.corpus)
     check_output_dir(args.out, args.overwrite, replaces=is_knowledge_base, kind="knowledge base")
+    if args.format != "dataset":  # a dataset name may be a hub id; files and folders are checked before the encoder loads
+        check_sources(args.corpus)
 
     encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
     if args.query_encoder:  # the pair must share a vector space of one dimension; found out now, not at the first search

@@ -127,10 +127,25 @@ def _cli_class():
 
             from rag.utils.errors import ConfigError
 
+            self._choose_ddp_strategy()
             try:
                 return super().instantiate_trainer(**kwargs)
             except (ValueError, MisconfigurationException) as e:
                 raise ConfigError(f"trainer options: {e}") from e
+
+        def _choose_ddp_strategy(self) -> None:
+            """``--trainer.strategy ddp`` becomes ``ddp_find_unused_parameters_true`` for a model whose steps leave some
+            trainable parameters without a gradient on some steps (its ``ddp_find_unused_parameters``); otherwise
+            plain DDP, which is faster and catches a parameter that is never used."""
+            import logging
+
+            config = self.config_init[self.subcommand] if self.subcommand else self.config_init
+            trainer = config.get("trainer")
+            if trainer is None or trainer.get("strategy") != "ddp" or not getattr(self.model, "ddp_find_unused_parameters", False):
+                return
+            trainer["strategy"] = "ddp_find_unused_parameters_true"
+            logging.getLogger(__name__).info("strategy ddp: %s trains some parameters only on some steps; DDP searches for "
+                                             "unused parameters (ddp_find_unused_parameters_true)", type(self.model).__name__)
 
     return RagCLI
 

@@ -206,8 +206,7 @@ def evaluate_hotswap(
     if not kbs or not data:
         raise ConfigError("give at least one knowledge base (--kb) and one question set (--data)")
     check_positive_int(batch_size, "batch_size", error=ConfigError)
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise ConfigError(f"limit must be a positive integer or None, got {limit!r}")
+    check_positive_int(limit, "limit (--limit)", allow_none=True, error=ConfigError)
     klabels, dlabels = _labels(kb_labels, kbs, "knowledge base"), _labels(data_labels, data, "question set")
     if nli is not None:
         from rag.retrobust.backoff import resolve_nli

@@ -28,6 +28,7 @@ from torchmetrics import Metric
 from torchmetrics.text import BLEUScore, ROUGEScore
 
 from rag.utils.errors import RagError
+from rag.utils.validate import check_positive_int
 
 _PUNCT = frozenset(string.punctuation)
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -150,8 +151,10 @@ class RetrievalRecall(Metric):
     def __init__(self, ks: Sequence[int] = (1, 5), **kwargs) -> None:
         super().__init__(**kwargs)
         ks = tuple(ks)
-        if not ks or any(not isinstance(k, int) or isinstance(k, bool) or k < 1 for k in ks):
-            raise RagError(f"recall ks must be positive integers, got {list(ks)}")
+        if not ks:
+            raise RagError("recall ks must be positive integers, got none")
+        for k in ks:
+            check_positive_int(k, f"recall k (of {list(ks)})")
         self.ks = tuple(sorted(set(ks)))
         self.add_state("hits", default=torch.zeros(len(self.ks), dtype=torch.long), dist_reduce_fx="sum")
         self.add_state("count", default=torch.tensor(0, dtype=torch.long), dist_reduce_fx="sum")

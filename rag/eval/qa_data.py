@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.files import parse_json, read_json
+from rag.utils.validate import is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,7 @@ def _records_to_examples(records: Iterable[tuple[str, Any]], name: str, question
         ex = _make_example(rec[question_field], answers, where, (question_field, af), tally, require_answers)
         if ex is not None and passage_field is not None:
             pid = rec.get(passage_field)
-            if not isinstance(pid, (str, int)) or isinstance(pid, bool) or not str(pid).strip():
+            if not (isinstance(pid, str) or is_integer(pid)) or not str(pid).strip():
                 raise QADataError(f"{where}: field {passage_field!r} (data.passage_field) must name the answer's passage id, got "
                                   f"{pid!r}; add it to every record or unset data.passage_field")
             ex = dataclasses.replace(ex, passage_id=str(pid))

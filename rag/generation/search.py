@@ -26,6 +26,7 @@ import torch
 from torch import Tensor
 
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_bool, check_choice, check_number
 
 __all__ = [
     "Decoder",
@@ -112,35 +113,22 @@ class GenerationConfig:
     """Sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = all)."""
 
     def __post_init__(self) -> None:
-        def need(ok: bool, field: str, msg: str) -> None:
-            if not ok:
-                raise ConfigError(f"GenerationConfig.{field}: {msg}")
+        def field(name: str) -> str:
+            return f"GenerationConfig.{name}"
 
-        need(isinstance(self.num_beams, int) and self.num_beams >= 1, "num_beams",
-             f"must be an int >= 1, got {self.num_beams!r}")
-        need(isinstance(self.num_return_sequences, int) and self.num_return_sequences >= 1, "num_return_sequences",
-             f"must be an int >= 1, got {self.num_return_sequences!r}")
-        need(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1, "max_new_tokens",
-             f"must be an int >= 1, got {self.max_new_tokens!r}")
-        need(self.max_length is None or (isinstance(self.max_length, int) and self.max_length >= 2), "max_length",
-             f"must be None or an int >= 2 (it counts the start tokens), got {self.max_length!r}")
-        need(isinstance(self.min_length, int) and self.min_length >= 0, "min_length",
-             f"must be an int >= 0, got {self.min_length!r}")
-        need(isinstance(self.min_new_tokens, int) and self.min_new_tokens >= 0, "min_new_tokens",
-             f"must be an int >= 0, got {self.min_new_tokens!r}")
-        need(isinstance(self.no_repeat_ngram_size, int) and self.no_repeat_ngram_size >= 0, "no_repeat_ngram_size",
-             f"must be an int >= 0, got {self.no_repeat_ngram_size!r}")
-        need(self.early_stopping is True or self.early_stopping is False or self.early_stopping == "never", "early_stopping",
-             f"must be True, False or 'never', got {self.early_stopping!r}")
-        need(isinstance(self.length_penalty, (int, float)) and math.isfinite(self.length_penalty), "length_penalty",
-             f"must be a finite number, got {self.length_penalty!r}")
-        need(isinstance(self.do_sample, bool) and not (self.do_sample and self.num_beams > 1), "do_sample",
-             f"must be a bool, and sampling needs num_beams=1 (got do_sample={self.do_sample!r}, num_beams={self.num_beams!r})")
-        need(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature) and self.temperature > 0,
-             "temperature", f"must be a finite number > 0, got {self.temperature!r}")
-        need(isinstance(self.top_k, int) and self.top_k >= 0, "top_k", f"must be an int >= 0 (0 = off), got {self.top_k!r}")
-        need(isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1, "top_p",
-             f"must be a number in (0, 1] (1 = off), got {self.top_p!r}")
+        for name in ("num_beams", "num_return_sequences", "max_new_tokens"):
+            check_number(getattr(self, name), field(name), integer=True, low=1, error=ConfigError)
+        check_number(self.max_length, field("max_length") + " (it counts the start tokens)", integer=True, low=2,
+                     allow_none=True, error=ConfigError)
+        for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size", "top_k"):  # top_k 0 = off
+            check_number(getattr(self, name), field(name), integer=True, low=0, error=ConfigError)
+        check_choice(self.early_stopping, field("early_stopping"), (True, False, "never"), error=ConfigError)
+        check_number(self.length_penalty, field("length_penalty"), error=ConfigError)
+        check_bool(self.do_sample, field("do_sample"), error=ConfigError)
+        if self.do_sample and self.num_beams > 1:
+            raise ConfigError(f"GenerationConfig.do_sample: sampling needs num_beams=1, got num_beams={self.num_beams!r}")
+        check_number(self.temperature, field("temperature"), above=0, error=ConfigError)
+        check_number(self.top_p, field("top_p") + " (1 = off)", above=0, high=1, error=ConfigError)
 
     @property
     def total_max_length(self) -> int:

@@ -29,7 +29,7 @@ from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.utils.files import check_json_files, read_json
 from rag.utils.io import atomic_directory, atomic_write_json
-from rag.utils.validate import check_strings
+from rag.utils.validate import check_number, check_strings
 
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
@@ -167,8 +167,7 @@ class BM25Index:
         from tqdm.auto import tqdm
 
         queries = check_strings(queries, "queries", allow_empty=True, allow_blank=True)
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= self._num_docs:
-            raise RagError(f"k must be an integer in [1, {self._num_docs}] (the number of indexed passages), got {k!r}")
+        check_number(k, f"k (at most the number of indexed passages, {self._num_docs})", integer=True, low=1, high=self._num_docs)
         k = int(k)
         scores = np.zeros((len(queries), k), dtype=np.float32)
         rows = np.zeros((len(queries), k), dtype=np.int64)

@@ -21,11 +21,11 @@ from typing import IO, TYPE_CHECKING, Any, Callable, Iterable, Iterator, Literal
 
 from rag.utils.errors import CorpusError
 from rag.utils.files import MAX_JSON_BYTES, bounded_lines, parse_json, regular_file
-from rag.utils.validate import check_bool, check_positive_int
+from rag.utils.validate import check_bool, check_positive_int, is_integer
 
 if TYPE_CHECKING:  # pragma: no cover
     import datasets
-__all__ = ["Document", "Format", "SkippedFilesWarning", "read_documents", "detect_format", "MAX_DOCUMENT_CHARS"]
+__all__ = ["Document", "Format", "SkippedFilesWarning", "read_documents", "detect_format", "check_sources", "MAX_DOCUMENT_CHARS"]
 
 MAX_DOCUMENT_CHARS = 1 << 25
 """Default bound on one document (a text file, a JSONL line, a CSV/TSV row) in characters: 33,554,432 (~32 MB of
@@ -135,6 +135,17 @@ def read_documents(
                 f"{what} {path} contains no documents (read as {fmt}); check the path, "
                 f"or that the {what} is not empty or header-only"
             )
+
+
+def check_sources(paths: Sequence[str | os.PathLike]) -> None:
+    """CorpusError unless each path is an existing folder or regular file: cheap, so that ``rag index build`` refuses a
+    missing path, a device or a pipe before it loads the encoder (:func:`read_documents` checks again as it reads)."""
+    for one in paths:
+        path = Path(one)
+        if not path.exists():
+            raise CorpusError(f"corpus source {path} does not exist; check the path")
+        if not path.is_dir():
+            regular_file(path, "a corpus source (--corpus)", error=CorpusError)
 
 
 def detect_format(path: str | os.PathLike, encoding: str = "utf-8") -> str:
@@ -301,7 +312,7 @@ def _string_field(value: Any, name: str, where: str) -> str:
 def _id_field(value: Any, name: str, where: str) -> str | None:
     if value is None or value == "":
         return None
-    if isinstance(value, bool) or not isinstance(value, (str, int)):
+    if not (isinstance(value, str) or is_integer(value)):
         raise CorpusError(
             f"{where}: id field {name!r} holds a {type(value).__name__} ({str(value)[:40]!r}), expected a string "
             f"or integer; fix the row, or pass --id-field (id_field=) naming another column"

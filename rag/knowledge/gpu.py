@@ -26,6 +26,7 @@ import numpy as np
 from rag.knowledge.faiss_gpu import faiss_gpu_problem, gpu_count
 from rag.knowledge.index import IndexSpec, _check_matrix
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +63,7 @@ class GpuIndex:
 
 
 def _check_k(k, n: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-        raise RagError(f"k={k!r} must be an integer between 1 and the corpus size ({n} vectors)")
+    check_number(k, f"k (at most the corpus size, {n} vectors)", integer=True, low=1, high=n)
 
 
 def flat_topk(x, sq_norms, q, k: int, l2: bool):
@@ -155,7 +155,7 @@ def _flat_vectors(index):
 
 def _device_ids(devices, n: int, what: str) -> list[int]:
     ids = list(range(n)) if devices == "all" else [devices] if isinstance(devices, int) else list(devices)
-    bad = [d for d in ids if isinstance(d, bool) or not isinstance(d, int) or not 0 <= d < n]
+    bad = [d for d in ids if not is_integer(d) or not 0 <= d < n]
     if bad or not ids:
         raise ConfigError(f"GPU device(s) {bad or ids} do not exist: {what} sees {n} GPU(s) (ids 0..{n - 1})")
     return ids

@@ -51,7 +51,7 @@ from typing import Any, Optional, Union
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
 from rag.utils.checksums import check_niceness
 from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
-from rag.utils.validate import check_positive_int
+from rag.utils.validate import check_bool, check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -194,17 +194,12 @@ class KnowledgeBaseSlot:
                 "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
         check_positive_int(history, "history", error=ConfigError)
-        if not isinstance(keep_loaded, int) or isinstance(keep_loaded, bool) or not 0 <= keep_loaded <= history:
-            raise ConfigError(f"keep_loaded must be an integer in [0, history={history}], got {keep_loaded!r}")
+        check_number(keep_loaded, f"keep_loaded (at most history={history})", integer=True, low=0, high=history, error=ConfigError)
         check_niceness(verify_nice, "verify_nice")
-        if not isinstance(release_wait, (int, float)) or isinstance(release_wait, bool) or not release_wait >= 0:
-            raise ConfigError(f"release_wait must be a number of seconds >= 0, got {release_wait!r}")
-        if not isinstance(prewarm, bool):
-            raise ConfigError(f"prewarm must be True or False, got {prewarm!r}")
-        if not isinstance(prewarm_chunk, int) or isinstance(prewarm_chunk, bool) or prewarm_chunk < 1:
-            raise ConfigError(f"prewarm_chunk must be a positive number of bytes, got {prewarm_chunk!r}")
-        if not isinstance(prewarm_pause, (int, float)) or isinstance(prewarm_pause, bool) or not prewarm_pause >= 0:
-            raise ConfigError(f"prewarm_pause must be a number of seconds >= 0, got {prewarm_pause!r}")
+        check_number(release_wait, "release_wait (seconds)", low=0, error=ConfigError)
+        check_bool(prewarm, "prewarm", error=ConfigError)
+        check_positive_int(prewarm_chunk, "prewarm_chunk (bytes)", error=ConfigError)
+        check_number(prewarm_pause, "prewarm_pause (seconds)", low=0, error=ConfigError)
         self.retriever = retriever
         self._prewarm_default = prewarm
         self._prewarm_chunk = prewarm_chunk

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.io import atomic_write_file
+from rag.utils.validate import check_number, check_positive_int, is_integer
 
 __all__ = [
     "IndexSpec",
@@ -195,7 +196,7 @@ class IndexSpec:
 
 
 def _check_int(name: str, value: Any, low: int, high: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not is_integer(value):
         raise ConfigError(f"index spec field {name}={value!r} must be an integer in [{low}, {high}]")
     if not low <= value <= high:
         raise ConfigError(f"index spec field {name}={value} is out of range [{low}, {high}]")
@@ -214,8 +215,7 @@ def faiss_threads(n: Optional[int]) -> Iterator[None]:
     if n is None:
         yield
         return
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
-        raise ConfigError(f"threads={n!r} must be a positive integer or None (faiss default)")
+    check_positive_int(n, "threads (None: faiss's default)", error=ConfigError)
     old = faiss.omp_get_max_threads()
     faiss.omp_set_num_threads(int(n))
     try:
@@ -527,8 +527,7 @@ def search_index(
             f"metric={spec.metric}; pass the spec the index was built with"
         )
     n = int(index.ntotal)
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or not 1 <= k <= n:
-        raise RagError(f"k={k!r} must be an integer between 1 and the corpus size ({n} vectors)")
+    check_number(k, f"k (at most the corpus size, {n} vectors)", integer=True, low=1, high=n)
     k = int(k)
     q = _check_matrix(queries, "queries", dim=index.d)
     if q.shape[0] == 0:

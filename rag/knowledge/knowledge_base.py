@@ -52,7 +52,7 @@ from rag.utils.checksums import Verify, file_checksums
 from rag.utils.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.files import read_json
 from rag.utils.io import atomic_directory, atomic_write_json, check_output_dir
-from rag.utils.validate import check_choice
+from rag.utils.validate import check_choice, check_number, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
@@ -238,10 +238,8 @@ class KnowledgeBase:
             KnowledgeBaseError: closed meanwhile (the caller decides whether that matters; the slot
                 logs prewarm failures and swaps anyway).
         """
-        if not isinstance(chunk, (int, np.integer)) or isinstance(chunk, bool) or chunk < 1:
-            raise RagError(f"prewarm chunk={chunk!r} must be a positive number of bytes")
-        if not isinstance(pause, (int, float)) or isinstance(pause, bool) or not pause >= 0:
-            raise RagError(f"prewarm pause={pause!r} must be a number of seconds >= 0")
+        check_positive_int(chunk, "prewarm chunk (bytes)")
+        check_number(pause, "prewarm pause (seconds)", low=0)
         if not sys.platform.startswith("linux"):
             return 0
         with self.in_use():  # keeps the mappings alive while we read them; raises if closed
@@ -314,8 +312,7 @@ class KnowledgeBase:
         # Everything that can be checked is checked before encoding, which takes hours on a large corpus.
         index = IndexSpec.parse(index) if isinstance(index, str) else index
         check_fits(index, len(passages), encoder.dim)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size (--batch-size) must be a positive integer, got {batch_size!r}")
+        check_positive_int(batch_size, "batch_size (--batch-size)", error=ConfigError)
         check_device(device)
         check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
         t0 = time.perf_counter()
@@ -525,8 +522,7 @@ class KnowledgeBase:
                 f"{self.path}: query vectors have shape {tuple(q.shape)} but this knowledge base holds dim={self.dim} vectors "
                 f"from {self.encoder.get('name')}; use a query encoder of dimension {self.dim}"
             )
-        if not isinstance(k, (int, np.integer)) or isinstance(k, bool) or not 1 <= k <= len(self):
-            raise RagError(f"k={k!r} must be an integer between 1 and the number of passages in {self.path} ({len(self)})")
+        check_number(k, f"k (between 1 and the number of passages in {self.path})", integer=True, low=1, high=len(self))
         pool = self._pool
         if pool is not None:
             return pool.search(q, int(k))

@@ -19,6 +19,7 @@ from rag.knowledge.passages import Passage
 from rag.utils.checksums import Verify, verify_files
 from rag.utils.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.files import check_json_files, read_json
+from rag.utils.validate import is_integer
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -68,7 +69,7 @@ class Manifest:
             value = d.get(name)
             if name not in _REQUIRED_FIELDS and value is None:
                 continue
-            if isinstance(value, bool) or not isinstance(value, types):
+            if not any(is_integer(value) if t is int else isinstance(value, t) for t in types):
                 want = " or ".join(_JSON_NAMES[t] for t in types)
                 raise bad(f"field {name!r} is {json.dumps(value)[:60]} ({json_type_name(value)}), expected {want}")
         if d["format_version"] > FORMAT_VERSION:

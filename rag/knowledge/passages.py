@@ -33,6 +33,7 @@ from typing import Any, Iterable, Iterator
 
 from rag.knowledge.documents import Document, is_dataset, read_documents
 from rag.utils.errors import ConfigError, CorpusError
+from rag.utils.validate import check_number, check_positive_int
 
 __all__ = [
     "Passage",
@@ -73,22 +74,16 @@ def content_id(title: str, text: str) -> str:
 def _check_words_per_passage(words_per_passage: int | None) -> int | None:
     if words_per_passage is None or words_per_passage == 0:
         return None
-    if isinstance(words_per_passage, bool) or not isinstance(words_per_passage, int) or words_per_passage < 0:
-        raise ConfigError(
-            f"words_per_passage must be a positive integer, or 0/None for no splitting; got {words_per_passage!r} "
-            f"(--words-per-passage)"
-        )
-    return words_per_passage
+    return check_positive_int(words_per_passage, "words_per_passage (--words-per-passage; 0 or None: no splitting)",
+                              error=ConfigError)
 
 
 def _check_min_tail(min_tail_words: int | None, words_per_passage: int | None) -> int:
     """The shortest last passage kept on its own: `min_tail_words`, or a fifth of a passage when None."""
     if min_tail_words is None:
         return (words_per_passage or 0) // 5
-    if isinstance(min_tail_words, bool) or not isinstance(min_tail_words, int) or min_tail_words < 0:
-        raise ConfigError(f"min_tail_words must be an integer >= 0 (0: never merge a short last passage); got {min_tail_words!r} "
-                          f"(--min-tail-words)")
-    return min_tail_words
+    return check_number(min_tail_words, "min_tail_words (--min-tail-words; 0: never merge a short last passage)", integer=True,
+                        low=0, error=ConfigError)
 
 
 def _split_document(doc: Document, words_per_passage: int | None, min_tail: int = 0) -> list[Passage]:

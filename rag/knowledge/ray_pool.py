@@ -21,6 +21,7 @@ from typing import Any, Optional
 import numpy as np
 
 from rag.utils.errors import ConfigError, RetrievalError
+from rag.utils.validate import check_positive_int
 
 __all__ = ["RayRetrievalPool", "SearchActor"]
 
@@ -81,8 +82,7 @@ class RayRetrievalPool:
 
     def __init__(self, path: str | os.PathLike, n_actors: int = 2, *, address: Optional[str] = None, verify: str = "size",
                  max_restarts: int = 3, timeout: float = 60.0, num_cpus: float = 0.5) -> None:
-        if isinstance(n_actors, bool) or not isinstance(n_actors, int) or n_actors < 1:
-            raise ConfigError(f"n_actors must be a positive integer, got {n_actors!r}")
+        check_positive_int(n_actors, "n_actors", error=ConfigError)
         ray = _import_ray()
         self._ray = ray
         self.path = str(os.path.abspath(path))

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Un
 
 import torch
 
-from rag.utils.errors import ConfigError, RagError
-from rag.utils.validate import check_strings
+from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number, check_positive_int, check_strings
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -198,9 +198,7 @@ class RagReader:
         if not self.model.config.hf_compat:  # an imported transformers checkpoint decodes exactly as transformers does
             defaults["no_repeat_ngram_size"] = DEFAULT_NO_REPEAT_NGRAM
         generation_kw = {**defaults, **stored, **explicit, **generation_kw}
-        num_beams = generation_kw["num_beams"]
-        if not isinstance(num_beams, int) or isinstance(num_beams, bool) or num_beams < 1:
-            raise RagError(f"num_beams must be a positive integer, got {num_beams!r}")
+        check_positive_int(generation_kw["num_beams"], "num_beams")
         return GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
 
     def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
@@ -221,8 +219,7 @@ class RagReader:
 
 def _ensemble_as_rag_token(ensemble, n_docs: Optional[int], marginalization: Optional[str]) -> tuple[int, str]:
     """A REPLUG ``ensemble=K`` for a seq2seq RAG model: RAG-Token over K passages, ``(n_docs, "token")``."""
-    if not isinstance(ensemble, int) or isinstance(ensemble, bool) or ensemble < 1:
-        raise ConfigError(f"ensemble (--ensemble) must be an integer >= 1 (documents mixed per step), got {ensemble!r}")
+    check_positive_int(ensemble, "ensemble (--ensemble, documents mixed per step)", error=ConfigError)
     if marginalization == "sequence":
         raise ConfigError("ensemble= (--ensemble, REPLUG) with a RAG model is RAG-Token decoding over K passages; it cannot be "
                           "combined with marginalization='sequence' (--marginalization sequence): drop one of them")
@@ -339,8 +336,7 @@ class RalmReader:
         config = GenerationConfig(max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
                                   num_beams=1 if num_beams is None else num_beams,
                                   num_return_sequences=num_return_sequences, **generation_kw)
-        if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-            raise ConfigError(f"seed must be an integer, got {seed!r}")
+        check_number(seed, "seed (--seed)", integer=True, low=0, allow_none=True, error=ConfigError)
         given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
         cfg = replace(self.config, **{name: v for name, v in given.items() if v is not None})
         cfg.check()

@@ -109,7 +109,7 @@ def resolve_nli(nli: NLISpec) -> "NLIScorer":
         return nli
     if nli is True:
         return NLIScorer.from_pretrained(None)
-    if isinstance(nli, (str, os.PathLike)) and not isinstance(nli, bool):
+    if isinstance(nli, (str, os.PathLike)):  # (a bool is neither)
         return NLIScorer.from_pretrained(nli)
     raise ConfigError(f"nli= takes an NLIScorer, an NLI model directory or hub id, or True (the default model), got {nli!r}")
 

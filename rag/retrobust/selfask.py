@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Literal, Optional, Sequence
 
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 __all__ = ["QUESTION", "NEEDED", "FOLLOW_UP", "INTERMEDIATE", "FINAL", "StopReason", "SelfAskStep", "ParsedChain",
            "SelfAskResult", "format_chain", "parse_chain", "next_action", "self_ask", "step_hypotheses", "chain_training_examples"]
@@ -174,8 +175,7 @@ def self_ask(question: str, write: Callable[[str], str], answer: Callable[[str],
         max_steps: most follow-ups; at the limit the chain stops with ``stopped="step_limit"`` and no answer.
         with_premises: write each step's premise into the prompt (``Context:`` line).
     """
-    if isinstance(max_steps, bool) or not isinstance(max_steps, int) or max_steps < 0:
-        raise ConfigError(f"self_ask max_steps={max_steps!r}: must be an integer >= 0")
+    check_number(max_steps, "self_ask max_steps", integer=True, low=0, error=ConfigError)
     steps: list[SelfAskStep] = []
     calls = 0
     while True:

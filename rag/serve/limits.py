@@ -6,12 +6,12 @@ operator's settings before FastAPI is imported or a model is loaded.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Optional
 
 from rag.generation.options import option_specs
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 __all__ = ["ServeLimits", "MAX_QUESTIONS", "MAX_N_DOCS", "MAX_BEAMS", "MAX_NEW_TOKENS"]
 
@@ -57,19 +57,15 @@ class ServeLimits:
 
     def __post_init__(self) -> None:
         def integer(name: str, low: int, high: Optional[int]) -> None:
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low or (high is not None and v > high):
-                bound = f"between {low} and {high}" if high is not None else f">= {low}"
-                raise ConfigError(f"{name} (rag serve {self.option(name)}) must be an integer {bound}, got {v!r}")
+            check_number(getattr(self, name), f"{name} (rag serve {self.option(name)})", integer=True, low=low, high=high,
+                         error=ConfigError)
 
         for name, ceiling in _CEILINGS.items():
             integer(name, 1, ceiling)
         integer("max_queue", 0, None)
         integer("retry_after", 1, None)
-        t = self.request_timeout
-        if t is not None and (not isinstance(t, (int, float)) or isinstance(t, bool) or not math.isfinite(t) or t <= 0):
-            raise ConfigError(f"request_timeout (rag serve --request-timeout) must be a positive number of seconds "
-                              f"(or none for no limit), got {t!r}")
+        check_number(self.request_timeout, "request_timeout (rag serve --request-timeout, seconds; none: no limit)", above=0,
+                     allow_none=True, error=ConfigError)
 
     @staticmethod
     def option(name: str) -> str:

@@ -13,6 +13,7 @@ import time
 import pytorch_lightning as pl
 
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +29,7 @@ class CpuBudget(pl.Callback):
     """
 
     def __init__(self, minutes: float = 20.0) -> None:
-        if isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or not minutes > 0:
-            raise ConfigError(f"CpuBudget minutes={minutes!r}: the CPU budget must be a number of minutes > 0")
+        check_number(minutes, "CpuBudget minutes (the CPU budget in minutes)", above=0, error=ConfigError)
         self.minutes = float(minutes)
         self._start = 0.0
         self._excluded = 0.0

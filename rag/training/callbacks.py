@@ -46,6 +46,7 @@ from typing import Any, Literal, Optional, Union
 import pytorch_lightning as pl
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number, is_integer
 
 logger = logging.getLogger(__name__)
 
@@ -116,9 +117,9 @@ def parse_schedule(spec: Union[int, str]) -> RefreshSchedule:
         ConfigError: naming the bad part and the expected syntax.
     """
     hint = "expected an integer N (refresh every N steps) or ranges like '0-1000:500,1000-:2000'"
-    if isinstance(spec, bool) or not isinstance(spec, (int, str)):
+    if not (is_integer(spec) or isinstance(spec, str)):
         raise ConfigError(f"IndexRefresh.every={spec!r} is a {type(spec).__name__}; {hint}")
-    if isinstance(spec, int):
+    if is_integer(spec):
         if spec < 1:
             raise ConfigError(f"IndexRefresh.every={spec} must be a positive number of steps; {hint}")
         return RefreshSchedule(((0, None, spec),), str(spec))
@@ -237,10 +238,8 @@ class IndexRefresh(pl.Callback):
         super().__init__()
         self.schedule = parse_schedule(every)
         for name, v, lo in (("batch_size", batch_size, 1), ("worker_threads", worker_threads, 0), ("keep", keep, 1)):
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ConfigError(f"IndexRefresh.{name} must be an integer >= {lo}, got {v!r}")
-        if not isinstance(worker_nice, int) or isinstance(worker_nice, bool) or not 0 <= worker_nice <= 19:
-            raise ConfigError(f"IndexRefresh.worker_nice must be an integer in 0..19, got {worker_nice!r}")
+            check_number(v, f"IndexRefresh.{name}", integer=True, low=lo, error=ConfigError)
+        check_number(worker_nice, "IndexRefresh.worker_nice", integer=True, low=0, high=19, error=ConfigError)
         if verify not in ("full", "size", "none"):
             raise ConfigError(f"IndexRefresh.verify={verify!r}; choose 'full', 'size' or 'none'")
         if at_train_end not in ("wait", "cancel"):

@@ -30,6 +30,7 @@ from rag.models.ralm.model import CausalScorer, window_ids, window_start
 from rag.training.schedules import step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -134,11 +135,9 @@ class CausalReaderModule(pl.LightningModule):
         super().__init__()
         if "{question}" not in prompt:
             raise ConfigError(f"model.prompt={prompt!r} must contain {{question}} (e.g. {DEFAULT_PROMPT!r})")
-        for name, v, low in (("doc_max_length", doc_max_length, 1), ("selfask_batch", selfask_batch, 1), ("max_new_tokens", max_new_tokens, 1)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"model.{name}={v!r} must be an integer >= {low}")
-        if isinstance(learning_rate, bool) or not isinstance(learning_rate, (int, float)) or not learning_rate > 0:
-            raise ConfigError(f"model.learning_rate={learning_rate!r} must be a number > 0")
+        for name, v in (("doc_max_length", doc_max_length), ("selfask_batch", selfask_batch), ("max_new_tokens", max_new_tokens)):
+            check_positive_int(v, f"model.{name}", error=ConfigError)
+        check_number(learning_rate, "model.learning_rate", above=0, error=ConfigError)
         if not 0.0 <= warmup_ratio < 1.0:
             raise ConfigError(f"model.warmup_ratio={warmup_ratio!r} must be in [0, 1)")
         if retrieval not in (None, "dense", "bm25"):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number
 
 KINDS = ("top1", "low", "random")
 
@@ -52,8 +53,7 @@ class ContextMixing:
 
     def validate(self, prefix: str = "data.context_mixing") -> None:
         """Raise :class:`ConfigError` naming the option when K, the low-rank start or the probabilities are invalid."""
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 2:
-            raise ConfigError(f"{prefix}.top_k={self.top_k!r}: must be an integer >= 2 (top-1 plus a low-ranked pool)")
+        check_number(self.top_k, f"{prefix}.top_k (top-1 plus a low-ranked pool)", integer=True, low=2, error=ConfigError)
         start = self.low_start
         if not 1 <= start < self.top_k:
             raise ConfigError(f"{prefix}.low_rank_start={self.low_rank_start!r}: must be in [1, top_k-1] = [1, {self.top_k - 1}] "

@@ -40,6 +40,7 @@ from rag.training.reading_practice import ReadingPracticeSettings
 from rag.training.schedules import SCHEDULES, step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
@@ -190,8 +191,7 @@ class RagModule(pl.LightningModule):
         if unknown:
             raise ConfigError(f"model.generation_metrics: unknown {unknown}; choose from {sorted(GENERATION_METRICS)}")
         for name, lr in (("query_encoder_lr", query_encoder_lr), ("generator_lr", generator_lr), ("doc_encoder_lr", doc_encoder_lr)):
-            if not isinstance(lr, (int, float)) or isinstance(lr, bool) or not lr >= 0:
-                raise ConfigError(f"model.{name} must be a number >= 0, got {lr!r}")
+            check_number(lr, f"model.{name}", low=0, error=ConfigError)
         if warmup_ratio is not None and (not 0.0 <= warmup_ratio < 1.0):
             raise ConfigError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio!r}")
         if warmup_ratio is not None and warmup_steps:
@@ -200,8 +200,7 @@ class RagModule(pl.LightningModule):
             raise ConfigError(f"model.warmup_steps must be an integer >= 0, got {warmup_steps!r}")
         if schedule not in SCHEDULES:
             raise ConfigError(f"model.schedule={schedule!r}; choose one of {sorted(SCHEDULES)}")
-        if isinstance(retrieval_actors, bool) or not isinstance(retrieval_actors, int) or retrieval_actors < 0:
-            raise ConfigError(f"model.retrieval_actors must be an integer >= 0 (0: search in this process), got {retrieval_actors!r}")
+        check_number(retrieval_actors, "model.retrieval_actors (0: search in this process)", integer=True, low=0, error=ConfigError)
         if ray_address is not None and not retrieval_actors:
             raise ConfigError("model.ray_address is the cluster of the retrieval actors; set model.retrieval_actors too")
         check_tiny_name(generator, "model.generator")
@@ -255,9 +254,33 @@ class RagModule(pl.LightningModule):
                                          document_encoder=self.hparams.get("document_encoder"))
         if self.hparams.get("retrieval_actors"):
             self._start_search_pool(model.knowledge_base)
+        if self._trains_without_retrieval():
+            # Every training step reads the generator alone: the retrieval side never gets a gradient, so it is frozen
+            # (before DDP wraps the model, which otherwise waits for gradients that never come).
+            model.question_encoder.requires_grad_(False)
+            for extra in (model.doc_encoder, getattr(model, "log_retrieval_temperature", None)):
+                if extra is not None:
+                    extra.requires_grad_(False)
         # from_pretrained returns modules in eval mode; Lightning keeps module modes as they are,
         # so switch to train mode here (dropout on; a frozen query encoder stays in eval).
         self.model = model.train(self.training)
+
+    def _trains_without_retrieval(self) -> bool:
+        """True when no training step retrieves: the closed-book baseline, or RetRobust's context mixing (the data gives
+        each pair its passage)."""
+        datamodule = getattr(self._trainer, "datamodule", None) if self._trainer is not None else None
+        return bool(self.hparams.get("closed_book")) or getattr(datamodule, "context_mixing", None) is not None
+
+    @property
+    def ddp_find_unused_parameters(self) -> bool:
+        """Whether DDP must search for parameters without a gradient: only when some steps leave trainable ones unused,
+        i.e. the reader's pre-training (``reading_practice.pretrain_steps``) trains the generator alone for its first
+        steps while the query encoder (or the document encoder) trains afterwards. ``rag fit --trainer.strategy ddp``
+        then uses ``ddp_find_unused_parameters_true`` (:mod:`rag.cli.train`); every other run uses plain DDP."""
+        if self.practice_settings is None or not self.practice_settings.pretrain_steps or self.hparams.get("closed_book"):
+            return False
+        rag = self.rag_config
+        return not (rag.freeze_query_encoder or rag.retrieval == "bm25") or rag.train_doc_encoder or rag.learn_retrieval_temperature
 
     def _start_search_pool(self, kb) -> None:
         """``retrieval_actors`` Ray actors serving `kb`'s search (:class:`~rag.knowledge.ray_pool.RayRetrievalPool`)."""
@@ -490,7 +513,7 @@ class RagModule(pl.LightningModule):
                 stage, n, total, self.rag_config.max_context_length,
             )
         if not self.trainer.sanity_checking:
-            self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum")
+            self.log(f"{stage}/truncated_contexts", float(n), reduce_fx="sum", sync_dist=True)  # summed over DDP ranks
         self._truncated[stage] = self._contexts[stage] = 0
 
     def on_train_epoch_end(self) -> None:

@@ -22,6 +22,7 @@ from typing import Literal, Sequence
 
 from rag.knowledge.passages import Passage
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 __all__ = ["ReadingPracticeSettings", "PracticeExample", "corpus_practice", "practice_pool"]
 
@@ -54,11 +55,8 @@ class ReadingPracticeSettings:
 
     def __post_init__(self) -> None:
         for name, low in (("per_step", 1), ("pool", 1), ("max_answer_words", 1), ("pretrain_steps", 0), ("pretrain_batch", 1)):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < low:
-                raise ConfigError(f"model.reading_practice.{name}={v!r} must be an integer >= {low}")
-        if isinstance(self.pretrain_lr, bool) or not isinstance(self.pretrain_lr, (int, float)) or not self.pretrain_lr > 0:
-            raise ConfigError(f"model.reading_practice.pretrain_lr={self.pretrain_lr!r} must be a positive number")
+            check_number(getattr(self, name), f"model.reading_practice.{name}", integer=True, low=low, error=ConfigError)
+        check_number(self.pretrain_lr, "model.reading_practice.pretrain_lr", above=0, error=ConfigError)
         if self.source not in ("corpus", "elements"):
             raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus or elements")
 

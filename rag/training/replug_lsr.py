@@ -34,6 +34,7 @@ from rag.models.replug.lsr import lsr_loss
 from rag.training.schedules import step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -144,14 +145,11 @@ class ReplugLSRModule(pl.LightningModule):
             warnings.warn("model.gamma is deprecated: it is now model.retrieval_temperature (one name for RAG, REPLUG and LSR)",
                           FutureWarning, stacklevel=2)
             retrieval_temperature, gamma = gamma, None
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ConfigError(f"model.k={k!r} must be an integer >= 1 (documents retrieved per input)")
+        check_positive_int(k, "model.k (documents retrieved per input)", error=ConfigError)
         for name, v in (("retrieval_temperature", retrieval_temperature), ("beta", beta)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ConfigError(f"model.{name}={v!r} must be a number > 0 (a softmax temperature, §4.1-4.2; the paper uses 0.1)")
+            check_number(v, f"model.{name} (a softmax temperature, §4.1-4.2; the paper uses 0.1)", above=0, error=ConfigError)
         for name, v in (("query_encoder_lr", query_encoder_lr), ("doc_encoder_lr", doc_encoder_lr)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-                raise ConfigError(f"model.{name}={v!r} must be a number >= 0")
+            check_number(v, f"model.{name}", low=0, error=ConfigError)
         if not 0.0 <= warmup_ratio < 1.0:
             raise ConfigError(f"model.warmup_ratio={warmup_ratio!r} must be in [0, 1)")
         if lm_endpoint is not None and not lm_endpoint_model:

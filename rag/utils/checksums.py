@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Iterable, Literal, Optional, Sequence
 
 from rag.utils.errors import ConfigError, IntegrityError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
@@ -43,8 +44,8 @@ def sha256_file(path: str | os.PathLike) -> str:
 
 def check_niceness(value: Any, what: str) -> None:
     """Raise ConfigError unless `value` is None or an integer niceness in [0, 19]."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 19):
-        raise ConfigError(f"{what} must be None or an integer niceness in [0, 19], got {value!r}")
+    check_number(value, f"{what} (a niceness; None: normal priority)", integer=True, low=0, high=19, allow_none=True,
+                 error=ConfigError)
 
 
 def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[str]:

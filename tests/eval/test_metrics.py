@@ -103,7 +103,7 @@ def test_retrieval_recall_at_k():
     assert out["recall@1"].item() == pytest.approx(1 / 4)
     assert out["recall@2"].item() == pytest.approx(2 / 4)
     assert out["recall@3"].item() == pytest.approx(3 / 4)
-    with pytest.raises(RagError, match="positive integers"):
+    with pytest.raises(RagError, match="must be a positive integer"):
         RetrievalRecall(ks=(0,))
 
 

@@ -139,4 +139,6 @@ def test_bundled_config_parses(tmp_path, monkeypatch):
     cfg = yaml.safe_load(CONFIG.read_text())
     assert cli.datamodule.hparams.lm == "tiny:gpt2" and cli.datamodule.hparams.knowledge_base == "demo"
     assert cli.model.hparams.query_tokens == cfg["data"]["init_args"]["prefix_tokens"]
-    assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"]
+    # output paths follow trainer.default_root_dir ({default_root_dir} in the config, expanded by rag's CLI)
+    root = cfg["trainer"]["default_root_dir"]
+    assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"].replace("{default_root_dir}", root)

@@ -65,7 +65,9 @@ def test_nli_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     assert cli.model.model is None and not cli.datamodule.splits  # lazy: nothing loaded or downloaded on parse
     cfg = yaml.safe_load(path.read_text())
     assert cli.model.hparams.encoder == cfg["model"]["init_args"]["encoder"] == "minilm"
-    assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"]
+    # output paths follow trainer.default_root_dir ({default_root_dir} in the config, expanded by rag's CLI)
+    root = cfg["trainer"]["default_root_dir"]
+    assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"].replace("{default_root_dir}", root)
     if path.name != "nli_tiny.yaml":  # the recipes: SNLI, with a stated step budget and a wall-clock cap
         assert cfg["data"]["init_args"]["train"] == "snli:train" and cfg["data"]["init_args"]["test"] == "snli:test"
         assert cfg["trainer"]["max_steps"] > 0 and cfg["trainer"]["max_time"]

@@ -63,7 +63,7 @@ def test_no_random_context_possible_is_a_clear_error():
     (dict(p_top1=0.5, p_low=0.5, p_random=0.5), "p_top1 \\+ p_low \\+ p_random = 1.5"),
     (dict(p_top1=1.2, p_low=-0.2, p_random=0.0), "p_low=-0.2"),
     (dict(p_top1=float("nan")), "p_top1=nan"),
-    (dict(top_k=1), "top_k=1"),
+    (dict(top_k=1), r"top_k .*must be an integer >= 2, got 1"),
     (dict(top_k=10, low_rank_start=10), "low_rank_start=10"),
 ])
 def test_bad_options_name_the_option(kw, option):

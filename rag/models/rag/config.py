@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Literal, Optional
 
 from rag.utils.errors import ConfigError
-from rag.utils.validate import check_positive_int
+from rag.utils.validate import check_bool, check_number, check_positive_int, is_number
 
 __all__ = ["RagModelConfig", "check_overrides", "check_generation_settings"]
 
@@ -85,20 +85,15 @@ class RagModelConfig:
             raise ConfigError(f"RagModelConfig.retrieval={self.retrieval!r}; choose one of {_RETRIEVALS}")
         if self.truncation not in _TRUNCATIONS:
             raise ConfigError(f"RagModelConfig.truncation={self.truncation!r}; choose one of {_TRUNCATIONS}")
-        if isinstance(self.label_smoothing, bool) or not isinstance(self.label_smoothing, (int, float)) or not 0.0 <= self.label_smoothing < 1.0:
+        if not is_number(self.label_smoothing) or not 0.0 <= self.label_smoothing < 1.0:
             raise ConfigError(f"RagModelConfig.label_smoothing must be a number in [0, 1), got {self.label_smoothing!r}")
         self.label_smoothing = float(self.label_smoothing)
         for name in ("exclude_bos_score", "reduce_loss", "freeze_query_encoder", "hf_compat", "mask_padded_contexts",
-                     "train_doc_encoder"):
-            if not isinstance(getattr(self, name), bool):
-                raise ConfigError(f"RagModelConfig.{name} must be true or false, got {getattr(self, name)!r}")
-        t = self.retrieval_temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.01 <= t <= 100:
-            raise ConfigError(f"RagModelConfig.retrieval_temperature must be a number in [0.01, 100], got {t!r} "
-                              "(1: the plain softmax over retrieval scores; smaller: a sharper document prior)")
-        self.retrieval_temperature = float(t)
-        if not isinstance(self.learn_retrieval_temperature, bool):
-            raise ConfigError(f"RagModelConfig.learn_retrieval_temperature must be true or false, got {self.learn_retrieval_temperature!r}")
+                     "train_doc_encoder", "learn_retrieval_temperature"):
+            check_bool(getattr(self, name), f"RagModelConfig.{name}", error=ConfigError)
+        check_number(self.retrieval_temperature, "RagModelConfig.retrieval_temperature (1: the plain softmax over retrieval "
+                     "scores; smaller: a sharper document prior)", low=0.01, high=100, error=ConfigError)
+        self.retrieval_temperature = float(self.retrieval_temperature)
         for name in ("title_sep", "doc_sep"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")

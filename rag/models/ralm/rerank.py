@@ -121,6 +121,9 @@ class PredictiveReranker(nn.Module):
         except (OSError, ValueError) as e:
             raise ConfigError(f"cannot load the reranker encoder {encoder!r}: {e}; pass a BERT-family directory or 'minilm'") from e
         self.tokenizer.truncation_side = "right"
+        pooler = getattr(self.encoder, "pooler", None)
+        if isinstance(pooler, nn.Module):  # the head reads the [CLS] state, never the pooler: frozen (DDP needs no search)
+            pooler.requires_grad_(False)
         self.head = nn.Linear(self.encoder.config.hidden_size, 1)
         self.max_length, self.query_tokens, self.encoder_name = int(max_length), int(query_tokens), str(encoder)
 

@@ -30,6 +30,7 @@ import torch
 
 from rag.models.ralm.model import DEFAULT_MAX_LENGTH, CausalScorer
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -174,12 +175,11 @@ class CompletionsLMScorer:
         if not isinstance(base_url, str) or not base_url.startswith(("http://", "https://")):
             raise ConfigError(f"base_url={base_url!r} must be an http(s) URL such as http://localhost:8000/v1")
         check_text(model, "model (the endpoint's model name)")
-        for name, v, lo in (("timeout", timeout, 0.0), ("backoff", backoff, 0.0)):
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < lo or (name == "timeout" and v == 0):
-                raise ConfigError(f"{name}={v!r} must be a finite number {'>' if name == 'timeout' else '>='} 0")
-        for name, v, lo in (("max_retries", max_retries, 0), ("batch_size", batch_size, 1), ("max_tokens", max_tokens, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ConfigError(f"{name}={v!r} must be an integer >= {lo}")
+        check_number(timeout, "timeout", above=0, error=ConfigError)
+        check_number(backoff, "backoff", low=0, error=ConfigError)
+        check_number(max_retries, "max_retries", integer=True, low=0, error=ConfigError)
+        check_positive_int(batch_size, "batch_size", error=ConfigError)
+        check_number(max_tokens, "max_tokens", integer=True, low=0, error=ConfigError)
         self.url = base_url.rstrip("/") + "/completions"
         self.model, self.timeout, self.max_retries, self.backoff, self.batch_size = model, float(timeout), max_retries, float(backoff), batch_size
         self.max_tokens = max_tokens

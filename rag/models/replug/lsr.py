@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rag.generation.marginalize import Reduction, _reduce, doc_log_prior
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_number
 
 __all__ = ["lsr_loss"]
 
@@ -41,8 +42,7 @@ def lsr_loss(doc_scores: Tensor, lm_loglik: Tensor, *, retrieval_temperature: fl
         scalar (or ``(batch,)``), ≥ 0; float32 for half-precision input.
     """
     for name, v in (("retrieval_temperature", retrieval_temperature), ("beta", beta)):
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-            raise ConfigError(f"{name}={v!r} must be a number > 0 (the softmax temperature of REPLUG LSR, §4.1-4.2)")
+        check_number(v, f"{name} (the softmax temperature of REPLUG LSR, §4.1-4.2)", above=0, error=ConfigError)
     if doc_scores.shape != lm_loglik.shape:
         raise RagError(f"doc_scores {tuple(doc_scores.shape)} and lm_loglik {tuple(lm_loglik.shape)} must both be (batch, k)")
     if not bool(torch.isfinite(lm_loglik).all()):
