@@ -8,7 +8,11 @@ need it), then scores REPLUG pairs (a passage of the demo corpus, then a sentenc
 with :class:`~rag.models.replug.lm_scorer.LocalLMScorer` on the converted GGUF (``rag lm prepare``). Two local
 references: rag's own convention (the prompt read after the BOS token) and the prompt read as llama.cpp reads it (the
 GGUF says ``add_bos_token: false``: no BOS). The GGUF's weights are Q4_1: the local model holds them de-quantized in
-float32, llama.cpp multiplies them quantized, so the two agree to quantization error, not float rounding.
+float32, llama.cpp multiplies them quantized, so the two can agree to quantization error, not float rounding.
+
+llama-cpp-python's prompt log-probs are also compared, token by token, with two local quantities: log p(t_i | t_<i)
+(what the OpenAI API means) and log p(t_i | t_<=i) (the distribution after t_i, evaluated at t_i): the second is what
+version 0.3.36 reports (abetlen/llama-cpp-python#1983, open), which makes its server unusable for REPLUG's scoring.
 
     python benchmarks/llamacpp_replug.py --llama-python /tmp/llamavenv/bin/python --out benchmarks/results/llamacpp_replug.json
 """
@@ -85,6 +89,45 @@ def local_without_bos(model, tok, prompts, conts) -> list[np.ndarray]:
     return out
 
 
+def local_full(model, tok, texts) -> list[dict]:
+    """Per text (read without BOS, as llama.cpp reads this GGUF): its tokens, log p(t_i | t_<i) ("proper", None for the
+    first) and log p(t_i | t_<=i) (the distribution after t_i evaluated at t_i: what llama-cpp-python 0.3.36 reports for
+    prompt tokens, abetlen/llama-cpp-python#1983)."""
+    import torch
+
+    out = []
+    for text in texts:
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            lp = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        out.append({"tokens": len(ids), "proper": [None] + [float(lp[i - 1, ids[i]]) for i in range(1, len(ids))],
+                    "after": [float(lp[i, ids[i]]) for i in range(len(ids))]})
+    return out
+
+
+def raw_prompt_logprobs(url: str, texts) -> list[list]:
+    """llama.cpp's token_logprobs of each text's own tokens (echo; the one generated token dropped)."""
+    import httpx
+
+    out = []
+    for text in texts:
+        r = httpx.post(f"{url}/completions", json={"model": "smollm2", "prompt": text, "max_tokens": 1, "echo": True,
+                                                   "logprobs": 1, "temperature": 0}, timeout=300)
+        r.raise_for_status()
+        lp = r.json()["choices"][0]["logprobs"]
+        out.append([v for v, o in zip(lp["token_logprobs"], lp["text_offset"]) if o < len(text)])
+    return out
+
+
+def compare_raw(raw: list[list], local: list[dict], key: str) -> dict:
+    pairs = [(a, b) for r, loc in zip(raw, local) if len(r) == loc["tokens"] for a, b in zip(r, loc[key])
+             if a is not None and b is not None]
+    d = np.abs(np.array([a - b for a, b in pairs]))
+    return {"tokens": len(pairs), "texts_with_equal_token_counts": sum(len(r) == loc["tokens"] for r, loc in zip(raw, local)),
+            "max_abs_token_diff": float(d.max()), "mean_abs_token_diff": float(d.mean()),
+            "pearson_r": float(np.corrcoef([a for a, _ in pairs], [b for _, b in pairs])[0, 1])}
+
+
 def compare(got: list[np.ndarray], want: list[np.ndarray]) -> dict:
     diffs = np.concatenate([np.abs(a - b) for a, b in zip(got, want)])
     totals = np.array([abs(a.sum() - b.sum()) for a, b in zip(got, want)])
@@ -128,19 +171,24 @@ def main() -> int:
             t0 = time.perf_counter()
             got = remote.continuation_logprobs(prompts, conts)
             seconds = time.perf_counter() - t0
+            raw = raw_prompt_logprobs(url, [p + c for p, c in pairs])
         finally:
             proc.terminate()
             proc.wait(timeout=30)
+    full = local_full(model, tok, [p + c for p, c in pairs])
     result = {"llama_cpp_python": version, "gguf": gguf.name, "gguf_sha256": sha256_file(gguf), "pairs": len(pairs),
               "requests": remote.requests, "seconds": round(seconds, 2),
               "vs_local_rag_convention_bos_first": compare(got, want_bos),
               "vs_local_as_llamacpp_reads_it_no_bos": compare(got, want_plain),
+              "raw_prompt_logprobs_vs_local_log_p_token_given_previous": compare_raw(raw, full, "proper"),
+              "raw_prompt_logprobs_vs_local_log_p_token_given_itself_and_previous": compare_raw(raw, full, "after"),
               "example": {"prompt": prompts[0], "continuation": conts[0], "llamacpp": got[0].round(4).tolist(),
                           "local_no_bos": want_plain[0].round(4).tolist(), "local_bos": want_bos[0].round(4).tolist()}}
-    for key in ("vs_local_rag_convention_bos_first", "vs_local_as_llamacpp_reads_it_no_bos"):
+    for key in ("vs_local_rag_convention_bos_first", "vs_local_as_llamacpp_reads_it_no_bos",
+                "raw_prompt_logprobs_vs_local_log_p_token_given_previous", "raw_prompt_logprobs_vs_local_log_p_token_given_itself_and_previous"):
         r = result[key]
         print(f"{key}: {r['tokens']} tokens, max |diff| {r['max_abs_token_diff']:.4f}, mean |diff| {r['mean_abs_token_diff']:.4f}, "
-              f"max |diff| of a continuation's sum {r['max_abs_continuation_diff']:.4f}, r = {r['pearson_r']:.5f}")
+              f"r = {r['pearson_r']:.5f}")
     if args.out:
         from rag.utils.io import atomic_write_json
 

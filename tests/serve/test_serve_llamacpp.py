@@ -74,7 +74,16 @@ def _llamacpp_server():
         proc.wait(timeout=30)
 
 
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    """Within Q4_1 quantization error (llama.cpp multiplies the quantized weights; the local model holds them
+    de-quantized): measured mean |diff| ~0.1 nat per token, single tokens up to ~1 (docs/serving.md)."""
+    return bool(np.abs(a - b).mean() < 0.3 and np.corrcoef(a, b)[0, 1] > 0.98)
+
+
 def test_completions_scorer_against_llamacpp_matches_the_local_smollm2():
+    """CompletionsLMScorer through llama.cpp's server gives the local SmolLM2's continuation log-probs (the prompt read
+    without BOS, as llama.cpp reads this GGUF) — or, with llama-cpp-python 0.3.36, the known off-by-one of its prompt
+    log-probs (abetlen/llama-cpp-python#1983: log p(t_i | t_<=i) instead of log p(t_i | t_<i)), reported as xfail."""
     import torch
 
     from rag.generators.load import load_generator
@@ -82,14 +91,19 @@ def test_completions_scorer_against_llamacpp_matches_the_local_smollm2():
 
     with _llamacpp_server() as (url, name):
         # llama.cpp reads max_tokens 0 as "no limit" and takes one prompt per request
-        remote = CompletionsLMScorer(url, name, batch_size=1, max_tokens=1, timeout=120, max_retries=0)
-        got = remote.continuation_logprobs([p for p, _ in PAIRS], [c for _, c in PAIRS])
+        remote = CompletionsLMScorer(url, name, batch_size=1, max_tokens=1, timeout=300, max_retries=0)
+        got = np.concatenate(remote.continuation_logprobs([p for p, _ in PAIRS], [c for _, c in PAIRS]))
     model, tok, _ = load_generator("smollm2", kind="causal")
-    for (p, c), lp in zip(PAIRS, got):
+    proper, after = [], []
+    for p, c in PAIRS:
         pi, ci = tok(p, add_special_tokens=False)["input_ids"], tok(c, add_special_tokens=False)["input_ids"]
+        ids = pi + ci
         with torch.no_grad():  # the GGUF asks for no BOS token: the prompt is read as it is
-            full = torch.log_softmax(model(input_ids=torch.tensor([pi + ci])).logits[0].double(), -1)
-        want = np.array([float(full[len(pi) - 1 + t, ci[t]]) for t in range(len(ci))])
-        assert lp.shape == want.shape  # the same tokens: llama.cpp's tokenizer splits as the converted one does
-        # Q4_1 weights multiplied quantized vs de-quantized: quantization error, far below the log-probs' spread
-        assert np.abs(lp - want).max() < 0.5 and np.abs(lp - want).mean() < 0.15, (lp, want)
+            full = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].double(), -1)
+        proper += [float(full[len(pi) - 1 + t, ci[t]]) for t in range(len(ci))]
+        after += [float(full[len(pi) + t, ci[t]]) for t in range(len(ci))]
+    assert got.shape == (len(proper),)  # the same tokens: llama.cpp's tokenizer splits as the converted one does
+    if not _close(got, np.array(proper)):
+        assert _close(got, np.array(after)), "llama.cpp's log-probs match neither the local LM nor its known off-by-one"
+        pytest.xfail("llama-cpp-python reports prompt log-probs one position late (abetlen/llama-cpp-python#1983): "
+                     "log p(t_i | t_<=i), not log p(t_i | t_<i); its server cannot score REPLUG's continuations")
