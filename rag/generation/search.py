@@ -40,6 +40,7 @@ __all__ = [
     "beam_search",
     "unit_hook",
     "unit_boundary",
+    "unit_rows",
 ]
 
 # Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
@@ -200,20 +201,29 @@ _units = threading.local()
 
 
 @contextlib.contextmanager
-def unit_hook(hook: Callable[[Optional[Tensor]], None]) -> Iterator[None]:
+def unit_hook(hook: Callable[[Optional[Tensor]], None], *, max_rows: Optional[int] = None) -> Iterator[None]:
     """Call `hook` at every unit boundary of the decoding this thread runs inside the block: before each search step
     (with the tokens generated so far, `(rows, n)` int64, in greedy search and sampling; None in beam search) and
     between the chunks of a teacher-forced rescoring pass (None).
 
     The hook may raise to abandon the decoding (``rag serve``: a request past its deadline or whose client left), or
-    block (the server hands the model to another request between two units). Nothing is called outside the block.
+    block (the server hands the model to another request between two units). `max_rows`: chunked passes whose chunk
+    size is automatic take at most this many rows per chunk (:func:`unit_rows`), so that no unit runs long. Nothing is
+    called outside the block.
     """
-    previous = getattr(_units, "hook", None)
-    _units.hook = hook
+    previous = getattr(_units, "hook", None), getattr(_units, "max_rows", None)
+    _units.hook, _units.max_rows = hook, max_rows
     try:
         yield
     finally:
-        _units.hook = previous
+        _units.hook, _units.max_rows = previous
+
+
+def unit_rows(default: int) -> int:
+    """Rows per chunk of a chunked pass whose size is automatic: `default`, or fewer inside a :func:`unit_hook` that
+    asks for smaller units (the results do not depend on it beyond float rounding; only how the work is cut)."""
+    cap = getattr(_units, "max_rows", None)
+    return default if cap is None else max(1, min(default, cap))
 
 
 def unit_boundary(generated: Optional[Tensor] = None) -> None:

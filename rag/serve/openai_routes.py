@@ -37,7 +37,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
-from rag.serve.requests import RequestRefused, RequestRunner, RequestWork, generate_one_version
+from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version
 from rag.serve.responses import SafeJSONResponse, json_safe
 from rag.utils.errors import RagError
 
@@ -312,7 +312,7 @@ class OpenAIRoutes:
                     w.unit()
                     streamer.update(generated)
 
-                with unit_hook(hook):
+                with unit_hook(hook, max_rows=UNIT_ROWS):
                     return generate(w)
         else:
             fn = generate

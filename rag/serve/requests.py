@@ -25,7 +25,7 @@ from rag.serve.limits import ServeLimits
 from rag.serve.scheduler import ModelTurns
 from rag.utils.errors import RagError
 
-__all__ = ["RequestRefused", "RequestWork", "RequestCounters", "RequestRunner", "generate_one_version"]
+__all__ = ["RequestRefused", "RequestWork", "RequestCounters", "RequestRunner", "generate_one_version", "UNIT_ROWS"]
 
 
 class RequestRefused(RagError):
@@ -128,6 +128,11 @@ class RequestCounters:
                     "handovers": self.turns.handovers, "longest_unit_seconds": round(self.turns.longest_unit, 3)}
 
 
+UNIT_ROWS = 16
+"""Rows per chunk of a rescoring pass while serving (each chunk is a unit of work; outside the server: 64, or as memory
+allows): small enough that one chunk of the heaviest request the default limits admit takes about as long as one of
+its decoding steps, so a cheap request never waits long for a unit to end."""
+
 MAX_RESTARTS = 3
 """How often a request starts over because the knowledge base was swapped between its questions."""
 
@@ -214,7 +219,7 @@ class RequestRunner:
             turns.acquire(work, work.wait_timeout())
             try:
                 work.check()
-                with unit_hook(work.unit):
+                with unit_hook(work.unit, max_rows=UNIT_ROWS):
                     return fn(work)
             finally:
                 turns.release(work)

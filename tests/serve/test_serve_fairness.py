@@ -172,3 +172,23 @@ def test_turns_go_to_the_least_served_level_first_and_fifo_within_a_level():
     assert turns.holding == 0
     with pytest.raises(ConfigError, match="quantum"):
         ModelTurns(1, quantum=0)
+
+
+def test_serving_cuts_rescoring_into_small_chunks_with_the_same_answers(serve_layout):
+    """RAG-Sequence's thorough rescoring pass runs `max_rows` rows per chunk inside a unit hook (the server asks for
+    UNIT_ROWS): more, shorter units, the same answers and scores (float32 passes of other batch shapes: ~1e-5)."""
+    import rag
+    from rag.generation.search import unit_hook
+
+    pipe = rag.load(serve_layout["model"])
+    kw = dict(marginalization="sequence", decoding="thorough", n_docs=3, num_beams=4, num_return_sequences=4, max_new_tokens=6)
+    counts = {}
+    answers = {}
+    for rows in (None, 2):
+        seen = []
+        with unit_hook(seen.append, max_rows=rows):
+            answers[rows] = pipe.generate(["what is the atomic number of iron?"], **kw)
+        counts[rows] = len(seen)
+    assert counts[2] > counts[None]
+    assert [a.text for a in answers[2]] == [a.text for a in answers[None]]
+    assert [a.score for a in answers[2]] == pytest.approx([a.score for a in answers[None]], abs=1e-4)

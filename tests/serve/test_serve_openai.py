@@ -209,14 +209,22 @@ def test_errors_are_openai_error_objects(rag_server, kw, status, param):
     b'{"model": "tiny", "messages": "not a list"}',
     b'{"model": "tiny", "messages": [{"role": "user", "content": "q"}], "rag": {"length_penalty": NaN}}',
     b'{"model": "tiny", "messages": [', b"",
+    b'{"model": "tiny", "prompt": "\ud800 q", "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": ["ok", "\udfff"], "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": [[1, 2, 1e400]], "max_tokens": 0, "echo": true}',
+    b'{"model": "tiny", "prompt": [[1, 2, 99999999999]], "max_tokens": 0, "echo": true}',
+    b'{"model": "tiny", "prompt": "q", "max_tokens": 0, "echo": true, "logprobs": NaN}',
+    b'{"model": "tiny", "prompt": "q", "max_tokens": 2, "n": 99999999999999999999999}',
+    b'{"model": "tiny", "prompt": {"text": "q"}, "max_tokens": 2}',
+    b'{"model": "tiny", "prompt": "q", "max_tokens": -1}',
 ])
-def test_bad_json_values_get_4xx_never_500(rag_server, content):
+def test_bad_json_values_get_4xx_never_500(rag_server, causal_server, content):
     """What the official client cannot send (non-finite numbers, lone surrogates, broken JSON): sent by hand."""
-    url, _ = rag_server
-    for path in ("/v1/chat/completions", "/v1/completions"):
-        r = httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=60)
-        assert 400 <= r.status_code < 500, r.text
-        assert r.json()["error"]["message"]
+    for url in (rag_server[0], causal_server[0]):
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            r = httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json"}, timeout=60)
+            assert 400 <= r.status_code < 500, r.text
+            assert r.json()["error"]["message"]
 
 
 def test_completion_prompt_bounds(causal_server):
