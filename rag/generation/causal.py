@@ -14,6 +14,8 @@ bit-identical to `model.generate(...)`, so greedy and beam search are token-iden
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
@@ -21,7 +23,8 @@ from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.utils.errors import RagError
 
-__all__ = ["CausalLMDecoder", "causal_generate", "continuation_logprobs", "prompt_positions"]
+__all__ = ["CausalLMDecoder", "CausalPrompts", "causal_generate", "continuation_logprobs", "prompt_positions",
+           "causal_teacher_forced"]
 
 
 def prompt_positions(attention_mask: Tensor) -> Tensor:
@@ -42,16 +45,83 @@ def _check_prompt(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return attention_mask
 
 
+@dataclass
+class CausalPrompts:
+    """`N` left-padded prompts of a causal generator, the causal counterpart of seq2seq's `EncodedContexts`: row
+    `b * n_docs + k` is question `b` with its `k`-th passage (`rag.generation.prompts`).
+
+    With `share_cache` (default) each prompt is prefilled once (:meth:`prefill`, memoised) and every decoder row, beam
+    and rescoring pair reading it starts from a copy of its KV cache; without, each of them prefills its prompt again
+    (the layout transformers' beam search uses; `benchmarks/causal_rag_bench.py` compares the two).
+    """
+
+    input_ids: Tensor
+    """`(N, S)` token ids, left-padded."""
+    attention_mask: Tensor
+    """`(N, S)` 1 on real tokens."""
+    share_cache: bool = True
+    _prefilled: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_prompt(self.input_ids, self.attention_mask)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def last_tokens(self) -> Tensor:
+        """`(N,)` every prompt's last token: the start token of its search."""
+        return self.input_ids[:, -1]
+
+    def prefill(self, model) -> tuple[object, Tensor]:
+        """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once)."""
+        if self._prefilled is None:
+            mask = None if bool(self.attention_mask.all()) else self.attention_mask.long()
+            out = model(input_ids=self.input_ids, attention_mask=mask, position_ids=prompt_positions(self.attention_mask),
+                        use_cache=True, return_dict=True)
+            self._prefilled = (output_cache(out), out.logits[:, -1, :].float())
+        return self._prefilled
+
+    def gathered_cache(self, model, rows: Tensor):
+        """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""
+        from rag.generation.seq2seq import _dynamic_cache, gather_rows
+
+        cache, _ = self.prefill(model)
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise RagError(f"the model returned a cache of type {type(cache).__name__} whose rows cannot be copied; "
+                           "use CausalPrompts(share_cache=False)")
+        return _dynamic_cache([(gather_rows(layer.keys, rows), gather_rows(layer.values, rows)) for layer in layers])
+
+
 class CausalLMDecoder:
     """A search `Decoder` (`step`, `reorder`) over a causal LM continuing `input_ids` `(rows, S)`.
 
     The first `step` prefills the whole prompt (its argument must be the prompt's last tokens); later steps
     feed one token per row with the KV cache. `reorder` moves the cache rows (beam search).
+
+    With `prompt_of_row` `(rows,)`, `input_ids` / `attention_mask` (or `prompts`) hold `N` distinct prompts and row `i`
+    continues prompt `prompt_of_row[i]`: each prompt is prefilled once and its cache copied to its rows (beams, or
+    RAG-Token's questions x documents), unless `prompts.share_cache` is False.
     """
 
-    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None):
+    def __init__(self, model, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, *,
+                 prompt_of_row: Tensor | None = None, prompts: CausalPrompts | None = None):
+        if prompts is not None and prompt_of_row is None:
+            prompt_of_row = torch.arange(len(prompts), device=prompts.input_ids.device)
+        if prompt_of_row is not None:
+            if prompts is None:
+                prompts = CausalPrompts(input_ids, _check_prompt(input_ids, attention_mask))
+            if not prompts.share_cache:  # every row prefills its own copy of its prompt
+                input_ids, attention_mask = prompts.input_ids[prompt_of_row], prompts.attention_mask[prompt_of_row]
+                prompts = prompt_of_row = None
+            else:
+                input_ids, attention_mask = prompts.input_ids, prompts.attention_mask
         mask = _check_prompt(input_ids, attention_mask)
         self.model = model
+        self.prompts, self.prompt_of_row = prompts, prompt_of_row
+        if prompt_of_row is not None:
+            input_ids, mask = input_ids[prompt_of_row], mask[prompt_of_row]
         self.input_ids = input_ids
         # transformers drops an all-ones mask (no padding); keep the same inputs so the kernels match.
         self.mask = None if bool(mask.all()) else mask.long()
@@ -66,6 +136,10 @@ class CausalLMDecoder:
             if not torch.equal(tokens, self.input_ids[:, -1]):
                 raise RagError("the first step of a CausalLMDecoder must feed the prompt's last tokens "
                                "(search from start tokens = the decoder's input_ids)")
+            if self.prompts is not None:
+                _, logits = self.prompts.prefill(self.model)
+                self.cache = self.prompts.gathered_cache(self.model, self.prompt_of_row)
+                return logits[self.prompt_of_row]
             out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
                              use_cache=True, return_dict=True)
         else:
@@ -144,3 +218,55 @@ def continuation_logprobs(model, input_ids: Tensor, attention_mask: Tensor | Non
     scoring = logits[:, prompt_len - 1:prompt_len - 1 + width].float()  # the distribution of each c_t
     lp = torch.log_softmax(scoring, -1).gather(-1, continuation[:, :, None]).squeeze(-1)
     return lp.masked_fill(cmask == 0, 0.0)
+
+
+@torch.no_grad()
+def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, context_index: Tensor,
+                          max_rows: int | None = None, eos: int | None = None) -> Tensor:
+    """`log p(y_t | prompt, y_<t)` of every sequence after each of its prompts: the causal `teacher_forced_logprobs`.
+
+    sequences `(C, T)` start with their prompts' common last token (the start token of the search) and continue with the
+    scored tokens; context_index `(C, K)` holds rows of `prompts`. Returns `(C, K, T - 1)`: entry `t` scores
+    `sequences[:, t + 1]`, 0 after the first `eos` target when `eos` is given. With `prompts.share_cache` each pair
+    starts from a copy of its prompt's prefilled KV cache and the LM runs only on the sequence's tokens; else every pair
+    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32).
+    """
+    n_cand, n_docs = context_index.shape
+    if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
+        raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
+    rows = context_index.reshape(-1)
+    cand = torch.arange(n_cand, device=sequences.device).repeat_interleave(n_docs)
+    width = sequences.shape[1] - 1
+    if eos is None:
+        length = torch.full((n_cand,), width, dtype=torch.long, device=sequences.device)
+    else:
+        is_eos = (sequences[:, 1:] == eos).long()
+        length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
+    lengths = length[cand]
+    lengths, order = torch.sort(lengths, descending=True, stable=True)
+    batch = 32 if max_rows is None else max_rows
+    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
+    for lo in range(0, rows.shape[0], batch):
+        pick = order[lo:lo + batch]
+        n = int(lengths[lo:lo + batch].max())
+        seq, ctx = sequences[cand[pick]], rows[pick]
+        target = seq[:, 1:n + 1]
+        if prompts.share_cache:
+            _, first = prompts.prefill(model)
+            logits = [first[ctx][:, None, :]]
+            if n > 1:
+                mask = prompts.attention_mask[ctx].long()
+                full = torch.cat([mask, mask.new_ones(mask.shape[0], n - 1)], dim=1)
+                pos = prompt_positions(mask)[:, -1:] + torch.arange(1, n, device=mask.device)
+                step = model(input_ids=seq[:, 1:n], attention_mask=full, position_ids=pos, use_cache=True, return_dict=True,
+                             **cache_kwarg(model, prompts.gathered_cache(model, ctx)))
+                logits.append(step.logits.float())
+            logits = torch.cat(logits, dim=1)
+        else:
+            ids = torch.cat([prompts.input_ids[ctx], seq[:, 1:n]], dim=1)
+            mask = torch.cat([prompts.attention_mask[ctx].long(), torch.ones_like(seq[:, 1:n])], dim=1)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=prompt_positions(mask),
+                           return_dict=True).logits[:, -n:].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, target[:, :, None]).squeeze(-1)
+        out[pick, :n] = lp.masked_fill(torch.arange(n, device=lp.device) >= lengths[lo:lo + batch, None], 0.0)
+    return out.view(n_cand, n_docs, width)
