@@ -7,10 +7,12 @@ between the two: each passage scores ::
 
     rrf(d) = Σ_{ranking r ∈ {dense, BM25}} 1 / (k + rank_r(d))        (rank from 1; absent from a ranking: no term)
 
-over the top ``depth`` passages of each ranking, with ``k = 60`` (the paper's constant; ``RagModelConfig.hybrid_rrf_k``):
-a passage first in one ranking and absent from the other scores 1/61, one second in both 2/62, so agreement wins and a
-single strong signal still counts. The top-K by rrf are returned; ``Retrieved.scores`` holds the rrf scores and
-``doc_embeds`` the stored embeddings of the fused passages.
+over the top K passages of each ranking (each retriever proposes as many passages as are asked for), with ``k = 60``
+(the paper's constant; ``RagModelConfig.hybrid_rrf_k``): a passage in both proposals beats one in a single proposal, and
+among the others the better-ranked goes first (ties: dense first). The top K by rrf are returned; ``Retrieved.scores``
+holds the rrf scores and ``doc_embeds`` the stored embeddings of the fused passages. Fusing deeper rankings (the top
+20 of each) was worse on the demo's questions: passages that both retrievers rank mediocre then outscore one that a
+single retriever ranks first (``benchmarks/hybrid_recall.py``; docs/benchmarks.md has the numbers).
 
 For training (:class:`~rag.knowledge.scoring.RetrievalScorer` with ``retrieval="hybrid"``), fusion chooses WHICH
 passages are marginalised over, and the document prior over them is the dense score ``q · d`` of each fused passage
@@ -33,8 +35,6 @@ __all__ = ["RRF_K", "reciprocal_rank_fusion", "HybridRetriever"]
 
 RRF_K = 60
 """The k of reciprocal rank fusion (Cormack, Clarke and Büttcher 2009)."""
-MIN_DEPTH = 20
-"""Each ranking contributes its top max(4·K, 20) passages to the fusion."""
 
 
 def reciprocal_rank_fusion(rankings: Sequence[np.ndarray], k: int, *, rrf_k: int = RRF_K) -> tuple[np.ndarray, np.ndarray]:
@@ -154,9 +154,8 @@ class HybridRetriever:
         n = len(kb)
         if k > n:
             raise ConfigError(f"k={k} exceeds the {n} passages of the knowledge base")
-        depth = min(n, max(4 * k, MIN_DEPTH))
-        _, dense_rows = kb.search(query_embeds.detach(), depth)
-        _, bm25_rows = bm25.index.search(list(queries), depth)
+        _, dense_rows = kb.search(query_embeds.detach(), k)
+        _, bm25_rows = bm25.index.search(list(queries), k)
         rows, scores = reciprocal_rank_fusion([np.asarray(dense_rows), np.asarray(bm25_rows)], k, rrf_k=self.rrf_k)
         rows_t = torch.from_numpy(rows)
         return Retrieved(rows=rows_t, scores=torch.from_numpy(scores), passages=kb.get_passages(rows),
