@@ -62,7 +62,7 @@ def main(argv=None) -> int:
     results = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         for share in ((True, False) if kind == "causal" else (True,)):
-            def run(qs):
+            def run(qs, share=share):
                 found = generate_for_questions(model, qs, config, marginalization=args.marginalization, decoding=args.decoding,
                                                share_cache=share)
                 return answers_with_provenance(model, qs, found.inputs, found.contexts, found.output, 1, found.marginalization)
