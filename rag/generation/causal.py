@@ -14,6 +14,8 @@ bit-identical to `model.generate(...)`, so greedy and beam search are token-iden
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -23,7 +25,7 @@ from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.utils.errors import RagError
 
-__all__ = ["CausalLMDecoder", "CausalPrompts", "causal_generate", "continuation_logprobs", "prompt_positions",
+__all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
            "causal_teacher_forced"]
 
 
@@ -45,6 +47,72 @@ def _check_prompt(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return attention_mask
 
 
+class PrefixCache:
+    """The KV caches of prompt prefixes that do not depend on the question (the chat header, the title and the passage:
+    ``RagModelConfig.prompt_template`` puts the passage before the question), kept by their exact token ids, least
+    recently used dropped past `max_bytes`. A passage read for one question is then prefilled once and only the
+    question's tail (a few dozen tokens) runs for the next question that retrieves it.
+
+    Keys are token ids, so a hit is exact; the caches are only valid for the weights they were computed with:
+    :meth:`clear` whenever those change (``RagModel.train()`` does).
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple, list[tuple[Tensor, Tensor]]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def lookup(self, model, prefixes: list[tuple]) -> list[list[tuple[Tensor, Tensor]]]:
+        """Per prefix (a tuple of token ids, non-empty) its per-layer ``(keys, values)`` ``(heads, len, head_dim)``; the
+        missing ones are prefilled in one batch first."""
+        with self._lock:
+            found = {p: self._entries[p] for p in set(prefixes) if p in self._entries}
+            for p in found:
+                self._entries.move_to_end(p)
+        missing = sorted(set(prefixes) - set(found), key=len)
+        self.hits += len(prefixes) - sum(p in missing for p in prefixes)
+        self.misses += len(missing)
+        if missing:
+            from rag.generation.prompts import left_pad
+
+            device = next(model.parameters()).device
+            ids, mask = (t.to(device) for t in left_pad([list(p) for p in missing], 0))
+            out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=prompt_positions(mask),
+                        use_cache=True, return_dict=True)
+            layers = getattr(output_cache(out), "layers", None)
+            if layers is None:
+                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts without a PrefixCache")
+            width = ids.shape[1]
+            for i, p in enumerate(missing):
+                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone()) for layer in layers]
+                found[p] = kv
+                self._store(p, kv)
+        return [found[p] for p in prefixes]
+
+    def _store(self, key: tuple, kv: list[tuple[Tensor, Tensor]]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = kv
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in old)
+
+
 @dataclass
 class CausalPrompts:
     """`N` left-padded prompts of a causal generator, the causal counterpart of seq2seq's `EncodedContexts`: row
@@ -56,10 +124,15 @@ class CausalPrompts:
     """
 
     input_ids: Tensor
-    """`(N, S)` token ids, left-padded."""
+    """`(N, S)` token ids, left-padded (or two left-padded segments, see `prefix_width`)."""
     attention_mask: Tensor
     """`(N, S)` 1 on real tokens."""
     share_cache: bool = True
+    prefix_width: int = 0
+    """The first `prefix_width` columns are a segment of question-independent prefixes (left-padded within it), the rest
+    the rest of each prompt (left-padded within it); 0: one left-padded segment."""
+    prefix_cache: PrefixCache | None = None
+    """Where the prefixes' KV caches are kept across calls (with `share_cache` and `prefix_width`); None: none kept."""
     _prefilled: tuple | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -76,11 +149,39 @@ class CausalPrompts:
     def prefill(self, model) -> tuple[object, Tensor]:
         """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once)."""
         if self._prefilled is None:
+            if self.prefix_cache is not None and self.prefix_width and self.share_cache:
+                self._prefilled = self._prefill_after_prefixes(model)
+                return self._prefilled
             mask = None if bool(self.attention_mask.all()) else self.attention_mask.long()
             out = model(input_ids=self.input_ids, attention_mask=mask, position_ids=prompt_positions(self.attention_mask),
                         use_cache=True, return_dict=True)
             self._prefilled = (output_cache(out), out.logits[:, -1, :].float())
         return self._prefilled
+
+    def _prefill_after_prefixes(self, model) -> tuple[object, Tensor]:
+        """The prefill with every prefix's KV cache from `prefix_cache`: only the columns after `prefix_width` run."""
+        from rag.generation.seq2seq import _dynamic_cache
+
+        width, mask = self.prefix_width, self.attention_mask.long()
+        prefixes = [tuple(row[m.bool()].tolist()) for row, m in zip(self.input_ids[:, :width], mask[:, :width])]
+        rows = [i for i, p in enumerate(prefixes) if p]
+        found = dict(zip(rows, self.prefix_cache.lookup(model, [prefixes[i] for i in rows]))) if rows else {}
+        n_layers = len(next(iter(found.values()))) if found else 0
+        layers = []
+        for layer in range(n_layers):
+            k0, v0 = found[rows[0]][layer]
+            keys = k0.new_zeros((len(prefixes), k0.shape[0], width, k0.shape[2]))  # pads: masked, never attended
+            values = v0.new_zeros((len(prefixes), v0.shape[0], width, v0.shape[2]))
+            for i in rows:
+                k, v = found[i][layer]
+                keys[i, :, width - k.shape[1]:], values[i, :, width - v.shape[1]:] = k, v
+            layers.append((keys, values))
+        if not layers:  # no prefix at all: the plain prefill
+            self.prefix_width = 0
+            return self.prefill(model)
+        out = model(input_ids=self.input_ids[:, width:], attention_mask=mask, position_ids=prompt_positions(mask)[:, width:],
+                    use_cache=True, return_dict=True, **cache_kwarg(model, _dynamic_cache(layers)))
+        return output_cache(out), out.logits[:, -1, :].float()
 
     def gathered_cache(self, model, rows: Tensor):
         """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""

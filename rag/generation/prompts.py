@@ -19,7 +19,7 @@ RAG-Token decoding relies on (the K prompts start their shared search from the s
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Protocol, Sequence
 
 import torch
@@ -28,7 +28,7 @@ from torch import Tensor
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = ["DEFAULT_PROMPT_TEMPLATE", "DEFAULT_CLOSED_BOOK_TEMPLATE", "PromptFormat", "TokenizedPrompts", "check_template",
-           "tokenize_prompts", "tokenize_answers", "left_pad"]
+           "tokenize_prompts", "tokenize_answers", "left_pad", "segmented_pad"]
 
 DEFAULT_PROMPT_TEMPLATE = "{title}\n{passage}\n\nQuestion: {question}\nAnswer:"
 """The default user message: the passage (with its title) first, then the question."""
@@ -93,6 +93,11 @@ class PromptFormat:
         messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + [{"role": "user", "content": user}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    @property
+    def passage_first(self) -> bool:
+        """True when the passage comes before the question: the prompt up to the passage's end is question-independent."""
+        return self.template.index("{passage}") < self.template.index("{question}")
+
     def split(self, tokenizer, question: str) -> tuple[str, str]:
         """The prompt for `question` as the text before and after the passage (the title still marked)."""
         text = self.render(tokenizer, _fill(self.template, title=_TITLE_MARK, passage=_PASSAGE_MARK, question=question))
@@ -112,6 +117,9 @@ class TokenizedPrompts:
     strings: list[str]
     answer_prefix: str = ""
     """What goes before the answer text: a space when the prompt ends with a visible character (``Answer:``)."""
+    prefix_lengths: list[int] = field(default_factory=list)
+    """Per prompt, how many of its first tokens do not depend on the question (the header, title and passage when the
+    template puts the passage first): their KV cache can serve every question that reads this passage. 0: none."""
 
 
 def _special_prefix(tokenizer) -> list[int]:
@@ -155,18 +163,22 @@ def tokenize_prompts(tokenizer, fmt: PromptFormat, questions: Sequence[str],
             bodies.append(_PRIVATE.sub("", doc.text))
             strings.append(heads[-1] + bodies[-1] + tails[-1])
     head_ids, body_ids, tail_ids = enc(heads), enc(bodies), enc(tails)
-    ids, truncated = [], []
+    ids, truncated, prefix = [], [], []
+    shareable = fmt.passage_first
     for h, p, t in zip(head_ids, body_ids, tail_ids):
         fixed = special + list(h)
         room = max_length - len(fixed) - len(t)
         if room >= len(p):
             ids.append(fixed + list(p) + list(t))
             truncated.append(False)
+            prefix.append(len(fixed) + len(p) if shareable else 0)
             continue
         truncated.append(True)
         row = fixed + list(p[:max(room, 0)]) + list(t)
-        ids.append(row[len(row) - max_length:])  # only when even the passage-free prompt is too long
-    return TokenizedPrompts(ids, truncated, strings, _answer_prefix(tails[0] if tails else ""))
+        cut = len(row) - max_length if len(row) > max_length else 0  # only when even the passage-free prompt is too long
+        ids.append(row[cut:])
+        prefix.append(len(fixed) + max(room, 0) if shareable and not cut else 0)
+    return TokenizedPrompts(ids, truncated, strings, _answer_prefix(tails[0] if tails else ""), prefix)
 
 
 def _answer_prefix(prompt_end: str) -> str:
@@ -202,3 +214,24 @@ def left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[Tensor, Tensor]:
         ids[r, width - len(row):] = torch.as_tensor(list(row), dtype=torch.long)
         mask[r, width - len(row):] = 1
     return ids, mask
+
+
+def segmented_pad(rows: Sequence[Sequence[int]], prefix_lengths: Sequence[int], pad: int) -> tuple[Tensor, Tensor, int]:
+    """Rows laid out in two left-padded segments: each row's first `prefix_lengths[i]` tokens right-aligned in the first
+    ``P`` columns, the rest right-aligned after them. Returns ids and attention mask ``(N, P + T)`` and ``P``; positions
+    are ``cumsum(mask) - 1`` as for plain left padding, so the LM reads the same sequence. ``P = 0`` when no row has a
+    prefix (plain :func:`left_pad`)."""
+    if not any(prefix_lengths):
+        ids, mask = left_pad(rows, pad)
+        return ids, mask, 0
+    heads = [list(r[:n]) for r, n in zip(rows, prefix_lengths)]
+    tails = [list(r[n:]) for r, n in zip(rows, prefix_lengths)]
+    width = max(map(len, heads))
+    head_ids = torch.full((len(rows), width), int(pad), dtype=torch.long)
+    head_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, h in enumerate(heads):
+        if h:
+            head_ids[r, width - len(h):] = torch.as_tensor(h, dtype=torch.long)
+            head_mask[r, width - len(h):] = 1
+    tail_ids, tail_mask = left_pad(tails, pad)
+    return torch.cat([head_ids, tail_ids], 1), torch.cat([head_mask, tail_mask], 1), width

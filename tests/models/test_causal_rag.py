@@ -269,3 +269,27 @@ def test_closed_book_loss_reads_the_question_alone(gpt2_dir, kb_dir):
     prompt = tokenize_prompts(model.generator_tokenizer, model.config.prompt_format, QUESTIONS[:1], None, 96).ids[0]
     want = -brute_force_logprobs(model, prompt, labels[0][mask[0]].tolist()).sum()
     assert math.isclose(float(loss), float(want), rel_tol=1e-5, abs_tol=2e-4)
+
+
+def test_passage_prefixes_are_prefilled_once_and_reused_across_calls(gpt2_dir, kb_dir):
+    """The header + passage part of a prompt does not depend on the question: its KV cache, kept by token ids, serves the
+    next question reading that passage, with the same answers as prefilling everything; training clears it."""
+    from rag.models.rag.generate import generate_for_questions
+
+    model = make(gpt2_dir, kb_dir).eval()
+    cfg = GenerationConfig(max_new_tokens=5, num_beams=2, eos_token_id=model.generator_tokenizer.eos_token_id)
+    inputs = model.prepare_inputs(QUESTIONS[:1])
+    assert inputs.prefix_width > 0 and all(inputs.context_strings[k].startswith(p.title) for k, p in
+                                          enumerate(inputs.retrieved.passages[0]))
+    cold = generate_for_questions(model, QUESTIONS, cfg, marginalization="sequence", share_cache=False).output
+    first = generate_for_questions(model, QUESTIONS, cfg, marginalization="sequence").output
+    cache = model._prefix_cache
+    assert cache.misses > 0 and len(cache) == cache.misses
+    misses = cache.misses
+    again = generate_for_questions(model, QUESTIONS, cfg, marginalization="sequence").output
+    assert cache.misses == misses and cache.hits >= len(QUESTIONS) * K  # every passage's prefix came from the cache
+    for out in (first, again):
+        assert torch.equal(out.sequences, cold.sequences)
+        torch.testing.assert_close(out.scores, cold.scores, atol=1e-4, rtol=1e-5)
+    model.train()
+    assert len(cache) == 0

@@ -18,11 +18,11 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from rag.generation.causal import CausalPrompts, prompt_positions
-from rag.generation.prompts import left_pad, tokenize_answers, tokenize_prompts
+from rag.generation.causal import CausalPrompts, PrefixCache, prompt_positions
+from rag.generation.prompts import segmented_pad, tokenize_answers, tokenize_prompts
 from rag.utils.errors import ConfigError
 
-__all__ = ["causal_prompts", "causal_targets", "causal_logits", "decoding_prompts"]
+__all__ = ["causal_prompts", "causal_targets", "causal_logits", "decoding_prompts", "prefix_cache"]
 
 
 def _pad_id(model) -> int:
@@ -30,12 +30,15 @@ def _pad_id(model) -> int:
     return int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
 
 
-def causal_prompts(model, questions: Sequence[str], passages: Optional[Sequence[Sequence]]) -> tuple[Tensor, Tensor, int, list[str]]:
-    """Left-padded prompt ids and mask ``(B·K, S)`` (``(B, S)`` closed-book, `passages` None), the number of prompts
-    shortened to ``config.max_context_length`` and the prompt strings."""
+def causal_prompts(model, questions: Sequence[str], passages: Optional[Sequence[Sequence]]
+                   ) -> tuple[Tensor, Tensor, int, list[str], int]:
+    """Prompt ids and mask ``(B·K, S)`` (``(B, S)`` closed-book, `passages` None), the number of prompts shortened to
+    ``config.max_context_length``, the prompt strings, and the width of the question-independent prefix segment: the
+    prompts are laid out in two left-padded segments (:func:`rag.generation.prompts.segmented_pad`), header + passage,
+    then the rest, so decoding can take the first segment's KV cache from the model's :class:`PrefixCache`."""
     cfg = model.config
     found = tokenize_prompts(model.generator_tokenizer, cfg.prompt_format, list(questions), passages, cfg.max_context_length)
-    ids, mask = left_pad(found.ids, _pad_id(model))
+    ids, mask, width = segmented_pad(found.ids, found.prefix_lengths or [0] * len(found.ids), _pad_id(model))
     if any(found.truncated):
         import warnings
 
@@ -44,14 +47,14 @@ def causal_prompts(model, questions: Sequence[str], passages: Optional[Sequence[
         warnings.warn(f"{sum(found.truncated)} generator prompts are longer than max_context_length={cfg.max_context_length} "
                       "tokens; their passages were shortened so the question is kept (raise max_context_length to keep "
                       "whole passages)", ContextTruncationWarning, stacklevel=3)
-    return ids, mask, int(sum(found.truncated)), found.strings
+    return ids, mask, int(sum(found.truncated)), found.strings, width
 
 
 def answer_prefix(model) -> str:
     """The text before an answer (a space after a prompt ending in a visible character, e.g. ``Answer:`` without a chat
     template), from the model's prompt format."""
     cfg = model.config
-    sample = tokenize_prompts(model.generator_tokenizer, cfg.prompt_format, ["q"], [[_Probe()]], 10_000)
+    sample = tokenize_prompts(model.generator_tokenizer, cfg.prompt_format, ["q"], [[_Probe()]], 1 << 20)
     return sample.answer_prefix
 
 
@@ -89,6 +92,24 @@ def causal_logits(generator, prompt_ids: Tensor, prompt_mask: Tensor, labels: Te
     return logits[:, -t:].reshape(b, n_docs, t, -1)
 
 
-def decoding_prompts(ids: Tensor, mask: Tensor, share_cache: bool = True) -> CausalPrompts:
-    """The prompts as decoding reads them (prefilled once per call, KV caches shared, unless `share_cache` is False)."""
-    return CausalPrompts(ids, mask, share_cache=share_cache)
+PREFIX_CACHE_BYTES = 1 << 30
+"""How much memory a model's :class:`PrefixCache` of passage KV caches may hold (SmolLM2-135M: ~46 KB per token, so
+the demo's 137 passages take ~0.7 GB)."""
+
+
+def prefix_cache(model) -> Optional[PrefixCache]:
+    """The model's cache of question-independent prompt prefixes (created on first use); None in training mode, where
+    the weights change between calls (``RagModel.train()`` clears it)."""
+    if model.training:
+        return None
+    cache = getattr(model, "_prefix_cache", None)
+    if cache is None:
+        cache = model._prefix_cache = PrefixCache(PREFIX_CACHE_BYTES)
+    return cache
+
+
+def decoding_prompts(model, ids: Tensor, mask: Tensor, share_cache: bool = True, prefix_width: int = 0) -> CausalPrompts:
+    """The prompts as decoding reads them: each prefilled once per call and its KV cache shared by its decoder rows and
+    rescoring pairs, the passage prefixes' caches kept across calls (unless `share_cache` is False)."""
+    return CausalPrompts(ids, mask, share_cache=share_cache, prefix_width=prefix_width if share_cache else 0,
+                         prefix_cache=prefix_cache(model) if share_cache else None)

@@ -87,13 +87,14 @@ def decoding_config(model, config: GenerationConfig) -> GenerationConfig:
     return config
 
 
-def decoding_contexts(model, ids: Tensor, mask: Tensor, share_cache: bool = True):
+def decoding_contexts(model, ids: Tensor, mask: Tensor, share_cache: bool = True, prefix_width: int = 0):
     """What decoding reads for context rows ``(N, L)``: encoder states (seq2seq, encoder run once) or the prompts whose
-    KV caches every decoder row copies (causal)."""
+    KV caches every decoder row copies (causal; the first `prefix_width` columns are question-independent prefixes whose
+    caches the model keeps across calls)."""
     if getattr(model, "is_causal", False):
         from rag.models.rag.causal import decoding_prompts
 
-        return decoding_prompts(ids, mask, share_cache)
+        return decoding_prompts(model, ids, mask, share_cache, prefix_width)
     return encode_contexts(model.generator, ids, mask)
 
 
@@ -108,7 +109,7 @@ def generate_closed_book(model, questions: Sequence[str], config: GenerationConf
     if getattr(model, "is_causal", False):
         from rag.models.rag.causal import causal_prompts
 
-        ids, mask, _, _ = causal_prompts(model, list(questions), None)
+        ids, mask, _, _, _ = causal_prompts(model, list(questions), None)
         contexts = decoding_contexts(model, ids.to(device), mask.to(device))
         return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device),
                                   decoding_config(model, config))
@@ -144,16 +145,17 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     generator = model.generator
     config = decoding_config(model, config)
     ids, mask, doc_scores = inputs.context_input_ids, inputs.context_attention_mask, inputs.doc_scores
+    width = inputs.prefix_width
     if with_no_retrieval and getattr(model, "is_causal", False):
         from rag.generation.prompts import left_pad
         from rag.models.rag.causal import causal_prompts
 
         k = doc_scores.shape[1]
-        bare, bare_mask, _, _ = causal_prompts(model, list(questions), None)
+        bare, bare_mask, _, _, _ = causal_prompts(model, list(questions), None)
         rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] + [r[m.bool()].tolist() for r, m in zip(bare, bare_mask)
                                                                     for _ in range(k)]
         ids, mask = (t.to(doc_scores.device) for t in left_pad(rows, model.pad_token_id))
-        doc_scores = torch.cat([doc_scores, torch.zeros_like(doc_scores)])
+        doc_scores, width = torch.cat([doc_scores, torch.zeros_like(doc_scores)]), 0
     elif with_no_retrieval:
         from rag.generation.contexts import tokenize_contexts
 
@@ -161,7 +163,7 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
                                 model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
         ids, mask = enc["input_ids"].to(ids.device), enc["attention_mask"].to(mask.device)
         doc_scores = torch.cat([doc_scores, torch.zeros_like(doc_scores)])
-    contexts = decoding_contexts(model, ids, mask, share_cache)
+    contexts = decoding_contexts(model, ids, mask, share_cache, width)
     if marg == "token":
         out = rag_token_generate(generator, contexts, model.retrieval_logits(doc_scores), config)
     else:

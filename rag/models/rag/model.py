@@ -256,6 +256,8 @@ class RagModel(nn.Module):
             self.question_encoder.eval()
         if getattr(self, "doc_encoder", None) is not None and not self.config.train_doc_encoder:
             self.doc_encoder.eval()
+        if mode and getattr(self, "_prefix_cache", None) is not None:  # cached passage KV caches are of the old weights
+            self._prefix_cache.clear()
         return self
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -361,8 +363,8 @@ class RagModel(nn.Module):
         if self.is_causal:  # left-padded prompts "passage, question, answer header" (rag.generation.prompts)
             from rag.models.rag.causal import causal_prompts
 
-            ids, mask, n_truncated, strings = causal_prompts(self, questions, retrieved.passages)
-            return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings)
+            ids, mask, n_truncated, strings, width = causal_prompts(self, questions, retrieved.passages)
+            return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
         strings = self.context_strings(questions, retrieved, None if q_inputs is None else q_inputs["input_ids"])
         ids, mask, n_truncated = self._tokenize_contexts(strings)
         return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings)
@@ -502,7 +504,7 @@ class RagModel(nn.Module):
         if self.is_causal:
             from rag.models.rag.causal import causal_prompts
 
-            ids, mask, n_truncated, strings = causal_prompts(self, questions, None if passages is None else [[p] for p in passages])
+            ids, mask, n_truncated, strings, _ = causal_prompts(self, questions, None if passages is None else [[p] for p in passages])
         else:
             fmt = self.context_format
             if passages is None:
