@@ -45,9 +45,8 @@ def cmd_demo(args) -> int:
         return 0
     from rag.cli.generate import print_answer
     from rag.demo.model import demo_checkpoint_dir
-    from rag.pipeline.api import load
-
     from rag.generators.demo_lm import demo_lm_dir
+    from rag.pipeline.api import load
 
     if not demo_lm_dir().is_dir() and not args.json:
         print(f"first run: converting the demo reader, SmolLM2-135M-Instruct, from its GGUF file into {demo_lm_dir()} "
