@@ -1,7 +1,9 @@
-"""The embedded default: the shipped demo checkpoint answers held-out questions from its knowledge base, offline.
+"""The embedded default: the shipped demo checkpoints answer held-out questions from their knowledge base, offline.
 
-These tests load ``checkpoints/demo`` exactly as ``rag demo`` / ``rag generate`` / ``rag.load("demo")`` do,
-so they fail if the checkpoint, its referenced encoders or the decoding path change what it answers.
+These tests load ``checkpoints/demo_causal`` (the default) and ``checkpoints/demo`` exactly as ``rag demo`` /
+``rag generate`` / ``rag.load("demo")`` do, so they fail if a checkpoint, its referenced models or the decoding path
+change what it answers. The causal default needs the demo LM (``rag lm prepare``; the fixture reuses the converted one
+of ``$RAG_CACHE`` when there is one).
 """
 
 from __future__ import annotations
@@ -11,24 +13,33 @@ from pathlib import Path
 
 import pytest
 
-REPORT = Path(__file__).resolve().parents[1] / "checkpoints" / "demo" / "eval.json"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+REPORT = CHECKPOINTS / "demo" / "eval.json"
+CAUSAL_REPORT = CHECKPOINTS / "demo_causal" / "eval.json"
 
 
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory) -> Path:
-    """A $RAG_CACHE holding the demo knowledge base, built once for the module."""
+    """A $RAG_CACHE holding the demo knowledge base, built once for the module, and the converted demo LM (a link to the
+    one already converted in the user's cache, else converted here: `rag lm prepare`)."""
     from rag.demo.kb import ensure_demo_kb
+    from rag.generators.demo_lm import demo_lm_dir
 
+    existing = demo_lm_dir()
     cache = tmp_path_factory.mktemp("rag_cache")
     ensure_demo_kb(cache / "demo_kb", show_progress=False)
+    if existing.is_dir():
+        (cache / "demo_lm").mkdir()
+        (cache / "demo_lm" / existing.name).symlink_to(existing, target_is_directory=True)
     return cache
 
 
 @pytest.fixture(scope="module")
 def demo_pipe(demo_cache):
+    from rag.demo.model import demo_checkpoint_dir
     from rag.pipeline.api import load
 
-    return load("demo", knowledge_base=demo_cache / "demo_kb")
+    return load(demo_checkpoint_dir("demo"), knowledge_base=demo_cache / "demo_kb")
 
 
 def test_checkpoint_is_small_and_references_its_encoders():
@@ -38,6 +49,36 @@ def test_checkpoint_is_small_and_references_its_encoders():
     meta = json.loads((root / "rag_config.json").read_text())
     assert meta["question_encoder"].get("reference") is True
     assert json.loads((root / "generator" / "config.json").read_text())["rag_warm_start"]["encoder"] == "minilm"
+
+
+def test_the_default_is_the_causal_demo_an_adapter_naming_its_base():
+    from rag.demo.model import DEFAULT_DEMO, demo_checkpoint_dir
+
+    root = demo_checkpoint_dir()
+    assert DEFAULT_DEMO == "demo_causal" and root.name == "demo_causal"
+    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+    assert size < 8 * 2**20  # the adapter, not the 538 MB base
+    meta = json.loads((root / "rag_config.json").read_text())
+    assert meta["question_encoder"].get("reference") is True and meta["generator"]["kind"] == "causal"
+    base = meta["generator"]["adapter"]["base"]
+    assert base["name"] == "smollm2" and len(base["files"]["model.safetensors"]["sha256"]) == 64
+    assert sorted(p.name for p in (root / "generator").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert meta["config"]["retrieval"] == "hybrid"
+
+
+@pytest.mark.slow
+def test_the_causal_default_reproduces_its_recorded_exact_match(demo_cache, monkeypatch):
+    """The default answers the held-out test questions and the naturally phrased ones as when it was made."""
+    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    monkeypatch.syspath_prepend(str(CHECKPOINTS.parent / "benchmarks"))
+    from demo_readers import evaluate
+
+    from rag.pipeline.api import load
+
+    pipe = load("demo")
+    recorded = json.loads(CAUSAL_REPORT.read_text())
+    for split in ("test", "natural"):
+        assert evaluate(pipe, split, 8)["em"] == pytest.approx(recorded[split]["em"], abs=2.0)
 
 
 @pytest.mark.slow
@@ -160,7 +201,7 @@ def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cac
     rag_run, closed = results["rag"], results["closed-book"]
     assert rag_run["steps"] == closed["steps"] == 2
     assert 0.0 <= rag_run["test/f1"] <= 1.0 and 0.0 < rag_run["test/recall@3"] <= 1.0 and "test/recall@3" not in closed
-    assert (out / "rag" / "runs" / "cpu_reader" / "model" / "rag_config.json").is_file()  # fit exported the model
+    assert (out / "rag" / "model" / "rag_config.json").is_file()  # fit exported the model
     assert "| RAG-Sequence |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
     fit_log = out / "rag" / "fit.log"
     stamp = fit_log.stat().st_mtime_ns
