@@ -1,9 +1,9 @@
 """The embedded default: the shipped demo checkpoints answer held-out questions from their knowledge base, offline.
 
-These tests load ``checkpoints/demo_causal`` (the default) and ``checkpoints/demo`` exactly as ``rag demo`` /
+These tests load ``checkpoints/demo`` (the default) exactly as ``rag demo`` /
 ``rag generate`` / ``rag.load("demo")`` do, so they fail if a checkpoint, its referenced models or the decoding path
-change what it answers. The causal default needs the demo LM (``rag lm prepare``; the fixture reuses the converted one
-of ``$RAG_CACHE`` when there is one).
+change what it answers. The module cache also links the converted demo LM (``rag lm prepare``) when there is one
+(for the causal reader).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ import pytest
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 REPORT = CHECKPOINTS / "demo" / "eval.json"
-CAUSAL_REPORT = CHECKPOINTS / "demo_causal" / "eval.json"
 
 
 @pytest.fixture(scope="module")
@@ -49,36 +48,6 @@ def test_checkpoint_is_small_and_references_its_encoders():
     meta = json.loads((root / "rag_config.json").read_text())
     assert meta["question_encoder"].get("reference") is True
     assert json.loads((root / "generator" / "config.json").read_text())["rag_warm_start"]["encoder"] == "minilm"
-
-
-def test_the_default_is_the_causal_demo_an_adapter_naming_its_base():
-    from rag.demo.model import DEFAULT_DEMO, demo_checkpoint_dir
-
-    root = demo_checkpoint_dir()
-    assert DEFAULT_DEMO == "demo_causal" and root.name == "demo_causal"
-    size = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
-    assert size < 8 * 2**20  # the adapter, not the 538 MB base
-    meta = json.loads((root / "rag_config.json").read_text())
-    assert meta["question_encoder"].get("reference") is True and meta["generator"]["kind"] == "causal"
-    base = meta["generator"]["adapter"]["base"]
-    assert base["name"] == "smollm2" and len(base["files"]["model.safetensors"]["sha256"]) == 64
-    assert sorted(p.name for p in (root / "generator").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
-    assert meta["config"]["retrieval"] == "hybrid"
-
-
-@pytest.mark.slow
-def test_the_causal_default_reproduces_its_recorded_exact_match(demo_cache, monkeypatch):
-    """The default answers the held-out test questions and the naturally phrased ones as when it was made."""
-    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
-    monkeypatch.syspath_prepend(str(CHECKPOINTS.parent / "benchmarks"))
-    from demo_readers import evaluate
-
-    from rag.pipeline.api import load
-
-    pipe = load("demo")
-    recorded = json.loads(CAUSAL_REPORT.read_text())
-    for split in ("test", "natural"):
-        assert evaluate(pipe, split, 8)["em"] == pytest.approx(recorded[split]["em"], abs=2.0)
 
 
 @pytest.mark.slow

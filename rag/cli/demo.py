@@ -14,9 +14,8 @@ DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer questions with the bundled demo model and knowledge base (offline)",
-                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: SmolLM2-135M-Instruct "
-                                   "with a LoRA adapter, hybrid MiniLM + BM25 retrieval) answering from the Elements corpus. The "
-                                   "knowledge base is built and the reader converted from its GGUF file on first use, offline.")
+                       description="Runs the embedded default: the demo RAG model (checkpoints/demo) answering from the Elements "
+                                   "corpus encoded with the bundled all-MiniLM-L6-v2. The knowledge base is built on first use.")
     p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} held-out examples)")
     p.add_argument("--kb", default=None, help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
@@ -45,12 +44,8 @@ def cmd_demo(args) -> int:
         return 0
     from rag.cli.generate import print_answer
     from rag.demo.model import demo_checkpoint_dir
-    from rag.generators.demo_lm import demo_lm_dir
     from rag.pipeline.api import load
 
-    if not demo_lm_dir().is_dir() and not args.json:
-        print(f"first run: converting the demo reader, SmolLM2-135M-Instruct, from its GGUF file into {demo_lm_dir()} "
-              "(once; about a minute)", flush=True)
     pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
     if not args.json:
         print(f"demo model: {demo_checkpoint_dir()} (see checkpoints/README.md for how it was trained and how well it does)")

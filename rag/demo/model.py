@@ -11,12 +11,12 @@ CHECKPOINTS_DIR = Path(__file__).parent / "checkpoints"
 checkpoints in an installed wheel (setup.cfg's package_data), so `rag demo` works either way."""
 
 DEMO_MODELS = {
-    "demo_causal": "RAG-Sequence over SmolLM2-135M-Instruct with a LoRA adapter (checkpoints/make_demo_causal.py)",
     "demo": "RAG-Sequence over a warm-started seq2seq reader with a copy head (checkpoints/make_demo.py)",
+    "demo_causal": "RAG-Sequence over SmolLM2-135M-Instruct with a LoRA adapter (checkpoints/make_demo_causal.py)",
 }
-"""The bundled demo models by directory name, the default first: the causal reader answers the held-out Elements test
-questions and naturally phrased questions better (checkpoints/README.md has the numbers side by side)."""
-DEFAULT_DEMO = "demo_causal"
+"""The demo models by directory name, the default first. `demo_causal` is made by checkpoints/make_demo_causal.py; it is
+not bundled yet (its measured comparison with `demo` has not been made), so the seq2seq reader stays the default."""
+DEFAULT_DEMO = "demo"
 
 
 def demo_checkpoint_dir(name: str = DEFAULT_DEMO) -> Path:
