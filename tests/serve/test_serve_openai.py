@@ -7,12 +7,11 @@ streaming client that disconnects frees its slot.
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 
 import httpx
 import openai
 import pytest
+from serve_support import GatedKB, until
 
 from rag.serve.app import ServeLimits, background_server, create_app
 
@@ -254,38 +253,6 @@ def test_body_size_limit_is_an_openai_error(serve_layout):
 # ---------------------------------------------------------------------------- a streaming client that leaves
 
 
-class _GateOnCall:
-    """A knowledge base whose `get_passages` parks the `block`-th call (and later ones) until released."""
-
-    def __init__(self, kb, block: int):
-        self._kb, self.block = kb, block
-        self.calls = 0
-        self.parked = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._kb, name)
-
-    def __len__(self):
-        return len(self._kb)
-
-    def get_passages(self, rows):
-        self.calls += 1
-        if self.calls >= self.block:
-            self.parked.set()
-            if not self.release.wait(timeout=120):
-                raise RuntimeError("test gate never released")
-        return self._kb.get_passages(rows)
-
-
-def _until(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:g} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt2_dir):
     """In-Context RALM retrieves every 8 tokens: the stream's first tokens arrive, then the second retrieval parks; the
     client leaves; once released, the work stops at its next unit boundary (no third retrieval of the 8 that 64
@@ -295,7 +262,7 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=8, query_length=8, max_length=96,
                     doc_max_length=24)
     with _server(pipe, max_concurrency=1, limits=ServeLimits(request_timeout=None, max_queue=0)) as (url, app):
-        gate = _GateOnCall(app.state.slot.current, block=2)
+        gate = GatedKB(app.state.slot.current, parks=lambda n: n >= 2)
         app.state.slot.swap(gate)
         health = lambda: httpx.get(f"{url}/health", timeout=30).json()["requests"]  # noqa: E731
         try:
@@ -306,10 +273,10 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
             assert gate.parked.wait(timeout=120)
             assert health()["running"] == 1
             stream.close()  # the client goes away mid-stream
-            _until(lambda: health()["stopping"] == 1, "the server to notice the disconnect")
+            until(lambda: health()["stopping"] == 1, "the server to notice the disconnect")
         finally:
             gate.release.set()
-        _until(lambda: health()["running"] == 0 and health()["queued"] == 0, "the stopped work to free the slot")
+        until(lambda: health()["running"] == 0 and health()["queued"] == 0, "the stopped work to free the slot")
         assert gate.calls == 2 and health()["disconnected"] == 1
         # max_queue 0 and one slot: a request only gets in if the slot is free
         got = _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
