@@ -282,3 +282,37 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
         # max_queue 0 and one slot: a request only gets in if the slot is free
         got = _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
         assert got.choices[0].text is not None
+
+
+def test_openai_routes_share_the_queue_and_the_deadline(serve_layout):
+    """One slot, no queue, a 0.5 s deadline: while a chat request is parked in retrieval, another gets OpenAI's error
+    object with 503 and Retry-After; the parked one gets 504 once its deadline has passed."""
+    import threading
+
+    import rag
+
+    with _server(rag.load(serve_layout["model"]), max_concurrency=1, limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
+        gate = GatedKB(app.state.slot.current, parks=lambda n: n == 1)
+        app.state.slot.swap(gate)
+        client = _client(url)
+        out: dict = {}
+
+        def first():
+            try:
+                client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": QUESTION}])
+            except openai.APIStatusError as e:
+                out["error"] = e
+
+        t = threading.Thread(target=first)
+        t.start()
+        try:
+            assert gate.parked.wait(timeout=120)
+            with pytest.raises(openai.APIStatusError) as busy:
+                client.completions.create(model="tiny", prompt=QUESTION, max_tokens=2)
+            assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "1"
+            assert "--max-queue" in busy.value.response.json()["error"]["message"]
+            until(lambda: httpx.get(f"{url}/health", timeout=30).json()["requests"]["stopping"] == 1, "the deadline")
+        finally:
+            gate.release.set()
+            t.join(timeout=120)
+        assert out["error"].status_code == 504 and out["error"].response.json()["error"]["type"] == "timeout_error"
