@@ -150,9 +150,19 @@ class OpenAIRoutes:
         self.runner.check_within("max_beams", req.n, "n")
         return plan, {**plan.kw, **self.nli_options(plan.nli, plan.nli_threshold)}
 
+    @property
+    def eos_id(self) -> Optional[int]:
+        """The generator's end-of-sequence id as decoding uses it: its generation config, its config, its tokenizer."""
+        from rag.generation.search import GenerationConfig, config_token_id
+
+        reader = self.pipeline.reader
+        model = reader.model if self.pipeline.kind == "causal" else reader.model.generator
+        eos = config_token_id(GenerationConfig(), model, "eos_token_id", False)
+        return self.tokenizer.eos_token_id if eos is None else eos
+
     def _finish_reason(self, answer) -> str:
-        tok = self.tokenizer
-        eos = tok.eos_token_id
+        """"stop" when the answer ends with the end-of-sequence token, else "length" (cut at the token limit)."""
+        tok, eos = self.tokenizer, self.eos_id
         if answer.token_ids:
             return "stop" if answer.token_ids[-1] == eos else "length"
         if answer.tokens:

@@ -26,6 +26,7 @@ import time
 from typing import Optional, Protocol
 
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number, check_positive_int
 
 __all__ = ["ModelTurns", "Turnholder"]
 
@@ -50,11 +51,9 @@ class ModelTurns:
     stop flags."""
 
     def __init__(self, slots: int, *, quantum: float = DEFAULT_QUANTUM):
-        if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
-            raise ConfigError(f"slots must be a positive integer, got {slots!r}")
-        if isinstance(quantum, bool) or not isinstance(quantum, (int, float)) or not quantum > 0:
-            raise ConfigError(f"the fairness quantum must be a positive number of seconds (math.inf: first come, first served), "
-                              f"got {quantum!r}")
+        check_positive_int(slots, "slots (max_concurrency)", error=ConfigError)
+        if quantum != math.inf:
+            check_number(quantum, "the fairness quantum (seconds; math.inf: first come, first served)", low=1e-9, error=ConfigError)
         self.slots, self.quantum = slots, float(quantum)
         self._cond = threading.Condition()
         self._holding: dict[int, float] = {}  # id(request) -> when it took the turn

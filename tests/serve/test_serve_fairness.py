@@ -6,46 +6,14 @@ never how long anything took. benchmarks/serve_fairness.py measures the latencie
 from __future__ import annotations
 
 import threading
-import time
 
 import httpx
 import pytest
+from serve_support import GatedKB, until
 
 from rag.serve.app import ServeLimits, background_server, create_app
 from rag.serve.scheduler import ModelTurns
 from rag.utils.errors import ConfigError
-
-
-class _Gate:
-    """A knowledge base that records which thread reads passages, and parks the first read until released."""
-
-    def __init__(self, kb):
-        self._kb = kb
-        self.readers: list[int] = []
-        self.parked = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._kb, name)
-
-    def __len__(self):
-        return len(self._kb)
-
-    def get_passages(self, rows):
-        self.readers.append(threading.get_ident())
-        if len(self.readers) == 1:
-            self.parked.set()
-            if not self.release.wait(timeout=120):
-                raise RuntimeError("test gate never released")
-        return self._kb.get_passages(rows)
-
-
-def _until(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:g} s waiting for {what}")
-        time.sleep(0.005)
 
 
 def _post(url: str, path: str, body: dict, out: dict, key: str) -> threading.Thread:
@@ -60,7 +28,7 @@ def _post(url: str, path: str, body: dict, out: dict, key: str) -> threading.Thr
 @pytest.fixture()
 def gated(serve_layout):
     """``start(**create_app_kw) -> (url, app, gate)``: a server of its own over the tiny RAG model, one model slot,
-    its knowledge base behind a :class:`_Gate`."""
+    its knowledge base behind a :class:`~serve_support.GatedKB` (parking its first read)."""
     import contextlib
 
     import rag
@@ -68,7 +36,7 @@ def gated(serve_layout):
     with contextlib.ExitStack() as stack:
         def start(**kw):
             app = create_app(rag.load(serve_layout["model"]), max_concurrency=1, **kw)
-            gate = _Gate(app.state.slot.current)
+            gate = GatedKB(app.state.slot.current, parks=lambda n: n == 1)
             app.state.slot.swap(gate)
             url = stack.enter_context(background_server(app))
             stack.callback(gate.release.set)  # runs before the server stops: no request stays parked
@@ -88,7 +56,7 @@ def test_cheap_request_overtakes_a_heavy_one_between_its_units(gated):
                                      "max_new_tokens": 8, "min_new_tokens": 8}, out, "heavy")
     assert gate.parked.wait(timeout=120)  # the heavy request holds the one slot, inside its first question
     cheap = _post(url, "/retrieve", {"questions": ["which element has the symbol W?"], "k": 1}, out, "cheap")
-    _until(lambda: _health(url)["queued"] == 1, "the cheap request to wait for the slot")
+    until(lambda: _health(url)["queued"] == 1, "the cheap request to wait for the slot")
     gate.release.set()
     for t in (heavy, cheap):
         t.join(timeout=120)
@@ -107,7 +75,7 @@ def test_first_come_first_served_without_fairness(gated):
                                      "max_new_tokens": 8, "min_new_tokens": 8}, out, "heavy")
     assert gate.parked.wait(timeout=120)
     cheap = _post(url, "/retrieve", {"questions": ["which element has the symbol W?"], "k": 1}, out, "cheap")
-    _until(lambda: _health(url)["queued"] == 1, "the cheap request to wait for the slot")
+    until(lambda: _health(url)["queued"] == 1, "the cheap request to wait for the slot")
     gate.release.set()
     for t in (heavy, cheap):
         t.join(timeout=120)
@@ -126,11 +94,11 @@ def test_a_deadline_stops_the_work_within_a_question(gated):
         t = _post(url, "/generate", {"questions": ["who discovered oxygen?"], "marginalization": "token", "max_new_tokens": 16,
                                      "min_new_tokens": 16}, out, "r")
         assert gate.parked.wait(timeout=120)
-        _until(lambda: _health(url)["stopping"] == 1, "the deadline")
+        until(lambda: _health(url)["stopping"] == 1, "the deadline")
         gate.release.set()
         t.join(timeout=120)
         assert out["r"].status_code == 504 and "--request-timeout" in out["r"].json()["detail"]
-        _until(lambda: _health(url)["running"] == 0, "the stopped work to leave the model")
+        until(lambda: _health(url)["running"] == 0, "the stopped work to leave the model")
         assert steps == []
         r = httpx.post(f"{url}/generate", json={"questions": ["who discovered oxygen?"], "marginalization": "token",
                                                 "max_new_tokens": 16, "min_new_tokens": 16}, timeout=120)
@@ -155,7 +123,7 @@ def test_turns_go_to_the_least_served_level_first_and_fifo_within_a_level():
     got = threading.Event()
     t = threading.Thread(target=lambda: (turns.acquire(second), got.set()))
     t.start()
-    _until(lambda: turns.waiting == 1, "the second request to wait")
+    until(lambda: turns.waiting == 1, "the second request to wait")
     turns.between_units(first)  # same level, admitted first: keeps the turn
     assert not got.is_set() and turns.handovers == 0
     first.served = 100.0  # now far above the waiting request's level: it hands over at its next boundary

@@ -7,12 +7,11 @@ streaming client that disconnects frees its slot.
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 
 import httpx
 import openai
 import pytest
+from serve_support import GatedKB, until
 
 from rag.serve.app import ServeLimits, background_server, create_app
 
@@ -78,7 +77,8 @@ def test_chat_answers_as_generate_with_provenance_in_the_rag_field(rag_server, s
     [a] = want["answers"]
     assert got.object == "chat.completion" and len(got.choices) == 1
     assert got.choices[0].message.role == "assistant" and got.choices[0].message.content == a["text"]
-    assert got.choices[0].finish_reason in ("stop", "length")
+    eos = rag_server[1].state.pipeline.model.generator.config.eos_token_id
+    assert got.choices[0].finish_reason == ("stop" if a["token_ids"][-1] == eos else "length")
     assert got.usage.prompt_tokens > 0 and got.usage.total_tokens == got.usage.prompt_tokens + got.usage.completion_tokens
     prov = got.model_extra["rag"]  # the one extra field: plain clients ignore it
     assert prov["kb_version"] == want["kb_version"] and serve_layout["versions"][prov["kb_version"]] == "A"
@@ -254,38 +254,6 @@ def test_body_size_limit_is_an_openai_error(serve_layout):
 # ---------------------------------------------------------------------------- a streaming client that leaves
 
 
-class _GateOnCall:
-    """A knowledge base whose `get_passages` parks the `block`-th call (and later ones) until released."""
-
-    def __init__(self, kb, block: int):
-        self._kb, self.block = kb, block
-        self.calls = 0
-        self.parked = threading.Event()
-        self.release = threading.Event()
-
-    def __getattr__(self, name):
-        return getattr(self._kb, name)
-
-    def __len__(self):
-        return len(self._kb)
-
-    def get_passages(self, rows):
-        self.calls += 1
-        if self.calls >= self.block:
-            self.parked.set()
-            if not self.release.wait(timeout=120):
-                raise RuntimeError("test gate never released")
-        return self._kb.get_passages(rows)
-
-
-def _until(predicate, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"gave up after {timeout:g} s waiting for {what}")
-        time.sleep(0.005)
-
-
 def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt2_dir):
     """In-Context RALM retrieves every 8 tokens: the stream's first tokens arrive, then the second retrieval parks; the
     client leaves; once released, the work stops at its next unit boundary (no third retrieval of the 8 that 64
@@ -295,7 +263,7 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=8, query_length=8, max_length=96,
                     doc_max_length=24)
     with _server(pipe, max_concurrency=1, limits=ServeLimits(request_timeout=None, max_queue=0)) as (url, app):
-        gate = _GateOnCall(app.state.slot.current, block=2)
+        gate = GatedKB(app.state.slot.current, parks=lambda n: n >= 2)
         app.state.slot.swap(gate)
         health = lambda: httpx.get(f"{url}/health", timeout=30).json()["requests"]  # noqa: E731
         try:
@@ -306,11 +274,45 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
             assert gate.parked.wait(timeout=120)
             assert health()["running"] == 1
             stream.close()  # the client goes away mid-stream
-            _until(lambda: health()["stopping"] == 1, "the server to notice the disconnect")
+            until(lambda: health()["stopping"] == 1, "the server to notice the disconnect")
         finally:
             gate.release.set()
-        _until(lambda: health()["running"] == 0 and health()["queued"] == 0, "the stopped work to free the slot")
+        until(lambda: health()["running"] == 0 and health()["queued"] == 0, "the stopped work to free the slot")
         assert gate.calls == 2 and health()["disconnected"] == 1
         # max_queue 0 and one slot: a request only gets in if the slot is free
         got = _client(url).completions.create(model="tiny", prompt=PROMPT, max_tokens=4)
         assert got.choices[0].text is not None
+
+
+def test_openai_routes_share_the_queue_and_the_deadline(serve_layout):
+    """One slot, no queue, a 0.5 s deadline: while a chat request is parked in retrieval, another gets OpenAI's error
+    object with 503 and Retry-After; the parked one gets 504 once its deadline has passed."""
+    import threading
+
+    import rag
+
+    with _server(rag.load(serve_layout["model"]), max_concurrency=1, limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
+        gate = GatedKB(app.state.slot.current, parks=lambda n: n == 1)
+        app.state.slot.swap(gate)
+        client = _client(url)
+        out: dict = {}
+
+        def first():
+            try:
+                client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": QUESTION}])
+            except openai.APIStatusError as e:
+                out["error"] = e
+
+        t = threading.Thread(target=first)
+        t.start()
+        try:
+            assert gate.parked.wait(timeout=120)
+            with pytest.raises(openai.APIStatusError) as busy:
+                client.completions.create(model="tiny", prompt=QUESTION, max_tokens=2)
+            assert busy.value.status_code == 503 and busy.value.response.headers["retry-after"] == "1"
+            assert "--max-queue" in busy.value.response.json()["error"]["message"]
+            until(lambda: httpx.get(f"{url}/health", timeout=30).json()["requests"]["stopping"] == 1, "the deadline")
+        finally:
+            gate.release.set()
+            t.join(timeout=120)
+        assert out["error"].status_code == 504 and out["error"].response.json()["error"]["type"] == "timeout_error"
