@@ -78,8 +78,8 @@ class GenerationOptions:
     ensemble: Optional[int] = _opt(int, "REPLUG (Shi et al. 2023): mix the next-token distributions of the top-K "
                                         "documents (a RAG model: RAG-Token over K passages)", low=1, high=100, retrieval=True)
     retrieval_temperature: Optional[float] = _opt(float, "causal LM with ensemble: temperature T of the REPLUG weights "
-                                                         "softmax(scores / T) (default 1; below 1e-4 the scaled "
-                                                         "scores overflow); a RAG model's is part of its config",
+                                                         "softmax(scores / T) (default 1; at least 1e-4); a RAG model's is "
+                                                         "part of its config",
                                                   low=1e-4, high=1e6, retrieval=True)
     do_sample: Optional[bool] = _opt(bool, "sample instead of greedy decoding (num_beams 1)")
     temperature: Optional[float] = _opt(float, "sampling (do_sample): the next-token scores are divided by T before top-p "
