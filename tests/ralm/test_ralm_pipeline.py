@@ -110,8 +110,9 @@ def test_wrong_kind_is_a_clear_error(pipe, kbs, tiny_bart_dir, tiny_dpr_question
     assert seq2seq.kind == "seq2seq"
     with pytest.raises(ConfigError, match=r"stride= \(--stride\).*causal LM"):
         seq2seq.generate(["what is argon?"], stride=4)
-    with pytest.raises(ConfigError, match=r"retrieval= \(--retrieval\)"):
-        seq2seq.retrieve(["argon"], k=2, retrieval="bm25")
+    # a RAG model takes another retriever for a call too (dense | bm25 | hybrid); an unknown one names the choices
+    with pytest.raises(ConfigError, match=r"retrieval=.*\(--retrieval .*'hybrid'"):
+        seq2seq.retrieve(["argon"], k=2, retrieval="sparse")
     with pytest.raises(ConfigError, match="seq2seq generator.*--model.generator"):
         rag.load(tiny_bart_dir, knowledge_base=kbs["A"].path)
     with pytest.raises(ConfigError, match="knowledge_base=.*--kb"):
