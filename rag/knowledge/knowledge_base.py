@@ -522,7 +522,7 @@ class KnowledgeBase:
                 f"{self.path}: query vectors have shape {tuple(q.shape)} but this knowledge base holds dim={self.dim} vectors "
                 f"from {self.encoder.get('name')}; use a query encoder of dimension {self.dim}"
             )
-        check_number(k, f"k={k!r} (1 to the number of passages in {self.path})", integer=True, low=1, high=len(self))
+        check_number(k, f"k (passages to return; {self.path} holds {len(self)})", integer=True, low=1, high=len(self))
         pool = self._pool
         if pool is not None:
             return pool.search(q, int(k))

@@ -317,7 +317,7 @@ def test_bad_inputs_raise_rag_error_naming_the_item(model):
         model([], [])
     with pytest.raises(RagError, match="n_docs"):
         model(["ok?"], ["a"], n_docs=0)
-    with pytest.raises(RagError, match="between 1 and the number of passages"):
+    with pytest.raises(RagError, match=r"k \(passages to return; .* holds 30\) must be an integer between 1 and 30, got 31"):
         model(["ok?"], ["a"], n_docs=31)
 
 

@@ -95,15 +95,16 @@ def _answer(url: str, question: str, **options) -> dict:
 
 
 def _ask(page, question: str) -> None:
-    before = page.locator("#ask-status").text_content()
     if page.locator("#min-new-tokens").input_value() != MIN_TOKENS:
         if not page.locator("#min-new-tokens").is_visible():
             page.click("#options summary")
         page.fill("#min-new-tokens", MIN_TOKENS)
     page.fill("#question", question)
+    # Cleared first: two answers can print the same status ("answered in 0.42 s"), so waiting for a change could hang.
+    page.evaluate("() => { document.getElementById('ask-status').textContent = ''; }")
     page.click("#ask")
-    page.wait_for_function("s => { const t = document.getElementById('ask-status').textContent; "
-                           "return t !== s && !t.startsWith('asking'); }", arg=before)
+    page.wait_for_function("() => { const t = document.getElementById('ask-status').textContent; "
+                           "return t !== '' && !t.startsWith('asking'); }")
 
 
 def _version(page) -> str:
