@@ -74,12 +74,13 @@ def _refuse_retrieval_options(options: dict) -> None:
         options.pop(name, None)
 
 
-READS = {"seq2seq": "a seq2seq RAG model (RAG-Sequence / RAG-Token over n_docs passages)",
+READS = {"seq2seq": "a RAG model (RAG-Sequence / RAG-Token over n_docs passages, seq2seq or causal generator)",
           "causal": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
 
 
 class RagReader:
-    """The seq2seq reader: a :class:`~rag.models.rag.model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020).
+    """The RAG reader: a :class:`~rag.models.rag.model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020) with a
+    seq2seq or a causal generator; its ``kind`` names the family of options it takes (RAG's), not its generator.
 
     Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
     reference once (inside retrieval) and builds every answer (or retrieval) from that one

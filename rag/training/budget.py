@@ -33,6 +33,7 @@ class CpuBudget(pl.Callback):
         self.minutes = float(minutes)
         self._start = 0.0
         self._excluded = 0.0
+        self._resumed = 0.0  # CPU seconds spent before the checkpoint a run resumed from
         self._validation_start = None
         self.used_seconds = 0.0
         self.stopped_at_step = None
@@ -49,7 +50,7 @@ class CpuBudget(pl.Callback):
             self._validation_start = None
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs, batch, batch_idx: int) -> None:
-        self.used_seconds = time.process_time() - self._start - self._excluded
+        self.used_seconds = self._resumed + time.process_time() - self._start - self._excluded
         pl_module.log("train/cpu_minutes", self.used_seconds / 60.0)
         if self.used_seconds >= 60.0 * self.minutes and not trainer.should_stop:
             trainer.should_stop = True
@@ -58,3 +59,7 @@ class CpuBudget(pl.Callback):
 
     def state_dict(self) -> dict:
         return {"used_seconds": self.used_seconds}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """A run resumed from a checkpoint (``--ckpt_path``) goes on spending the same budget, not a fresh one."""
+        self._resumed = self.used_seconds = float(state_dict.get("used_seconds", 0.0))
