@@ -1,7 +1,9 @@
-"""The embedded default: the shipped demo checkpoint answers held-out questions from its knowledge base, offline.
+"""The embedded default: the shipped demo checkpoints answer held-out questions from their knowledge base, offline.
 
-These tests load ``checkpoints/demo`` exactly as ``rag demo`` / ``rag generate`` / ``rag.load("demo")`` do,
-so they fail if the checkpoint, its referenced encoders or the decoding path change what it answers.
+These tests load ``checkpoints/demo`` (the default) exactly as ``rag demo`` /
+``rag generate`` / ``rag.load("demo")`` do, so they fail if a checkpoint, its referenced models or the decoding path
+change what it answers. The module cache also links the converted demo LM (``rag lm prepare``) when there is one
+(for the causal reader).
 """
 
 from __future__ import annotations
@@ -11,24 +13,32 @@ from pathlib import Path
 
 import pytest
 
-REPORT = Path(__file__).resolve().parents[1] / "checkpoints" / "demo" / "eval.json"
+CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
+REPORT = CHECKPOINTS / "demo" / "eval.json"
 
 
 @pytest.fixture(scope="module")
 def demo_cache(tmp_path_factory) -> Path:
-    """A $RAG_CACHE holding the demo knowledge base, built once for the module."""
+    """A $RAG_CACHE holding the demo knowledge base, built once for the module, and the converted demo LM (a link to the
+    one already converted in the user's cache, else converted here: `rag lm prepare`)."""
     from rag.demo.kb import ensure_demo_kb
+    from rag.generators.demo_lm import demo_lm_dir
 
+    existing = demo_lm_dir()
     cache = tmp_path_factory.mktemp("rag_cache")
     ensure_demo_kb(cache / "demo_kb", show_progress=False)
+    if existing.is_dir():
+        (cache / "demo_lm").mkdir()
+        (cache / "demo_lm" / existing.name).symlink_to(existing, target_is_directory=True)
     return cache
 
 
 @pytest.fixture(scope="module")
 def demo_pipe(demo_cache):
+    from rag.demo.model import demo_checkpoint_dir
     from rag.pipeline.api import load
 
-    return load("demo", knowledge_base=demo_cache / "demo_kb")
+    return load(demo_checkpoint_dir("demo"), knowledge_base=demo_cache / "demo_kb")
 
 
 def test_checkpoint_is_small_and_references_its_encoders():
@@ -160,7 +170,7 @@ def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cac
     rag_run, closed = results["rag"], results["closed-book"]
     assert rag_run["steps"] == closed["steps"] == 2
     assert 0.0 <= rag_run["test/f1"] <= 1.0 and 0.0 < rag_run["test/recall@3"] <= 1.0 and "test/recall@3" not in closed
-    assert (out / "rag" / "runs" / "cpu_reader" / "model" / "rag_config.json").is_file()  # fit exported the model
+    assert (out / "rag" / "model" / "rag_config.json").is_file()  # fit exported the model
     assert "| RAG-Sequence |" in (out / "results.md").read_text() and (out / "results.png").stat().st_size > 0
     fit_log = out / "rag" / "fit.log"
     stamp = fit_log.stat().st_mtime_ns

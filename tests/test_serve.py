@@ -328,7 +328,8 @@ def test_size_verified_knowledge_base_is_reported_unverified(layout):
         ("/generate", {"questions": ["q"], "num_beams": 10_000}, 422),
         ("/generate", {"questions": ["q"], "num_beams": 1, "num_return_sequences": 2}, 422),
         ("/generate", {"questions": ["q"], "marginalization": "bogus"}, 422),
-        ("/generate", {"questions": ["q"], "temperature": 0.7}, 422),  # unknown field
+        ("/generate", {"questions": ["q"], "temperature": 0.7}, 422),  # a sampling option without do_sample
+        ("/generate", {"questions": ["q"], "temprature": 0.7}, 422),  # unknown field
         ("/generate", {"questions": ["q"] * 65}, 422),
         ("/generate", {"questions": ["q"], "n_docs": 13}, 400),  # more passages than the knowledge base holds
         ("/generate", {"questions": ["   "]}, 400),  # RagError from the pipeline

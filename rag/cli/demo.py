@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from rag.cli.index import _print_results
 
-DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements)
+DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements), and one phrased naturally
     "what is the chemical symbol of mercury?",
     "what is the atomic number of lead?",
     "which element has the symbol Cm?",
+    "Who discovered oxygen?",
 ]
 
 

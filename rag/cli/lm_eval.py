@@ -43,6 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--no-exclude-own", dest="exclude_own", action="store_false",
                    help="allow retrieving passages of the evaluated text's own document (leakage guard off)")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--lm-endpoint", default=None, metavar="URL",
+                   help="score with a black-box LM behind an OpenAI-compatible API root (e.g. http://127.0.0.1:8000/v1 of "
+                        "`rag serve --model M`, or vLLM) instead of loading --model's weights; --model then names the LM's "
+                        "tokenizer (and window), which the endpoint's LM must share")
+    p.add_argument("--lm-endpoint-model", default=None, metavar="NAME", help="the model id the endpoint serves (GET /v1/models)")
+    p.add_argument("--lm-api-key-env", default="RAG_LM_API_KEY", metavar="VAR",
+                   help="environment variable holding the endpoint's API key, sent as a Bearer token (default: RAG_LM_API_KEY)")
     p.add_argument("--json", action="store_true", help="print one JSON object with perplexity, word_perplexity, bits_per_byte")
     p.set_defaults(func=cmd_lm_eval)
 
@@ -69,6 +76,8 @@ def cmd_lm_eval(args) -> int:
         raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config lightning_configs/ralm_reranker_tiny.yaml`)")
     if args.ensemble is not None and (args.rerank != "none" or args.retrieval == "none"):
         raise ConfigError("--ensemble K (REPLUG) mixes the top-K retrieved documents: pass --retrieval bm25 or dense, without --rerank")
+    if args.lm_endpoint is not None and (args.rerank != "none" or not args.lm_endpoint_model):
+        raise ConfigError("--lm-endpoint scores with a remote LM: give --lm-endpoint-model NAME, and no --rerank (it needs local weights)")
     temperature = retrieval_temperature(args)
     cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
                      k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size, ensemble=args.ensemble,
@@ -76,8 +85,19 @@ def cmd_lm_eval(args) -> int:
     cfg.check()
     texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    model, tok, _ = load_generator(args.model, kind="causal")
     retriever = open_retriever(args.retrieval, args.kb)
+    if args.lm_endpoint is not None:  # REPLUG's black-box setting: only the tokenizer is local
+        import os
+
+        from rag.models.replug.lm_scorer import CompletionsLMScorer, RemoteCausalScorer
+
+        lm = CompletionsLMScorer(args.lm_endpoint, args.lm_endpoint_model, api_key=os.environ.get(args.lm_api_key_env) or None,
+                                 batch_size=args.batch_size)
+        scorer = RemoteCausalScorer.from_pretrained(args.model, lm, max_length=args.max_length, doc_max_length=args.doc_max_length,
+                                                    batch_size=args.batch_size)
+        ralm = InContextRALM(None, None, retriever, cfg, scorer=scorer)
+        return _report(args, evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose), cfg, ralm)
+    model, tok, _ = load_generator(args.model, kind="causal")
     reranker = None
     if args.rerank == "zero-shot":
         from rag.models.ralm.rerank import LMReranker
@@ -94,12 +114,17 @@ def cmd_lm_eval(args) -> int:
         reranker = PredictiveReranker.load(args.rerank_model).to(device)
     ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)
     result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)
+    return _report(args, result, cfg, ralm)
+
+
+def _report(args, result, cfg, ralm) -> int:
     plain = args.retrieval == "none"  # plain sliding windows: no retrieval stride or query
     settings = {"model": str(args.model), "kb": args.kb, "retrieval": args.retrieval, "rerank": args.rerank,
                 "rerank_model": args.rerank_model, "stride": None if plain else cfg.stride,
                 "query_length": None if plain else cfg.query_length, "window_step": ralm.window_step if plain else None,
                 "max_length": ralm.scorer.max_length, "doc_max_length": cfg.doc_max_length, "exclude_own": cfg.exclude_own,
-                "ensemble": cfg.ensemble, "retrieval_temperature": cfg.retrieval_temperature, "random_docs": cfg.random_docs}
+                "ensemble": cfg.ensemble, "retrieval_temperature": cfg.retrieval_temperature, "random_docs": cfg.random_docs,
+                "lm_endpoint": args.lm_endpoint}
     if args.json:
         print(to_json({**result.to_dict(), "settings": settings}))
     else:

@@ -15,9 +15,11 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "serve",
         help="serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)",
-        description="Serve POST /generate, POST /retrieve, GET /health, and the token-protected POST /admin/swap and "
+        description="Serve POST /generate, POST /retrieve, GET /health, the OpenAI-compatible /v1/chat/completions, "
+                    "/v1/completions and /v1/models, a web page at /, and the token-protected POST /admin/swap and "
                     "POST /admin/swap_back, which replace the knowledge base without a restart (requests keep flowing). "
-                    "One process; put a TLS proxy in front of it when it is reachable from other machines.",
+                    "One process; on any address but 127.0.0.1 it needs an API key (or --no-auth); put a TLS proxy in "
+                    "front of it when it is reachable from other machines.",
     )
     p.add_argument("--model", default="demo", help="checkpoint directory, transformers RAG directory, or 'demo' (default)")
     p.add_argument("--kb", default=None, help="knowledge base to start with (default: the one the checkpoint references)")
@@ -25,6 +27,16 @@ def add_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--admin-token-env", default="RAG_ADMIN_TOKEN", metavar="VAR",
                    help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin endpoints disabled")
+    p.add_argument("--api-key-env", default="RAG_API_KEY", metavar="VAR",
+                   help="environment variable holding the API key every route but the page needs as 'Authorization: Bearer "
+                        "KEY' (default: RAG_API_KEY; the OpenAI client sends its api_key so); unset = no key needed on "
+                        "127.0.0.1, required on any other --host")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="the API key itself (visible to other users of this machine in the process list: prefer --api-key-env)")
+    p.add_argument("--no-auth", action="store_true",
+                   help="serve a non-loopback --host without an API key (refused otherwise)")
+    p.add_argument("--served-model-name", default=None, metavar="NAME",
+                   help="the model id of the OpenAI-compatible routes (default: --model's last path component)")
     p.add_argument("--kb-root", action="append", default=[], metavar="DIR",
                    help="directory /admin/swap may open knowledge bases from (repeatable; none = swaps disabled)")
     p.add_argument("--max-concurrency", type=int, default=1, help="model calls running at once (default: 1)")
@@ -55,7 +67,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     from rag.pipeline.api import load
-    from rag.serve.app import check_admin_token, create_app, serve
+    from rag.serve.app import check_admin_token, check_bind, create_app, serve
     from rag.serve.limits import ServeLimits
     from rag.utils.errors import ConfigError
 
@@ -83,6 +95,18 @@ def cmd_serve(args) -> int:
                               "/admin/swap may open")
     check_device(args.device)
     check_admin_token(token, f"${args.admin_token_env}")
+    api_key, source = (args.api_key, "--api-key") if args.api_key else (os.environ.get(args.api_key_env) or None, f"${args.api_key_env}")
+    if api_key is not None:
+        check_admin_token(api_key, source)
+        if len(api_key) < 16:
+            raise ConfigError(f"{source} is only {len(api_key)} characters; use a random key of at least 16 "
+                              "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    if api_key is not None and args.no_auth:
+        raise ConfigError(f"--no-auth serves without an API key, but {source} sets one: drop one of them")
+    warning = check_bind(args.host, api_key is not None, args.no_auth)  # decided before the model loads, nothing bound
+    if warning:
+        print(f"rag serve: {warning}", file=sys.stderr)
+    name = args.served_model_name or Path(os.fspath(args.model).rstrip("/")).name or "rag"
     nli = None
     if args.nli is not None:
         from rag.retrobust.backoff import resolve_nli
@@ -92,7 +116,9 @@ def cmd_serve(args) -> int:
         nli = resolve_nli(args.nli)
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
-                     max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold)
-    print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); http://{args.host}:{args.port}", file=sys.stderr)
-    serve(app, host=args.host, port=args.port, log_level=args.log_level)
+                     max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
+                     api_key=api_key, model_name=name)
+    print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); model id {name!r}; "
+          f"http://{args.host}:{args.port}/ (page), /v1 (OpenAI API)", file=sys.stderr)
+    serve(app, host=args.host, port=args.port, log_level=args.log_level, allow_unauthenticated=args.no_auth)
     return 0

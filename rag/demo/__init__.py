@@ -15,12 +15,18 @@ DEMO_DIR = Path(__file__).resolve().parent
 CORPUS_PATH = DEMO_DIR / "elements.jsonl"
 SPLITS = ("train", "dev", "test")
 _REINSTALL = "the bundled demo data is damaged; reinstall rag"
+EVAL_SETS = {"natural": "elements_natural.jsonl"}
+"""Evaluation-only question sets (``demo:natural``): 42 questions written in kinds and phrasings no training question
+has ("who discovered X", "how many protons does X have", "which element is number N on the periodic table", "what's the
+symbol for X"), over elements of every split; their answers are in the corpus."""
 
 
 def qa_path(split: str) -> Path:
-    """Path of the demo QA split (`train`, `dev` or `test`; dev/test are held-out elements)."""
+    """Path of the demo QA split (`train`, `dev` or `test`; dev/test are held-out elements) or evaluation set (`natural`)."""
+    if split in EVAL_SETS:
+        return DEMO_DIR / EVAL_SETS[split]
     if split not in SPLITS:
-        raise ValueError(f"unknown demo split {split!r}; choose one of {', '.join(SPLITS)}")
+        raise ValueError(f"unknown demo split {split!r}; choose one of {', '.join((*SPLITS, *EVAL_SETS))}")
     return DEMO_DIR / f"elements_qa_{split}.jsonl"
 
 

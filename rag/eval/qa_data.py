@@ -15,7 +15,8 @@ Accepted sources (one per split):
 * **source/target line files** of the transformers RAG example: ``X.source`` holds
   one question per line and ``X.target`` the answer on the same line. Give the
   ``.source`` path, or ``data_dir`` holding ``{train,val,test}.{source,target}``.
-* ``demo:train`` / ``demo:dev`` / ``demo:test``: the bundled Elements QA splits.
+* ``demo:train`` / ``demo:dev`` / ``demo:test``: the bundled Elements QA splits; ``demo:natural``: naturally phrased
+  evaluation questions over the same corpus.
 
 Training uses one ``(question, answer)`` pair per gold answer, as the RAG paper
 does for multi-answer datasets (Lewis et al. 2020, App. B); evaluation keeps one
@@ -299,11 +300,11 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
         raise ConfigError(f"data source must be a path, 'demo:SPLIT' or a datasets.Dataset, got {type(source).__name__}")
     spec = os.fspath(source)
     if spec.startswith("demo:"):
-        from rag.demo import SPLITS, qa_path
+        from rag.demo import EVAL_SETS, SPLITS, qa_path
 
         split = spec[len("demo:"):]
-        if split not in SPLITS:
-            raise ConfigError(f"{spec!r}: unknown demo split; use one of {', '.join('demo:' + s for s in SPLITS)}")
+        if split not in SPLITS and split not in EVAL_SETS:
+            raise ConfigError(f"{spec!r}: unknown demo split; use one of {', '.join('demo:' + s for s in (*SPLITS, *EVAL_SETS))}")
         spec = str(qa_path(split))
     path = Path(spec.partition("#")[0])
     if path.is_dir():

@@ -22,6 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from rag.generation.search import unit_boundary, unit_rows
+
 __all__ = ["is_bart", "bart_cross_kv", "BartStepDecoder", "rescore_packed"]
 
 
@@ -186,10 +188,11 @@ def rescore_packed(generator, context_mask: Tensor, sequences: Tensor, context_i
     pair_len = torch.where(grid >= 0, lengths[grid.clamp(min=0) // n_docs], 0)  # scored targets per pair
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=device)
     vocab = generator.config.vocab_size
-    if max_rows is None:  # bound the (tokens, vocab) float32 logits to ~256 MiB
-        max_rows = max(per_context, (256 << 20) // max(1, 4 * vocab * max(1, int(lengths.max()))))
+    if max_rows is None:  # bound the (tokens, vocab) float32 logits to ~256 MiB (and the unit of work, where asked)
+        max_rows = unit_rows(max(per_context, (256 << 20) // max(1, 4 * vocab * max(1, int(lengths.max())))))
     groups_per_chunk = max(1, max_rows // per_context)
     for lo in range(0, ctx_of.numel(), groups_per_chunk):
+        unit_boundary()  # one chunk is one bounded unit of work
         sel = slice(lo, lo + groups_per_chunk)
         c, pairs, plen = ctx_of[sel], grid[sel], pair_len[sel]
         ends = plen.cumsum(1)

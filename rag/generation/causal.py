@@ -14,6 +14,10 @@ bit-identical to `model.generate(...)`, so greedy and beam search are token-iden
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
 import torch
 from torch import Tensor
 
@@ -21,7 +25,8 @@ from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.utils.errors import RagError
 
-__all__ = ["CausalLMDecoder", "causal_generate", "continuation_logprobs", "prompt_positions"]
+__all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
+           "causal_teacher_forced"]
 
 
 def prompt_positions(attention_mask: Tensor) -> Tensor:
@@ -42,16 +47,182 @@ def _check_prompt(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor:
     return attention_mask
 
 
+class PrefixCache:
+    """The KV caches of prompt prefixes that do not depend on the question (the chat header, the title and the passage:
+    ``RagModelConfig.prompt_template`` puts the passage before the question), kept by their exact token ids, least
+    recently used dropped past `max_bytes`. A passage read for one question is then prefilled once and only the
+    question's tail (a few dozen tokens) runs for the next question that retrieves it.
+
+    Keys are token ids, so a hit is exact; the caches are only valid for the weights they were computed with:
+    :meth:`clear` whenever those change (``RagModel.train()`` does).
+    """
+
+    def __init__(self, max_bytes: int = 1 << 30):
+        self.max_bytes = int(max_bytes)
+        self._entries: OrderedDict[tuple, list[tuple[Tensor, Tensor]]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._bytes = 0
+
+    def lookup(self, model, prefixes: list[tuple]) -> list[list[tuple[Tensor, Tensor]]]:
+        """Per prefix (a tuple of token ids, non-empty) its per-layer ``(keys, values)`` ``(heads, len, head_dim)``; the
+        missing ones are prefilled in one batch first."""
+        with self._lock:
+            found = {p: self._entries[p] for p in set(prefixes) if p in self._entries}
+            for p in found:
+                self._entries.move_to_end(p)
+        missing = sorted(set(prefixes) - set(found), key=len)
+        self.hits += len(prefixes) - sum(p in missing for p in prefixes)
+        self.misses += len(missing)
+        if missing:
+            from rag.generation.prompts import left_pad
+
+            device = next(model.parameters()).device
+            ids, mask = (t.to(device) for t in left_pad([list(p) for p in missing], 0))
+            out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=prompt_positions(mask),
+                        use_cache=True, return_dict=True)
+            layers = getattr(output_cache(out), "layers", None)
+            if layers is None:
+                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts without a PrefixCache")
+            width = ids.shape[1]
+            for i, p in enumerate(missing):
+                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone()) for layer in layers]
+                found[p] = kv
+                self._store(p, kv)
+        return [found[p] for p in prefixes]
+
+    def _store(self, key: tuple, kv: list[tuple[Tensor, Tensor]]) -> None:
+        size = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv)
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._entries:
+                return
+            self._entries[key] = kv
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                _, old = self._entries.popitem(last=False)
+                self._bytes -= sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in old)
+
+
+@dataclass
+class CausalPrompts:
+    """`N` left-padded prompts of a causal generator, the causal counterpart of seq2seq's `EncodedContexts`: row
+    `b * n_docs + k` is question `b` with its `k`-th passage (`rag.generation.prompts`).
+
+    With `share_cache` (default) each prompt is prefilled once (:meth:`prefill`, memoised) and every decoder row, beam
+    and rescoring pair reading it starts from a copy of its KV cache; without, each of them prefills its prompt again
+    (the layout transformers' beam search uses; `benchmarks/causal_rag_bench.py` compares the two).
+    """
+
+    input_ids: Tensor
+    """`(N, S)` token ids, left-padded (or two left-padded segments, see `prefix_width`)."""
+    attention_mask: Tensor
+    """`(N, S)` 1 on real tokens."""
+    share_cache: bool = True
+    prefix_width: int = 0
+    """The first `prefix_width` columns are a segment of question-independent prefixes (left-padded within it), the rest
+    the rest of each prompt (left-padded within it); 0: one left-padded segment."""
+    prefix_cache: PrefixCache | None = None
+    """Where the prefixes' KV caches are kept across calls (with `share_cache` and `prefix_width`); None: none kept."""
+    _prefilled: tuple | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check_prompt(self.input_ids, self.attention_mask)
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def last_tokens(self) -> Tensor:
+        """`(N,)` every prompt's last token: the start token of its search."""
+        return self.input_ids[:, -1]
+
+    def prefill(self, model) -> tuple[object, Tensor]:
+        """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once)."""
+        if self._prefilled is None:
+            if self.prefix_cache is not None and self.prefix_width and self.share_cache:
+                self._prefilled = self._prefill_after_prefixes(model)
+                return self._prefilled
+            mask = None if bool(self.attention_mask.all()) else self.attention_mask.long()
+            out = model(input_ids=self.input_ids, attention_mask=mask, position_ids=prompt_positions(self.attention_mask),
+                        use_cache=True, return_dict=True)
+            self._prefilled = (output_cache(out), out.logits[:, -1, :].float())
+        return self._prefilled
+
+    def _prefill_after_prefixes(self, model) -> tuple[object, Tensor]:
+        """The prefill with every prefix's KV cache from `prefix_cache`: only the columns after `prefix_width` run."""
+        from rag.generation.seq2seq import _dynamic_cache
+
+        width, mask = self.prefix_width, self.attention_mask.long()
+        prefixes = [tuple(row[m.bool()].tolist()) for row, m in zip(self.input_ids[:, :width], mask[:, :width])]
+        rows = [i for i, p in enumerate(prefixes) if p]
+        found = dict(zip(rows, self.prefix_cache.lookup(model, [prefixes[i] for i in rows]))) if rows else {}
+        n_layers = len(next(iter(found.values()))) if found else 0
+        layers = []
+        for layer in range(n_layers):
+            k0, v0 = found[rows[0]][layer]
+            keys = k0.new_zeros((len(prefixes), k0.shape[0], width, k0.shape[2]))  # pads: masked, never attended
+            values = v0.new_zeros((len(prefixes), v0.shape[0], width, v0.shape[2]))
+            for i in rows:
+                k, v = found[i][layer]
+                keys[i, :, width - k.shape[1]:], values[i, :, width - v.shape[1]:] = k, v
+            layers.append((keys, values))
+        if not layers:  # no prefix at all: the plain prefill
+            self.prefix_width = 0
+            return self.prefill(model)
+        out = model(input_ids=self.input_ids[:, width:], attention_mask=mask, position_ids=prompt_positions(mask)[:, width:],
+                    use_cache=True, return_dict=True, **cache_kwarg(model, _dynamic_cache(layers)))
+        return output_cache(out), out.logits[:, -1, :].float()
+
+    def gathered_cache(self, model, rows: Tensor):
+        """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""
+        from rag.generation.seq2seq import _dynamic_cache, gather_rows
+
+        cache, _ = self.prefill(model)
+        layers = getattr(cache, "layers", None)
+        if layers is None:
+            raise RagError(f"the model returned a cache of type {type(cache).__name__} whose rows cannot be copied; "
+                           "use CausalPrompts(share_cache=False)")
+        return _dynamic_cache([(gather_rows(layer.keys, rows), gather_rows(layer.values, rows)) for layer in layers])
+
+
 class CausalLMDecoder:
     """A search `Decoder` (`step`, `reorder`) over a causal LM continuing `input_ids` `(rows, S)`.
 
     The first `step` prefills the whole prompt (its argument must be the prompt's last tokens); later steps
     feed one token per row with the KV cache. `reorder` moves the cache rows (beam search).
+
+    With `prompt_of_row` `(rows,)`, `input_ids` / `attention_mask` (or `prompts`) hold `N` distinct prompts and row `i`
+    continues prompt `prompt_of_row[i]`: each prompt is prefilled once and its cache copied to its rows (beams, or
+    RAG-Token's questions x documents), unless `prompts.share_cache` is False.
     """
 
-    def __init__(self, model, input_ids: Tensor, attention_mask: Tensor | None = None):
+    def __init__(self, model, input_ids: Tensor | None = None, attention_mask: Tensor | None = None, *,
+                 prompt_of_row: Tensor | None = None, prompts: CausalPrompts | None = None):
+        if prompts is not None and prompt_of_row is None:
+            prompt_of_row = torch.arange(len(prompts), device=prompts.input_ids.device)
+        if prompt_of_row is not None:
+            if prompts is None:
+                prompts = CausalPrompts(input_ids, _check_prompt(input_ids, attention_mask))
+            if not prompts.share_cache:  # every row prefills its own copy of its prompt
+                input_ids, attention_mask = prompts.input_ids[prompt_of_row], prompts.attention_mask[prompt_of_row]
+                prompts = prompt_of_row = None
+            else:
+                input_ids, attention_mask = prompts.input_ids, prompts.attention_mask
         mask = _check_prompt(input_ids, attention_mask)
         self.model = model
+        self.prompts, self.prompt_of_row = prompts, prompt_of_row
+        if prompt_of_row is not None:
+            input_ids, mask = input_ids[prompt_of_row], mask[prompt_of_row]
         self.input_ids = input_ids
         # transformers drops an all-ones mask (no padding); keep the same inputs so the kernels match.
         self.mask = None if bool(mask.all()) else mask.long()
@@ -66,6 +237,10 @@ class CausalLMDecoder:
             if not torch.equal(tokens, self.input_ids[:, -1]):
                 raise RagError("the first step of a CausalLMDecoder must feed the prompt's last tokens "
                                "(search from start tokens = the decoder's input_ids)")
+            if self.prompts is not None:
+                _, logits = self.prompts.prefill(self.model)
+                self.cache = self.prompts.gathered_cache(self.model, self.prompt_of_row)
+                return logits[self.prompt_of_row]
             out = self.model(input_ids=self.input_ids, attention_mask=self.mask, position_ids=self.positions,
                              use_cache=True, return_dict=True)
         else:
@@ -144,3 +319,55 @@ def continuation_logprobs(model, input_ids: Tensor, attention_mask: Tensor | Non
     scoring = logits[:, prompt_len - 1:prompt_len - 1 + width].float()  # the distribution of each c_t
     lp = torch.log_softmax(scoring, -1).gather(-1, continuation[:, :, None]).squeeze(-1)
     return lp.masked_fill(cmask == 0, 0.0)
+
+
+@torch.no_grad()
+def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, context_index: Tensor,
+                          max_rows: int | None = None, eos: int | None = None) -> Tensor:
+    """`log p(y_t | prompt, y_<t)` of every sequence after each of its prompts: the causal `teacher_forced_logprobs`.
+
+    sequences `(C, T)` start with their prompts' common last token (the start token of the search) and continue with the
+    scored tokens; context_index `(C, K)` holds rows of `prompts`. Returns `(C, K, T - 1)`: entry `t` scores
+    `sequences[:, t + 1]`, 0 after the first `eos` target when `eos` is given. With `prompts.share_cache` each pair
+    starts from a copy of its prompt's prefilled KV cache and the LM runs only on the sequence's tokens; else every pair
+    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32).
+    """
+    n_cand, n_docs = context_index.shape
+    if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
+        raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
+    rows = context_index.reshape(-1)
+    cand = torch.arange(n_cand, device=sequences.device).repeat_interleave(n_docs)
+    width = sequences.shape[1] - 1
+    if eos is None:
+        length = torch.full((n_cand,), width, dtype=torch.long, device=sequences.device)
+    else:
+        is_eos = (sequences[:, 1:] == eos).long()
+        length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
+    lengths = length[cand]
+    lengths, order = torch.sort(lengths, descending=True, stable=True)
+    batch = 32 if max_rows is None else max_rows
+    out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
+    for lo in range(0, rows.shape[0], batch):
+        pick = order[lo:lo + batch]
+        n = int(lengths[lo:lo + batch].max())
+        seq, ctx = sequences[cand[pick]], rows[pick]
+        target = seq[:, 1:n + 1]
+        if prompts.share_cache:
+            _, first = prompts.prefill(model)
+            logits = [first[ctx][:, None, :]]
+            if n > 1:
+                mask = prompts.attention_mask[ctx].long()
+                full = torch.cat([mask, mask.new_ones(mask.shape[0], n - 1)], dim=1)
+                pos = prompt_positions(mask)[:, -1:] + torch.arange(1, n, device=mask.device)
+                step = model(input_ids=seq[:, 1:n], attention_mask=full, position_ids=pos, use_cache=True, return_dict=True,
+                             **cache_kwarg(model, prompts.gathered_cache(model, ctx)))
+                logits.append(step.logits.float())
+            logits = torch.cat(logits, dim=1)
+        else:
+            ids = torch.cat([prompts.input_ids[ctx], seq[:, 1:n]], dim=1)
+            mask = torch.cat([prompts.attention_mask[ctx].long(), torch.ones_like(seq[:, 1:n])], dim=1)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=prompt_positions(mask),
+                           return_dict=True).logits[:, -n:].float()
+        lp = torch.log_softmax(logits, -1).gather(-1, target[:, :, None]).squeeze(-1)
+        out[pick, :n] = lp.masked_fill(torch.arange(n, device=lp.device) >= lengths[lo:lo + batch, None], 0.0)
+    return out.view(n_cand, n_docs, width)

@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from rag.generation.causal import CausalLMDecoder, CausalPrompts, causal_teacher_forced
 from rag.generation.marginalize import doc_log_prior, token_marginal_logprobs
 from rag.generation.search import (
     Decoder,
@@ -39,8 +40,9 @@ from rag.generation.search import (
     config_token_id,
     greedy_search,
     resolve_spec,
+    sample,
 )
-from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced, teacher_forced_logprobs
+from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
@@ -50,6 +52,8 @@ __all__ = [
     "DocumentHypotheses",
     "TokenMarginalDecoder",
     "encode_contexts",
+    "CausalPrompts",
+    "token_marginal_search",
     "rag_token_generate",
     "generate_per_document",
     "teacher_forced_logprobs",
@@ -91,7 +95,11 @@ class DocumentHypotheses:
 
 
 
-def _check_contexts(contexts: EncodedContexts, doc_scores: Tensor, name: str = "contexts") -> tuple[int, int]:
+Contexts = EncodedContexts | CausalPrompts
+"""What the decoders read: a seq2seq generator's encoded contexts, or a causal generator's prompts (row `b * n_docs + k`)."""
+
+
+def _check_contexts(contexts: Contexts, doc_scores: Tensor, name: str = "contexts") -> tuple[int, int]:
     if doc_scores.dim() != 2:
         raise RagError(f"doc_scores must be (batch, n_docs), got shape {tuple(doc_scores.shape)}")
     batch, n_docs = doc_scores.shape
@@ -135,6 +143,51 @@ def _seq2seq_spec(config: GenerationConfig, generator) -> tuple[SearchSpec, int]
     return resolve_spec(config, generator, prompt_len=1), config_token_id(config, generator, "decoder_start_token_id", True)
 
 
+def _spec(config: GenerationConfig, generator, contexts: Contexts) -> SearchSpec:
+    """The search spec for RAG decoding: one start token, the decoder start token (seq2seq) or the last prompt token
+    (causal: lengths count only it, so `max_length` = 1 + the generated tokens for both kinds)."""
+    if not isinstance(contexts, CausalPrompts):
+        return _seq2seq_spec(config, generator)[0]
+    if config.do_sample:
+        raise ConfigError("GenerationConfig.do_sample: RAG-Token / RAG-Sequence decoding does not sample; "
+                          "use do_sample=False (greedy or beam search)")
+    eos = config_token_id(config, generator, "eos_token_id", True)
+    return resolve_spec(config, generator, prompt_len=1, pad_fallback=eos)
+
+
+def _start_tokens(config: GenerationConfig, generator, contexts: Contexts, rows: Tensor) -> Tensor:
+    """`(len(rows), 1)` start tokens of the searches of contexts `rows`."""
+    if isinstance(contexts, CausalPrompts):
+        return contexts.last_tokens[rows][:, None]
+    start = config_token_id(config, generator, "decoder_start_token_id", True)
+    return _start(start, rows.shape[0], rows.device)
+
+
+def _row_decoder(generator, contexts: Contexts, context_of_row: Tensor, keep_cross_kv: bool = False):
+    """A `Decoder` whose row `i` reads context `context_of_row[i]` (seq2seq: attends to its encoding; causal: continues
+    its prompt from a copy of the prompt's KV cache)."""
+    if isinstance(contexts, CausalPrompts):
+        return CausalLMDecoder(generator, prompts=contexts, prompt_of_row=context_of_row)
+    return seq2seq_decoder(generator, contexts, context_of_row, keep_cross_kv=keep_cross_kv)
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(generator, contexts: Contexts, sequences: Tensor, context_index: Tensor,
+                            batch_size: int | None = None) -> Tensor:
+    """`log p(y_t | x, z, y_<t)` `(C, K, T - 1)` of sequences `(C, T)` (starting with the start token) under each of
+    their contexts `context_index` `(C, K)`, reusing the encoder states / prompt KV caches
+    (`rag.generation.seq2seq.teacher_forced_logprobs`, `rag.generation.causal.causal_teacher_forced`)."""
+    if isinstance(contexts, CausalPrompts):
+        return causal_teacher_forced(generator, contexts, sequences, context_index, max_rows=batch_size)
+    return teacher_forced(generator, contexts, sequences, context_index, batch_size, cross_kv=None)
+
+
+def _teacher_forced(generator, contexts: Contexts, sequences: Tensor, context_index: Tensor, max_rows, cross_kv, eos):
+    if isinstance(contexts, CausalPrompts):
+        return causal_teacher_forced(generator, contexts, sequences, context_index, max_rows=max_rows, eos=eos)
+    return teacher_forced(generator, contexts, sequences, context_index, max_rows, cross_kv=cross_kv, eos=eos)
+
+
 def _start(token: int, rows: int, device) -> Tensor:
     return torch.full((rows, 1), token, dtype=torch.long, device=device)
 
@@ -144,35 +197,63 @@ def _start(token: int, rows: int, device) -> Tensor:
 
 
 @torch.no_grad()
-def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
+def token_marginal_search(decoder: Decoder, start: Tensor, log_prior: Tensor, spec: SearchSpec,
+                          rng: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The one RAG-Token / REPLUG search: greedy, sampling (`spec.cfg.do_sample`) or beam search over the per-step
+    mixture `log Σ_z p(z|x) p(y_t | x, z, y_<t)` (Eq. 2) of `decoder`'s rows.
+
+    decoder: `items * beams * n_docs` rows (item-major, then beam, then document); start `(items, S)`; log_prior
+    `(items, n_docs)`. Returns sequences `(items * R, T)`, the ranking scores and the log-likelihoods `(items * R,)`
+    (`R = num_return_sequences`; greedy and sampling: the log-likelihood for both).
+    """
+    cfg = spec.cfg
+    beams = cfg.num_beams
+    if beams == 1:
+        if cfg.num_return_sequences != 1:
+            raise ConfigError("GenerationConfig.num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")
+        mixed = TokenMarginalDecoder(decoder, log_prior)
+        seqs, loglik = sample(mixed, start, spec, rng) if cfg.do_sample else greedy_search(mixed, start, spec)
+        return seqs, loglik, loglik
+    if cfg.num_return_sequences > beams:
+        raise ConfigError(f"GenerationConfig.num_return_sequences={cfg.num_return_sequences} exceeds num_beams={beams}: "
+                          "beam search returns at most num_beams sequences per input")
+    found = beam_search(TokenMarginalDecoder(decoder, log_prior.repeat_interleave(beams, 0)), start, spec)
+    seqs, scores, loglik = found.crop(cfg.num_return_sequences)
+    return seqs.reshape(-1, seqs.shape[-1]), scores.reshape(-1), loglik.reshape(-1)
+
+
+@torch.no_grad()
+def rag_token_generate(generator, contexts: Contexts, doc_scores: Tensor,
                        config: GenerationConfig = GenerationConfig()) -> GenerationOutput:
     """RAG-Token decoding (§2.5): greedy (`num_beams=1`) or beam search over the marginal transition
     `p'(y_i|x, y_<i) = Σ_z p(z|x) p(y_i|x, z, y_<i)` (Eq. 2), with `p(z|x) = softmax(doc_scores)`.
 
-    contexts: the encoded `(batch * n_docs)` contexts (`encode_contexts`); doc_scores `(batch, n_docs)`.
-    One decoder step runs `batch * num_beams * n_docs` rows with the KV cache. Token-identical to
-    `transformers.RagTokenForGeneration.generate` given the same contexts, doc scores and options.
-    Returns `GenerationOutput` with `batch * num_return_sequences` rows (`doc_posteriors` None).
+    contexts: the encoded `(batch * n_docs)` contexts (`encode_contexts`), or a causal generator's prompts
+    (`CausalPrompts`: the K prompts of a question end with the same token, the search's start token; each keeps its
+    own KV cache, REPLUG's ensemble); doc_scores `(batch, n_docs)`. One decoder step runs `batch * num_beams * n_docs`
+    rows with the KV cache. Seq2seq: token-identical to `transformers.RagTokenForGeneration.generate` given the same
+    contexts, doc scores and options. Returns `GenerationOutput` with `batch * num_return_sequences` rows
+    (`doc_posteriors` None); sequences start with the start token.
     """
     batch, n_docs = _check_contexts(contexts, doc_scores)
-    spec, start = _seq2seq_spec(config, generator)
+    spec = _spec(config, generator, contexts)
     beams = config.num_beams
     if config.num_return_sequences > beams:
         raise ConfigError(f"GenerationConfig.num_return_sequences={config.num_return_sequences} exceeds num_beams="
                           f"{beams}: RAG-Token beam search returns at most num_beams sequences per question")
     device = doc_scores.device
     docs = torch.arange(n_docs, device=device)
+    first = torch.arange(batch, device=device) * n_docs
+    start = _start_tokens(config, generator, contexts, first)
+    if isinstance(contexts, CausalPrompts) and not bool((contexts.last_tokens.view(batch, n_docs) == start).all()):
+        raise RagError("RAG-Token decoding of a causal generator needs the K prompts of a question to end with the same token "
+                       "(build them with rag.generation.prompts.tokenize_prompts)")
     # Decoder rows are (question, beam, doc): row -> context question * n_docs + doc.
-    context_of_row = (torch.arange(batch, device=device)[:, None, None] * n_docs + docs).expand(batch, beams, n_docs)
-    log_prior = doc_log_prior(doc_scores.float()).repeat_interleave(beams, dim=0)  # (batch*beams, n_docs)
-    decoder = TokenMarginalDecoder(seq2seq_decoder(generator, contexts, context_of_row.reshape(-1)), log_prior)
-    if beams == 1:
-        seqs, loglik = greedy_search(decoder, _start(start, batch, device), spec)
-        return GenerationOutput(sequences=seqs, scores=loglik, log_likelihood=loglik)
-    found = beam_search(decoder, _start(start, batch, device), spec)
-    seqs, scores, loglik = found.crop(config.num_return_sequences)
-    return GenerationOutput(sequences=seqs.reshape(-1, seqs.shape[-1]), scores=scores.reshape(-1),
-                            log_likelihood=loglik.reshape(-1))
+    context_of_row = (first[:, None, None] + docs).expand(batch, beams, n_docs)
+    log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
+    seqs, scores, loglik = token_marginal_search(_row_decoder(generator, contexts, context_of_row.reshape(-1)), start,
+                                                 log_prior, spec)
+    return GenerationOutput(sequences=seqs, scores=scores, log_likelihood=loglik)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -180,7 +261,7 @@ def rag_token_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
 
 
 @torch.no_grad()
-def generate_per_document(generator, contexts: EncodedContexts,
+def generate_per_document(generator, contexts: Contexts,
                           config: GenerationConfig = GenerationConfig()) -> DocumentHypotheses:
     """Search each context on its own, `p(y|x, z)` without the document prior (RAG-Sequence's first stage).
 
@@ -190,21 +271,26 @@ def generate_per_document(generator, contexts: EncodedContexts,
     return _per_document(generator, contexts, config)[0]
 
 
-def _per_document(generator, contexts: EncodedContexts, config: GenerationConfig, keep_cross_kv: bool = False):
+def _per_document(generator, contexts: Contexts, config: GenerationConfig, keep_cross_kv: bool = False):
     """`generate_per_document`, plus (with `keep_cross_kv`) the per-context cross-attention keys/values it
     computed, or None."""
-    spec, start = _seq2seq_spec(config, generator)
-    device = contexts.last_hidden_state.device
+    spec = _spec(config, generator, contexts)
     items, beams = len(contexts), config.num_beams
-    decoder = seq2seq_decoder(generator, contexts, torch.arange(items, device=device).repeat_interleave(beams),
-                              keep_cross_kv=keep_cross_kv)
+    rows = torch.arange(items, device=doc_device(contexts))
+    start = _start_tokens(config, generator, contexts, rows)
+    decoder = _row_decoder(generator, contexts, rows.repeat_interleave(beams), keep_cross_kv=keep_cross_kv)
+    cross_kv = lambda: getattr(decoder, "cross_kv", None)  # noqa: E731  (set by the first step)
     if beams == 1:
-        seqs, loglik = greedy_search(decoder, _start(start, items, device), spec)
+        seqs, loglik = greedy_search(decoder, start, spec)
         hyps = DocumentHypotheses(sequences=seqs[:, None], scores=loglik[:, None], log_likelihood=loglik[:, None])
-        return hyps, decoder.cross_kv
-    found = beam_search(decoder, _start(start, items, device), spec)
+        return hyps, cross_kv()
+    found = beam_search(decoder, start, spec)
     seqs, scores, loglik = found.crop(beams)
-    return DocumentHypotheses(sequences=seqs, scores=scores, log_likelihood=loglik), decoder.cross_kv
+    return DocumentHypotheses(sequences=seqs, scores=scores, log_likelihood=loglik), cross_kv()
+
+
+def doc_device(contexts: Contexts) -> torch.device:
+    return contexts.input_ids.device if isinstance(contexts, CausalPrompts) else contexts.last_hidden_state.device
 
 
 def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, question: Tensor, spec: SearchSpec,
@@ -237,7 +323,7 @@ def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, questio
 
 
 @torch.no_grad()
-def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tensor,
+def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
                           config: GenerationConfig = GenerationConfig(),
                           decoding: Literal["thorough", "fast"] = "thorough", dedup: bool = True,
                           convention: Literal["transformers", "paper"] = "transformers",
@@ -289,7 +375,7 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
     search = contexts if search_contexts is None else search_contexts
     if search is not contexts:
         _check_contexts(search, doc_scores, "search_contexts")
-    spec, _ = _seq2seq_spec(config, generator)
+    spec = _spec(config, generator, contexts)
     device = doc_scores.device
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
     # The search's cross-attention keys/values serve rescoring only when both attend to the same encodings.
@@ -328,8 +414,8 @@ def rag_sequence_generate(generator, contexts: EncodedContexts, doc_scores: Tens
 
     if decoding == "thorough":
         docs = torch.arange(n_docs, device=device)
-        token_lp = teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
-                                  max_rows=rescore_batch_size, cross_kv=cross_kv, eos=spec.eos)
+        token_lp = _teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
+                                   rescore_batch_size, cross_kv, spec.eos)
         terms = _per_doc_terms(token_lp, cands[:, 1:], cand_prior, question, spec, convention)
     else:
         own = torch.full((len(cand_q), n_docs), -math.inf, dtype=torch.float32, device=device)

@@ -20,7 +20,9 @@ def _keyword(model_type: type) -> str:
 
 def cache_kwarg(model, cache) -> dict:
     """``{name: cache}`` for calling `model` (an instance, or its class): ``cache`` where its forward takes it, else
-    ``past_key_values``."""
+    ``past_key_values``. A peft wrapper passes keywords through to its base model, whose forward decides."""
+    if not isinstance(model, type) and callable(getattr(model, "get_base_model", None)):
+        model = model.get_base_model()
     return {_keyword(model if isinstance(model, type) else type(model)): cache}
 
 

@@ -72,8 +72,9 @@ class GenerationOptions:
                                  reader="causal", retrieval=True)
     query_length: Optional[int] = _opt(int, "causal LM: the last this-many tokens are the query (default 32)", low=1,
                                        high=4096, reader="causal", retrieval=True)
-    retrieval: Optional[str] = _opt(str, "causal LM: retriever (default: bm25 when the knowledge base has a BM25 index, "
-                                         "else dense)", choices=("bm25", "dense"), reader="causal", retrieval=True)
+    retrieval: Optional[str] = _opt(str, "retriever: dense, bm25, or hybrid (both fused by reciprocal rank fusion); default: "
+                                         "a RAG model's configured one; a causal LM's bm25 when the knowledge base has a "
+                                         "BM25 index, else dense", choices=("bm25", "dense", "hybrid"), retrieval=True)
     ensemble: Optional[int] = _opt(int, "REPLUG (Shi et al. 2023): mix the next-token distributions of the top-K "
                                         "documents (a RAG model: RAG-Token over K passages)", low=1, high=100, retrieval=True)
     retrieval_temperature: Optional[float] = _opt(float, "causal LM with ensemble: temperature T of the REPLUG weights "
@@ -81,6 +82,10 @@ class GenerationOptions:
                                                          "part of its config",
                                                   low=1e-4, high=1e6, retrieval=True)
     do_sample: Optional[bool] = _opt(bool, "sample instead of greedy decoding (num_beams 1)")
+    temperature: Optional[float] = _opt(float, "sampling (do_sample): the next-token scores are divided by T before top-p "
+                                               "(default 1)", low=1e-3, high=100.0)
+    top_p: Optional[float] = _opt(float, "sampling (do_sample): draw from the smallest set of most likely tokens whose "
+                                         "probability reaches P (nucleus sampling; default 1: all tokens)", low=1e-6, high=1.0)
     seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, reader="causal")
 
     def __post_init__(self) -> None:
@@ -92,6 +97,10 @@ class GenerationOptions:
             a, b = getattr(self, small), getattr(self, large)
             if a is not None and b is not None and a > b:
                 raise ConfigError(f"{small} ({a}) must not exceed {large} ({b})")
+        for name in ("temperature", "top_p"):  # they shape a sampled draw: set without sampling they would do nothing
+            if getattr(self, name) is not None and self.do_sample is not True:
+                raise ConfigError(f"{name}={getattr(self, name)!r} ({option_specs()[name].flag}) applies to sampling only: "
+                                  "set do_sample=true (--sample) too, or drop it")
 
     @classmethod
     def from_dict(cls, options: dict, *, where: str = "generation options") -> "GenerationOptions":

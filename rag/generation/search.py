@@ -16,9 +16,11 @@ The search follows the semantics of `transformers`' (v5) vectorized beam search 
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
 from dataclasses import dataclass
-from typing import Literal, Protocol, runtime_checkable
+from typing import Callable, Iterator, Literal, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -36,6 +38,9 @@ __all__ = [
     "greedy_search",
     "sample",
     "beam_search",
+    "unit_hook",
+    "unit_boundary",
+    "unit_rows",
 ]
 
 # Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
@@ -190,6 +195,45 @@ def resolve_spec(config: GenerationConfig, generator, prompt_len: int = 1, pad_f
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Units of work: a caller (rag serve) can act between decoding steps without the decoders knowing it
+
+_units = threading.local()
+
+
+@contextlib.contextmanager
+def unit_hook(hook: Callable[[Optional[Tensor]], None], *, max_rows: Optional[int] = None) -> Iterator[None]:
+    """Call `hook` at every unit boundary of the decoding this thread runs inside the block: before each search step
+    (with the tokens generated so far, `(rows, n)` int64, in greedy search and sampling; None in beam search) and
+    between the chunks of a teacher-forced rescoring pass (None).
+
+    The hook may raise to abandon the decoding (``rag serve``: a request past its deadline or whose client left), or
+    block (the server hands the model to another request between two units). `max_rows`: chunked passes whose chunk
+    size is automatic take at most this many rows per chunk (:func:`unit_rows`), so that no unit runs long. Nothing is
+    called outside the block.
+    """
+    previous = getattr(_units, "hook", None), getattr(_units, "max_rows", None)
+    _units.hook, _units.max_rows = hook, max_rows
+    try:
+        yield
+    finally:
+        _units.hook, _units.max_rows = previous
+
+
+def unit_rows(default: int) -> int:
+    """Rows per chunk of a chunked pass whose size is automatic: `default`, or fewer inside a :func:`unit_hook` that
+    asks for smaller units (the results do not depend on it beyond float rounding; only how the work is cut)."""
+    cap = getattr(_units, "max_rows", None)
+    return default if cap is None else max(1, min(default, cap))
+
+
+def unit_boundary(generated: Optional[Tensor] = None) -> None:
+    """A point between two bounded units of decoding work: runs this thread's :func:`unit_hook`, if any."""
+    hook = getattr(_units, "hook", None)
+    if hook is not None:
+        hook(generated)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # Logits processing (same semantics and order as transformers' processors for these options)
 
 
@@ -263,6 +307,7 @@ def _one_token_search(decoder: Decoder, start: Tensor, spec: SearchSpec, rng: to
     running = torch.ones(rows, dtype=torch.bool, device=start.device)
     loglik = torch.zeros(rows, dtype=torch.float32, device=start.device)
     while True:
+        unit_boundary(seqs[:, spec.prompt_len:])
         logits = decoder.step(seqs[:, -1])
         banned, forced = _constraints(seqs, logits.shape[-1], spec)
         if sampled:
@@ -344,6 +389,7 @@ def beam_search(decoder: Decoder, start: Tensor, spec: SearchSpec) -> Beams:
     item_offset = torch.arange(items, device=device)[:, None] * beams
     cur = prompt
     while True:
+        unit_boundary(None)
         logits = decoder.step(run_seq[:, :, cur - 1].reshape(-1))
         vocab = logits.shape[-1]
         banned, forced = _constraints(run_seq[:, :, :cur].reshape(items * beams, cur), vocab, spec)

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from rag.generation.bart import BartStepDecoder, is_bart, rescore_packed
 from rag.generation.kv_cache import cache_kwarg, output_cache
+from rag.generation.search import unit_boundary, unit_rows
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
@@ -70,6 +71,7 @@ def encode_contexts(generator, context_input_ids: Tensor, context_attention_mask
         raise RagError(
             f"context_input_ids and context_attention_mask must both be (batch * n_docs, src_len); got "
             f"{tuple(context_input_ids.shape)} and {tuple(context_attention_mask.shape)}")
+    unit_boundary()  # the encoder pass is a unit of its own (after retrieval, before decoding)
     out = generator.get_encoder()(input_ids=context_input_ids, attention_mask=context_attention_mask, return_dict=True)
     return EncodedContexts(last_hidden_state=out.last_hidden_state, attention_mask=context_attention_mask)
 
@@ -263,7 +265,7 @@ def teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, cont
             is_eos = (sequences[:, 1:] == eos).long()
             length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)
         return rescore_packed(generator, contexts.attention_mask, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
-    batch_size = 64 if max_rows is None else max_rows
+    batch_size = unit_rows(64) if max_rows is None else max_rows
     if eos is None:
         order = torch.arange(n_cand * n_docs, device=sequences.device)
         lengths = torch.full((n_cand * n_docs,), width, dtype=torch.long, device=sequences.device)
@@ -274,6 +276,7 @@ def teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, cont
         lengths, order = torch.sort(lengths, descending=True, stable=True)
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
     for lo in range(0, rows.shape[0], batch_size):
+        unit_boundary()  # one chunk is one bounded unit of work
         pick = order[lo:lo + batch_size]  # flat (candidate, doc) rows of this chunk
         n = int(lengths[lo:lo + batch_size].max())
         cand = pick // n_docs

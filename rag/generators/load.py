@@ -83,6 +83,12 @@ def checkpoint_generator_kind(path: Union[str, os.PathLike]) -> Optional[Generat
         raise ConfigError(f"cannot read the model config in {name!r}: {e}; pass a directory written by save_pretrained") from e
 
 
+def _one_line(error: BaseException) -> str:
+    """An exception's message on one line (transformers' messages span several), cut to a readable length."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
 def _ensure_pad_token(tokenizer, model, where: str) -> None:
     """Causal LMs often ship without a pad token: pad with EOS (padding is always masked); neither is an error."""
     if getattr(tokenizer, "pad_token_id", None) is not None:
@@ -125,6 +131,7 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
 
     if kind is not None and kind not in GENERATOR_KINDS:
         raise ConfigError(f"kind={kind!r}; choose one of {GENERATOR_KINDS}")
+    original = path
     if os.fspath(path) in DEMO_LM_NAMES and not os.path.isdir(os.fspath(path)):
         path = prepare_demo_lm()  # converted once, then reused from the cache after its checksums are checked
     src = resolve_name_or_path(os.fspath(path))
@@ -137,7 +144,8 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
         try:
             config = AutoConfig.from_pretrained(src)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {e}; pass a directory written by save_pretrained") from e
+            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {_one_line(e)}; pass a directory written "
+                              "by save_pretrained") from e
         found = generator_kind(config)
     if kind is not None and found != kind:
         raise ConfigError(
@@ -160,7 +168,8 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
     except (OSError, ValueError) as e:
         if isinstance(e, RagError):
             raise
-        raise ConfigError(f"cannot load the generator {os.fspath(path)!r} ({_WHAT[found]}): {e}") from e
+        raise ConfigError(f"cannot load the generator {os.fspath(path)!r} ({_WHAT[found]}): {_one_line(e)}") from e
     if found == "causal":
         _ensure_pad_token(tok, model, os.fspath(path))
+    model._rag_source = os.fspath(original)  # what an adapter trained on it names as its base (rag.generators.lora)
     return model.eval(), tok, found

@@ -1,4 +1,4 @@
-"""Retrievers by kind (``bm25`` | ``dense``) over one knowledge base, swappable as one reference, pinned per call.
+"""Retrievers by kind (``bm25`` | ``dense`` | ``hybrid``) over one knowledge base, swappable as one reference, pinned per call.
 
 The decoder-only readers choose the retrieval per call (``retrieval="bm25"`` or ``"dense"``), and In-Context
 RALM retrieves many times in one generation (every ``s`` tokens). :class:`KnowledgeBaseRetrievers` holds the
@@ -18,7 +18,7 @@ from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 __all__ = ["RETRIEVAL_KINDS", "retriever_for_kind", "ServedRetrievers", "KnowledgeBaseRetrievers"]
 
-RETRIEVAL_KINDS = ("bm25", "dense")
+RETRIEVAL_KINDS = ("bm25", "dense", "hybrid")
 
 
 def retriever_for_kind(kind: str, kb, query_encoder=None):
@@ -32,10 +32,15 @@ def retriever_for_kind(kind: str, kb, query_encoder=None):
             raise KnowledgeBaseError(f"--kb {kb.path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
                                      "`rag index build --bm25`, or pass --retrieval dense")
         return BM25Retriever(kb.bm25, kb.get_passages, kb.served_version, knowledge_base=kb)
-    if kind == "dense":
+    if kind in ("dense", "hybrid"):
         from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
-        return DenseRetriever(kb, query_encoder if query_encoder is not None else default_query_encoder(kb))
+        encoder = query_encoder if query_encoder is not None else default_query_encoder(kb)
+        if kind == "hybrid":  # both rankings fused (rag.knowledge.hybrid)
+            from rag.knowledge.hybrid import HybridRetriever
+
+            return HybridRetriever.from_knowledge_base(kb, encoder)
+        return DenseRetriever(kb, encoder)
     raise ConfigError(f"--retrieval {kind!r}: choose one of {RETRIEVAL_KINDS}")
 
 
@@ -61,7 +66,7 @@ class ServedRetrievers:
         with self._lock:
             if kind not in self._built:
                 self._built[kind] = retriever_for_kind(kind, self.knowledge_base, self._owner.query_encoder_for(self.knowledge_base)
-                                                       if kind == "dense" else None)
+                                                       if kind != "bm25" else None)
             return self._built[kind]
 
 
@@ -131,9 +136,9 @@ class KnowledgeBaseRetrievers:
         current = self._served
         built = {}
         for kind in sorted(current._built):
-            if kind == "dense":
+            if kind != "bm25":
                 check_compatible(kb, self.query_encoder.dim, self.space, allow_encoder_change=bool(allow_encoder_change))
-            built[kind] = retriever_for_kind(kind, kb, self.query_encoder if kind == "dense" else None)
+            built[kind] = retriever_for_kind(kind, kb, self.query_encoder if kind != "bm25" else None)
         return ServedRetrievers(kb, self, built)
 
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None,

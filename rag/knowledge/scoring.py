@@ -35,7 +35,8 @@ class ScoringSettings(Protocol):
     """The options :class:`RetrievalScorer` reads at every call (:class:`~rag.models.rag.config.RagModelConfig` is one)."""
 
     retrieval: str
-    """``"dense"`` (MIPS, trainable query encoder) or ``"bm25"`` (BM25 scores as logits)."""
+    """``"dense"`` (MIPS, trainable query encoder), ``"bm25"`` (BM25 scores as logits) or ``"hybrid"`` (the two rankings
+    fused, the fused passages scored by q · d)."""
     max_question_length: int
     """Most query-encoder tokens per question."""
     freeze_query_encoder: bool
@@ -50,8 +51,9 @@ class ScoringSettings(Protocol):
 
 
 def make_retriever(kb: "KnowledgeBase", question_encoder: "TextEncoder", retrieval: str, *,
-                   allow_encoder_change: bool = False) -> Retriever:
-    """DenseRetriever (dim checked now, not mid-epoch) or a BM25Retriever over the KB's stored BM25 index."""
+                   allow_encoder_change: bool = False, settings: Optional["ScoringSettings"] = None) -> Retriever:
+    """DenseRetriever (dim checked now, not mid-epoch), a BM25Retriever over the KB's stored BM25 index, or both fused
+    (``hybrid``, :class:`~rag.knowledge.hybrid.HybridRetriever`)."""
     from rag.knowledge.retriever import DenseRetriever, check_compatible
 
     if retrieval == "bm25":
@@ -64,6 +66,11 @@ def make_retriever(kb: "KnowledgeBase", question_encoder: "TextEncoder", retriev
             )
         return BM25Retriever(kb.bm25, kb.get_passages, kb_version=kb.version, knowledge_base=kb)
     check_compatible(kb, question_encoder.dim, None)
+    if retrieval == "hybrid":
+        from rag.knowledge.hybrid import RRF_K, HybridRetriever
+
+        return HybridRetriever.from_knowledge_base(kb, question_encoder, rrf_k=getattr(settings, "hybrid_rrf_k", RRF_K),
+                                                   allow_encoder_change=allow_encoder_change)
     return DenseRetriever(kb, question_encoder, allow_encoder_change=allow_encoder_change)
 
 
@@ -96,9 +103,19 @@ class RetrievalScorer:
 
         self.question_encoder = question_encoder
         self.settings = settings
+        from rag.knowledge.hybrid import HybridRetriever
+
         if isinstance(retriever, KnowledgeBase):
-            retriever = make_retriever(retriever, question_encoder, settings.retrieval)
-        if settings.retrieval == "bm25":
+            retriever = make_retriever(retriever, question_encoder, settings.retrieval, settings=settings)
+        if settings.retrieval == "hybrid":
+            if not isinstance(retriever, HybridRetriever):
+                raise ConfigError(f"config.retrieval='hybrid' needs a HybridRetriever or a KnowledgeBase, got {type(retriever).__name__}")
+            if retriever.query_encoder is not question_encoder:  # fuse with the model's own (trainable) encoder's ranking
+                space = retriever.space
+                retriever = HybridRetriever.from_knowledge_base(retriever.knowledge_base, question_encoder, rrf_k=retriever.rrf_k,
+                                                                allow_encoder_change=retriever.allow_encoder_change)
+                retriever.dense.space = space
+        elif settings.retrieval == "bm25":
             if not isinstance(retriever, BM25Retriever):
                 raise ConfigError(f"config.retrieval='bm25' needs a BM25Retriever (or a KnowledgeBase built with bm25=True), got {type(retriever).__name__}")
         else:
@@ -111,6 +128,7 @@ class RetrievalScorer:
                 retriever = DenseRetriever(retriever.knowledge_base, question_encoder, allow_encoder_change=retriever.allow_encoder_change)
                 retriever.space = space
         self.retriever: Retriever = retriever
+        self._other_kinds: dict = {}  # retrievers of other kinds asked for per call, over the knowledge base served now
         self.doc_encoder = self._resolve_doc_encoder(doc_encoder)
 
     def _resolve_doc_encoder(self, doc_encoder: Optional["TextEncoder"]) -> Optional["TextEncoder"]:
@@ -153,29 +171,57 @@ class RetrievalScorer:
         device = self.question_encoder.device
         return {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
+    def retriever_of_kind(self, kind: Optional[str]) -> Retriever:
+        """The retriever of `kind` (``dense`` | ``bm25`` | ``hybrid``; None: the configured one) over the knowledge base
+        served now: the model's own, or one built for it on first use (rebuilt after a knowledge-base swap)."""
+        if kind is None or kind == self.settings.retrieval:
+            return self.retriever
+        from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS
+
+        if kind not in RETRIEVAL_KINDS:
+            raise ConfigError(f"retrieval={kind!r} (--retrieval); choose one of {RETRIEVAL_KINDS}")
+        kb = self.knowledge_base
+        found = self._other_kinds.get(kind)
+        if found is None or found.knowledge_base is not kb:
+            if kb is None:
+                raise ConfigError(f"retrieval={kind!r}: this model's retriever has no knowledge base to build it over")
+            found = make_retriever(kb, self.question_encoder, kind, settings=self.settings,
+                                   allow_encoder_change=bool(getattr(self.retriever, "allow_encoder_change", False)))
+            self._other_kinds[kind] = found
+        return found
+
     def score(self, questions: list[str], k: int, *, question_inputs: Optional[dict] = None,
-              device: Optional[torch.device] = None) -> tuple[Retrieved, torch.Tensor]:
+              device: Optional[torch.device] = None, retrieval: Optional[str] = None) -> tuple[Retrieved, torch.Tensor]:
         """The top-`k` passages of B `questions` and their ``(B, K)`` retrieval logits.
 
         Dense: ``doc_scores = q · doc_embeds`` (gradients into the query encoder when grad mode is on and
-        it is not frozen; into the document encoder under ``train_doc_encoder``). BM25: the BM25 scores
-        as float32 on `device` (default CPU), no gradient. `question_inputs`: :meth:`tokenize_questions`'s
-        output when the caller already has it.
+        it is not frozen; into the document encoder under ``train_doc_encoder``). Hybrid: the fused dense and BM25
+        candidates, scored the same way. BM25: the BM25 scores as float32 on `device` (default CPU), no gradient.
+        `question_inputs`: :meth:`tokenize_questions`'s output when the caller already has it. `retrieval`: another
+        kind than the configured one for this call (None: the configured one).
         """
-        if self.settings.retrieval == "bm25":
-            retrieved = self.retriever.retrieve(questions, k)
+        kind = self.settings.retrieval if retrieval is None else retrieval
+        retriever = self.retriever_of_kind(retrieval)
+        if kind == "bm25":
+            retrieved = retriever.retrieve(questions, k)
             return retrieved, retrieved.scores.to(device=device or "cpu", dtype=torch.float32)
         if question_inputs is None:
             question_inputs = self.tokenize_questions(questions)
         grad = torch.is_grad_enabled() and not self.query_encoder_frozen
         with torch.set_grad_enabled(grad):
             q = self.question_encoder(**question_inputs)  # (B, D)
-        if self.doc_encoder is not None and self.settings.uses_doc_encoder:
+        if retriever is not self.retriever:  # another kind for this call
+            retrieved = retriever.search(questions, q.detach(), k) if kind == "hybrid" else retriever.search(q.detach(), k)
+            doc_embeds = retrieved.doc_embeds.to(device=q.device, dtype=q.dtype)
+        elif self.doc_encoder is not None and self.settings.uses_doc_encoder:
             n_search = k
-            if self.settings.rerank_candidates is not None:
+            if self.settings.rerank_candidates is not None:  # dense only (the config refuses it for bm25 / hybrid)
                 n_search = max(k, min(self.settings.rerank_candidates, len(self.retriever.knowledge_base)))
             retrieved = self.retriever.search(q.detach(), n_search)  # index search: no gradient
             retrieved, doc_embeds = self.fresh_doc_embeds(q, retrieved, k)  # (B, K, D) current doc encoder
+        elif self.settings.retrieval == "hybrid":  # fused dense + BM25 candidates, scored by q · stored d
+            retrieved = self.retriever.search(questions, q.detach(), k)
+            doc_embeds = retrieved.doc_embeds.to(device=q.device, dtype=q.dtype)  # (B, K, D), frozen
         else:
             retrieved = self.retriever.search(q.detach(), k)  # index search: no gradient
             if retrieved.doc_embeds is None:

@@ -48,7 +48,8 @@ from rag.generation.options import GenerationOptions, option_specs
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
 from rag.utils.devices import without_cudnn_attention
 
-DEMO_NAMES = ("demo",)
+DEMO_NAMES = {"demo": None, "demo-causal": "demo_causal", "demo-seq2seq": "demo"}
+"""Names of the bundled demo models: ``demo`` is the default (rag.demo.model.DEFAULT_DEMO), the others name one."""
 
 
 class RagPipeline:
@@ -204,7 +205,8 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
 
     `path_or_name`: a checkpoint directory written by `RagModel.save_pretrained`, a transformers
     RAG checkpoint directory (imported with exact transformers behaviour), a hub id where a hub
-    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use);
+    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use; "demo-causal" and
+    "demo-seq2seq" name one of the two bundled models);
     or a causal LM directory (``save_pretrained``) or demo LM name (``"smollm2"``), read with
     :class:`RalmReader` over `knowledge_base` (required). `knowledge_base` overrides the knowledge base
     the checkpoint references. `config_overrides` replace :class:`~rag.models.rag.config.RagModelConfig`
@@ -217,7 +219,7 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     if name in DEMO_NAMES:
         from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
 
-        path_or_name = demo_checkpoint_dir()
+        path_or_name = demo_checkpoint_dir(*([DEMO_NAMES[name]] if DEMO_NAMES[name] else []))
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()
     path = Path(path_or_name)

@@ -107,12 +107,17 @@ class RagReader:
 
     # ------------------------------------------------------------------ retrieval
     @torch.no_grad()
-    def retrieve(self, questions: Sequence[str], k: int = 5) -> list[Retrieval]:
+    def retrieve(self, questions: Sequence[str], k: int = 5, *, retrieval: Optional[str] = None) -> list[Retrieval]:
         """Top-k passages per question with their scores and priors (no generation), one
         :class:`Retrieval` per question naming the knowledge-base version they came from (the
-        same for all questions of a call, even if the knowledge base is swapped meanwhile)."""
+        same for all questions of a call, even if the knowledge base is swapped meanwhile). `retrieval`: another kind
+        than the model's for this call."""
         questions = check_strings(questions, "questions")
-        retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
+        if retrieval is not None:
+            inputs = self.model.prepare_inputs(questions, n_docs=self._check_k(k, "k"), retrieval=retrieval)
+            retrieved, doc_scores = inputs.retrieved, inputs.doc_scores
+        else:
+            retrieved, doc_scores = self.model.retrieve(questions, n_docs=self._check_k(k, "k"))
         return retrievals(questions, retrieved.kb_version, retrieved.passages, doc_scores,
                           temperature=self.model.retrieval_temperature)
 
@@ -133,6 +138,7 @@ class RagReader:
         num_return_sequences: int = 1,
         ensemble: Optional[int] = None,
         retrieval_temperature: Optional[float] = None,
+        retrieval: Optional[str] = None,
         **generation_kw,
     ) -> list[Answer]:
         """Answer B questions; returns B * `num_return_sequences` answers, best first per question.
@@ -151,10 +157,11 @@ class RagReader:
             ``n_docs=K, marginalization="token"``; combined with a different ``n_docs`` or ``marginalization="sequence"``
             it is refused. retrieval_temperature: a RAG model's is part of its config (``RagModelConfig.retrieval_temperature``,
             set when loading: ``rag.load(path, retrieval_temperature=T)``); passing it here is refused.
+        retrieval: ``dense`` | ``bm25`` | ``hybrid`` for this call (default: the model's ``config.retrieval``).
         """
         questions, found = self._generate(questions, False, n_docs, num_beams, marginalization, decoding, max_new_tokens,
                                           num_return_sequences, ensemble=ensemble, retrieval_temperature=retrieval_temperature,
-                                          **generation_kw)
+                                          retrieval=retrieval, **generation_kw)
         return answers_with_provenance(self.model, questions, found.inputs, found.contexts, found.output, num_return_sequences,
                              found.marginalization)
 
@@ -202,7 +209,8 @@ class RagReader:
         return GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
 
     def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
-                  max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None, **generation_kw):
+                  max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None,
+                  retrieval=None, **generation_kw):
         from rag.models.rag.generate import generate_for_questions
 
         questions = check_strings(questions, "questions")
@@ -214,7 +222,7 @@ class RagReader:
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
-                                       decoding=decoding, with_no_retrieval=with_no_retrieval)
+                                       decoding=decoding, with_no_retrieval=with_no_retrieval, retrieval=retrieval)
         return questions, found
 
 def _ensemble_as_rag_token(ensemble, n_docs: Optional[int], marginalization: Optional[str]) -> tuple[int, str]:

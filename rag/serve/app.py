@@ -12,6 +12,11 @@ Endpoints (JSON in, JSON out)::
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
     POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified fully)
     POST /admin/swap_back  {}                                                                      (Bearer token)
+    POST /v1/chat/completions, POST /v1/completions, GET /v1/models   OpenAI-compatible (rag.serve.openai_routes)
+    GET  /                 a web page: ask, see passages, posteriors, the RAG-Token heatmap; swap (rag.serve.page)
+
+With an API key (``api_key``; ``rag serve`` requires one on a non-loopback address unless ``--no-auth``), every route
+but the page needs ``Authorization: Bearer <key>`` (401 otherwise; compared in constant time).
 
 Design:
 
@@ -47,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import os
 import socket
@@ -62,8 +68,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rag.generation.options import GenerationOptions, OptionSpec, option_specs
 from rag.serve.limits import MAX_N_DOCS, MAX_QUESTIONS, ServeLimits
+from rag.serve.openai_routes import OpenAIRoutes, openai_error
+from rag.serve.page import add_page_routes
 from rag.serve.requests import RequestRunner, generate_one_version
 from rag.serve.responses import SafeJSONResponse, redact_paths, validation_errors
+from rag.serve.scheduler import DEFAULT_QUANTUM, ModelTurns
 from rag.utils.errors import ConfigError, RagError
 
 logger = logging.getLogger(__name__)
@@ -71,6 +80,7 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "create_app",
     "check_admin_token",
+    "check_bind",
     "serve",
     "background_server",
     "resolve_kb_path",
@@ -241,8 +251,9 @@ class _BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope.get("headers") or []).get(b"content-length")
+        path = scope.get("path", "")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await self._reject(send)
+            return await self._reject(send, path)
         chunks, size = [], 0
         while True:
             message = await receive()
@@ -251,7 +262,7 @@ class _BodyLimit:
             body = message.get("body", b"")
             size += len(body)
             if size > self.limit:
-                return await self._reject(send)
+                return await self._reject(send, path)
             chunks.append(body)
             if not message.get("more_body", False):
                 break
@@ -267,8 +278,10 @@ class _BodyLimit:
 
         return await self.app(scope, replay_receive, send)
 
-    async def _reject(self, send):
-        body = b'{"detail":"request body too large (limit %d bytes)"}' % self.limit
+    async def _reject(self, send, path: str = ""):
+        message = "request body too large (limit %d bytes, --max-body-bytes)" % self.limit
+        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
+                          if path.startswith("/v1/") else {"detail": message}).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
@@ -288,6 +301,9 @@ def create_app(
     slot=None,
     nli=None,
     nli_threshold: float = 0.5,
+    api_key: Optional[str] = None,
+    model_name: str = "rag",
+    fairness_quantum: float = DEFAULT_QUANTUM,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.api.RagPipeline`).
 
@@ -307,6 +323,11 @@ def create_app(
             the pipeline's model).
         nli: an :class:`~rag.retrobust.nli.NLIScorer` (loaded once, here) for the RetRobust back-off: requests get it unless
             they send ``"nli": false``; None: requests asking for it get 400. nli_threshold: its default threshold.
+        api_key: the Bearer key every route but the page needs (None or empty: none needed; printable ASCII without
+            spaces, as `admin_token`).
+        model_name: the model id of the OpenAI-compatible routes (``GET /v1/models``; requests naming another get 404).
+        fairness_quantum: seconds of model time a request may use before a request that has used less goes first
+            (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
     import anyio
 
@@ -318,6 +339,7 @@ def create_app(
     if not isinstance(limits, ServeLimits):
         raise ConfigError(f"limits must be a rag.serve.limits.ServeLimits, got {type(limits).__name__}")
     check_admin_token(admin_token)
+    check_admin_token(api_key, "api_key")
     if nli is not None:
         from rag.retrobust.nli import NLIScorer, validate_threshold
 
@@ -328,7 +350,8 @@ def create_app(
     roots = _real_roots(kb_roots)
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
     token = (admin_token or "").encode("ascii")
-    runner = RequestRunner(limits, max_concurrency)
+    key = (api_key or "").encode("ascii")
+    runner = RequestRunner(limits, max_concurrency, turns=ModelTurns(max_concurrency, quantum=fairness_quantum))
     swap_limiter = anyio.CapacityLimiter(1)
 
     import rag
@@ -338,6 +361,7 @@ def create_app(
     app.state.pipeline = pipeline
     app.state.slot = slot
     app.state.limits = limits
+    app.state.api_key = bool(key)  # whether one is needed (the key itself stays in this closure)
 
     def server_paths() -> list[str]:
         """The knowledge bases' directories (which may be relative) and the roots, as given and resolved;
@@ -352,24 +376,50 @@ def create_app(
     def message_for(request: Request, message: str) -> str:
         return message if request.url.path.startswith("/admin/") else redact_paths(message, server_paths())
 
+    def error(request: Request, detail, status: int, headers=None, param=None):
+        """``{"detail": ...}``, or OpenAI's error object on the OpenAI-compatible routes."""
+        if request.url.path.startswith("/v1/"):
+            return openai_error(detail if isinstance(detail, str) else "; ".join(
+                f"{'.'.join(map(str, e['loc'][1:] or e['loc']))}: {e['msg']}" for e in detail), status, param=param, headers=headers)
+        return SafeJSONResponse({"detail": detail}, status_code=status, headers=headers)
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
-        return SafeJSONResponse({"detail": validation_errors(exc)}, status_code=422)
+        errors = validation_errors(exc)
+        loc = errors[0]["loc"][1:] if errors else []
+        return error(request, errors, 422, param=".".join(map(str, loc)) or None)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return SafeJSONResponse({"detail": message_for(request, str(exc.detail))}, status_code=exc.status_code,
-                                headers=getattr(exc, "headers", None))
+        return error(request, message_for(request, str(exc.detail)), exc.status_code, getattr(exc, "headers", None))
 
     @app.exception_handler(RagError)
     async def _rag_error(request: Request, exc: RagError):
-        return SafeJSONResponse({"detail": message_for(request, str(exc))}, status_code=getattr(exc, "status", 400),
-                                headers=getattr(exc, "headers", None))
+        return error(request, message_for(request, str(exc)), getattr(exc, "status", 400), getattr(exc, "headers", None),
+                     getattr(exc, "param", None))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):  # a bug, not the client's fault; the worker lives on
         logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return SafeJSONResponse({"detail": f"internal error ({type(exc).__name__}); see the server log"}, status_code=500)
+        return error(request, f"internal error ({type(exc).__name__}); see the server log", 500)
+
+    def public(request: Request) -> None:
+        """The API key of every route but the page (none configured: open)."""
+        if not key:
+            return
+        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8"), key):
+            raise HTTPException(401, "this server needs an API key: send 'Authorization: Bearer <key>'",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+    def nli_options(requested: Optional[bool], threshold: Optional[float]) -> dict:
+        """The RetRobust back-off options of a request: on when asked, or by default when the server has an NLI model."""
+        if not (requested if requested is not None else nli is not None):
+            return {}
+        if nli is None:
+            raise RagError("this server has no NLI model for the back-off: start it with `rag serve --nli [MODEL]`, "
+                           "or drop \"nli\" from the request")
+        return {"nli": nli, "nli_threshold": nli_threshold if threshold is None else threshold}
 
     def admin(request: Request) -> None:
         if not token:
@@ -383,32 +433,27 @@ def create_app(
         if not hmac.compare_digest(given.strip().encode("utf-8"), token):
             raise HTTPException(403, "invalid admin token")
 
-    @app.get("/health")
+    guarded = [Depends(public)]
+
+    @app.get("/health", dependencies=guarded)
     async def health() -> dict:
         kb = slot.current
         return {"status": "ok", "kb_version": kb.served_version, "kb_passages": len(kb), "swaps": slot.swap_count,
-                "history": [h["version"] for h in slot.history], "requests": runner.counters.snapshot()}
+                "history": [h["version"] for h in slot.history], "reader": pipeline.kind, "model": model_name,
+                "nli": nli is not None, "admin": bool(token), "requests": runner.counters.snapshot()}
 
-    @app.post("/generate")
+    @app.post("/generate", dependencies=guarded)
     async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
-        runner.check_within("max_batch", len(req.questions), "len(questions)")
-        runner.check_within("max_n_docs", req.n_docs, "n_docs")
-        runner.check_within("max_n_docs", req.ensemble, "ensemble")
-        runner.check_within("max_beams", req.num_beams, "num_beams")
-        runner.check_within("max_new_tokens", req.max_new_tokens, "max_new_tokens")
         kw = req.options()  # unset: the model's stored defaults
-        if req.nli if req.nli is not None else nli is not None:
-            if nli is None:
-                raise RagError("this server has no NLI model for the back-off: start it with `rag serve --nli [MODEL]`, "
-                               "or drop \"nli\" from the request")
-            kw.update(nli=nli, nli_threshold=nli_threshold if req.nli_threshold is None else req.nli_threshold)
+        runner.check_generation(kw, len(req.questions))
+        kw.update(nli_options(req.nli, req.nli_threshold))
         answers = await runner.run(request.receive,
                                    lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
         # All answers come from one knowledge-base version (see generate_one_version).
         return SafeJSONResponse({"kb_version": answers[0].kb_version if answers else slot.version,
                                  "answers": [a.to_dict() for a in answers]})
 
-    @app.post("/retrieve")
+    @app.post("/retrieve", dependencies=guarded)
     async def retrieve(req: RetrieveRequest, request: Request) -> SafeJSONResponse:
         runner.check_within("max_batch", len(req.questions), "len(questions)")
         runner.check_within("max_n_docs", req.k, "k")
@@ -430,6 +475,13 @@ def create_app(
         res = await anyio.to_thread.run_sync(functools.partial(slot.swap_back, verify="full"), limiter=swap_limiter)
         logger.warning("knowledge base swapped back: %s -> %s", res.old_version, res.new_version)
         return res.to_dict()
+
+    v1 = OpenAIRoutes(pipeline, runner, model_name=model_name, nli_options=nli_options)
+    app.get("/v1/models", dependencies=guarded)(v1.models)
+    app.get("/v1/models/{model_id}", dependencies=guarded)(v1.model)
+    app.post("/v1/chat/completions", dependencies=guarded)(v1.chat)
+    app.post("/v1/completions", dependencies=guarded)(v1.completions)
+    add_page_routes(app)
 
     wrapped = _BodyLimit(app, max_body_bytes)
     wrapped.state = app.state  # convenient access for callers holding the wrapped app
@@ -462,8 +514,28 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", freeze_gc: bool = True) -> None:
+def check_bind(host: str, api_key: bool, no_auth: bool = False) -> Optional[str]:
+    """What serving on `host` needs (issue #28): a loopback address needs nothing; any other address (``0.0.0.0``, a
+    LAN address, a host name) needs an API key, unless `no_auth` says explicitly to serve without one. Returns the
+    warning to print (None: nothing to say); raises ConfigError naming the fix when the bind is refused. Sends nothing."""
+    if _is_loopback(host):
+        return None
+    if api_key:
+        return f"serving on {host}: reachable from other machines (API key required); put TLS in front of it"
+    if not no_auth:
+        raise ConfigError(f"--host {host} is reachable from other machines, and the server has no API key: anyone reaching "
+                          "the port could run the model and read the knowledge base. Set $RAG_API_KEY (or --api-key-env VAR) "
+                          "to a random key of at least 16 characters, or pass --no-auth to serve without one")
+    return (f"serving on {host} WITHOUT an API key (--no-auth): anyone who reaches the port can use /generate, /retrieve and "
+            "/v1/*; put an authenticating TLS proxy in front of it")
+
+
+def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", freeze_gc: bool = True,
+          allow_unauthenticated: bool = False) -> None:
     """Run `app` with uvicorn in this process (one worker; see module docstring) until interrupted.
+
+    A non-loopback `host` needs an app with an API key, unless `allow_unauthenticated` (:func:`check_bind`; refused
+    before anything is bound).
 
     `freeze_gc`: move every object alive now (the libraries and the loaded model, ~10^5-10^6
     objects) out of the cyclic garbage collector's view (``gc.freeze``) before serving. A full
@@ -476,8 +548,9 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
 
     import uvicorn
 
-    if not _is_loopback(host):
-        logger.warning("serving on %s: reachable from other machines; put TLS in front of it", host)
+    warning = check_bind(host, bool(getattr(app.state, "api_key", False)), allow_unauthenticated)
+    if warning:
+        logger.warning(warning)
     if freeze_gc:
         gc.collect()
         gc.freeze()

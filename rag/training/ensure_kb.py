@@ -19,13 +19,15 @@ __all__ = ["ensure_knowledge_base"]
 
 
 def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *, query_encoder: Optional[str] = None,
-                          index: str = "flat", words_per_passage: Optional[int] = 100, show_progress: bool = True) -> Path:
+                          index: str = "flat", words_per_passage: Optional[int] = 100, show_progress: bool = True,
+                          bm25: bool = False) -> Path:
     """Build a knowledge base at `path` from `source` unless one is already there.
 
     `source`: ``"demo"`` (the bundled Elements corpus, one passage per entry) or a
     corpus path for :func:`rag.knowledge.passages.load_corpus`. `encoder` embeds the
     passages (a DPR *context* encoder, or a shared encoder such as ``minilm``);
-    `query_encoder` is recorded in the manifest as the encoder queries should use.
+    `query_encoder` is recorded in the manifest as the encoder queries should use; `bm25` also stores a BM25 index
+    (BM25 and hybrid retrieval need one).
     Safe against a concurrent build of the same path (the first one wins).
     """
     from rag.knowledge.encoders import TextEncoder
@@ -49,7 +51,7 @@ def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *,
     enc = TextEncoder(encoder, role="context")
     try:
         KnowledgeBase.build(passages, enc, path, index=index, query_encoder=query_encoder, show_progress=show_progress,
-                            overwrite=path.exists(), build_info={"corpus": source})
+                            overwrite=path.exists(), build_info={"corpus": source}, bm25=bm25)
     except FileExistsError:
         if not (path / MANIFEST).is_file():
             raise

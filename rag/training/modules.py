@@ -34,6 +34,7 @@ import pytorch_lightning as pl
 import torch
 
 from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
+from rag.generators.lora import LoraSettings
 from rag.generators.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
 from rag.models.rag.config import RagModelConfig
 from rag.training.reading_practice import ReadingPracticeSettings
@@ -48,9 +49,13 @@ logger = logging.getLogger(__name__)
 
 
 def _no_repeat(model) -> int:
-    """The pipeline's default (no repeated bigram), except for imported transformers checkpoints."""
+    """The model's stored setting, else the pipeline's default (no repeated bigram), except for imported transformers
+    checkpoints."""
     from rag.pipeline.readers import DEFAULT_NO_REPEAT_NGRAM
 
+    stored = (model.config.generation or {}).get("no_repeat_ngram_size")
+    if stored is not None:
+        return int(stored)
     return 0 if model.config.hf_compat else DEFAULT_NO_REPEAT_NGRAM
 
 
@@ -69,7 +74,7 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: int = 1, max
     cfg = GenerationConfig(num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty,
                            no_repeat_ngram_size=_no_repeat(model))
     found = generate_for_questions(model, questions, cfg, decoding=sequence_decoding)
-    texts = [decode_answer(model.generator_tokenizer, row) for row in found.output.sequences.tolist()]
+    texts = [decode_answer(model.generator_tokenizer, row[1:]) for row in found.output.sequences.tolist()]  # after the start token
     return texts, found.inputs.retrieved, found.inputs.n_truncated
 
 
@@ -85,12 +90,12 @@ class RagModule(pl.LightningModule):
     """End-to-end RAG fine-tuning (query encoder + generator) with QA evaluation.
 
     Args:
-        generator: seq2seq generator: a local ``save_pretrained`` directory, a hub id
-            (``facebook/bart-large``, ``t5-base``), or ``tiny:bart`` / ``tiny:t5`` for a
-            random small model (sizes in `tiny`).
+        generator: seq2seq or causal generator: a local ``save_pretrained`` directory, a hub id
+            (``facebook/bart-large``, ``t5-base``), ``smollm2`` (the demo causal LM, RAG over a decoder-only reader:
+            see ``rag.prompt_template``), or ``tiny:bart`` / ``tiny:t5`` for a random small model (sizes in `tiny`).
         question_encoder: query encoder (DPR question encoder dir/hub id, ``minilm``), or
             None to use the one the knowledge base's manifest names.
-        knowledge_base: knowledge-base directory (``rag index build``).
+        knowledge_base: knowledge-base directory (``rag index build``), or ``demo`` (the bundled Elements knowledge base).
         build_knowledge_base_from: if `knowledge_base` does not exist, build it first
             from this corpus: ``demo`` (the bundled Elements corpus) or a corpus path.
         knowledge_base_encoder: document encoder for that build (default: the question
@@ -138,6 +143,9 @@ class RagModule(pl.LightningModule):
         predictions_file: where ``rag predict`` writes its predictions, one JSON object per question with provenance
             (answer, passages with ids, titles and scores, knowledge-base version); default
             ``<trainer.default_root_dir>/predictions.jsonl``. The path is printed.
+        generator_lora: LoRA adapters on a causal generator (:class:`~rag.generators.lora.LoraSettings`: ``r``, ``alpha``,
+            ``dropout``, ``target_modules``, ``layers``): only they train, and the export holds them alone, naming the base
+            model with its checksums; null trains every generator weight (full fine-tuning).
         export_dir: write the trained model there at the end of ``fit`` (:func:`rag.models.rag.checkpoint.save_model_directory`:
             ``rag generate --model DIR`` reads it); an earlier export there is replaced, any other content refused.
     """
@@ -177,6 +185,7 @@ class RagModule(pl.LightningModule):
         gold_passage: Literal["off", "auto", "named", "unique_answer"] = "off",
         retrieval_actors: int = 0,
         ray_address: Optional[str] = None,
+        generator_lora: Optional[LoraSettings] = None,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -185,6 +194,7 @@ class RagModule(pl.LightningModule):
         tiny = _as_dict(tiny, TinyGenerator, "tiny")
         warm_start = _as_dict(warm_start, WarmStartGenerator, "warm_start")
         reading_practice = None if reading_practice is None else _as_dict(reading_practice, ReadingPracticeSettings, "reading_practice")
+        generator_lora = None if generator_lora is None else _as_dict(generator_lora, LoraSettings, "generator_lora")
         recall_at = [int(k) for k in recall_at]
         generation_metrics = list(generation_metrics)
         unknown = [m for m in generation_metrics if m not in GENERATION_METRICS]
@@ -208,6 +218,7 @@ class RagModule(pl.LightningModule):
         self.tiny_spec = TinyGenerator(**tiny)
         self.warm_spec = WarmStartGenerator(**warm_start)
         self.practice_settings = None if reading_practice is None else ReadingPracticeSettings(**reading_practice)
+        self.lora_settings = None if generator_lora is None else LoraSettings(**generator_lora)
         self._practice: list = []  # built in on_fit_start
         self._practice_rng = random.Random(0 if self.practice_settings is None else self.practice_settings.seed)
         self._encoder_cache = None
@@ -234,12 +245,17 @@ class RagModule(pl.LightningModule):
 
         h = self.hparams
         kb = h.knowledge_base
-        if h.build_knowledge_base_from is not None:
+        if kb == "demo":  # the bundled Elements knowledge base (dense + BM25), built on first use
+            from rag.demo.kb import ensure_demo_kb
+
+            kb = str(ensure_demo_kb(show_progress=False).path)
+        elif h.build_knowledge_base_from is not None:
             enc = h.knowledge_base_encoder or h.question_encoder
             if enc is None:
                 raise ConfigError("model.build_knowledge_base_from needs model.knowledge_base_encoder or model.question_encoder")
             ensure_knowledge_base(kb, h.build_knowledge_base_from, enc, index=h.knowledge_base_index,
-                                  query_encoder=h.question_encoder if h.knowledge_base_encoder else None)
+                                  query_encoder=h.question_encoder if h.knowledge_base_encoder else None,
+                                  bm25=self.rag_config.retrieval != "dense")
         return kb, resolve_generator(h.generator, self.tiny_spec, kb, self.warm_spec)
 
     def configure_model(self) -> None:
@@ -252,6 +268,10 @@ class RagModule(pl.LightningModule):
         kb, gen = self._ensure_artifacts()
         model = RagModel.from_components(self.hparams.question_encoder, gen, kb, self.rag_config,
                                          document_encoder=self.hparams.get("document_encoder"))
+        if self.lora_settings is not None:  # only the adapters train; the export holds them alone
+            from rag.generators.lora import apply_lora
+
+            model.generator = apply_lora(model.generator, self.lora_settings)
         if self.hparams.get("retrieval_actors"):
             self._start_search_pool(model.knowledge_base)
         if self._trains_without_retrieval():
@@ -417,7 +437,7 @@ class RagModule(pl.LightningModule):
         with torch.no_grad():
             out = generate_closed_book(model, list(questions),
                                        GenerationConfig(**self.decoding_defaults(), no_repeat_ngram_size=_no_repeat(model)))
-        return [decode_answer(model.generator_tokenizer, row) for row in out.sequences.tolist()]
+        return [decode_answer(model.generator_tokenizer, row[1:]) for row in out.sequences.tolist()]
 
     def _recall_passages(self, questions, retrieved) -> list[list]:
         """Ranked passages for recall@k: those already retrieved, or a deeper search if max k > n_docs."""

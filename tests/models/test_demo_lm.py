@@ -233,3 +233,19 @@ def test_real_conversion(tmp_path_factory, monkeypatch):
         ppl = math.exp(float(torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:])))
     # measured 31.0 (transformers' GGUF model gives the same); broken conversions score in the thousands
     assert ppl < demo_lm.MAX_PROSE_PERPLEXITY
+
+
+def test_a_conversion_parses_each_gguf_file_once(tiny_gguf, monkeypatch):
+    """Opening the file again inside the conversion returns the first parse; outside it, a fresh one."""
+    import gguf
+
+    from rag.generators.demo_lm import _one_gguf_parse
+
+    calls = []
+    real = gguf.GGUFReader
+    monkeypatch.setattr(gguf, "GGUFReader", lambda path, *a, **kw: calls.append(path) or real(path, *a, **kw))
+    with _one_gguf_parse():
+        first, again = gguf.GGUFReader(tiny_gguf), gguf.GGUFReader(str(tiny_gguf))
+        assert first is again and len(calls) == 1
+        assert gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2) is gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, 2)
+    assert gguf.GGUFReader(tiny_gguf) is not first and len(calls) == 2

@@ -49,6 +49,10 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
         assert cli.model.practice_settings.source == "corpus" and cli.model.hparams.cache_encoder
         budget = [c for c in cli.trainer.callbacks if type(c).__name__ == "CpuBudget"]
         assert len(budget) == 1 and 0 < budget[0].minutes <= 20
+    elif path.name == "cpu_causal_reader.yaml":  # needs no hub: the demo LM (SmolLM2) with LoRA, a CPU budget
+        assert init["generator"] == "smollm2"
+        budget = [c for c in cli.trainer.callbacks if type(c).__name__ == "CpuBudget"]
+        assert len(budget) == 1 and 0 < budget[0].minutes <= 30
     else:
         assert init["generator"] in ("facebook/bart-large", "t5-base")
         assert init["question_encoder"] == "facebook/dpr-question_encoder-single-nq-base"

@@ -10,29 +10,37 @@ import pytest
 import yaml
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> dict:
-    """A 2-step `rag fit` on the tiny models with a frozen query encoder, a checkpoint and an export at the end."""
+def _fit(root: Path, models: tuple, *, seed: int, steps: int, module: dict, data: dict) -> str:
+    """`rag fit` on the tiny models with a frozen query encoder, checkpoints in root/ckpt; returns the config path."""
     from rag.cli import main
 
-    root = tmp_path_factory.mktemp("export_run")
+    generator, question_encoder, kb = models
     cfg = {
-        "seed_everything": 7,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 2, "limit_val_batches": 0, "num_sanity_val_steps": 0,
+        "seed_everything": seed,
+        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": steps, "limit_val_batches": 0, "num_sanity_val_steps": 0,
                     "default_root_dir": str(root / "run"), "enable_progress_bar": False, "logger": False,
                     "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
                                    "init_args": {"dirpath": str(root / "ckpt"), "save_last": True}}]},
         "model": {"class_path": "RagModule", "init_args": {
-            "generator": tiny_bart_dir, "question_encoder": tiny_dpr_question_dir, "knowledge_base": tiny_kb_dir,
+            "generator": generator, "question_encoder": question_encoder, "knowledge_base": kb,
             "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "freeze_query_encoder": True},
-            "max_new_tokens": 3, "recall_at": [1, 2], "export_dir": str(root / "exported")}},
-        "data": {"class_path": "QADataModule", "init_args": {
-            "train": "demo:train", "test": "demo:test", "predict": "demo:test", "batch_size": 4, "max_eval_examples": 4}},
+            "export_dir": str(root / "exported"), **module}},
+        "data": {"class_path": "QADataModule", "init_args": {"train": "demo:train", "batch_size": 4, "max_eval_examples": 4,
+                                                             **data}},
     }
     path = root / "cfg.yaml"
     path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
     assert main(["fit", "--config", str(path)]) == 0
-    return {"root": root, "config": str(path), "ckpt": root / "ckpt" / "last.ckpt", "exported": root / "exported"}
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> dict:
+    """A 2-step `rag fit` on the tiny models with a frozen query encoder, a checkpoint and an export at the end."""
+    root = tmp_path_factory.mktemp("export_run")
+    path = _fit(root, (tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir), seed=7, steps=2,
+                module={"max_new_tokens": 3, "recall_at": [1, 2]}, data={"test": "demo:test", "predict": "demo:test"})
+    return {"root": root, "config": path, "ckpt": root / "ckpt" / "last.ckpt", "exported": root / "exported"}
 
 
 QUESTIONS = ["what is the chemical symbol of argon?", "which element has atomic number 18?"]
@@ -109,25 +117,11 @@ def beam_run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir
     from rag.cli import main
 
     root = tmp_path_factory.mktemp("beam_run")
-    cfg = {
-        "seed_everything": 3,
-        "trainer": {"accelerator": "cpu", "devices": 1, "max_steps": 1, "limit_val_batches": 0, "num_sanity_val_steps": 0,
-                    "default_root_dir": str(root / "run"), "enable_progress_bar": False, "logger": False,
-                    "callbacks": [{"class_path": "pytorch_lightning.callbacks.ModelCheckpoint",
-                                   "init_args": {"dirpath": str(root / "ckpt"), "save_last": True}}]},
-        "model": {"class_path": "RagModule", "init_args": {
-            "generator": tiny_bart_dir, "question_encoder": tiny_dpr_question_dir, "knowledge_base": tiny_kb_dir,
-            "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "freeze_query_encoder": True},
-            "num_beams": 4, "length_penalty": 2.0, "max_new_tokens": 4, "recall_at": [1],
-            "predictions_file": str(root / "predictions.jsonl"), "export_dir": str(root / "exported")}},
-        "data": {"class_path": "QADataModule", "init_args": {
-            "train": "demo:train", "predict": "demo:test", "batch_size": 4, "max_eval_examples": 4}},
-    }
-    path = root / "cfg.yaml"
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    assert main(["fit", "--config", str(path)]) == 0
+    path = _fit(root, (tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir), seed=3, steps=1,
+                module={"num_beams": 4, "length_penalty": 2.0, "max_new_tokens": 4, "recall_at": [1],
+                        "predictions_file": str(root / "predictions.jsonl")}, data={"predict": "demo:test"})
     # `rag predict` decodes as `rag test` scores (RagModule.decoding_defaults)
-    assert main(["predict", "--config", str(path), "--ckpt_path", str(root / "ckpt" / "last.ckpt")]) == 0
+    assert main(["predict", "--config", path, "--ckpt_path", str(root / "ckpt" / "last.ckpt")]) == 0
     predictions = [json.loads(line) for line in (root / "predictions.jsonl").read_text().splitlines()]
     return {"exported": root / "exported", "predictions": predictions}
 

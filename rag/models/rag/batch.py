@@ -35,6 +35,9 @@ class RagInputs:
     """How many of the B·K contexts were truncated to fit max_context_length."""
     context_strings: list[str] = field(default_factory=list)
     """The B·K context strings given to the generator tokenizer."""
+    prefix_width: int = 0
+    """Causal generators: the width of the question-independent prompt segment (header + passage) at the left of the
+    context tensors (:func:`rag.generation.prompts.segmented_pad`); 0 for seq2seq contexts."""
 
 
 @dataclass

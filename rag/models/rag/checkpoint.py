@@ -6,7 +6,9 @@ Layout (written atomically by :func:`save_rag_model`)::
                         version (referenced, not copied) and SHA-256 of every component file
     question_encoder/   TextEncoder.save_pretrained (safetensors + tokenizer + pooling settings),
                         absent when the encoder is referenced by name and fingerprint
-    generator/          generator.save_pretrained (safetensors) + its tokenizer
+    generator/          generator.save_pretrained (safetensors) + its tokenizer; for a LoRA-adapted causal generator
+                        only peft's adapter files, ``rag_config.json`` naming the base (name + SHA-256 of its files,
+                        :mod:`rag.generators.lora`), whose own files and tokenizer are loaded from there and checked
     doc_encoder/        the trained document encoder (only with ``train_doc_encoder``)
 
 :meth:`RagModel.save_pretrained <rag.models.rag.model.RagModel.save_pretrained>` and
@@ -22,6 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
 
+from rag.generators.lora import ADAPTER_FILES, base_identity, base_model_of, is_adapter, load_adapter
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
 from rag.utils.errors import ConfigError, IntegrityError, RagError
@@ -142,7 +145,12 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             model.question_encoder.save_pretrained(tmp / QUESTION_ENCODER_DIR)
             qenc_meta = {"dir": QUESTION_ENCODER_DIR, **model.question_encoder.identity()}
         gdir = tmp / GENERATOR_DIR
-        if is_warm_start(model.generator):  # trained weights only; the frozen encoder is referenced
+        adapter = None
+        if is_adapter(model.generator):  # the adapter only; the base is named, with its checksums
+            adapter = {"base": base_identity(model.generator)}
+            model.generator.save_pretrained(gdir, safe_serialization=True)
+            (gdir / "README.md").unlink(missing_ok=True)  # peft's model-card stub: nothing loading needs
+        elif is_warm_start(model.generator):  # trained weights only; the frozen encoder is referenced
             save_generator(model.generator, model.generator_tokenizer, gdir)
         else:
             model.generator.save_pretrained(gdir, safe_serialization=True)
@@ -160,9 +168,11 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             "question_encoder": qenc_meta,
             "generator": {
                 "dir": GENERATOR_DIR,
-                "class": type(model.generator).__name__,
+                "class": type(base_model_of(model.generator)).__name__,
+                "kind": model.generator_kind,
                 "model_type": getattr(model.generator.config, "model_type", None),
                 "name": getattr(model.generator.config, "_name_or_path", None) or None,
+                **({"adapter": adapter} if adapter is not None else {}),
             },
             "knowledge_base": kb_ref,
             "doc_encoder": denc_meta,
@@ -298,8 +308,12 @@ def load_rag_model(
     qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root, (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR), cfg_file)
     denc_dir = confined_path(root, denc_meta.get("dir", DOC_ENCODER_DIR), cfg_file) if denc_meta else None
     loaded = [d.relative_to(root).as_posix() for d in (gen_dir, qenc_dir, denc_dir) if d is not None]
+    adapter = _entry(gen_meta, "adapter", cfg_file)
+    gen_rel = gen_dir.relative_to(root).as_posix()
+    required = [f"{d}/config.json" for d in loaded if d != gen_rel or adapter is None]
+    required += [f"{gen_rel}/{n}" for n in ADAPTER_FILES] if adapter is not None else []
     verify_files(root, meta.get("files"), verify, record=cfg_file, incomplete=_INCOMPLETE, fix="restore the checkpoint",
-                 required=[f"{d}/config.json" for d in loaded], dirs=loaded)
+                 required=required, dirs=loaded)
     config = RagModelConfig.from_dict(meta.get("config", {}), str(cfg_file))
     if config_overrides:
         config = dataclasses.replace(config, **check_overrides(config_overrides))
@@ -313,7 +327,10 @@ def load_rag_model(
     if config.retrieval == "dense":
         check_compatible(kb, qenc.dim, kb_ref.get("space"), allow_encoder_change=allow_encoder_change)
     with readable_weights(cfg_file):
-        gen, tok, _ = load_generator(gen_dir, kind="seq2seq")
+        if adapter is not None:  # the base by its recorded name, checked against its recorded checksums
+            gen, tok = load_adapter(gen_dir, _entry(adapter, "base", cfg_file) or {}, where=cfg_file)
+        else:
+            gen, tok, _ = load_generator(gen_dir)
         denc = TextEncoder.from_pretrained(denc_dir) if denc_dir is not None and config.uses_doc_encoder else None
     model = cls(qenc, gen, tok, kb, config, doc_encoder=denc)
     if config.retrieval == "dense":

@@ -6,13 +6,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from rag.generation.prompts import DEFAULT_CLOSED_BOOK_TEMPLATE, DEFAULT_PROMPT_TEMPLATE, PromptFormat
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_bool, check_number, check_positive_int, is_number
 
 __all__ = ["RagModelConfig", "check_overrides", "check_generation_settings"]
 
 _MARGINALIZATIONS = ("sequence", "token")
-_RETRIEVALS = ("dense", "bm25")
+_RETRIEVALS = ("dense", "bm25", "hybrid")
 _TRUNCATIONS = ("keep_question", "hf")
 
 
@@ -32,8 +33,12 @@ class RagModelConfig:
     """Return a scalar loss (batch mean; sum under hf_compat) instead of per-example NLL (B,)."""
     freeze_query_encoder: bool = False
     """RAG-Frozen (Table 6): keep the query encoder fixed; only the generator trains."""
-    retrieval: Literal["dense", "bm25"] = "dense"
-    """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25)."""
+    retrieval: Literal["dense", "bm25", "hybrid"] = "dense"
+    """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25); hybrid: the
+    dense and BM25 rankings fused by reciprocal rank fusion (:mod:`rag.knowledge.hybrid`), the prior over the fused
+    passages from the dense scores q · d (so the query encoder still trains)."""
+    hybrid_rrf_k: int = 60
+    """Hybrid retrieval: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
     max_context_length: int = 300
     """Most generator input tokens per (question, passage) context."""
     max_target_length: int = 64
@@ -57,6 +62,16 @@ class RagModelConfig:
     learn_retrieval_temperature: bool = False
     """Learn τ (a log-scale parameter, like CLIP's logit scale, clamped to [0.01, 100]) with the query encoder's
     learning rate, starting at ``retrieval_temperature``; the learned value is saved as ``retrieval_temperature``."""
+    prompt_template: str = DEFAULT_PROMPT_TEMPLATE
+    """Causal (decoder-only) generators: the prompt before the answer, with ``{passage}`` and ``{question}`` (and
+    optionally ``{title}``); it is the user message of the tokenizer's chat template when there is one
+    (:mod:`rag.generation.prompts`). p(y | x, z) is the LM's likelihood of the answer tokens (and EOS) after it."""
+    closed_book_template: str = DEFAULT_CLOSED_BOOK_TEMPLATE
+    """Causal generators: the prompt without a passage (closed-book answers, RetRobust's no-retrieval answers), with ``{question}``."""
+    system_prompt: Optional[str] = None
+    """Causal generators with a chat template: its system message (None: the chat template's own default)."""
+    chat_template: bool = True
+    """Causal generators: put the prompt into the tokenizer's chat template when it has one."""
     title_sep: str = " / "
     """Separator between a passage's title and its text in the generator input."""
     doc_sep: str = " // "
@@ -77,7 +92,7 @@ class RagModelConfig:
         def positive_int(name: str) -> None:
             check_positive_int(getattr(self, name), f"RagModelConfig.{name}", error=ConfigError)
 
-        for name in ("n_docs", "max_context_length", "max_target_length", "max_question_length"):
+        for name in ("n_docs", "max_context_length", "max_target_length", "max_question_length", "hybrid_rrf_k"):
             positive_int(name)
         if self.marginalization not in _MARGINALIZATIONS:
             raise ConfigError(f"RagModelConfig.marginalization={self.marginalization!r}; choose one of {_MARGINALIZATIONS}")
@@ -97,6 +112,10 @@ class RagModelConfig:
         for name in ("title_sep", "doc_sep"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"RagModelConfig.{name} must be a string, got {getattr(self, name)!r}")
+        check_bool(self.chat_template, "RagModelConfig.chat_template", error=ConfigError)
+        if self.system_prompt is not None and not isinstance(self.system_prompt, str):
+            raise ConfigError(f"RagModelConfig.system_prompt must be a string or null, got {self.system_prompt!r}")
+        _ = self.prompt_format  # checks both templates' placeholders, naming the field
         if self.rerank_candidates is not None:
             positive_int("rerank_candidates")
             if self.rerank_candidates < self.n_docs:
@@ -106,11 +125,17 @@ class RagModelConfig:
                 )
         if self.generation is not None:
             check_generation_settings(self.generation, "RagModelConfig.generation")
-        if self.retrieval == "bm25" and self.uses_doc_encoder:
+        if self.retrieval != "dense" and self.uses_doc_encoder:
             raise ConfigError(
-                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (document vectors); "
-                "BM25 has no document encoder — set retrieval: dense or disable them"
+                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (they re-rank the index's own neighbours); "
+                "set retrieval: dense or disable them"
             )
+
+    @property
+    def prompt_format(self) -> PromptFormat:
+        """How a causal generator's prompts are written (:class:`~rag.generation.prompts.PromptFormat`)."""
+        return PromptFormat(template=self.prompt_template, closed_book=self.closed_book_template, system=self.system_prompt,
+                            chat=self.chat_template)
 
     @property
     def uses_doc_encoder(self) -> bool:

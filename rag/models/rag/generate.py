@@ -34,14 +34,15 @@ class RagGeneration:
     """What one decoding call produced, with what it was decoded from.
 
     inputs: the model's `prepare_inputs` result (retrieved passages, `doc_scores` `(batch, n_docs)`, contexts);
-    contexts: the encoded `(batch * n_docs)` contexts (reusable for rescoring, e.g. `teacher_forced_logprobs`);
+    contexts: the encoded `(batch * n_docs)` contexts, or a causal generator's prompts with their prefilled KV caches
+    (reusable for rescoring, e.g. `teacher_forced_logprobs`);
     output: `batch * num_return_sequences` sequences, best first per question; marginalization: "token" | "sequence".
     no_retrieval: with ``with_no_retrieval``, the `batch * num_return_sequences` answers to the bare questions (decoded in
     the same call as `output`; their contexts are rows ``batch * n_docs`` on of `contexts`), else None.
     """
 
     inputs: object
-    contexts: EncodedContexts
+    contexts: object
     output: GenerationOutput
     marginalization: str
     no_retrieval: Optional[GenerationOutput] = None
@@ -77,6 +78,26 @@ def _split_rows(out: GenerationOutput, n: int) -> tuple[GenerationOutput, Genera
     return part(slice(0, n)), part(slice(n, None))
 
 
+def decoding_config(model, config: GenerationConfig) -> GenerationConfig:
+    """`config` with a causal generator's EOS set to its tokenizer's (the token every trained answer ends with)."""
+    if getattr(model, "is_causal", False) and config.eos_token_id is None:
+        from dataclasses import replace
+
+        return replace(config, eos_token_id=int(model.generator_tokenizer.eos_token_id))
+    return config
+
+
+def decoding_contexts(model, ids: Tensor, mask: Tensor, share_cache: bool = True, prefix_width: int = 0):
+    """What decoding reads for context rows ``(N, L)``: encoder states (seq2seq, encoder run once) or the prompts whose
+    KV caches every decoder row copies (causal; the first `prefix_width` columns are question-independent prefixes whose
+    caches the model keeps across calls)."""
+    if getattr(model, "is_causal", False):
+        from rag.models.rag.causal import decoding_prompts
+
+        return decoding_prompts(model, ids, mask, share_cache, prefix_width)
+    return encode_contexts(model.generator, ids, mask)
+
+
 @torch.no_grad()
 def generate_closed_book(model, questions: Sequence[str], config: GenerationConfig) -> GenerationOutput:
     """The generator's answers to the bare questions (the model's prefix + question, no passage, nothing retrieved): the
@@ -84,10 +105,17 @@ def generate_closed_book(model, questions: Sequence[str], config: GenerationConf
     over it is the generator's own beam / greedy search on ``p(y | x)``."""
     from rag.generation.contexts import Context, tokenize_contexts
 
+    device = next(model.generator.parameters()).device
+    if getattr(model, "is_causal", False):
+        from rag.models.rag.causal import causal_prompts
+
+        ids, mask, _, _, _ = causal_prompts(model, list(questions), None)
+        contexts = decoding_contexts(model, ids.to(device), mask.to(device))
+        return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device),
+                                  decoding_config(model, config))
     fmt = model.context_format
     enc = tokenize_contexts(model.generator_tokenizer, [Context(fmt.prefix + q, len(fmt.prefix)) for q in questions],
                             model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
-    device = next(model.generator.parameters()).device
     contexts = encode_contexts(model.generator, enc["input_ids"].to(device), enc["attention_mask"].to(device))
     return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device), config)
 
@@ -96,7 +124,8 @@ def generate_closed_book(model, questions: Sequence[str], config: GenerationConf
 def generate_for_questions(model, questions: Sequence[str], config: GenerationConfig, *, n_docs: Optional[int] = None,
                            marginalization: Optional[Literal["sequence", "token"]] = None,
                            decoding: Literal["thorough", "fast"] = "thorough",
-                           with_no_retrieval: bool = False) -> RagGeneration:
+                           with_no_retrieval: bool = False, share_cache: bool = True,
+                           retrieval: Optional[str] = None) -> RagGeneration:
     """Decode answers to `questions` with a `RagModel`-like `model` (`prepare_inputs`, `generator`, `config`).
 
     marginalization: "token" (RAG-Token: greedy / beam over the marginal transition) or "sequence"
@@ -105,21 +134,36 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     ``model.config.mask_padded_contexts`` False, RAG-Sequence's per-passage search runs on `unmasked_contexts`
     (transformers' behaviour); rescoring and the returned `contexts` stay masked. with_no_retrieval: also decode every
     question without retrieval (:func:`no_retrieval_contexts`, uniform prior) in the same batch: ``2B`` rows, one call.
+    share_cache: a causal generator prefills each prompt once and its decoder rows and rescoring pairs copy that KV cache
+    (False: every row prefills its prompt again; for measuring what sharing saves). retrieval: ``dense`` | ``bm25`` |
+    ``hybrid`` for this call (None: the model's configured retrieval).
     """
     marg = marginalization or model.config.marginalization
     if marg not in ("sequence", "token"):
         raise ConfigError(f"marginalization={marg!r}; choose 'sequence' or 'token'")
-    inputs = model.prepare_inputs(list(questions), n_docs=n_docs)
+    inputs = model.prepare_inputs(list(questions), n_docs=n_docs, **({"retrieval": retrieval} if retrieval else {}))
     generator = model.generator
+    config = decoding_config(model, config)
     ids, mask, doc_scores = inputs.context_input_ids, inputs.context_attention_mask, inputs.doc_scores
-    if with_no_retrieval:
+    width = inputs.prefix_width
+    if with_no_retrieval and getattr(model, "is_causal", False):
+        from rag.generation.prompts import left_pad
+        from rag.models.rag.causal import causal_prompts
+
+        k = doc_scores.shape[1]
+        bare, bare_mask, _, _, _ = causal_prompts(model, list(questions), None)
+        rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] + [r[m.bool()].tolist() for r, m in zip(bare, bare_mask)
+                                                                    for _ in range(k)]
+        ids, mask = (t.to(doc_scores.device) for t in left_pad(rows, model.pad_token_id))
+        doc_scores, width = torch.cat([doc_scores, torch.zeros_like(doc_scores)]), 0
+    elif with_no_retrieval:
         from rag.generation.contexts import tokenize_contexts
 
         enc = tokenize_contexts(model.generator_tokenizer, list(inputs.context_strings) + no_retrieval_contexts(model, inputs),
                                 model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
         ids, mask = enc["input_ids"].to(ids.device), enc["attention_mask"].to(mask.device)
         doc_scores = torch.cat([doc_scores, torch.zeros_like(doc_scores)])
-    contexts = encode_contexts(generator, ids, mask)
+    contexts = decoding_contexts(model, ids, mask, share_cache, width)
     if marg == "token":
         out = rag_token_generate(generator, contexts, model.retrieval_logits(doc_scores), config)
     else:

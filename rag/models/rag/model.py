@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
-from rag.generators.load import check_generator_kind, load_generator
+from rag.generators.load import generator_kind, load_generator
 from rag.knowledge.scoring import RetrievalScorer
 from rag.knowledge.types import Retrieved, Retriever
 from rag.models.rag.batch import RagInputs, RagOutput
@@ -121,8 +121,11 @@ class RagModel(nn.Module):
         if not isinstance(question_encoder, TextEncoder):
             raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got {type(question_encoder).__name__}")
         if not isinstance(generator, nn.Module):
-            raise ConfigError(f"generator must be a seq2seq (encoder-decoder) transformers model such as BART or T5, got {type(generator).__name__}")
-        check_generator_kind(generator, "seq2seq", "RagModel")
+            raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got {type(generator).__name__}")
+        self.generator_kind = generator_kind(generator)
+        if self.generator_kind == "causal" and config.hf_compat:
+            raise ConfigError("RagModelConfig.hf_compat reproduces transformers' RAG, whose generator is seq2seq; a causal "
+                              "generator has no transformers counterpart: set hf_compat: false")
         self.question_encoder = question_encoder
         self.generator = generator
         self.generator_tokenizer = generator_tokenizer
@@ -185,7 +188,7 @@ class RagModel(nn.Module):
             qenc = question_encoder
         else:
             qenc = default_query_encoder(kb, None if question_encoder is None else os.fspath(question_encoder))
-        gen, tok, _ = load_generator(generator, kind="seq2seq")
+        gen, tok, _ = load_generator(generator)
         denc = None
         if document_encoder is not None and config.uses_doc_encoder:
             from rag.knowledge.refresh import load_document_encoder
@@ -196,10 +199,20 @@ class RagModel(nn.Module):
     def _check_generator_tokens(self) -> None:
         if getattr(self.generator_tokenizer, "pad_token_id", None) is None:
             raise ConfigError("the generator tokenizer has no pad token; set one (tokenizer.pad_token = ...) and save it again")
+        if self.is_causal:
+            if getattr(self.generator_tokenizer, "eos_token_id", None) is None:
+                raise ConfigError("the causal generator's tokenizer has no EOS token, which ends every answer; set "
+                                  "tokenizer.eos_token and save it again")
+            return
         if self.decoder_start_token_id is None:
             raise ConfigError("the generator config has no decoder_start_token_id; set generator.config.decoder_start_token_id")
 
     # ------------------------------------------------------------------ properties
+    @property
+    def is_causal(self) -> bool:
+        """True for a decoder-only generator: p(y | x, z) is the LM's likelihood of the answer after a prompt of z and x."""
+        return self.generator_kind == "causal"
+
     @property
     def query_encoder_frozen(self) -> bool:
         """True when the query encoder receives no gradients (RAG-Frozen or RAG-BM25)."""
@@ -212,6 +225,8 @@ class RagModel(nn.Module):
 
     @property
     def decoder_start_token_id(self) -> Optional[int]:
+        if self.is_causal:  # a causal generator starts from its prompt's last token
+            return None
         gcfg = self.generator.config
         start = getattr(gcfg, "decoder_start_token_id", None)
         if start is None:
@@ -241,6 +256,8 @@ class RagModel(nn.Module):
             self.question_encoder.eval()
         if getattr(self, "doc_encoder", None) is not None and not self.config.train_doc_encoder:
             self.doc_encoder.eval()
+        if mode and getattr(self, "_prefix_cache", None) is not None:  # cached passage KV caches are of the old weights
+            self._prefix_cache.clear()
         return self
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -329,18 +346,27 @@ class RagModel(nn.Module):
         prefix = getattr(self.generator.config, "prefix", None) or ""
         return ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=prefix)
 
-    def prepare_inputs(self, questions: Sequence[str], n_docs: Optional[int] = None) -> RagInputs:
-        """Retrieve and build the tokenized generator contexts for B questions (what decoding needs)."""
+    def prepare_inputs(self, questions: Sequence[str], n_docs: Optional[int] = None, *,
+                       retrieval: Optional[str] = None) -> RagInputs:
+        """Retrieve and build the tokenized generator contexts for B questions (what decoding needs). `retrieval`:
+        ``dense`` | ``bm25`` | ``hybrid`` for this call instead of ``config.retrieval`` (None: the configured one)."""
         questions = check_strings(questions, "questions")
-        return self._prepare(questions, self._n_docs(n_docs))
+        return self._prepare(questions, self._n_docs(n_docs), retrieval)
 
-    def _prepare(self, questions: list[str], k: int) -> RagInputs:
-        need_q_tokens = self.config.retrieval == "dense" or self.config.hf_compat
+    def _prepare(self, questions: list[str], k: int, retrieval: Optional[str] = None) -> RagInputs:
+        kind = self.config.retrieval if retrieval is None else retrieval
+        need_q_tokens = kind != "bm25" or self.config.hf_compat
         q_inputs = self._tokenize_questions(questions) if need_q_tokens else None
-        retrieved, doc_scores = self.scoring.score(questions, k, question_inputs=q_inputs, device=_device_of(self.generator))
+        retrieved, doc_scores = self.scoring.score(questions, k, question_inputs=q_inputs, device=_device_of(self.generator),
+                                                   retrieval=retrieval)
+        device = _device_of(self.generator)
+        if self.is_causal:  # left-padded prompts "passage, question, answer header" (rag.generation.prompts)
+            from rag.models.rag.causal import causal_prompts
+
+            ids, mask, n_truncated, strings, width = causal_prompts(self, questions, retrieved.passages)
+            return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
         strings = self.context_strings(questions, retrieved, None if q_inputs is None else q_inputs["input_ids"])
         ids, mask, n_truncated = self._tokenize_contexts(strings)
-        device = _device_of(self.generator)
         return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings)
 
     def _tokenize_contexts(self, strings) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -410,6 +436,11 @@ class RagModel(nn.Module):
         special tokens as the tokenizer adds them: ``<s> … </s>`` for BART, ``… </s>`` for T5) and
         their mask ``(B, T)`` bool. Every one of these tokens is scored (see :func:`marginalize.shift_right`)."""
         targets = check_strings(targets, "targets")
+        if self.is_causal:  # the answer's tokens and EOS, scored after the prompt
+            from rag.models.rag.causal import causal_targets
+
+            ids, mask = causal_targets(self, targets)
+            return ids.to(_device_of(self.generator)), mask.to(_device_of(self.generator))
         enc = self.generator_tokenizer(
             targets, padding=True, truncation=True, max_length=self.config.max_target_length, return_tensors="pt"
         )
@@ -469,13 +500,18 @@ class RagModel(nn.Module):
         if len(questions) != len(targets) or (passages is not None and len(passages) != len(questions)):
             raise RagError(f"got {len(questions)} questions, {len(targets)} targets and "
                            f"{'no' if passages is None else len(passages)} passages; give one target (and passage) per question")
-        fmt = self.context_format
-        if passages is None:
-            strings = [fmt.prefix + q for q in questions]
-        else:
-            strings = [fmt.context(p.title, p.text, q) for q, p in zip(questions, passages)]
-        ids, mask, n_truncated = self._tokenize_contexts(strings)
         device = _device_of(self.generator)
+        if self.is_causal:
+            from rag.models.rag.causal import causal_prompts
+
+            ids, mask, n_truncated, strings, _ = causal_prompts(self, questions, None if passages is None else [[p] for p in passages])
+        else:
+            fmt = self.context_format
+            if passages is None:
+                strings = [fmt.prefix + q for q in questions]
+            else:
+                strings = [fmt.context(p.title, p.text, q) for q, p in zip(questions, passages)]
+            ids, mask, n_truncated = self._tokenize_contexts(strings)
         scores = torch.zeros(len(questions), 1, device=device)
         inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
         decoder_inputs, labels, label_mask = self.training_targets(targets)
@@ -501,6 +537,10 @@ class RagModel(nn.Module):
         b, t = labels.shape
         k = inputs.doc_scores.shape[1]
         ids, mask = inputs.context_input_ids, inputs.context_attention_mask
+        if self.is_causal:  # prompt ∘ answer, one pass over the B·K rows (rag.models.rag.causal)
+            from rag.models.rag.causal import causal_logits
+
+            return causal_logits(self.generator, ids, mask, labels, k)
         if decoder_input_ids is None:
             decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)  # (B, T)
 

@@ -391,13 +391,17 @@ class InContextRALM:
     scoring its last ``window_step`` tokens, so every token is predicted from at least max_length − window_step (by
     default more than half the window) preceding tokens, or all of them near the start, and the LM reads about
     max_length / window_step (by default 2) times the text's tokens. `reranker` (§6) chooses among the top ``config.k``.
+    `scorer`: a :class:`CausalScorer` to use instead of one over `model` (e.g. a black-box LM behind an OpenAI-compatible
+    endpoint, :class:`~rag.models.replug.lm_scorer.RemoteCausalScorer`, which scores whole windows: ``scorer.whole_windows``).
     """
 
-    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[DocumentScorer] = None):
+    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[DocumentScorer] = None,
+                 *, scorer: Optional[CausalScorer] = None):
         self.config = config or RalmConfig()
         self.config.check()
-        self.scorer = CausalScorer(model, tokenizer, max_length=self.config.max_length, doc_max_length=self.config.doc_max_length,
-                                   batch_size=self.config.batch_size)
+        self.scorer = scorer if scorer is not None else CausalScorer(
+            model, tokenizer, max_length=self.config.max_length, doc_max_length=self.config.doc_max_length,
+            batch_size=self.config.batch_size)
         self.retriever, self.reranker = retriever, reranker
         if self.config.ensemble is not None and (reranker is not None or retriever is None):
             raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval (--retrieval bm25|dense) "
@@ -546,7 +550,11 @@ class InContextRALM:
         if plain:
             for (n, _, _), lp in zip(plain, self.scorer.score_positions([w for _, w, _ in plain], [p for *_, p in plain], progress=bar)):
                 out[n] = lp
-        if after:
+        if after and getattr(self.scorer, "whole_windows", False):  # a black-box LM shares no keys/values: doc ∘ suffix each
+            windows = [(docs[d] + list(suffix), positions) for _, (d, suffix, positions) in after]
+            for (n, _), lp in zip(after, self.scorer.score_positions([w for w, _ in windows], [p for _, p in windows], progress=bar)):
+                out[n] = lp
+        elif after:
             for (n, _), lp in zip(after, score_after_documents(self.scorer, docs, [w for _, w in after], progress=bar)):
                 out[n] = lp
         return out

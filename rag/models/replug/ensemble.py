@@ -25,9 +25,10 @@ import torch
 from torch import Tensor
 
 from rag.generation.answers import Answer, PassageProvenance, through_eos
-from rag.generation.decoding import TokenMarginalDecoder
+from rag.generation.decoding import token_marginal_search
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood, rag_token_log_likelihood
-from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
+from rag.generation.prompts import left_pad
+from rag.generation.search import GenerationConfig, config_token_id, resolve_spec
 from rag.models.ralm.generate import check_new_token_lengths, continuation_text
 from rag.models.ralm.model import window_start
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
@@ -95,16 +96,6 @@ def replug_score_options(lm: LMScorer, question: str, options: Sequence[str], do
     return torch.stack(out)
 
 
-def _left_pad(rows: list[list[int]], pad: int) -> tuple[Tensor, Tensor]:
-    width = max(map(len, rows))
-    ids = torch.full((len(rows), width), pad, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for r, row in enumerate(rows):
-        ids[r, width - len(row):] = torch.tensor(row, dtype=torch.long)
-        mask[r, width - len(row):] = 1
-    return ids, mask
-
-
 @torch.no_grad()
 def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence[Sequence[str]], scores, *,
                     retrieval_temperature: float = 1.0, config: GenerationConfig = GenerationConfig(),
@@ -160,34 +151,22 @@ def replug_search(model, streams: Sequence[Sequence[int]], windows: Sequence[Seq
     Returns:
         ``(B * num_return_sequences, T)`` sequences and their scores, as :func:`replug_generate`.
     """
-    from rag.generation.causal import CausalLMDecoder
+    from rag.generation.causal import CausalLMDecoder, CausalPrompts
 
     b, k = log_prior.shape
     if len(windows) != b or any(len(w) != k for w in windows):
         raise RagError(f"windows must be {b} lists of {k} token lists, one per (input, document)")
     eos = config_token_id(config, model, "eos_token_id", True)
-    start, _ = _left_pad([list(s) for s in streams], pad)
+    start, _ = left_pad([list(s) for s in streams], pad)
     spec = resolve_spec(config, model, prompt_len=start.shape[1], pad_fallback=eos)
-    beams = config.num_beams
     dev = next(model.parameters()).device
-    ids, mask = _left_pad([list(w) for ws in windows for w in ws], pad)  # rows (input, document)
-    prior = log_prior.float()
-    if beams == 1:
-        if config.num_return_sequences != 1:
-            raise ConfigError("GenerationConfig.num_return_sequences > 1 needs beam search (num_beams >= num_return_sequences)")
-        decoder = TokenMarginalDecoder(CausalLMDecoder(model, ids.to(dev), mask.to(dev)), prior.to(dev))
-        if config.do_sample:
-            return sample(decoder, start.to(dev), spec, rng)
-        return greedy_search(decoder, start.to(dev), spec)
-    if config.num_return_sequences > beams:
-        raise ConfigError(f"GenerationConfig.num_return_sequences={config.num_return_sequences} exceeds num_beams={beams}")
-    # rows (input, beam, document): every beam of an input holds the k prompts of that input
-    ids = ids.view(b, 1, k, -1).expand(b, beams, k, ids.shape[1]).reshape(b * beams * k, -1)
-    mask = mask.view(b, 1, k, -1).expand(b, beams, k, mask.shape[1]).reshape(b * beams * k, -1)
-    decoder = TokenMarginalDecoder(CausalLMDecoder(model, ids.to(dev), mask.to(dev)), prior.repeat_interleave(beams, 0).to(dev))
-    found = beam_search(decoder, start.to(dev), spec)
-    seqs, sc, _ = found.crop(config.num_return_sequences)
-    return seqs.reshape(-1, seqs.shape[-1]), sc.reshape(-1)
+    ids, mask = left_pad([list(w) for ws in windows for w in ws], pad)  # prompts (input, document), each prefilled once
+    prompts = CausalPrompts(ids.to(dev), mask.to(dev))
+    # decoder rows (input, beam, document): every beam of an input continues the k prompts of that input
+    rows = (torch.arange(b, device=dev)[:, None, None] * k + torch.arange(k, device=dev)).expand(b, config.num_beams, k)
+    decoder = CausalLMDecoder(model, prompts=prompts, prompt_of_row=rows.reshape(-1))
+    seqs, scores, _ = token_marginal_search(decoder, start.to(dev), log_prior.float().to(dev), spec, rng)
+    return seqs, scores
 
 
 def replug_answers(ralm, prompts: list[str], config, rng, kb_version: str) -> list[Answer]:

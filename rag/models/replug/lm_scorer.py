@@ -5,8 +5,12 @@ the prompt and the tokens before it — nothing else of the LM is needed (no log
 
 * :class:`LocalLMScorer`: a transformers causal LM on this machine (batched, one forward pass per batch);
 * :class:`CompletionsLMScorer`: any OpenAI-compatible ``/v1/completions`` endpoint that returns prompt log-probs
-  (``echo=True, logprobs=1, max_tokens=0``, as vLLM serves them), over httpx with a timeout, bounded retries and clear
-  errors when the endpoint fails, times out or returns no log-probs.
+  (``echo=True, logprobs=1, max_tokens=0``, as vLLM and ``rag serve`` serve them), over httpx with a timeout, bounded
+  retries and clear errors when the endpoint fails, times out or returns no log-probs.
+
+:class:`RemoteCausalScorer` puts such an endpoint under In-Context RALM's evaluation (``rag lm-eval --lm-endpoint``,
+REPLUG's ensemble included): windows of token ids are sent as token-id prompts and scored by the endpoint; only the
+tokenizer is loaded here.
 
 :class:`ScoreCache` memoises scores by (LM identity, document, input, continuation), so REPLUG LSR never asks the LM
 for the same pair twice (:func:`document_logprobs`).
@@ -24,13 +28,14 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from rag.models.ralm.model import DEFAULT_MAX_LENGTH, CausalScorer
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LMScorer", "LocalLMScorer", "CompletionsLMScorer", "LMEndpointError", "ScoreCache", "replug_prompt", "document_logprobs",
-           "check_text"]
+__all__ = ["LMScorer", "LocalLMScorer", "CompletionsLMScorer", "RemoteCausalScorer", "LMEndpointError", "ScoreCache", "replug_prompt",
+           "document_logprobs", "check_text"]
 
 PROMPT_SEP = "\n\n"
 
@@ -145,9 +150,10 @@ class CompletionsLMScorer:
     """Prompt log-probs from an OpenAI-compatible completions endpoint (vLLM, llama.cpp server, ...).
 
     One request scores up to `batch_size` pairs: ``prompt = prompt + continuation`` with ``echo=True, logprobs=1,
-    max_tokens=0, temperature=0``; the continuation's tokens are those whose ``text_offset`` is at or after the end of the
-    prompt (so the endpoint's tokenizer must start a token where the continuation starts — true for byte-level BPE when
+    max_tokens=0, temperature=0``; the continuation's tokens are those whose ``text_offset`` lies in the continuation
+    (so the endpoint's tokenizer must start a token where the continuation starts — true for byte-level BPE when
     the continuation starts with a space or the prompt ends with a newline; otherwise the pair is refused, not guessed).
+    Tokens after the continuation (a server that generates although ``max_tokens`` is 0 or 1) are not read.
 
     Args:
         base_url: the server's API root, e.g. ``http://localhost:8000/v1`` (``/completions`` is appended).
@@ -157,10 +163,11 @@ class CompletionsLMScorer:
         max_retries: retries after a timeout, a connection error or a 5xx / 429 status (then :class:`LMEndpointError`).
         backoff: seconds before the first retry, doubled each time.
         batch_size: pairs per request.
+        max_tokens: the ``max_tokens`` sent (0; llama.cpp's server reads 0 as "no limit": send 1 there).
     """
 
     def __init__(self, base_url: str, model: str, *, api_key: Optional[str] = None, timeout: float = 30.0, max_retries: int = 3,
-                 backoff: float = 0.5, batch_size: int = 16, transport=None):
+                 backoff: float = 0.5, batch_size: int = 16, transport=None, max_tokens: int = 0):
         try:
             import httpx
         except ImportError as e:  # pragma: no cover - httpx ships with the dev and remote-lm extras
@@ -172,8 +179,10 @@ class CompletionsLMScorer:
         check_number(backoff, "backoff", low=0, error=ConfigError)
         check_number(max_retries, "max_retries", integer=True, low=0, error=ConfigError)
         check_positive_int(batch_size, "batch_size", error=ConfigError)
+        check_number(max_tokens, "max_tokens", integer=True, low=0, error=ConfigError)
         self.url = base_url.rstrip("/") + "/completions"
         self.model, self.timeout, self.max_retries, self.backoff, self.batch_size = model, float(timeout), max_retries, float(backoff), batch_size
+        self.max_tokens = max_tokens
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=self.timeout, headers=headers, transport=transport)
         self._httpx = httpx
@@ -223,15 +232,39 @@ class CompletionsLMScorer:
         out: list[np.ndarray] = []
         for lo in range(0, len(prompts), self.batch_size):
             ps, cs = list(prompts[lo:lo + self.batch_size]), list(continuations[lo:lo + self.batch_size])
-            reply = self._post({"model": self.model, "prompt": [p + c for p, c in zip(ps, cs)], "max_tokens": 0, "echo": True,
-                                "logprobs": 1, "temperature": 0})
-            choices = reply.get("choices") if isinstance(reply, dict) else None
-            if not isinstance(choices, list) or len(choices) != len(ps):
-                raise LMEndpointError(f"the LM endpoint {self.url} returned {len(choices) if isinstance(choices, list) else 'no'} "
-                                      f"choices for {len(ps)} prompts")
-            by_index = sorted(choices, key=lambda c: c.get("index", 0)) if all("index" in c for c in choices) else choices
-            for i, (choice, p, c) in enumerate(zip(by_index, ps, cs)):
+            choices = self._choices([p + c for p, c in zip(ps, cs)])
+            for i, (choice, p, c) in enumerate(zip(choices, ps, cs)):
                 out.append(self._continuation(choice, p, c, lo + i))
+        return out
+
+    def _choices(self, prompts: list) -> list[dict]:
+        """The endpoint's choices for `prompts` (texts or token-id lists), one per prompt, in order."""
+        reply = self._post({"model": self.model, "prompt": prompts, "max_tokens": self.max_tokens, "echo": True,
+                            "logprobs": 1, "temperature": 0})
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prompts) or not all(isinstance(c, dict) for c in choices):
+            raise LMEndpointError(f"the LM endpoint {self.url} returned {len(choices) if isinstance(choices, list) else 'no'} "
+                                  f"choices for {len(prompts)} prompts")
+        return sorted(choices, key=lambda c: c.get("index", 0)) if all("index" in c for c in choices) else choices
+
+    def token_logprobs(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """log p(window[t] | window[:t]) at each ``t >= 1`` of ``positions[i]``, the windows sent as token-id prompts
+        (the OpenAI API's ``prompt: [[ids]]``): the endpoint reads exactly these tokens (no BOS added, no re-tokenizing),
+        so its LM must share the tokenizer they came from."""
+        out: list[np.ndarray] = []
+        for lo in range(0, len(windows), self.batch_size):
+            ws = [list(map(int, w)) for w in windows[lo:lo + self.batch_size]]
+            for i, (choice, w, pos) in enumerate(zip(self._choices(ws), ws, positions[lo:lo + self.batch_size])):
+                lp = choice.get("logprobs")
+                values = lp.get("token_logprobs") if isinstance(lp, dict) else None
+                if not isinstance(values, list) or len(values) < len(w):
+                    raise LMEndpointError(f"the LM endpoint {self.url} returned {len(values) if isinstance(values, list) else 'no'} "
+                                          f"token log-probs for window {lo + i} of {len(w)} tokens; it must support token-id "
+                                          "prompts with echo=True and logprobs")
+                picked = [values[t] for t in pos]
+                if any(v is None or not isinstance(v, (int, float)) or not math.isfinite(v) for v in picked):
+                    raise LMEndpointError(f"the LM endpoint {self.url} returned a missing or non-finite log-prob in window {lo + i}")
+                out.append(np.asarray(picked, dtype=np.float64))
         return out
 
     def _continuation(self, choice: dict, prompt: str, cont: str, i: int) -> np.ndarray:
@@ -247,11 +280,83 @@ class CompletionsLMScorer:
             raise LMEndpointError(f"pair {i}: the endpoint's tokenizer merged the end of the prompt with the start of the continuation "
                                   f"{cont[:30]!r} into one token, so the continuation's log-prob cannot be separated; start the "
                                   "continuation with a space or end the prompt with a newline")
-        picked = [v for o, v in zip(offsets, values) if o >= start]
+        picked = [v for o, v in zip(offsets, values) if start <= o < start + len(cont)]
         if not picked or any(v is None or not isinstance(v, (int, float)) or math.isnan(v) for v in picked):
             raise LMEndpointError(f"the LM endpoint {self.url} returned a missing log-prob for a continuation token of pair {i}; "
                                   "an empty prompt has no context for its first token — give a non-empty prompt")
         return np.asarray(picked, dtype=np.float64)
+
+
+# ---------------------------------------------------------------------------- In-Context RALM's scorer over an endpoint
+
+
+class RemoteCausalScorer(CausalScorer):
+    """In-Context RALM's :class:`~rag.models.ralm.model.CausalScorer` with a black-box LM: the tokenizer is local, every
+    window is scored by an OpenAI-compatible endpoint (:meth:`CompletionsLMScorer.token_logprobs`).
+
+    Same windows, documents and positions as the local scorer; windows after a document are sent whole
+    (``whole_windows``: a remote LM shares no keys/values between requests), so the evaluation's numbers agree with the
+    local run up to float rounding of different batch shapes.
+
+    Args:
+        tokenizer: the endpoint LM's tokenizer. positions: its window (``n_positions``); max_length: the window used
+            (default: min(positions, 1024), as the local scorer). doc_max_length, batch_size: as the local scorer's
+            (``batch_size`` windows per request). lm: the endpoint.
+    """
+
+    whole_windows = True
+
+    def __init__(self, tokenizer, lm: "CompletionsLMScorer", *, positions: int, max_length: Optional[int] = None,
+                 doc_max_length: int = 256, batch_size: int = 8):  # no super().__init__: there is no local model
+        ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if ctx is None or pad is None:
+            raise ConfigError("the LM's tokenizer has neither a pad/BOS nor an EOS token; set tokenizer.eos_token and save it again")
+        self.tokenizer, self.lm, self.ctx_id, self.pad_id = tokenizer, lm, int(ctx), int(pad)
+        self.max_length = int(max_length) if max_length is not None else min(int(positions), DEFAULT_MAX_LENGTH)
+        if self.max_length > positions:
+            raise ConfigError(f"--max-length {self.max_length} exceeds the LM's {positions} positions; lower it")
+        self.doc_max_length, self.batch_size = int(doc_max_length), int(batch_size)
+        self._doc_cache: dict = {}
+
+    @classmethod
+    def from_pretrained(cls, path, lm: "CompletionsLMScorer", **kw) -> "RemoteCausalScorer":
+        """The tokenizer and window of the causal LM at `path` (a directory, or a demo LM name such as ``"smollm2"``);
+        its weights are not loaded."""
+        import os
+
+        from transformers import AutoConfig, AutoTokenizer
+
+        from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
+        from rag.knowledge.encoders import resolve_name_or_path
+
+        if os.fspath(path) in DEMO_LM_NAMES and not os.path.isdir(os.fspath(path)):
+            path = prepare_demo_lm()
+        src = resolve_name_or_path(os.fspath(path))
+        try:
+            config, tok = AutoConfig.from_pretrained(src), AutoTokenizer.from_pretrained(src)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"cannot load the tokenizer of {os.fspath(path)!r} ({e}); --model names the endpoint LM's "
+                              "tokenizer directory") from e
+        positions = getattr(config, "n_positions", None) or getattr(config, "max_position_embeddings", None) or 1024
+        return cls(tok, lm, positions=int(positions), **kw)
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    head_split = None
+
+    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
+        """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]``, from the endpoint."""
+        for i, (w, pos) in enumerate(zip(windows, positions)):
+            pos = list(pos)
+            if pos and (min(pos) < 1 or max(pos) >= len(w)):
+                raise RagError(f"window {i}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
+        out = self.lm.token_logprobs(windows, [list(p) for p in positions])
+        if progress is not None:
+            progress.update(sum(len(p) for p in out))
+        return out
 
 
 # ---------------------------------------------------------------------------- the score cache

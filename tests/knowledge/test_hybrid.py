@@ -1,0 +1,102 @@
+"""Hybrid retrieval: reciprocal rank fusion of the dense and BM25 rankings, the dense prior's gradient, per-call choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from rag.knowledge.hybrid import HybridRetriever, reciprocal_rank_fusion
+from rag.utils.errors import ConfigError, KnowledgeBaseError
+
+
+def test_reciprocal_rank_fusion_sums_inverse_ranks():
+    dense = np.array([[4, 7, 9]])
+    bm25 = np.array([[7, 1, 4]])
+    rows, scores = reciprocal_rank_fusion([dense, bm25], 4, rrf_k=60)
+    want = {4: 1 / 61 + 1 / 63, 7: 1 / 62 + 1 / 61, 9: 1 / 63, 1: 1 / 62}
+    assert rows[0].tolist() == [7, 4, 1, 9]  # in both lists first; 1 and 9 once each, the better rank first
+    assert np.allclose(scores[0], [want[r] for r in rows[0].tolist()])
+
+
+def test_fusion_ties_keep_the_first_rankings_order_and_missing_rows_are_padding():
+    rows, scores = reciprocal_rank_fusion([np.array([[3, -1]]), np.array([[5, -1]])], 3)
+    assert rows[0].tolist() == [3, 5, -1] and scores[0, 2] == 0
+    with pytest.raises(ConfigError, match="hybrid_rrf_k"):
+        reciprocal_rank_fusion([np.array([[1]])], 1, rrf_k=0)
+
+
+@pytest.fixture(scope="module")
+def kb(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_dir):
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    out = tmp_path_factory.mktemp("hybrid") / "kb"
+    KnowledgeBase.build(demo_passages[:40], TextEncoder(tiny_dpr_context_dir), out, index="flat", bm25=True,
+                        query_encoder=tiny_dpr_question_dir, show_progress=False)
+    return KnowledgeBase.open(out)
+
+
+def test_hybrid_retrieval_is_the_fusion_of_the_two_retrievers(kb):
+    from rag.knowledge.retriever import default_query_encoder
+
+    hybrid = HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb))
+    questions = ["which element has the symbol Li?", "what is a noble gas?"]
+    got = hybrid.retrieve(questions, 3)
+    dense, bm25 = hybrid.dense.retrieve(questions, 3), hybrid.bm25.retrieve(questions, 3)
+    want, _ = reciprocal_rank_fusion([dense.rows.numpy(), bm25.rows.numpy()], 3)
+    assert got.rows.tolist() == want.tolist()
+    assert got.kb_version == kb.served_version
+    assert torch.equal(got.doc_embeds, kb.get_embeddings(got.rows))  # stored vectors: the dense prior can be recomputed
+    assert [p.title for p in got.passages[0]] == [kb.get_passages(got.rows.numpy())[0][j].title for j in range(3)]
+
+
+def test_a_knowledge_base_without_bm25_is_refused_naming_the_fix(tmp_path, demo_passages, tiny_dpr_context_dir):
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    KnowledgeBase.build(demo_passages[:5], TextEncoder(tiny_dpr_context_dir), tmp_path / "kb", index="flat", show_progress=False)
+    kb = KnowledgeBase.open(tmp_path / "kb")
+    encoder = TextEncoder(tiny_dpr_context_dir)
+    with pytest.raises(KnowledgeBaseError, match="--bm25"):
+        HybridRetriever.from_knowledge_base(kb, encoder)
+
+
+def test_rag_with_hybrid_retrieval_trains_the_query_encoder_through_the_dense_prior(kb, tiny_dpr_question_dir, tiny_bart_dir):
+    from rag.models.rag.model import RagModel, RagModelConfig
+
+    model = RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, RagModelConfig(n_docs=3, retrieval="hybrid"))
+    model.train()
+    questions = ["which element has the symbol Li?", "what is the atomic number of helium?"]
+    out = model(questions, ["Lithium", "2"])
+    fused = model.scoring.retriever.retrieve(questions, 3)
+    assert out.retrieved.rows.tolist() == fused.rows.tolist()
+    q = model.question_encoder(**model.scoring.tokenize_questions(questions))
+    torch.testing.assert_close(out.doc_scores, torch.einsum("bd,bkd->bk", q, fused.doc_embeds), atol=1e-5, rtol=1e-5)
+    out.loss.backward()
+    assert sum(float(p.grad.abs().sum()) for p in model.question_encoder.parameters() if p.grad is not None) > 0
+
+
+def test_retrieval_can_be_chosen_per_call_and_follows_a_swap(kb, tiny_dpr_question_dir, tiny_bart_dir, tmp_path, demo_passages,
+                                                             tiny_dpr_context_dir):
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.hotswap import KnowledgeBaseSlot
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models.rag.model import RagModel, RagModelConfig
+    from rag.pipeline.api import RagPipeline
+
+    pipe = RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, RagModelConfig(n_docs=2)))
+    q = ["which element has the symbol Li?"]
+    bm25 = pipe.retrieve(q, k=2, retrieval="bm25")[0]
+    from rag.knowledge.bm25 import BM25Retriever
+
+    want = BM25Retriever.from_knowledge_base(kb).retrieve(q, 2)
+    assert [p.id for p in bm25.passages] == [p.id for p in want.passages[0]]
+    [a] = pipe.generate(q, retrieval="hybrid", max_new_tokens=3)
+    assert len(a.passages) == 2
+    KnowledgeBase.build(demo_passages[40:60], TextEncoder(tiny_dpr_context_dir), tmp_path / "kb2", index="flat", bm25=True,
+                        show_progress=False)
+    KnowledgeBaseSlot(pipe.retriever).swap(tmp_path / "kb2")
+    after = pipe.retrieve(q, k=2, retrieval="hybrid")[0]
+    assert after.kb_version != bm25.kb_version
+    assert {p.id for p in after.passages} <= {p.id for p in demo_passages[40:60]}
