@@ -272,11 +272,13 @@ def cases(f: dict, w: Path) -> list[Case]:
     # the generation-options schema takes temperatures from 1e-4: refused below; computed in log space from there on
     out.append(Case("results", "generate causal --ensemble 2 --retrieval-temperature 1e-300", [
         "generate", "--model", f["gpt2"], "--kb", f["kb"], "--retrieval", "bm25", "--ensemble", "2",
-        "--retrieval-temperature", "1e-300", "--max-new-tokens", "4", "--json", "The oxygen element is"], "refuse",
+        "--retrieval-temperature", "1e-300", "--max-new-tokens", "4", "--doc-max-length", "32", "--json",
+        "The oxygen element is"], "refuse",
         "--retrieval-temperature"))
     out.append(Case("results", "generate causal --ensemble 2 --retrieval-temperature 1e-4 --json", [
         "generate", "--model", f["gpt2"], "--kb", f["kb"], "--retrieval", "bm25", "--ensemble", "2",
-        "--retrieval-temperature", "1e-4", "--max-new-tokens", "4", "--json", "The oxygen element is"], "ok", check=finite_json))
+        "--retrieval-temperature", "1e-4", "--max-new-tokens", "4", "--doc-max-length", "32", "--json",
+        "The oxygen element is"], "ok", check=finite_json))
     hm = w / "hm"
 
     def kept(r: Result) -> Optional[str]:

@@ -48,7 +48,7 @@ class LoraSettings:
     pass stops there: the frozen lower layers run without a graph, so a CPU training step costs much less."""
 
     def __post_init__(self) -> None:
-        from rag.utils.validate import check_number, check_positive_int
+        from rag.utils.validate import check_number, check_positive_int, is_integer
 
         check_positive_int(self.r, "model.generator_lora.r", error=ConfigError)
         self.alpha = check_number(self.alpha, "model.generator_lora.alpha", low=0.0, error=ConfigError)
@@ -57,7 +57,7 @@ class LoraSettings:
             value = getattr(self, name)
             if value is not None and (isinstance(value, str) or not isinstance(value, Sequence) or not value):
                 raise ConfigError(f"model.generator_lora.{name} must be a non-empty list or null, got {value!r}")
-        if self.layers is not None and any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in self.layers):
+        if self.layers is not None and any(not is_integer(i) or i < 0 for i in self.layers):
             raise ConfigError(f"model.generator_lora.layers must list layer indices >= 0, got {self.layers!r}")
 
 

@@ -30,6 +30,7 @@ import torch
 
 from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_positive_int
 
 __all__ = ["RRF_K", "reciprocal_rank_fusion", "HybridRetriever"]
 
@@ -43,8 +44,7 @@ def reciprocal_rank_fusion(rankings: Sequence[np.ndarray], k: int, *, rrf_k: int
     ranking's order first). Rows that no ranking holds are -1 with score 0."""
     if not rankings:
         raise ConfigError("reciprocal_rank_fusion needs at least one ranking")
-    if isinstance(rrf_k, bool) or not isinstance(rrf_k, int) or rrf_k < 1:
-        raise ConfigError(f"hybrid_rrf_k={rrf_k!r} must be an integer >= 1 (60 is the usual constant)")
+    check_positive_int(rrf_k, "hybrid_rrf_k (60 is the usual constant)", error=ConfigError)
     batch = rankings[0].shape[0]
     rows = np.full((batch, k), -1, dtype=np.int64)
     scores = np.zeros((batch, k), dtype=np.float32)

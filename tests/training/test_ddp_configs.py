@@ -44,6 +44,9 @@ SHRUNK = {
                                 "--model.build_knowledge_base_from", "demo", "--model.k", "4", "--data.train", "demo:train",
                                 "--data.val", "demo:dev", "--data.max_eval_examples", "8"],
     "retrobust_reader_smollm2.yaml": ["--model.lm", "tiny:gpt2", "--trainer.accelerator", "cpu"],
+    # the causal CPU recipe (SmolLM2 with LoRA on layers 16-29) with a tiny random GPT-2, LoRA on its two layers
+    "cpu_causal_reader.yaml": ["--model.generator", "{tiny_gpt2}", "--model.generator_lora.target_modules", "[c_attn,c_proj]",
+                               "--model.generator_lora.layers", "[0,1]", "--data.max_eval_examples", "8"],
 }
 AS_SHIPPED = ("tiny_cpu.yaml", "tiny_cpu_refresh.yaml", "replug_lsr_tiny.yaml", "ralm_reranker_tiny.yaml",
               "retrobust_reader_tiny.yaml")
@@ -58,9 +61,14 @@ def test_every_shipped_config_is_covered():
 
 
 @pytest.fixture(scope="module")
-def workdir(tmp_path_factory) -> Path:
-    """One working directory for all runs: the demo knowledge base the configs build in .cache/ is built once."""
-    return tmp_path_factory.mktemp("ddp_configs")
+def workdir(tmp_path_factory, bpe_tokenizer) -> Path:
+    """One working directory for all runs: the demo knowledge base the configs build in .cache/ is built once; and a
+    tiny random GPT-2 (``tiny_gpt2/``) for the causal recipe."""
+    from rag.generators.tiny import save, tiny_gpt2
+
+    root = tmp_path_factory.mktemp("ddp_configs")
+    save(tiny_gpt2(bpe_tokenizer, max_positions=512), bpe_tokenizer, root / "tiny_gpt2")
+    return root
 
 
 @pytest.mark.slow  # each config: two processes start torch + Lightning, load their models and take 3 steps
@@ -72,7 +80,8 @@ def test_config_trains_under_ddp_on_two_cpu_processes(workdir, name):
             "--trainer.max_epochs", "1", "--trainer.num_sanity_val_steps", "0", "--trainer.limit_val_batches", "1",
             "--trainer.val_check_interval", str(STEPS), "--trainer.check_val_every_n_epoch", "null",
             "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-            "--trainer.default_root_dir", str(root), *SHRUNK.get(name, [])]
+            "--trainer.default_root_dir", str(root),
+            *(a.replace("{tiny_gpt2}", str(workdir / "tiny_gpt2")) for a in SHRUNK.get(name, []))]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     run = subprocess.run(argv, cwd=workdir, env=env, capture_output=True, text=True, timeout=1200)
     assert run.returncode == 0, run.stderr[-6000:]
