@@ -14,8 +14,10 @@ DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer questions with the bundled demo model and knowledge base (offline)",
-                       description="Runs the embedded default: the demo RAG model (checkpoints/demo) answering from the Elements "
-                                   "corpus encoded with the bundled all-MiniLM-L6-v2. The knowledge base is built on first use.")
+                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: SmolLM2-135M-Instruct "
+                                   "with a LoRA adapter) answering from the Elements corpus through hybrid retrieval (the "
+                                   "bundled all-MiniLM-L6-v2 and BM25). The knowledge base is built and the reader converted "
+                                   "from its GGUF file on first use.")
     p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} held-out examples)")
     p.add_argument("--kb", default=None, help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
@@ -38,9 +40,14 @@ def cmd_demo(args) -> int:
     if not args.json:
         print(f"demo knowledge base: {kb.path} ({kb.version}, {len(kb)} passages, {kb.index_spec.kind})")
     if args.retrieve_only:
-        from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+        from rag.demo.model import demo_checkpoint_dir
+        from rag.knowledge.retriever_kinds import retriever_for_kind
+        from rag.utils.files import read_json
 
-        _print_results(questions, DenseRetriever(kb, default_query_encoder(kb)).retrieve(questions, args.k), args.json)
+        # the default model's own retrieval (hybrid), read from its config without loading the reader
+        meta = read_json(demo_checkpoint_dir() / "rag_config.json", fix="reinstall rag")
+        kind = (meta.get("config") or {}).get("retrieval") or "dense"
+        _print_results(questions, retriever_for_kind(kind, kb).retrieve(questions, args.k), args.json)
         return 0
     from rag.cli.generate import print_answer
     from rag.demo.model import demo_checkpoint_dir
@@ -49,6 +56,6 @@ def cmd_demo(args) -> int:
     pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
     if not args.json:
         print(f"demo model: {demo_checkpoint_dir()} (see checkpoints/README.md for how it was trained and how well it does)")
-    for a in pipe.generate(questions, num_beams=1, max_new_tokens=16):
+    for a in pipe.generate(questions):  # the model's stored decoding settings
         print_answer(a, as_json=args.json, show_passages=args.k)
     return 0

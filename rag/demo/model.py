@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 from rag.utils.errors import ConfigError
 
@@ -11,16 +12,18 @@ CHECKPOINTS_DIR = Path(__file__).parent / "checkpoints"
 checkpoints in an installed wheel (setup.cfg's package_data), so `rag demo` works either way."""
 
 DEMO_MODELS = {
-    "demo": "RAG-Sequence over a warm-started seq2seq reader with a copy head (checkpoints/make_demo.py)",
     "demo_causal": "RAG-Sequence over SmolLM2-135M-Instruct with a LoRA adapter (checkpoints/make_demo_causal.py)",
+    "demo": "RAG-Sequence over a warm-started seq2seq reader with a copy head (checkpoints/make_demo.py)",
 }
-"""The demo models by directory name, the default first. `demo_causal` is made by checkpoints/make_demo_causal.py; it is
-not bundled yet (its measured comparison with `demo` has not been made), so the seq2seq reader stays the default."""
-DEFAULT_DEMO = "demo"
+"""The demo models by directory name, the default first. The causal reader is the default because it answers better
+on held-out and on naturally phrased questions, measured side by side (checkpoints/README.md,
+benchmarks/demo_readers.py); ``rag.load("demo-seq2seq")`` / ``--model demo-seq2seq`` still load the other."""
+DEFAULT_DEMO = "demo_causal"
 
 
-def demo_checkpoint_dir(name: str = DEFAULT_DEMO) -> Path:
-    """A bundled demo RAG model (default: :data:`DEFAULT_DEMO`, what `rag demo`, `rag generate` and `rag.load("demo")` use)."""
+def demo_checkpoint_dir(name: Optional[str] = None) -> Path:
+    """A bundled demo RAG model (None: :data:`DEFAULT_DEMO`, what `rag demo`, `rag generate` and `rag.load("demo")` use)."""
+    name = DEFAULT_DEMO if name is None else name
     if name not in DEMO_MODELS:
         raise ConfigError(f"unknown demo model {name!r}; the bundled ones are {sorted(DEMO_MODELS)}")
     path = CHECKPOINTS_DIR / name

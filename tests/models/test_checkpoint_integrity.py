@@ -152,11 +152,14 @@ def test_demo_knowledge_base_is_referenced_by_name(monkeypatch, tmp_path):
         "path": str((tmp_path / "far" / "a" / "b" / "kb").resolve())}
 
 
-def test_bundled_demo_checkpoint_references_no_machine_path():
+@pytest.mark.parametrize("name", ["demo_causal", "demo"])
+def test_bundled_demo_checkpoint_references_no_machine_path(name):
     from rag.demo.model import demo_checkpoint_dir
 
-    ref = json.loads((demo_checkpoint_dir() / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
+    text = (demo_checkpoint_dir(name) / CHECKPOINT_CONFIG).read_text()
+    ref = json.loads(text)["knowledge_base"]
     assert ref["name"] == "demo" and ref["path"] is None
+    assert "/root" not in text and "/home" not in text and "/tmp" not in text and ".cache" not in text
 
 
 def test_a_rebuild_of_the_same_passages_is_not_warned_about_another_knowledge_base_is(
@@ -185,11 +188,12 @@ def test_a_rebuild_of_the_same_passages_is_not_warned_about_another_knowledge_ba
     assert [r for r in caplog.records if r.levelno == logging.WARNING and "the model was saved with" in r.message]
 
 
-def test_the_bundled_demo_checkpoint_knows_the_demo_passages():
+@pytest.mark.parametrize("name", ["demo_causal", "demo"])
+def test_the_bundled_demo_checkpoint_knows_the_demo_passages(name):
     """`rag demo` rebuilds the demo knowledge base on the user's machine: its passages must match the recorded digest."""
     from rag.demo import load_demo_corpus
     from rag.demo.model import demo_checkpoint_dir
     from rag.knowledge.manifest import passages_digest
 
-    ref = json.loads((demo_checkpoint_dir() / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
+    ref = json.loads((demo_checkpoint_dir(name) / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
     assert ref["passages_digest"] == passages_digest(load_demo_corpus())

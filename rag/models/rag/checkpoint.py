@@ -171,7 +171,9 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
                 "class": type(base_model_of(model.generator)).__name__,
                 "kind": model.generator_kind,
                 "model_type": getattr(model.generator.config, "model_type", None),
-                "name": getattr(model.generator.config, "_name_or_path", None) or None,
+                # an adapter's base by the name it was loaded by ("smollm2"), never this machine's path to it
+                "name": adapter["base"]["name"] if adapter is not None
+                else getattr(model.generator.config, "_name_or_path", None) or None,
                 **({"adapter": adapter} if adapter is not None else {}),
             },
             "knowledge_base": kb_ref,
