@@ -50,7 +50,7 @@ def evaluate_checkpoint(path: Path, splits=("dev", "test", "natural")) -> dict:
     from rag.pipeline.api import load
 
     pipe = load(path)
-    return {s: {k: v for k, v in evaluate(pipe, s, 8).items() if k != "answers"} for s in splits}
+    return {s: {k: v for k, v in evaluate(pipe, s, 8).items() if k not in ("answers", "seconds_per_answer")} for s in splits}
 
 
 def main(argv=None) -> int:
