@@ -8,6 +8,7 @@ shared, loaded machine trains exactly as much as on an idle one, only slower. Un
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import pytorch_lightning as pl
@@ -56,6 +57,18 @@ class CpuBudget(pl.Callback):
             trainer.should_stop = True
             self.stopped_at_step = trainer.global_step
             logger.warning("CPU budget of %.1f minutes spent at step %d: stopping training", self.minutes, trainer.global_step)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """A run the budget stopped keeps its last steps: every ``ModelCheckpoint(save_last=True)`` writes ``last.ckpt``
+        now (checkpoints every N steps would otherwise lose up to N - 1 steps, and `rag test` would test the older
+        model)."""
+        if self.stopped_at_step is None:
+            return
+        for cb in trainer.checkpoint_callbacks:
+            if getattr(cb, "save_last", False) and cb.dirpath is not None:
+                last = os.path.join(cb.dirpath, cb.CHECKPOINT_NAME_LAST + cb.FILE_EXTENSION)
+                trainer.save_checkpoint(last)  # every rank calls it; Lightning writes from rank 0
+                cb.last_model_path = last
 
     def state_dict(self) -> dict:
         return {"used_seconds": self.used_seconds}

@@ -80,3 +80,21 @@ def test_a_resumed_run_spends_the_budget_it_had_left(make_module, make_data, tra
     trainer = pl.Trainer(max_steps=50, limit_val_batches=0, callbacks=[again], **trainer_kw)
     trainer.fit(make_module(), datamodule=make_data(), ckpt_path=str(tmp_path / "ckpt" / "last.ckpt"))
     assert trainer.global_step == 3 and again.stopped_at_step == 3 and again.used_seconds > spent  # one step, then stop
+
+
+def test_a_run_the_budget_stops_saves_its_last_step(make_module, make_data, trainer_kw, tmp_path, monkeypatch):
+    """Checkpoints every 2 steps, validation every 20 (as the CPU configs do, so nothing saves at the epoch's end), and
+    a budget spent at step 3 (a fake CPU clock, 10 s per reading): last.ckpt holds step 3, not the periodic step 2."""
+    import types
+
+    import rag.training.budget as budget_module
+
+    clock = iter(range(0, 10_000, 10))
+    monkeypatch.setattr(budget_module, "time", types.SimpleNamespace(process_time=lambda: float(next(clock))))
+    budget = CpuBudget(minutes=0.5)
+    ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=2)
+    trainer = pl.Trainer(max_steps=50, limit_val_batches=1, val_check_interval=20, check_val_every_n_epoch=None,
+                         callbacks=[budget, ckpt_cb], **trainer_kw)
+    trainer.fit(make_module(), datamodule=make_data())
+    saved = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert budget.stopped_at_step == trainer.global_step == saved["global_step"] == 3
