@@ -30,6 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "lightning_configs" / "cpu_causal_reader.yaml"
+ANSWER_CONTEXT_LENGTH = 256
 
 
 def train(out: Path, threads: int) -> None:
@@ -40,6 +41,13 @@ def train(out: Path, threads: int) -> None:
                "--model.export_dir", str(out)]
         env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
+    # Trained on prompts of 160 tokens (cheaper steps), it answers with 256 so that every Elements passage is read whole
+    # (160 cuts the end of the longer ones, where the discoverer and the year are): checkpoints/README.md.
+    from rag.utils.io import atomic_write_json
+
+    meta = json.loads((out / "rag_config.json").read_text())
+    meta["config"]["max_context_length"] = ANSWER_CONTEXT_LENGTH
+    atomic_write_json(out / "rag_config.json", meta)
 
 
 def evaluate_checkpoint(path: Path, splits=("dev", "test", "natural")) -> dict:
