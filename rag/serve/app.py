@@ -66,9 +66,10 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rag.generation.options import GenerationOptions, OptionSpec, option_specs
+from rag.generation.options import GenerationOptions, option_specs
 from rag.serve.limits import MAX_N_DOCS, MAX_QUESTIONS, ServeLimits
 from rag.serve.openai_routes import OpenAIRoutes, openai_error
+from rag.serve.openai_schema import option_request_field
 from rag.serve.page import add_page_routes
 from rag.serve.requests import RequestRunner, generate_one_version
 from rag.serve.responses import SafeJSONResponse, redact_paths, validation_errors
@@ -121,15 +122,6 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
-def _option_field(spec: OptionSpec) -> tuple:
-    """A request field from the generation-options schema: unset (None) means the model's stored default."""
-    if spec.choices:
-        strs = tuple(c for c in spec.choices if isinstance(c, str))
-        typ = Literal[strs] if len(strs) == len(spec.choices) else Union[bool, Literal[strs]]
-        return Optional[typ], Field(None, description=spec.help)
-    return Optional[spec.type], Field(None, ge=spec.low, le=spec.high, description=spec.help)
-
-
 class _GenerateFields(_Body):
     questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
     nli: Optional[bool] = None
@@ -154,7 +146,7 @@ GenerateRequest = create_model(
     "GenerateRequest", __base__=_GenerateFields, __module__=__name__,
     __doc__="Body of ``POST /generate``: questions, the generation options of "
             ":class:`~rag.generation.options.GenerationOptions` (unset: the model's defaults), and the NLI back-off.",
-    **{name: _option_field(spec) for name, spec in option_specs().items()})
+    **{name: option_request_field(spec) for name, spec in option_specs().items()})
 
 
 class RetrieveRequest(_Body):

@@ -21,11 +21,11 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
 
-from rag.generation.options import GenerationOptions, option_specs
+from rag.generation.options import GenerationOptions, OptionSpec, option_specs
 from rag.serve.requests import RequestRefused
 from rag.utils.errors import ConfigError
 
-__all__ = ["ChatRequest", "CompletionRequest", "RagOptions", "IGNORED", "NEUTRAL", "Plan", "plan_generation",
+__all__ = ["ChatRequest", "CompletionRequest", "RagOptions", "option_request_field", "IGNORED", "NEUTRAL", "Plan", "plan_generation",
            "check_fields", "question_of", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 5
@@ -76,8 +76,9 @@ class _OpenAIBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
 
-def _option_field(name: str) -> tuple:
-    spec = option_specs()[name]
+def option_request_field(spec: OptionSpec) -> tuple:
+    """A request field from the generation-options schema (for /generate and the OpenAI routes alike): unset (None)
+    means the model's stored default."""
     if spec.choices:
         strs = tuple(c for c in spec.choices if isinstance(c, str))
         typ = Literal[strs] if len(strs) == len(spec.choices) else Union[bool, Literal[strs]]
@@ -94,7 +95,7 @@ class _RagFields(BaseModel):
 RagOptions = create_model(
     "RagOptions", __base__=_RagFields, __module__=__name__,
     __doc__="The ``rag`` extension of an OpenAI request: generation options (unset: the model's defaults) and the NLI back-off.",
-    **{name: _option_field(name) for name in option_specs()})
+    **{name: option_request_field(spec) for name, spec in option_specs().items()})
 
 
 class StreamOptions(BaseModel):
