@@ -117,3 +117,19 @@ def tiny_kb_dir(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, d
     KnowledgeBase.build(demo_passages, TextEncoder(tiny_dpr_context_dir, role="context"), out, index="flat",
                         query_encoder=tiny_dpr_question_dir, show_progress=False)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def build_hybrid_kb(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, demo_passages):
+    """Builds a knowledge base of the first `n` demo passages (tiny random DPR, flat index) with its BM25 index, for the
+    hybrid-retrieval tests: ``build_hybrid_kb(n, name)`` returns its directory."""
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    def build(n: int, name: str) -> str:
+        out = tmp_path_factory.mktemp(name) / "kb"
+        KnowledgeBase.build(demo_passages[:n], TextEncoder(tiny_dpr_context_dir), out, index="flat", bm25=True,
+                            query_encoder=tiny_dpr_question_dir, show_progress=False)
+        return str(out)
+
+    return build

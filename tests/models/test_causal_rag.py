@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from model_support import sharpen
 
 from rag.generation.decoding import GenerationConfig
 from rag.generation.prompts import tokenize_prompts
@@ -20,39 +21,18 @@ K = 3
 TOL = dict(atol=2e-4, rtol=1e-5)
 
 
-def sharp_gpt2(src: str, out, std: float = 0.4, seed: int = 5) -> str:
-    """The tiny GPT-2 with its matrices re-drawn larger: its next-token distributions then depend on the passage."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(src)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return str(out)
-
-
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, bpe_tokenizer):
     from rag.generators.tiny import save, tiny_gpt2
 
     root = tmp_path_factory.mktemp("causal_rag")
     plain = save(tiny_gpt2(bpe_tokenizer, max_positions=512), bpe_tokenizer, root / "plain")
-    return sharp_gpt2(plain, root / "sharp")
+    return sharpen(plain, root / "sharp", "causal", 0.4, 5)
 
 
 @pytest.fixture(scope="module")
-def kb_dir(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_dir):
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    out = tmp_path_factory.mktemp("causal_rag_kb") / "kb"
-    KnowledgeBase.build(demo_passages[:30], TextEncoder(tiny_dpr_context_dir), out, index="flat", bm25=True,
-                        query_encoder=tiny_dpr_question_dir, show_progress=False)
-    return str(out)
+def kb_dir(build_hybrid_kb):
+    return build_hybrid_kb(30, "causal_rag_kb")
 
 
 def make(gpt2_dir, kb_dir, **overrides) -> RagModel:

@@ -12,6 +12,7 @@ import json
 
 import pytest
 import torch
+from model_support import sharpen
 
 from rag.models.rag.hf_compat import convert_hf_rag, is_hf_rag_checkpoint, load_hf_rag, split_hf_rag
 from rag.models.rag.model import CHECKPOINT_CONFIG, RagModel
@@ -22,23 +23,6 @@ QUESTIONS = ["What's the atomic Number of IRON?", "Who discovered  oxygen, and w
 ANSWERS = ["26", "Joseph Priestley in 1774", "Sodium"]
 K = 3
 MAX_COMBINED = 48  # short enough that long passages are truncated (transformers cuts from the right)
-
-
-def sharpen(src: str, out, kind: str, std: float, seed: int) -> str:
-    """Copy a tiny random model with matrices re-drawn at a larger `std`, so that doc scores and
-    per-passage likelihoods differ visibly (the conftest init, std 0.02, makes them nearly equal)."""
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DPRContextEncoder, DPRQuestionEncoder
-
-    cls = {"question": DPRQuestionEncoder, "context": DPRContextEncoder, "generator": AutoModelForSeq2SeqLM}[kind]
-    model = cls.from_pretrained(src)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,8 @@ def base_dir(tmp_path_factory, bpe_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def kb_dir(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_dir):
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    out = tmp_path_factory.mktemp("lora_kb") / "kb"
-    KnowledgeBase.build(demo_passages[:20], TextEncoder(tiny_dpr_context_dir), out, index="flat", bm25=True,
-                        query_encoder=tiny_dpr_question_dir, show_progress=False)
-    return str(out)
+def kb_dir(build_hybrid_kb):
+    return build_hybrid_kb(20, "lora_kb")
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import logging
 import numpy as np
 import pytest
 import torch
+from model_support import sharpen
 
 from rag.generation import marginalize as M
 from rag.models.rag.model import CHECKPOINT_CONFIG, RagModel, RagModelConfig
@@ -17,28 +18,6 @@ from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, Ra
 QUESTIONS = ["What is the atomic number of iron?", "Who discovered oxygen?", "Which element has symbol Na?"]
 ANSWERS = ["26", "Joseph Priestley", "Sodium"]
 K = 3
-
-
-def sharpen(src: str, out, kind: str, std: float, seed: int) -> str:
-    """Copy a tiny random model with its matrices re-drawn at a larger `std`.
-
-    The conftest models (init std 0.02) embed every passage almost identically and their
-    generator barely reads its context; sharper weights make doc scores and per-passage
-    likelihoods differ, so the tests below can tell RAG-Sequence from RAG-Token and see
-    gradients of a useful size.
-    """
-    from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, DPRContextEncoder, DPRQuestionEncoder
-
-    cls = {"question": DPRQuestionEncoder, "context": DPRContextEncoder, "generator": AutoModelForSeq2SeqLM}[kind]
-    model = cls.from_pretrained(src)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in sorted(model.named_parameters()):
-            if p.dim() == 2:
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(src).save_pretrained(out)
-    return str(out)
 
 
 @pytest.fixture(scope="module")

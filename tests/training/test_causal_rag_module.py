@@ -24,14 +24,8 @@ def gpt2_dir(tmp_path_factory, bpe_tokenizer):
 
 
 @pytest.fixture(scope="module")
-def hybrid_kb(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_dir):
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    out = tmp_path_factory.mktemp("causal_module_kb") / "kb"
-    KnowledgeBase.build(demo_passages[:40], TextEncoder(tiny_dpr_context_dir), out, index="flat", bm25=True,
-                        query_encoder=tiny_dpr_question_dir, show_progress=False)
-    return str(out)
+def hybrid_kb(build_hybrid_kb):
+    return build_hybrid_kb(40, "causal_module_kb")
 
 
 def causal_config(gpt2_dir: str, kb: str, root: Path, **model_overrides) -> dict:
