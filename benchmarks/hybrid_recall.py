@@ -1,4 +1,4 @@
-"""Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused by reciprocal rank fusion) retrieval on question sets
+"""Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused: score fusion by default, or reciprocal rank fusion) retrieval on question sets
 over one knowledge base, with the frozen query encoder the knowledge base names.
 
 A passage is relevant when it is the question's element (the Elements sets name it in ``element``) or, for other data,
@@ -25,6 +25,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--kb", default=None, help="knowledge base with a BM25 index (default: the demo knowledge base)")
     p.add_argument("--sets", default="demo:test,demo:natural,demo:dev", help="comma-separated QA files or demo:SPLIT")
+    p.add_argument("--fusion", choices=("score", "rrf"), default="score")
+    p.add_argument("--bm25-weight", default="0.5", help="β of score fusion; a comma-separated list sweeps it")
     p.add_argument("--rrf-k", type=int, default=60)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "hybrid_recall.json")
@@ -61,9 +63,14 @@ def main(argv=None) -> int:
         kb = ensure_demo_kb(show_progress=False)
     else:
         kb = KnowledgeBase.open(args.kb)
-    hybrid = HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb), rrf_k=args.rrf_k)
-    retrievers = {"dense": hybrid.dense, "bm25": hybrid.bm25, "hybrid": hybrid}
-    report = {"kb": str(kb.path), "passages": len(kb), "rrf_k": args.rrf_k, "sets": {}}
+    encoder = default_query_encoder(kb)
+    weights = [float(w) for w in args.bm25_weight.split(",")] if args.fusion == "score" else [None]
+    hybrids = {(f"hybrid β={w}" if len(weights) > 1 else "hybrid"): HybridRetriever.from_knowledge_base(
+        kb, encoder, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights}
+    first = next(iter(hybrids.values()))
+    retrievers = {"dense": first.dense, "bm25": first.bm25, **hybrids}
+    report = {"kb": str(kb.path), "passages": len(kb), "fusion": args.fusion,
+              **({"rrf_k": args.rrf_k} if args.fusion == "rrf" else {"bm25_weight": weights}), "sets": {}}
     for spec in args.sets.split(","):
         recs = records(spec)
         questions = [r["question"] for r in recs]

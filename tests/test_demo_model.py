@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
@@ -47,6 +48,27 @@ def demo_pipe(demo_cache):
     from rag.pipeline.api import load
 
     return load(demo_checkpoint_dir("demo"), knowledge_base=demo_cache / "demo_kb")
+
+
+def test_a_cached_demo_knowledge_base_of_an_older_build_is_rebuilt(tmp_path):
+    """A cache built before BM25 kept one-character tokens would answer "which element is number 8?" with the old
+    tokens; the demo knowledge base is the package's own cache, so it is replaced (and anything else is left alone)."""
+    from rag.demo import load_demo_corpus
+    from rag.demo.kb import DEMO_CORPUS, DEMO_KB_BUILD, ensure_demo_kb
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+
+    passages = load_demo_corpus()
+    KnowledgeBase.build(passages, TextEncoder("minilm", role="context"), tmp_path / "demo_kb", index="flat", bm25=True,
+                        show_progress=False, build_info={"corpus": DEMO_CORPUS})  # as an older release wrote it
+    kb = ensure_demo_kb(tmp_path / "demo_kb", show_progress=False)
+    assert kb.manifest.build["demo_kb_build"] == DEMO_KB_BUILD
+    oxygen = [p.title for p in passages].index("Oxygen")
+    assert kb.bm25.score_rows(["8"], np.array([[oxygen]]))[0, 0] > 0  # "Atomic number: 8." now holds the term "8"
+    assert ensure_demo_kb(tmp_path / "demo_kb", show_progress=False).version == kb.version  # current: opened, not rebuilt
+    KnowledgeBase.build(passages[:3], TextEncoder("minilm", role="context"), tmp_path / "mine", index="flat",
+                        show_progress=False)  # not the demo corpus: a user's knowledge base given as --kb
+    assert len(ensure_demo_kb(tmp_path / "mine", show_progress=False)) == 3
 
 
 def test_checkpoint_is_small_and_references_its_encoders():

@@ -42,12 +42,14 @@ def cmd_demo(args) -> int:
     if args.retrieve_only:
         from rag.demo.model import demo_checkpoint_dir
         from rag.knowledge.retriever_kinds import retriever_for_kind
-        from rag.utils.files import read_json
 
         # the default model's own retrieval (hybrid), read from its config without loading the reader
-        meta = read_json(demo_checkpoint_dir() / "rag_config.json", fix="reinstall rag")
-        kind = (meta.get("config") or {}).get("retrieval") or "dense"
-        _print_results(questions, retriever_for_kind(kind, kb).retrieve(questions, args.k), args.json)
+        from rag.models.rag.config import RagModelConfig
+        from rag.utils.files import read_json
+
+        cfg_file = demo_checkpoint_dir() / "rag_config.json"
+        config = RagModelConfig.from_dict(read_json(cfg_file, fix="reinstall rag").get("config") or {}, str(cfg_file))
+        _print_results(questions, retriever_for_kind(config.retrieval, kb, settings=config).retrieve(questions, args.k), args.json)
         return 0
     from rag.cli.generate import print_answer
     from rag.demo.model import demo_checkpoint_dir

@@ -9,6 +9,9 @@ from typing import Optional
 from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 
 DEFAULT_ENCODER = "minilm"
+DEMO_KB_BUILD = 2
+"""Bumped when the demo knowledge base is built differently (2: BM25 keeps one-character tokens such as "8" and "K");
+a cached one from another build is rebuilt in place: it is a cache this package made (``build.demo_kb_build``)."""
 
 
 def demo_kb_path() -> Path:
@@ -28,9 +31,18 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
     from rag.knowledge.knowledge_base import KnowledgeBase
 
     path = Path(path) if path is not None else demo_kb_path()
+    overwrite = False
     if (path / "manifest.json").is_file():
-        return KnowledgeBase.open(path)
+        kb = KnowledgeBase.open(path)
+        build = kb.manifest.build
+        if not (build.get("corpus") == DEMO_CORPUS and build.get("demo_kb_build", 1) != DEMO_KB_BUILD):
+            return kb
+        overwrite = True  # an older build of the demo knowledge base: ours to replace (atomically)
     return KnowledgeBase.build(
         load_demo_corpus(), TextEncoder(encoder, role="context"), path, index=index, bm25=bm25,
-        show_progress=show_progress, build_info={"corpus": "rag.demo (Elements database)"},
+        show_progress=show_progress, overwrite=overwrite,
+        build_info={"corpus": DEMO_CORPUS, "demo_kb_build": DEMO_KB_BUILD},
     )
+
+
+DEMO_CORPUS = "rag.demo (Elements database)"

@@ -17,6 +17,7 @@ import contextlib
 import functools
 import logging
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence, Union
@@ -34,6 +35,11 @@ from rag.utils.validate import check_number, check_strings
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
 FORMAT = 1
+TOKEN_PATTERN = r"(?u)\b\w+\b"
+"""Tokens are runs of word characters, single characters included: bm25s's default (``\\w\\w+``) drops "5", "K" and
+"C", so "which element is number 5?" or "what has the symbol K?" had no term to match."""
+LEGACY_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
+"""What indexes saved without a ``token_pattern`` setting were built with (bm25s's default)."""
 
 def is_bm25_index(path: str | os.PathLike) -> bool:
     """True when `path` is a directory written by :meth:`BM25Index.save` (what ``overwrite=True`` may replace)."""
@@ -99,8 +105,10 @@ class BM25Index:
     :meth:`save` / :meth:`load`.
     """
 
-    def __init__(self, bm25, *, k1: float, b: float, stemmer: Optional[str], stopwords: Optional[str], num_docs: int):
+    def __init__(self, bm25, *, k1: float, b: float, stemmer: Optional[str], stopwords: Optional[str], num_docs: int,
+                 token_pattern: str = TOKEN_PATTERN):
         self._bm25 = bm25
+        self.token_pattern = token_pattern
         self.k1 = float(k1)
         self.b = float(b)
         self.stemmer_name = stemmer
@@ -118,13 +126,15 @@ class BM25Index:
         b: float = 0.4,
         stemmer: str | None = "english",
         stopwords: str | None = "en",
+        token_pattern: str = TOKEN_PATTERN,
         show_progress: bool = True,
     ) -> "BM25Index":
         """Index each passage's title and text (see :func:`passage_text`).
 
         Defaults k1=0.9, b=0.4 are Pyserini's (Anserini's) BM25 settings. `stemmer`
         is a PyStemmer algorithm name or None; `stopwords` a bm25s stop-word list
-        name ("en", "de", ...) or None.
+        name ("en", "de", ...) or None; `token_pattern` the regular expression a token matches (stored with the
+        index, so queries are split as the passages were).
         """
         bm25s = _bm25s()
 
@@ -136,7 +146,11 @@ class BM25Index:
                 raise CorpusError(f"passages[{i}] is a {type(p).__name__}, not a Passage")
         if not (isinstance(k1, (int, float)) and k1 >= 0 and isinstance(b, (int, float)) and 0 <= b <= 1):
             raise ConfigError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1!r}, b={b!r}")
-        index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages))
+        try:
+            re.compile(token_pattern)
+        except (re.error, TypeError) as e:
+            raise ConfigError(f"token_pattern={token_pattern!r} is not a regular expression ({e}); the default is {TOKEN_PATTERN!r}") from e
+        index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages), token_pattern=token_pattern)
         tokens = index._tokenize([passage_text(p) for p in passages], show_progress)
         bm25 = bm25s.BM25(k1=float(k1), b=float(b))
         bm25.index(tokens, show_progress=show_progress)
@@ -148,7 +162,8 @@ class BM25Index:
 
         try:
             return bm25s.tokenize(
-                texts, stopwords=self.stopwords, stemmer=self._stemmer, return_ids=False, show_progress=show_progress
+                texts, stopwords=self.stopwords, stemmer=self._stemmer, token_pattern=self.token_pattern, return_ids=False,
+                show_progress=show_progress,
             )
         except ValueError as e:  # unknown stop-word list name
             raise ConfigError(f"stopwords={self.stopwords!r}: {e}") from e
@@ -175,13 +190,28 @@ class BM25Index:
             return scores, rows
         tokens = self._tokenize(queries)
         for i, toks in enumerate(tqdm(tokens, desc="BM25 search", unit="query", disable=not show_progress)):
-            ids = self._bm25.get_tokens_ids(toks)
-            if ids:
-                full = np.asarray(self._bm25.get_scores_from_ids(ids), dtype=np.float32)
-            else:
-                full = np.zeros(self._num_docs, dtype=np.float32)
-            scores[i], rows[i] = top_k(full, k)
+            scores[i], rows[i] = top_k(self._all_scores(toks), k)
         return scores, rows
+
+    def score_rows(self, queries: Sequence[str], rows: np.ndarray) -> np.ndarray:
+        """BM25 scores ``(B, R)`` float32 of the passages `rows` ``(B, R)`` (int64; -1: none, scored 0) for B queries."""
+        queries = check_strings(queries, "queries", allow_empty=True, allow_blank=True)
+        rows = np.asarray(rows, dtype=np.int64)
+        if rows.ndim != 2 or rows.shape[0] != len(queries) or (rows >= self._num_docs).any():
+            raise ConfigError(f"score_rows: rows must be (B={len(queries)}, R) row numbers below {self._num_docs}, got shape {rows.shape}")
+        out = np.zeros(rows.shape, dtype=np.float32)
+        for i, toks in enumerate(self._tokenize(list(queries))):
+            full = self._all_scores(toks)
+            valid = rows[i] >= 0
+            out[i, valid] = full[rows[i, valid]]
+        return out
+
+    def _all_scores(self, tokens: list[str]) -> np.ndarray:
+        """The ``(N,)`` float32 BM25 score of every passage for one tokenized query (0 everywhere without a known term)."""
+        ids = self._bm25.get_tokens_ids(tokens)
+        if not ids:
+            return np.zeros(self._num_docs, dtype=np.float32)
+        return np.asarray(self._bm25.get_scores_from_ids(ids), dtype=np.float32)
 
     # ------------------------------------------------------------------ persistence
     def save(self, directory: str | os.PathLike, *, overwrite: bool = False) -> None:
@@ -197,6 +227,7 @@ class BM25Index:
                 "b": self.b,
                 "stemmer": self.stemmer_name,
                 "stopwords": self.stopwords,
+                "token_pattern": self.token_pattern,
                 "num_docs": self._num_docs,
                 "bm25s_version": bm25s.__version__,
             })
@@ -219,7 +250,8 @@ class BM25Index:
                 raise KnowledgeBaseError(f"{settings_file}: format {s.get('format')!r} is not {FORMAT}; rebuild the index")
             bm25 = bm25s.BM25.load(directory / BM25S_DIR, mmap=mmap, load_corpus=False, show_progress=False)
             num_docs = int(s["num_docs"])
-            index = cls(bm25, k1=s["k1"], b=s["b"], stemmer=s["stemmer"], stopwords=s["stopwords"], num_docs=num_docs)
+            index = cls(bm25, k1=s["k1"], b=s["b"], stemmer=s["stemmer"], stopwords=s["stopwords"], num_docs=num_docs,
+                        token_pattern=str(s.get("token_pattern", LEGACY_TOKEN_PATTERN)))
         except (OSError, ValueError, KeyError, TypeError) as e:
             if isinstance(e, RagError):
                 raise
@@ -342,7 +374,7 @@ class BM25Retriever:
                 )
             cur = self._source.index
             index = BM25Index.build(kb.all_passages(), k1=cur.k1, b=cur.b, stemmer=cur.stemmer_name,
-                                    stopwords=cur.stopwords, show_progress=False)
+                                    stopwords=cur.stopwords, token_pattern=cur.token_pattern, show_progress=False)
         if len(index) != len(kb):
             raise KnowledgeBaseError(
                 f"{kb.path}: its BM25 index covers {len(index)} passages but it holds {len(kb)}; rebuild the knowledge base"

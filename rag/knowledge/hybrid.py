@@ -1,24 +1,31 @@
-"""Hybrid retrieval: the dense (MIPS) and BM25 rankings of one knowledge base fused by reciprocal rank fusion.
+"""Hybrid retrieval: the dense (MIPS) and BM25 rankings of one knowledge base, fused.
 
 Dense retrievers find paraphrases and miss exact tokens; BM25 finds exact tokens and misses paraphrases. On the
 Elements demo a frozen MiniLM rarely finds the element of "which element is number 8?" (a bare number), which BM25
-finds from the passage's "Atomic number: 8." Reciprocal rank fusion (Cormack et al. 2009) needs no score calibration
-between the two: each passage scores ::
+finds from the passage's "Atomic number: 8." Two fusions (``RagModelConfig.hybrid_fusion``):
+
+``score`` (the default): the candidates are the union of the dense and the BM25 top K; each is scored ::
+
+    s(z) = q · d(z) + β · bm25(z) / max_z' bm25(z')          (β = ``hybrid_bm25_weight``, in units of the dense score)
+
+with both parts computed exactly for every candidate, and the top K by s are returned. The same s is the retrieval
+logit: the document prior is softmax(s / τ), whose dense part carries the gradient into the query encoder (RAG §2.2)
+and whose BM25 part is a per-passage bias without gradient (``Retrieved.prior_bias``). Dividing by the query's best
+BM25 score puts the sparse part in [0, 1] whatever the corpus; β = 0.5 was chosen on two development sets (Elements
+dev and FOLDOC validation questions) for a cosine encoder (MiniLM, scores in [-1, 1]); ``benchmarks/hybrid_recall.py``
+sweeps it.
+
+``rrf``: reciprocal rank fusion (Cormack et al. 2009), which needs no score calibration ::
 
     rrf(d) = Σ_{ranking r ∈ {dense, BM25}} 1 / (k + rank_r(d))        (rank from 1; absent from a ranking: no term)
 
-over the top K passages of each ranking (each retriever proposes as many passages as are asked for), with ``k = 60``
-(the paper's constant; ``RagModelConfig.hybrid_rrf_k``): a passage in both proposals beats one in a single proposal, and
-among the others the better-ranked goes first (ties: dense first). The top K by rrf are returned; ``Retrieved.scores``
-holds the rrf scores and ``doc_embeds`` the stored embeddings of the fused passages. Fusing deeper rankings (the top
-20 of each) was worse on the demo's questions: passages that both retrievers rank mediocre then outscore one that a
-single retriever ranks first (``benchmarks/hybrid_recall.py``; docs/benchmarks.md has the numbers).
+over the top K of each ranking, k = ``hybrid_rrf_k`` (60, the paper's constant); ties: dense first. ``Retrieved.scores``
+holds the rrf scores and the prior over the fused passages is the dense score q · d alone, so a passage only BM25
+found gets the prior its dense score gives it. That is why ``score`` was added: on the demo's held-out questions the
+rrf prior kept favouring the dense neighbour of a bare number over the passage BM25 ranked first.
 
-For training (:class:`~rag.knowledge.scoring.RetrievalScorer` with ``retrieval="hybrid"``), fusion chooses WHICH
-passages are marginalised over, and the document prior over them is the dense score ``q · d`` of each fused passage
-(softmax over them / τ), so the gradient reaches the query encoder exactly as for dense retrieval (RAG §2.2). A passage
-only BM25 found gets the prior its dense score gives it; the reader's likelihood then raises that score when the
-passage answers (the posterior p(z | x, y) moves towards it).
+Either way ``doc_embeds`` holds the stored embeddings of the fused passages, and a model trains its query encoder
+exactly as with dense retrieval.
 """
 
 from __future__ import annotations
@@ -30,12 +37,15 @@ import torch
 
 from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError
-from rag.utils.validate import check_positive_int
+from rag.utils.validate import check_number, check_positive_int
 
-__all__ = ["RRF_K", "reciprocal_rank_fusion", "HybridRetriever"]
+__all__ = ["RRF_K", "BM25_WEIGHT", "FUSIONS", "reciprocal_rank_fusion", "score_fusion", "HybridRetriever"]
 
 RRF_K = 60
 """The k of reciprocal rank fusion (Cormack, Clarke and Büttcher 2009)."""
+BM25_WEIGHT = 0.5
+"""β of score fusion: the weight of the query-normalised BM25 score, in units of the dense score."""
+FUSIONS = ("score", "rrf")
 
 
 def reciprocal_rank_fusion(rankings: Sequence[np.ndarray], k: int, *, rrf_k: int = RRF_K) -> tuple[np.ndarray, np.ndarray]:
@@ -60,8 +70,18 @@ def reciprocal_rank_fusion(rankings: Sequence[np.ndarray], k: int, *, rrf_k: int
     return rows, scores
 
 
+def score_fusion(dense: np.ndarray, sparse: np.ndarray, valid: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The top-`k` of C candidates per query by ``dense + sparse`` (both ``(B, C)`` float32; `valid` ``(B, C)`` bool
+    masks padding): candidate indices ``(B, k)`` int64, best first (ties: the lower index, i.e. the dense ranking's
+    order first), and their fused scores ``(B, k)``. Fewer than k valid candidates leave index -1 and score -inf."""
+    fused = np.where(valid, dense + sparse, -np.inf).astype(np.float32)
+    order = np.argsort(-fused, axis=1, kind="stable")[:, :k]
+    top = np.take_along_axis(fused, order, axis=1)
+    return np.where(np.isfinite(top), order, -1).astype(np.int64), top
+
+
 class HybridRetriever:
-    """Dense + BM25 over one knowledge base, fused by reciprocal rank fusion (see the module docstring).
+    """Dense + BM25 over one knowledge base, fused (see the module docstring).
 
     Hot-swappable like the retrievers it combines (:class:`~rag.knowledge.hotswap.KnowledgeBaseSlot`): both halves are
     prepared for the new knowledge base first, then one reference changes, so a call never mixes two versions.
@@ -69,19 +89,26 @@ class HybridRetriever:
     Args:
         dense: a :class:`~rag.knowledge.retriever.DenseRetriever` (its query encoder embeds the queries).
         bm25: a :class:`~rag.knowledge.bm25.BM25Retriever` over the same knowledge base.
-        rrf_k: the fusion constant.
+        fusion: ``score`` (dense score + β · normalised BM25) or ``rrf`` (reciprocal rank fusion).
+        rrf_k: the rrf constant.
+        bm25_weight: β of score fusion.
     """
 
-    def __init__(self, dense, bm25, *, rrf_k: int = RRF_K):
+    def __init__(self, dense, bm25, *, fusion: str = "score", rrf_k: int = RRF_K, bm25_weight: float = BM25_WEIGHT):
         if dense.knowledge_base is not bm25.knowledge_base:
             raise ConfigError("hybrid retrieval fuses two rankings of one knowledge base; the dense and BM25 retrievers "
                               "serve different ones")
+        if fusion not in FUSIONS:
+            raise ConfigError(f"hybrid_fusion={fusion!r}; choose one of {FUSIONS}")
         reciprocal_rank_fusion([np.zeros((0, 1), dtype=np.int64)], 1, rrf_k=rrf_k)  # checks rrf_k
-        self.rrf_k = rrf_k
+        check_number(bm25_weight, "hybrid_bm25_weight (the BM25 part's weight; 0.5 for a cosine encoder)", low=0.0,
+                     error=ConfigError)
+        self.fusion, self.rrf_k, self.bm25_weight = fusion, rrf_k, float(bm25_weight)
         self._pair = (dense, bm25)
 
     @classmethod
-    def from_knowledge_base(cls, kb, query_encoder, *, rrf_k: int = RRF_K, allow_encoder_change: bool = False) -> "HybridRetriever":
+    def from_knowledge_base(cls, kb, query_encoder, *, fusion: str = "score", rrf_k: int = RRF_K,
+                            bm25_weight: float = BM25_WEIGHT, allow_encoder_change: bool = False) -> "HybridRetriever":
         """Over `kb`'s FAISS index (queries embedded by `query_encoder`) and its stored BM25 index."""
         from rag.knowledge.bm25 import BM25Retriever
         from rag.knowledge.retriever import DenseRetriever
@@ -91,7 +118,19 @@ class HybridRetriever:
             raise KnowledgeBaseError(f"{kb.path}: has no BM25 index, which hybrid retrieval fuses with the dense ranking; "
                                      "rebuild it with `rag index build --bm25`, or use retrieval dense")
         return cls(DenseRetriever(kb, query_encoder, allow_encoder_change=allow_encoder_change),
-                   BM25Retriever(kb.bm25, kb.get_passages, kb.served_version, knowledge_base=kb), rrf_k=rrf_k)
+                   BM25Retriever(kb.bm25, kb.get_passages, kb.served_version, knowledge_base=kb),
+                   fusion=fusion, rrf_k=rrf_k, bm25_weight=bm25_weight)
+
+    @classmethod
+    def for_settings(cls, kb, query_encoder, settings=None, *, allow_encoder_change: bool = False) -> "HybridRetriever":
+        """:meth:`from_knowledge_base` with the fusion options of `settings` (a RagModelConfig; None: the defaults)."""
+        return cls.from_knowledge_base(kb, query_encoder, allow_encoder_change=allow_encoder_change,
+                                       **fusion_options(settings))
+
+    @property
+    def options(self) -> dict:
+        """The fusion options, as :meth:`from_knowledge_base` takes them."""
+        return {"fusion": self.fusion, "rrf_k": self.rrf_k, "bm25_weight": self.bm25_weight}
 
     @property
     def dense(self):
@@ -154,15 +193,42 @@ class HybridRetriever:
         n = len(kb)
         if k > n:
             raise ConfigError(f"k={k} exceeds the {n} passages of the knowledge base")
-        _, dense_rows = kb.search(query_embeds.detach(), k)
-        _, bm25_rows = bm25.index.search(list(queries), k)
-        rows, scores = reciprocal_rank_fusion([np.asarray(dense_rows), np.asarray(bm25_rows)], k, rrf_k=self.rrf_k)
+        queries = list(queries)
+        q = query_embeds.detach().float().cpu()
+        _, dense_rows = kb.search(q, k)
+        bm25_scores, bm25_rows = bm25.index.search(queries, k)
+        dense_rows, bm25_rows = np.asarray(dense_rows), np.asarray(bm25_rows)
+        if self.fusion == "rrf":
+            rows, scores = reciprocal_rank_fusion([dense_rows, bm25_rows], k, rrf_k=self.rrf_k)
+            rows_t = torch.from_numpy(rows)
+            return Retrieved(rows=rows_t, scores=torch.from_numpy(scores), passages=kb.get_passages(rows),
+                             doc_embeds=kb.get_embeddings(rows_t), kb_version=kb.served_version)
+        # score fusion over the union of both top-k lists: (B, 2k) candidates, dense ranking first, -1 pads
+        cand = np.full((len(queries), 2 * k), -1, dtype=np.int64)
+        for b in range(len(queries)):
+            merged = list(dict.fromkeys(r for r in (*dense_rows[b].tolist(), *bm25_rows[b].tolist()) if r >= 0))
+            cand[b, :len(merged)] = merged
+        valid = cand >= 0
+        embeds = kb.get_embeddings(torch.from_numpy(np.where(valid, cand, 0))).float()  # (B, 2k, D)
+        dense_s = torch.bmm(embeds, q.unsqueeze(-1)).squeeze(-1).numpy()  # (B, 2k) q · d, exact for every candidate
+        top_bm25 = np.maximum(bm25_scores[:, :1], 1e-12)  # the query's best BM25 score (0: no known term -> no bias)
+        sparse = self.bm25_weight * bm25.index.score_rows(queries, cand) / top_bm25  # (B, 2k) in [0, β]
+        pick, scores = score_fusion(dense_s, sparse, valid, k)
+        rows = np.take_along_axis(cand, np.maximum(pick, 0), axis=1)
+        bias = np.take_along_axis(sparse, np.maximum(pick, 0), axis=1).astype(np.float32)
         rows_t = torch.from_numpy(rows)
         return Retrieved(rows=rows_t, scores=torch.from_numpy(scores), passages=kb.get_passages(rows),
-                         doc_embeds=kb.get_embeddings(rows_t), kb_version=kb.served_version)
+                         doc_embeds=torch.from_numpy(np.take_along_axis(embeds.numpy(), np.maximum(pick, 0)[..., None], axis=1)),
+                         kb_version=kb.served_version, prior_bias=torch.from_numpy(bias))
 
     @torch.no_grad()
     def retrieve(self, queries: Sequence[str], k: int) -> Retrieved:
         """Top-k fused passages for B query strings (embedded by the dense retriever's query encoder)."""
         q = self.query_encoder.encode(list(queries), show_progress=False)
         return self.search(list(queries), torch.from_numpy(q), k)
+
+
+def fusion_options(settings=None) -> dict:
+    """The keyword options of :meth:`HybridRetriever.from_knowledge_base` that `settings` (a RagModelConfig) sets."""
+    return {"fusion": getattr(settings, "hybrid_fusion", "score"), "rrf_k": getattr(settings, "hybrid_rrf_k", RRF_K),
+            "bm25_weight": getattr(settings, "hybrid_bm25_weight", BM25_WEIGHT)}

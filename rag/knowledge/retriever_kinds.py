@@ -21,10 +21,11 @@ __all__ = ["RETRIEVAL_KINDS", "retriever_for_kind", "ServedRetrievers", "Knowled
 RETRIEVAL_KINDS = ("bm25", "dense", "hybrid")
 
 
-def retriever_for_kind(kind: str, kb, query_encoder=None):
+def retriever_for_kind(kind: str, kb, query_encoder=None, *, settings=None):
     """The retriever `kind` over the open knowledge base `kb` (the ``--retrieval`` option): ``bm25`` uses its stored
     BM25 index (``rag index build --bm25``), ``dense`` its FAISS index with `query_encoder` (None: the encoder its
-    manifest names, :func:`~rag.knowledge.retriever.default_query_encoder`)."""
+    manifest names, :func:`~rag.knowledge.retriever.default_query_encoder`); ``hybrid`` both, fused as `settings` (a
+    RagModelConfig; None: the defaults) says."""
     if kind == "bm25":
         from rag.knowledge.bm25 import BM25Retriever
 
@@ -39,7 +40,7 @@ def retriever_for_kind(kind: str, kb, query_encoder=None):
         if kind == "hybrid":  # both rankings fused (rag.knowledge.hybrid)
             from rag.knowledge.hybrid import HybridRetriever
 
-            return HybridRetriever.from_knowledge_base(kb, encoder)
+            return HybridRetriever.for_settings(kb, encoder, settings)
         return DenseRetriever(kb, encoder)
     raise ConfigError(f"--retrieval {kind!r}: choose one of {RETRIEVAL_KINDS}")
 

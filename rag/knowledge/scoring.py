@@ -67,10 +67,9 @@ def make_retriever(kb: "KnowledgeBase", question_encoder: "TextEncoder", retriev
         return BM25Retriever(kb.bm25, kb.get_passages, kb_version=kb.version, knowledge_base=kb)
     check_compatible(kb, question_encoder.dim, None)
     if retrieval == "hybrid":
-        from rag.knowledge.hybrid import RRF_K, HybridRetriever
+        from rag.knowledge.hybrid import HybridRetriever
 
-        return HybridRetriever.from_knowledge_base(kb, question_encoder, rrf_k=getattr(settings, "hybrid_rrf_k", RRF_K),
-                                                   allow_encoder_change=allow_encoder_change)
+        return HybridRetriever.for_settings(kb, question_encoder, settings, allow_encoder_change=allow_encoder_change)
     return DenseRetriever(kb, question_encoder, allow_encoder_change=allow_encoder_change)
 
 
@@ -112,7 +111,7 @@ class RetrievalScorer:
                 raise ConfigError(f"config.retrieval='hybrid' needs a HybridRetriever or a KnowledgeBase, got {type(retriever).__name__}")
             if retriever.query_encoder is not question_encoder:  # fuse with the model's own (trainable) encoder's ranking
                 space = retriever.space
-                retriever = HybridRetriever.from_knowledge_base(retriever.knowledge_base, question_encoder, rrf_k=retriever.rrf_k,
+                retriever = HybridRetriever.from_knowledge_base(retriever.knowledge_base, question_encoder, **retriever.options,
                                                                 allow_encoder_change=retriever.allow_encoder_change)
                 retriever.dense.space = space
         elif settings.retrieval == "bm25":
@@ -196,7 +195,7 @@ class RetrievalScorer:
 
         Dense: ``doc_scores = q · doc_embeds`` (gradients into the query encoder when grad mode is on and
         it is not frozen; into the document encoder under ``train_doc_encoder``). Hybrid: the fused dense and BM25
-        candidates, scored the same way. BM25: the BM25 scores as float32 on `device` (default CPU), no gradient.
+        candidates, scored the same way (score fusion adds its BM25 part, without gradient). BM25: the BM25 scores as float32 on `device` (default CPU), no gradient.
         `question_inputs`: :meth:`tokenize_questions`'s output when the caller already has it. `retrieval`: another
         kind than the configured one for this call (None: the configured one).
         """
@@ -229,6 +228,8 @@ class RetrievalScorer:
             doc_embeds = retrieved.doc_embeds.to(device=q.device, dtype=q.dtype)  # (B, K, D), frozen
         # The only path by which gradients reach the query encoder (§2.2, p_η(z|x) ∝ exp(d(z)ᵀ q(x))).
         doc_scores = torch.bmm(q.unsqueeze(1), doc_embeds.transpose(1, 2)).squeeze(1)  # (B, K)
+        if retrieved.prior_bias is not None:  # hybrid score fusion: + β · normalised BM25, no gradient
+            doc_scores = doc_scores + retrieved.prior_bias.to(device=doc_scores.device, dtype=doc_scores.dtype)
         return retrieved, doc_scores
 
     def fresh_doc_embeds(self, q: torch.Tensor, retrieved: Retrieved, k: int) -> tuple[Retrieved, torch.Tensor]:

@@ -31,6 +31,8 @@ class Retrieved:
         doc_embeds: ``(B, K, D)`` float32 stored embeddings of the passages (dense
             retrieval only, else None).
         kb_version: version id of the knowledge base that answered.
+        prior_bias: ``(B, K)`` float32 added to ``q · d`` to make the retrieval logits, or None (hybrid score fusion:
+            the weighted, normalised BM25 score of each passage; it carries no gradient).
     """
 
     rows: torch.Tensor
@@ -38,6 +40,7 @@ class Retrieved:
     passages: list[list[Passage]]
     doc_embeds: Optional[torch.Tensor]
     kb_version: str
+    prior_bias: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rag.knowledge.bm25 import BM25Index, BM25Retriever, passage_text, top_k
+from rag.knowledge.bm25 import LEGACY_TOKEN_PATTERN, TOKEN_PATTERN, BM25Index, BM25Retriever, passage_text, top_k
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
@@ -53,10 +53,10 @@ def test_scores_match_bm25s_directly(index):
 
     stemmer = Stemmer.Stemmer("english")
     ref = bm25s.BM25(k1=0.9, b=0.4)
-    ref.index(bm25s.tokenize([passage_text(p) for p in CORPUS], stopwords="en", stemmer=stemmer,
+    ref.index(bm25s.tokenize([passage_text(p) for p in CORPUS], stopwords="en", stemmer=stemmer, token_pattern=TOKEN_PATTERN,
                              show_progress=False), show_progress=False)
     queries = ["radioactive metal in power stations", "the gas animals breathe"]
-    q_tok = bm25s.tokenize(queries, stopwords="en", stemmer=stemmer, show_progress=False)
+    q_tok = bm25s.tokenize(queries, stopwords="en", stemmer=stemmer, token_pattern=TOKEN_PATTERN, show_progress=False)
     ref_rows, ref_scores = ref.retrieve(q_tok, k=4, show_progress=False)
     scores, rows = index.search(queries, k=4)
     np.testing.assert_allclose(scores, ref_scores, rtol=1e-6)
@@ -81,6 +81,33 @@ def test_save_load_round_trip(index, tmp_path):
     index.save(tmp_path / "bm25", overwrite=True)
     with pytest.raises(KnowledgeBaseError, match="rag_bm25.json"):
         BM25Index.load(tmp_path)
+
+
+def test_one_character_tokens_such_as_numbers_and_symbols_are_indexed(tmp_path):
+    """bm25s's default token pattern drops "8" and "K": a question about a bare number matched nothing."""
+    passages = [Passage("a", "Oxygen", "Symbol: O. Atomic number: 8."), Passage("b", "Potassium", "Symbol: K. Atomic number: 19."),
+                Passage("c", "Argon", "Symbol: Ar. Atomic number: 18.")]
+    index = BM25Index.build(passages, show_progress=False)
+    scores, rows = index.search(["which element is number 8?", "the symbol K"], k=1)
+    assert rows[:, 0].tolist() == [0, 1] and (scores > 0).all()
+    np.testing.assert_allclose(index.score_rows(["number 8"], np.array([[2, 0, -1]])),
+                               [[index.search(["number 8"], 3)[0][0][1], index.search(["number 8"], 3)[0][0][0], 0.0]], rtol=1e-6)
+
+
+def test_an_index_saved_without_a_token_pattern_keeps_the_pattern_it_was_built_with(tmp_path):
+    import json
+
+    passages = [Passage("a", "Oxygen", "Atomic number: 8."), Passage("b", "Argon", "Atomic number: 18.")]
+    BM25Index.build(passages, token_pattern=LEGACY_TOKEN_PATTERN, show_progress=False).save(tmp_path / "bm25")
+    settings = tmp_path / "bm25" / "rag_bm25.json"
+    data = json.loads(settings.read_text())
+    del data["token_pattern"]  # as written before the setting existed
+    settings.write_text(json.dumps(data))
+    back = BM25Index.load(tmp_path / "bm25")
+    assert back.token_pattern == LEGACY_TOKEN_PATTERN
+    assert (back.search(["number 8"], 2)[0][0] == back.search(["number"], 2)[0][0]).all()  # "8" is no term of it
+    with pytest.raises(ConfigError, match="token_pattern"):
+        BM25Index.build(passages, token_pattern="(", show_progress=False)
 
 
 def test_queries_without_known_terms_return_k_zero_rows(index):

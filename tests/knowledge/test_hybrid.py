@@ -1,4 +1,4 @@
-"""Hybrid retrieval: reciprocal rank fusion of the dense and BM25 rankings, the dense prior's gradient, per-call choice."""
+"""Hybrid retrieval: score fusion and reciprocal rank fusion of the dense and BM25 rankings, the prior's gradient, per-call choice."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from rag.knowledge.hybrid import HybridRetriever, reciprocal_rank_fusion
+from rag.knowledge.hybrid import HybridRetriever, reciprocal_rank_fusion, score_fusion
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 
@@ -37,10 +37,64 @@ def kb(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr_question_
     return KnowledgeBase.open(out)
 
 
-def test_hybrid_retrieval_is_the_fusion_of_the_two_retrievers(kb):
+def test_score_fusion_ranks_candidates_by_the_sum_ties_in_candidate_order_padding_last():
+    dense = np.array([[0.9, 0.5, 0.2, 0.0]], dtype=np.float32)
+    sparse = np.array([[0.0, 0.5, 0.7, 0.3]], dtype=np.float32)
+    valid = np.array([[True, True, True, False]])
+    pick, scores = score_fusion(dense, sparse, valid, 3)
+    assert pick[0].tolist() == [1, 0, 2]  # 1.0 > 0.9 = 0.9: the tie goes to the earlier (dense) candidate
+    np.testing.assert_allclose(scores[0], [1.0, 0.9, 0.9], rtol=1e-6)
+    pick, scores = score_fusion(dense, sparse, valid, 4)
+    assert pick[0, 3] == -1 and scores[0, 3] == -np.inf
+
+
+def test_score_fusion_is_the_dense_score_plus_the_normalised_bm25_score_over_both_top_k(kb):
+    """Brute force: every passage in either top-k, scored q · d + β · bm25 / (the query's best bm25); the top k of those."""
     from rag.knowledge.retriever import default_query_encoder
 
-    hybrid = HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb))
+    encoder = default_query_encoder(kb)
+    hybrid = HybridRetriever.from_knowledge_base(kb, encoder, bm25_weight=0.7)
+    questions = ["which element has the symbol Li?", "what is a noble gas?", "atomic number 8"]
+    got = hybrid.retrieve(questions, 3)
+    q = torch.from_numpy(encoder.encode(questions, show_progress=False))
+    dense, bm25 = hybrid.dense.retrieve(questions, 3), hybrid.bm25.retrieve(questions, 3)
+    everything = np.tile(np.arange(len(kb)), (len(questions), 1))
+    all_bm25 = kb.bm25.score_rows(questions, everything)  # (B, N)
+    all_dense = (q @ kb.get_embeddings(torch.arange(len(kb))).T).numpy()  # (B, N)
+    for b in range(len(questions)):
+        cand = set(dense.rows[b].tolist()) | set(bm25.rows[b].tolist())
+        want = {r: all_dense[b, r] + 0.7 * all_bm25[b, r] / all_bm25[b].max() for r in cand}
+        best = sorted(want, key=lambda r: -want[r])[:3]
+        assert got.rows[b].tolist() == best
+        np.testing.assert_allclose(got.scores[b].numpy(), [want[r] for r in best], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.prior_bias[b].numpy(), [0.7 * all_bm25[b, r] / all_bm25[b].max() for r in best],
+                                   rtol=1e-5, atol=1e-7)
+    assert torch.equal(got.doc_embeds, kb.get_embeddings(got.rows))
+
+
+def test_bad_fusion_options_are_refused_naming_the_field(kb):
+    from rag.knowledge.retriever import default_query_encoder
+    from rag.models.rag.config import RagModelConfig
+
+    with pytest.raises(ConfigError, match="hybrid_fusion"):
+        HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb), fusion="max")
+    with pytest.raises(ConfigError, match="hybrid_bm25_weight"):
+        RagModelConfig(hybrid_bm25_weight=-1)
+    with pytest.raises(ConfigError, match="hybrid_fusion"):
+        RagModelConfig(hybrid_fusion="sum")
+
+
+def test_a_config_saved_before_score_fusion_keeps_reciprocal_rank_fusion():
+    from rag.models.rag.config import RagModelConfig
+
+    assert RagModelConfig.from_dict({"retrieval": "hybrid", "hybrid_rrf_k": 60}).hybrid_fusion == "rrf"
+    assert RagModelConfig.from_dict({"retrieval": "hybrid"}).hybrid_fusion == "score"
+
+
+def test_rrf_hybrid_retrieval_is_the_rank_fusion_of_the_two_retrievers(kb):
+    from rag.knowledge.retriever import default_query_encoder
+
+    hybrid = HybridRetriever.from_knowledge_base(kb, default_query_encoder(kb), fusion="rrf")
     questions = ["which element has the symbol Li?", "what is a noble gas?"]
     got = hybrid.retrieve(questions, 3)
     dense, bm25 = hybrid.dense.retrieve(questions, 3), hybrid.bm25.retrieve(questions, 3)
@@ -72,7 +126,8 @@ def test_rag_with_hybrid_retrieval_trains_the_query_encoder_through_the_dense_pr
     fused = model.scoring.retriever.retrieve(questions, 3)
     assert out.retrieved.rows.tolist() == fused.rows.tolist()
     q = model.question_encoder(**model.scoring.tokenize_questions(questions))
-    torch.testing.assert_close(out.doc_scores, torch.einsum("bd,bkd->bk", q, fused.doc_embeds), atol=1e-5, rtol=1e-5)
+    want = torch.einsum("bd,bkd->bk", q, fused.doc_embeds) + fused.prior_bias  # q · d + β · normalised BM25
+    torch.testing.assert_close(out.doc_scores, want, atol=1e-5, rtol=1e-5)
     out.loss.backward()
     assert sum(float(p.grad.abs().sum()) for p in model.question_encoder.parameters() if p.grad is not None) > 0
 

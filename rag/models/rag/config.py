@@ -15,6 +15,7 @@ __all__ = ["RagModelConfig", "check_overrides", "check_generation_settings"]
 _MARGINALIZATIONS = ("sequence", "token")
 _RETRIEVALS = ("dense", "bm25", "hybrid")
 _TRUNCATIONS = ("keep_question", "hf")
+_FUSIONS = ("score", "rrf")
 
 
 @dataclass
@@ -37,8 +38,15 @@ class RagModelConfig:
     """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25); hybrid: the
     dense and BM25 rankings fused by reciprocal rank fusion (:mod:`rag.knowledge.hybrid`), the prior over the fused
     passages from the dense scores q · d (so the query encoder still trains)."""
+    hybrid_fusion: Literal["score", "rrf"] = "score"
+    """Hybrid retrieval: ``score`` ranks the union of both top-K lists by q · d + hybrid_bm25_weight · BM25 / (the
+    query's best BM25 score), which is also the retrieval logit; ``rrf`` by reciprocal rank fusion, the logit q · d
+    (:mod:`rag.knowledge.hybrid`). Configs saved before this field existed used ``rrf``."""
+    hybrid_bm25_weight: float = 0.5
+    """Hybrid score fusion: the weight of the normalised BM25 score, in units of the dense score (0.5 for a cosine
+    encoder such as MiniLM, chosen on the Elements dev and FOLDOC validation questions)."""
     hybrid_rrf_k: int = 60
-    """Hybrid retrieval: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
+    """Hybrid rrf fusion: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
     max_context_length: int = 300
     """Most generator input tokens per (question, passage) context."""
     max_target_length: int = 64
@@ -98,6 +106,11 @@ class RagModelConfig:
             raise ConfigError(f"RagModelConfig.marginalization={self.marginalization!r}; choose one of {_MARGINALIZATIONS}")
         if self.retrieval not in _RETRIEVALS:
             raise ConfigError(f"RagModelConfig.retrieval={self.retrieval!r}; choose one of {_RETRIEVALS}")
+        if self.hybrid_fusion not in _FUSIONS:
+            raise ConfigError(f"RagModelConfig.hybrid_fusion={self.hybrid_fusion!r}; choose one of {_FUSIONS}")
+        check_number(self.hybrid_bm25_weight, "RagModelConfig.hybrid_bm25_weight (0.5 for a cosine encoder)", low=0.0,
+                     error=ConfigError)
+        self.hybrid_bm25_weight = float(self.hybrid_bm25_weight)
         if self.truncation not in _TRUNCATIONS:
             raise ConfigError(f"RagModelConfig.truncation={self.truncation!r}; choose one of {_TRUNCATIONS}")
         if not is_number(self.label_smoothing) or not 0.0 <= self.label_smoothing < 1.0:
@@ -159,6 +172,8 @@ class RagModelConfig:
         unknown = sorted(set(d) - known)
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
+        if "hybrid_rrf_k" in d and "hybrid_fusion" not in d:  # saved before score fusion existed: trained with rrf
+            d = {**d, "hybrid_fusion": "rrf"}
         try:
             return cls(**d)
         except ConfigError as e:  # the field's own check, prefixed with the file it came from
