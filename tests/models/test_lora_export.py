@@ -60,6 +60,16 @@ def test_the_export_holds_the_adapter_and_names_the_base_with_its_checksums(expo
     assert meta["config"]["retrieval"] == "hybrid"
 
 
+def test_the_adapter_config_lists_its_modules_sorted(tmp_path):
+    """peft writes target_modules from a set, so the same adapter exported twice gave two checksums."""
+    from rag.models.rag.checkpoint import _sort_adapter_modules
+
+    config = tmp_path / "adapter_config.json"
+    config.write_text(json.dumps({"target_modules": ["v_proj", "q_proj", "o_proj", "k_proj"], "r": 8}))
+    _sort_adapter_modules(config)
+    assert json.loads(config.read_text()) == {"target_modules": ["k_proj", "o_proj", "q_proj", "v_proj"], "r": 8}
+
+
 def test_export_and_load_give_identical_answers_and_log_likelihoods(exported):
     from rag.pipeline.api import RagPipeline, load
 

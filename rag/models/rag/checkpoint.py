@@ -150,6 +150,7 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
             adapter = {"base": base_identity(model.generator)}
             model.generator.save_pretrained(gdir, safe_serialization=True)
             (gdir / "README.md").unlink(missing_ok=True)  # peft's model-card stub: nothing loading needs
+            _sort_adapter_modules(gdir / "adapter_config.json")
         elif is_warm_start(model.generator):  # trained weights only; the frozen encoder is referenced
             save_generator(model.generator, model.generator_tokenizer, gdir)
         else:
@@ -235,6 +236,15 @@ def referenced_knowledge_base(root: Path, kb_ref: dict):
             return kb_dir
     raise ConfigError(f"{cfg_file}: references knowledge base {path!r}, which is not on this machine "
                       f"(looked in {' and '.join(map(str, tried))}); {how}")
+
+
+def _sort_adapter_modules(config_file: Path) -> None:
+    """peft writes ``target_modules`` from a set, in an order that changes with the process's hash seed; sorted, the
+    same adapter exports to the same bytes (and checksum)."""
+    config = read_json(config_file, fix="re-export the model")
+    if isinstance(config.get("target_modules"), list):
+        config["target_modules"] = sorted(config["target_modules"])
+        atomic_write_json(config_file, config)
 
 
 def save_model_directory(model: "RagModel", directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
