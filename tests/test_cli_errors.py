@@ -104,6 +104,17 @@ def test_options_are_checked_before_anything_is_loaded(tmp_path, capsys, argv, e
     assert code == 2 and expected in line and not (tmp_path / "missing").exists()
 
 
+@pytest.mark.parametrize("argv", [["demo", "--retrieve-only", "--k", "3"], ["index", "search", "{missing}", "q", "--k", "2"],
+                                  ["generate", "--model", "{missing}", "q", "--num-beam", "2"]])
+def test_an_abbreviated_option_is_refused_not_taken_for_another(tmp_path, capsys, monkeypatch, argv):
+    """`rag demo --k 3` once meant `--kb 3` and built a knowledge base in ./3."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e:
+        main([a.replace("{missing}", str(tmp_path / "missing")) for a in argv])
+    assert e.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []
+
+
 # ------------------------------------------------------------------------------------- queries
 
 

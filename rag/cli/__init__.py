@@ -32,10 +32,19 @@ COMMANDS = {"demo": "rag.cli.demo", "export": "rag.cli.export", "generate": "rag
             "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli"}
 
 
+class _Parser(argparse.ArgumentParser):
+    """No abbreviated options, here and in every subcommand (subparsers take this class): with them ``rag demo --k 3``
+    meant ``--kb 3`` and built a knowledge base in a folder named ``3``."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     import rag
 
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="rag",
         description="Retrieval-augmented generation: build knowledge bases, train, generate, evaluate.",
         epilog=f"Training: rag {{{','.join(LIGHTNING_COMMANDS)}}} --config lightning_configs/NAME.yaml (see README).",
