@@ -9,6 +9,8 @@ from typing import Optional
 from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 
 DEFAULT_ENCODER = "minilm"
+DEMO_CORPUS = "rag.demo (Elements database)"
+"""The ``build.corpus`` of the demo knowledge base's manifest: what marks a knowledge base as the package's own cache."""
 DEMO_KB_BUILD = 2
 """Bumped when the demo knowledge base is built differently (2: BM25 keeps one-character tokens such as "8" and "K");
 a cached one from another build is rebuilt in place: it is a cache this package made (``build.demo_kb_build``)."""
@@ -43,6 +45,3 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
         show_progress=show_progress, overwrite=overwrite,
         build_info={"corpus": DEMO_CORPUS, "demo_kb_build": DEMO_KB_BUILD},
     )
-
-
-DEMO_CORPUS = "rag.demo (Elements database)"

@@ -179,32 +179,41 @@ class BM25Index:
         Equal scores are ordered by row; a query with no indexed term scores 0
         everywhere and gets rows ``0..k-1``.
         """
+        scores, rows, _ = self.search_and_score(queries, k, None, show_progress=show_progress)
+        return scores, rows
+
+    def score_rows(self, queries: Sequence[str], rows: np.ndarray) -> np.ndarray:
+        """BM25 scores ``(B, R)`` float32 of the passages `rows` ``(B, R)`` (int64; -1: none, scored 0) for B queries."""
+        return self.search_and_score(queries, 1, rows)[2]
+
+    def search_and_score(self, queries: Sequence[str], k: int, rows: Optional[np.ndarray], *,
+                         show_progress: bool = False) -> tuple[np.ndarray, np.ndarray, Optional[np.ndarray]]:
+        """:meth:`search` and :meth:`score_rows` from one tokenization and one scoring pass per query: the top-k
+        ``scores`` and ``rows`` ``(B, k)``, and the scores ``(B, R)`` of the given `rows` (None when `rows` is None)."""
         from tqdm.auto import tqdm
 
         queries = check_strings(queries, "queries", allow_empty=True, allow_blank=True)
         check_number(k, f"k (at most the number of indexed passages, {self._num_docs})", integer=True, low=1, high=self._num_docs)
         k = int(k)
         scores = np.zeros((len(queries), k), dtype=np.float32)
-        rows = np.zeros((len(queries), k), dtype=np.int64)
+        top = np.zeros((len(queries), k), dtype=np.int64)
+        given = None
+        if rows is not None:
+            rows = np.asarray(rows, dtype=np.int64)
+            if rows.ndim != 2 or rows.shape[0] != len(queries) or (rows >= self._num_docs).any():
+                raise ConfigError(f"score_rows: rows must be (B={len(queries)}, R) row numbers below {self._num_docs}, "
+                                  f"got shape {rows.shape}")
+            given = np.zeros(rows.shape, dtype=np.float32)
         if not queries:
-            return scores, rows
+            return scores, top, given
         tokens = self._tokenize(queries)
         for i, toks in enumerate(tqdm(tokens, desc="BM25 search", unit="query", disable=not show_progress)):
-            scores[i], rows[i] = top_k(self._all_scores(toks), k)
-        return scores, rows
-
-    def score_rows(self, queries: Sequence[str], rows: np.ndarray) -> np.ndarray:
-        """BM25 scores ``(B, R)`` float32 of the passages `rows` ``(B, R)`` (int64; -1: none, scored 0) for B queries."""
-        queries = check_strings(queries, "queries", allow_empty=True, allow_blank=True)
-        rows = np.asarray(rows, dtype=np.int64)
-        if rows.ndim != 2 or rows.shape[0] != len(queries) or (rows >= self._num_docs).any():
-            raise ConfigError(f"score_rows: rows must be (B={len(queries)}, R) row numbers below {self._num_docs}, got shape {rows.shape}")
-        out = np.zeros(rows.shape, dtype=np.float32)
-        for i, toks in enumerate(self._tokenize(list(queries))):
             full = self._all_scores(toks)
-            valid = rows[i] >= 0
-            out[i, valid] = full[rows[i, valid]]
-        return out
+            scores[i], top[i] = top_k(full, k)
+            if rows is not None:
+                valid = rows[i] >= 0
+                given[i, valid] = full[rows[i, valid]]
+        return scores, top, given
 
     def _all_scores(self, tokens: list[str]) -> np.ndarray:
         """The ``(N,)`` float32 BM25 score of every passage for one tokenized query (0 everywhere without a known term)."""

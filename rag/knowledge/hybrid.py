@@ -125,7 +125,9 @@ class HybridRetriever:
     def for_settings(cls, kb, query_encoder, settings=None, *, allow_encoder_change: bool = False) -> "HybridRetriever":
         """:meth:`from_knowledge_base` with the fusion options of `settings` (a RagModelConfig; None: the defaults)."""
         return cls.from_knowledge_base(kb, query_encoder, allow_encoder_change=allow_encoder_change,
-                                       **fusion_options(settings))
+                                       fusion=getattr(settings, "hybrid_fusion", "score"),
+                                       rrf_k=getattr(settings, "hybrid_rrf_k", RRF_K),
+                                       bm25_weight=getattr(settings, "hybrid_bm25_weight", BM25_WEIGHT))
 
     @property
     def options(self) -> dict:
@@ -196,30 +198,30 @@ class HybridRetriever:
         queries = list(queries)
         q = query_embeds.detach().float().cpu()
         _, dense_rows = kb.search(q, k)
-        bm25_scores, bm25_rows = bm25.index.search(queries, k)
-        dense_rows, bm25_rows = np.asarray(dense_rows), np.asarray(bm25_rows)
+        dense_rows = np.asarray(dense_rows)
         if self.fusion == "rrf":
-            rows, scores = reciprocal_rank_fusion([dense_rows, bm25_rows], k, rrf_k=self.rrf_k)
+            _, bm25_rows = bm25.index.search(queries, k)
+            rows, scores = reciprocal_rank_fusion([dense_rows, np.asarray(bm25_rows)], k, rrf_k=self.rrf_k)
             rows_t = torch.from_numpy(rows)
             return Retrieved(rows=rows_t, scores=torch.from_numpy(scores), passages=kb.get_passages(rows),
                              doc_embeds=kb.get_embeddings(rows_t), kb_version=kb.served_version)
-        # score fusion over the union of both top-k lists: (B, 2k) candidates, dense ranking first, -1 pads
-        cand = np.full((len(queries), 2 * k), -1, dtype=np.int64)
-        for b in range(len(queries)):
-            merged = list(dict.fromkeys(r for r in (*dense_rows[b].tolist(), *bm25_rows[b].tolist()) if r >= 0))
-            cand[b, :len(merged)] = merged
+        # score fusion over both top-k lists, (B, 2k) candidates, dense first; a BM25 row the dense list holds is masked
+        bm25_scores, bm25_rows, dense_bm25 = bm25.index.search_and_score(queries, k, dense_rows)  # one BM25 pass
+        cand = np.concatenate([dense_rows, bm25_rows], axis=1)
         valid = cand >= 0
+        valid[:, k:] &= ~(bm25_rows[:, :, None] == dense_rows[:, None, :]).any(-1)
         embeds = kb.get_embeddings(torch.from_numpy(np.where(valid, cand, 0))).float()  # (B, 2k, D)
         dense_s = torch.bmm(embeds, q.unsqueeze(-1)).squeeze(-1).numpy()  # (B, 2k) q · d, exact for every candidate
         top_bm25 = np.maximum(bm25_scores[:, :1], 1e-12)  # the query's best BM25 score (0: no known term -> no bias)
-        sparse = self.bm25_weight * bm25.index.score_rows(queries, cand) / top_bm25  # (B, 2k) in [0, β]
+        sparse = self.bm25_weight * np.concatenate([dense_bm25, bm25_scores], axis=1) / top_bm25  # (B, 2k) in [0, β]
         pick, scores = score_fusion(dense_s, sparse, valid, k)
-        rows = np.take_along_axis(cand, np.maximum(pick, 0), axis=1)
-        bias = np.take_along_axis(sparse, np.maximum(pick, 0), axis=1).astype(np.float32)
+        pick = np.maximum(pick, 0)
+        rows = np.take_along_axis(cand, pick, axis=1)
         rows_t = torch.from_numpy(rows)
         return Retrieved(rows=rows_t, scores=torch.from_numpy(scores), passages=kb.get_passages(rows),
-                         doc_embeds=torch.from_numpy(np.take_along_axis(embeds.numpy(), np.maximum(pick, 0)[..., None], axis=1)),
-                         kb_version=kb.served_version, prior_bias=torch.from_numpy(bias))
+                         doc_embeds=torch.from_numpy(np.take_along_axis(embeds.numpy(), pick[..., None], axis=1)),
+                         kb_version=kb.served_version,
+                         prior_bias=torch.from_numpy(np.take_along_axis(sparse, pick, axis=1).astype(np.float32)))
 
     @torch.no_grad()
     def retrieve(self, queries: Sequence[str], k: int) -> Retrieved:
@@ -227,8 +229,3 @@ class HybridRetriever:
         q = self.query_encoder.encode(list(queries), show_progress=False)
         return self.search(list(queries), torch.from_numpy(q), k)
 
-
-def fusion_options(settings=None) -> dict:
-    """The keyword options of :meth:`HybridRetriever.from_knowledge_base` that `settings` (a RagModelConfig) sets."""
-    return {"fusion": getattr(settings, "hybrid_fusion", "score"), "rrf_k": getattr(settings, "hybrid_rrf_k", RRF_K),
-            "bm25_weight": getattr(settings, "hybrid_bm25_weight", BM25_WEIGHT)}
