@@ -78,6 +78,24 @@ def test_atomic_directory_replaces_only_what_the_predicate_recognises(tmp_path):
     assert _is_mine(empty)
 
 
+def test_a_second_writer_of_the_same_target_leaves_the_first_ones_partial_directory_alone(tmp_path):
+    """Two builds of one target at once (two first runs rebuilding the demo knowledge base): the second's clean-up of
+    killed builds' leftovers once deleted the first's directory while it was being written. A leftover that no live
+    writer holds is still removed."""
+    target = tmp_path / "kb"
+    leftover = tmp_path / ".kb.tmp-killed"  # a killed writer's partial directory: nobody holds it
+    leftover.mkdir()
+    with atomic_directory(target, overwrite=True, replaces=_is_mine, kind="widget") as first:
+        (first / "MINE").write_text("first")
+        with atomic_directory(target, overwrite=True, replaces=_is_mine, kind="widget") as second:
+            assert (first / "MINE").read_text() == "first"
+            assert not leftover.exists()
+            (second / "MINE").write_text("second")
+        assert (target / "MINE").read_text() == "second"
+    assert (target / "MINE").read_text() == "first"  # the last to finish replaced the other, whole
+    assert not list(tmp_path.glob(".kb.tmp-*")) and not list(tmp_path.glob(".kb.old-*"))
+
+
 def test_a_file_is_never_replaced_even_without_a_predicate(tmp_path):
     f = tmp_path / "file"
     f.write_text("data")

@@ -171,8 +171,10 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
     for stale in parent.glob(f".{final.name}.tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True)
+        if not _held_by_a_live_writer(stale):  # another process building the same target right now keeps its own
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=parent))
+    held = _hold(tmp)
     os.chmod(tmp, 0o777 & ~process_umask())  # as os.mkdir would make it, not mkdtemp's 0700
     try:
         yield tmp
@@ -191,6 +193,35 @@ def atomic_directory(final: str | os.PathLike, overwrite: bool = False, *,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        if held is not None:
+            os.close(held)  # drops the flock
+
+
+def _hold(directory: Path) -> Optional[int]:
+    """An open descriptor of `directory` holding an exclusive ``flock`` on it while a writer fills it (the kernel drops
+    it when the process ends, however it ends); None where the file system has no ``flock``."""
+    try:
+        import fcntl
+
+        fd = os.open(directory, os.O_RDONLY)
+    except (ImportError, OSError):  # pragma: no cover - not POSIX
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _held_by_a_live_writer(directory: Path) -> bool:
+    """True when another writer's :func:`_hold` is on `directory` (a partial directory of a killed writer is not)."""
+    fd = _hold(directory)
+    if fd is None:
+        return directory.is_dir()  # locked by a live writer (or not lockable: then keep it, it may be in use)
+    os.close(fd)
+    return False
 
 
 def cache_dir() -> Path:
