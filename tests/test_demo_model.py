@@ -18,6 +18,7 @@ import pytest
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 REPORT = CHECKPOINTS / "demo" / "eval.json"
 CAUSAL_REPORT = CHECKPOINTS / "demo_causal" / "eval.json"
+DEMO_READERS = CHECKPOINTS.parent / "benchmarks" / "results" / "demo_readers.json"
 
 
 @pytest.fixture
@@ -50,23 +51,25 @@ def demo_pipe(demo_cache):
     return load(demo_checkpoint_dir("demo"), knowledge_base=demo_cache / "demo_kb")
 
 
-def test_a_cached_demo_knowledge_base_of_an_older_build_is_rebuilt(tmp_path):
+def test_a_cached_demo_knowledge_base_of_an_older_build_is_rebuilt(tmp_path, tiny_dpr_context_dir):
     """A cache built before BM25 kept one-character tokens would answer "which element is number 8?" with the old
-    tokens; the demo knowledge base is the package's own cache, so it is replaced (and anything else is left alone)."""
+    tokens; the demo knowledge base is the package's own cache, so it is replaced (and anything else is left alone).
+    A tiny random encoder stands in for MiniLM: what is checked is which builds are replaced, not the vectors."""
     from rag.demo import load_demo_corpus
     from rag.demo.kb import DEMO_CORPUS, DEMO_KB_BUILD, ensure_demo_kb
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
     passages = load_demo_corpus()
-    KnowledgeBase.build(passages, TextEncoder("minilm", role="context"), tmp_path / "demo_kb", index="flat", bm25=True,
+    encoder = TextEncoder(tiny_dpr_context_dir, role="context")
+    KnowledgeBase.build(passages, encoder, tmp_path / "demo_kb", index="flat", bm25=True,
                         show_progress=False, build_info={"corpus": DEMO_CORPUS})  # as an older release wrote it
-    kb = ensure_demo_kb(tmp_path / "demo_kb", show_progress=False)
+    kb = ensure_demo_kb(tmp_path / "demo_kb", encoder=tiny_dpr_context_dir, index="flat", show_progress=False)
     assert kb.manifest.build["demo_kb_build"] == DEMO_KB_BUILD
     oxygen = [p.title for p in passages].index("Oxygen")
     assert kb.bm25.score_rows(["8"], np.array([[oxygen]]))[0, 0] > 0  # "Atomic number: 8." now holds the term "8"
     assert ensure_demo_kb(tmp_path / "demo_kb", show_progress=False).version == kb.version  # current: opened, not rebuilt
-    KnowledgeBase.build(passages[:3], TextEncoder("minilm", role="context"), tmp_path / "mine", index="flat",
+    KnowledgeBase.build(passages[:3], encoder, tmp_path / "mine", index="flat",
                         show_progress=False)  # not the demo corpus: a user's knowledge base given as --kb
     assert len(ensure_demo_kb(tmp_path / "mine", show_progress=False)) == 3
 
@@ -116,22 +119,22 @@ def test_the_default_is_the_causal_reader_an_adapter_that_names_its_base():
 
 
 @pytest.mark.slow
-def test_the_default_reproduces_its_recorded_exact_match(demo_cache, monkeypatch):
-    """`rag.load("demo")` is the causal model; its greedy answers to the held-out dev questions reproduce the EM recorded
-    in checkpoints/demo_causal/eval.json (made by benchmarks/demo_readers.py, batches of 8)."""
-    from rag.eval.metrics import ExactMatch
-    from rag.eval.qa_data import read_qa
+def test_the_default_reproduces_its_recorded_answers(demo_cache, monkeypatch):
+    """`rag.load("demo")` is the causal model; its greedy answers to the first 32 held-out dev questions are the ones
+    recorded in benchmarks/results/demo_readers.json (made by benchmarks/demo_readers.py, batches of 8), answer by answer.
+    """
     from rag.pipeline.api import load
 
     monkeypatch.setenv("RAG_CACHE", str(demo_cache))
+    recorded = json.loads(DEMO_READERS.read_text())["models"]["checkpoints/demo_causal"]["dev"]["answers"][:32]
     pipe = load("demo", knowledge_base=demo_cache / "demo_kb")
-    dev, em = read_qa("demo:dev"), ExactMatch()
-    for i in range(0, len(dev), 8):
-        chunk = dev[i:i + 8]
-        em.update([a.text for a in pipe.generate([e.question for e in chunk])], [list(e.answers) for e in chunk])
-    recorded = json.loads(CAUSAL_REPORT.read_text())["dev"]["em"] / 100
-    # float32 batched decoding may flip a near-tied greedy token on another CPU: a question or two either way
-    assert float(em.compute()) == pytest.approx(recorded, abs=0.03)
+    answers = []
+    for i in range(0, len(recorded), 8):
+        answers += [a.text for a in pipe.generate([r["question"] for r in recorded[i:i + 8]])]
+    differ = [(r["question"], r["answer"], a) for r, a in zip(recorded, answers) if a != r["answer"]]
+    # float32 batched decoding may flip a near-tied greedy token on another CPU: one answer of 32, not more
+    assert len(differ) <= 1, differ
+    assert sum(r["em"] for r in recorded) >= 24  # the recorded answers are mostly right (86% of all dev questions)
 
 
 @pytest.mark.slow
@@ -230,7 +233,7 @@ def test_elements_recipe_runs_end_to_end_on_a_tiny_budget(demo_cache, tmp_path, 
     assert "| RAG-Token |" in (out / "results.md").read_text()
 
 
-@pytest.mark.slow  # four `rag` processes (~1 min on 2 cores); the README's test command still runs it
+@pytest.mark.slow  # four `rag` processes (~1 min on 2 cores)
 def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cache, tmp_path, monkeypatch):
     """examples/learning_demo.py: `rag fit` + `rag test` per system with lightning_configs/cpu_reader.yaml (two steps
     here, through the arguments after --), a table of each system's test metrics, and a finished system reused."""
@@ -255,7 +258,7 @@ def test_learning_demo_trains_each_system_through_the_cpu_reader_config(demo_cac
     assert demo.main(argv) == 0 and fit_log.stat().st_mtime_ns == stamp  # reused, not trained again
 
 
-@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
+@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores)
 def test_rag_generate_does_not_warn_about_the_models_own_context_length(demo_cache):
     """The seq2seq demo model's max_context_length shortens its passages on every question by design: `rag generate` says
     nothing about it unless -v (then it does: the warning is still issued)."""

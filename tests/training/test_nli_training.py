@@ -12,7 +12,7 @@ import pytest
 CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "nli_tiny.yaml"
 
 
-@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
+@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores)
 def test_tiny_config_trains_and_exports(tmp_path, monkeypatch):
     from rag.cli import main
     from rag.retrobust.nli import NLIScorer
@@ -46,7 +46,7 @@ def test_nli_module_rejects_bad_options():
         NLIModule().export("/nonexistent/never-written")
 
 
-@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores); the README's test command still runs it
+@pytest.mark.slow  # a whole CLI run (~11-15 s on 2 cores)
 def test_rag_nli_prepare_trains_tests_and_is_then_a_no_op(tmp_path, monkeypatch, capsys, make_snli_sdist):
     """`rag nli prepare` with a local sdist (the tiny layout of test_snli) and the tiny recipe."""
     from rag.cli import main

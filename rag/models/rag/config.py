@@ -36,8 +36,8 @@ class RagModelConfig:
     """RAG-Frozen (Table 6): keep the query encoder fixed; only the generator trains."""
     retrieval: Literal["dense", "bm25", "hybrid"] = "dense"
     """dense: DPR-style MIPS with trainable query encoder; bm25: BM25 scores as retrieval logits (RAG-BM25); hybrid: the
-    dense and BM25 rankings fused by reciprocal rank fusion (:mod:`rag.knowledge.hybrid`), the prior over the fused
-    passages from the dense scores q · d (so the query encoder still trains)."""
+    dense and BM25 rankings fused as ``hybrid_fusion`` says (:mod:`rag.knowledge.hybrid`); the prior over the fused
+    passages has the dense score q · d in it, so the query encoder still trains."""
     hybrid_fusion: Literal["score", "rrf"] = "score"
     """Hybrid retrieval: ``score`` ranks the union of both top-K lists by q · d + hybrid_bm25_weight · BM25 / (the
     query's best BM25 score), which is also the retrieval logit; ``rrf`` by reciprocal rank fusion, the logit q · d
