@@ -629,7 +629,9 @@ class RagModule(pl.LightningModule):
             from rag.training.reading_practice import practice_pool
 
             model = self._require_model()
-            self._practice = practice_pool(self.practice_settings, model.knowledge_base, model.generator_tokenizer)
+            train = getattr(getattr(self.trainer, "datamodule", None), "_datasets", {}).get("train")
+            self._practice = practice_pool(self.practice_settings, model.knowledge_base, model.generator_tokenizer,
+                                           pairs=getattr(train, "pairs", ()))
             logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
                         self.practice_settings.per_step)
         export_dir = self.hparams.get("export_dir")

@@ -8,6 +8,13 @@ asks one of
 * ``what is NAME?`` -> the passage's first sentence (definition-style corpora: dictionaries, glossaries, manuals);
 * ``which term is described as "…"?`` -> NAME, quoting a few words of a later sentence;
 
+or, with ``source: questions``, the training questions' own forms applied to other passages (for corpora whose passages
+hold many short entries: glossaries, catalogues, tables): where a training answer occurs in one passage next to a words
+of its question (the key: "What does NCB stand for?" and "... NCB: National Computer Board. ..."), the question with
+the key cut out is a form ("What does {} stand for?") and the text between key and answer its pattern (": " up to
+". "); every other match of a pattern supported by several pairs is a new example, its key renamed as above
+(a pattern-expansion step in the manner of Brin 1998, DIPRE).
+
 :class:`ReadingPracticeSettings` is the typed option (``model.reading_practice`` of
 :class:`~rag.training.modules.RagModule`); ``source: elements`` uses the Elements demo's own practice
 (:mod:`rag.demo.reading_practice`, randomised facts of the training elements).
@@ -15,16 +22,21 @@ asks one of
 
 from __future__ import annotations
 
+import logging
 import random
 import re
+from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 from rag.knowledge.passages import Passage
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
 
-__all__ = ["ReadingPracticeSettings", "PracticeExample", "corpus_practice", "practice_pool"]
+__all__ = ["ReadingPracticeSettings", "PracticeExample", "QuestionForm", "corpus_practice", "find_question_forms",
+           "question_form_practice", "practice_pool"]
+
+logger = logging.getLogger(__name__)
 
 _SYLLABLES = ("ar", "bo", "ce", "di", "el", "fa", "go", "ha", "in", "jo", "ka", "lu", "mo", "ne", "or", "pa", "qu", "ro",
               "si", "ta", "ul", "ve", "wo", "xe", "yt", "zi", "th", "pr", "st", "gr")
@@ -36,8 +48,10 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 class ReadingPracticeSettings:
     """Reading practice mixed into every training step (RagModule ``model.reading_practice``)."""
 
-    source: Literal["corpus", "elements"] = "corpus"
-    """``corpus``: examples built from the knowledge base's passages (any corpus); ``elements``: the Elements demo's."""
+    source: Literal["corpus", "questions", "elements"] = "corpus"
+    """``corpus``: examples built from the knowledge base's passages (any corpus); ``questions``: the training
+    questions' forms applied to other passages (passages of many short entries; corpus practice where no form is
+    found); ``elements``: the Elements demo's."""
     per_step: int = 4
     """Practice examples per training step, beside the batch's real QA pairs (each weighs as one pair)."""
     pool: int = 4000
@@ -57,8 +71,8 @@ class ReadingPracticeSettings:
         for name, low in (("per_step", 1), ("pool", 1), ("max_answer_words", 1), ("pretrain_steps", 0), ("pretrain_batch", 1)):
             check_number(getattr(self, name), f"model.reading_practice.{name}", integer=True, low=low, error=ConfigError)
         check_number(self.pretrain_lr, "model.reading_practice.pretrain_lr", above=0, error=ConfigError)
-        if self.source not in ("corpus", "elements"):
-            raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus or elements")
+        if self.source not in ("corpus", "questions", "elements"):
+            raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus, questions or elements")
 
 
 @dataclass(frozen=True)
@@ -103,8 +117,141 @@ def corpus_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_a
     return out
 
 
-def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=None) -> list[PracticeExample]:
-    """The fixed pool of `settings`: from `knowledge_base`'s passages, or the Elements demo's practice."""
+_WORD = re.compile(r"\w[\w'-]*")
+_KEY_CHARS = r"[^.;:!?\n]"  # a key is a few words within one clause
+MAX_MIDDLE_CHARS = 30
+"""The most characters between a key and its answer for the pair to define a pattern ("NCB: National..." has 2)."""
+
+
+@dataclass(frozen=True)
+class QuestionForm:
+    """A training question with its key cut out, and how its key and answer sit in a passage.
+
+    ``prefix`` and ``suffix``: the question around its key; ``key_first``: the key comes before the answer in the passage; ``middle``: the text
+    between them; ``before`` / ``after``: the punctuation and spaces before the first and after the second of them
+    (``^`` / ``$``: the passage's start / end)."""
+
+    prefix: str
+    suffix: str
+    key_first: bool
+    middle: str
+    before: str
+    after: str
+
+    def question(self, key: str) -> str:
+        return self.prefix + key + self.suffix
+
+    def pattern(self) -> re.Pattern:
+        """The regular expression of this form's (key, answer) pairs in a passage's text."""
+        key = rf"(?P<key>\w{_KEY_CHARS}{{0,60}}?)"
+        answer = r"(?P<answer>\w.{0,300}?)"
+        first, second = (key, answer) if self.key_first else (answer, key)
+        start = "^" if self.before == "^" else rf"(?:^|(?<={re.escape(self.before)}))"
+        end = "$" if self.after == "$" else rf"(?=(?:{re.escape(self.after)})|{re.escape(self.after.rstrip())}$|$)"
+        return re.compile(start + first + re.escape(self.middle) + second + end)
+
+
+def _locate(question: str, answer: str, text: str) -> Optional[tuple[QuestionForm, str]]:
+    """The form of one (question, answer) pair in the passage text holding the answer once, and its key; or None."""
+    low = text.lower()
+    a = low.find(answer.lower())
+    if a < 0 or low.find(answer.lower(), a + 1) >= 0:
+        return None
+    a_end = a + len(answer)
+    words = list(_WORD.finditer(question))
+    best = None  # (distance, question span, text span)
+    for n in range(len(words), 0, -1):  # the longest run of question words found in the text
+        for i in range(len(words) - n + 1):
+            q0, q1 = words[i].start(), words[i + n - 1].end()
+            key = re.escape(question[q0:q1].lower())
+            for m in re.finditer(rf"(?<!\w){key}(?!\w)", low):
+                if m.end() <= a or m.start() >= a_end:
+                    gap = a - m.end() if m.end() <= a else m.start() - a_end
+                    if gap <= MAX_MIDDLE_CHARS and (best is None or gap < best[0]):
+                        best = (gap, (q0, q1), (m.start(), m.end()))
+        if best is not None:
+            break
+    if best is None:
+        return None
+    _, (q0, q1), (k0, k1) = best
+    key_first = k1 <= a
+    first0, first1, second0, second1 = (k0, k1, a, a_end) if key_first else (a, a_end, k0, k1)
+    middle = text[first1:second0]
+    before = "^" if first0 == 0 else re.search(r"\W{0,2}$", text[:first0]).group()
+    after = "$" if second1 == len(text) else re.match(r"\W{0,2}", text[second1:]).group()
+    if not before or not after:  # the key or answer runs on inside a word: no boundary to match on
+        return None
+    return QuestionForm(question[:q0], question[q1:], key_first, middle, before, after), text[k0:k1]
+
+
+def find_question_forms(passages: Sequence[Passage], pairs: Sequence[tuple[str, str]], *, max_pairs: int = 2000,
+                        min_support: int = 3, min_precision: float = 0.8) -> Counter:
+    """The forms of the training `pairs` (question, answer) found in `passages`, each with the number of pairs that
+    show it. A form is kept when at least `min_support` pairs (and 1% of those located) show it and its pattern, run
+    over those pairs' passages, finds their own key and answer for at least `min_precision` of them (a pattern that
+    also matches elsewhere, "the first word, a space, the next word", finds other spans and is dropped)."""
+    texts = [p.text for p in passages]
+    lows = [t.lower() for t in texts]
+    shown: dict[QuestionForm, list[tuple[str, str, str]]] = {}
+    located = 0
+    for question, answer in list(pairs)[:max_pairs]:
+        answer = answer.strip()
+        if len(answer) < 3:
+            continue
+        hits = [i for i, t in enumerate(lows) if answer.lower() in t]
+        if len(hits) != 1:
+            continue
+        located += 1
+        found = _locate(question, answer, texts[hits[0]])
+        if found is not None:
+            form, key = found
+            shown.setdefault(form, []).append((texts[hits[0]], key.lower(), answer.lower()))
+    floor = max(min_support, located // 100)
+    kept: Counter = Counter()
+    for form, rows in shown.items():
+        if len(rows) < floor:
+            continue
+        pattern = form.pattern()
+        right = sum(any((m.group("key").strip().lower(), m.group("answer").strip().lower()) == (key, answer)
+                        for m in pattern.finditer(text)) for text, key, answer in rows)
+        if right >= min_precision * len(rows):
+            kept[form] = len(rows)
+    return kept
+
+
+def question_form_practice(passages: Sequence[Passage], pairs: Sequence[tuple[str, str]], n: int, *, seed: int = 0,
+                           max_answer_words: int = 24) -> list[PracticeExample]:
+    """Up to `n` practice examples from the forms of the training `pairs` (:func:`find_question_forms`) matched in every
+    passage: the question of the form about the key matched, the answer matched, the passage with that key renamed
+    (so the answer cannot be recalled from the real key). Empty when no form is found."""
+    forms = find_question_forms(passages, pairs)
+    if not forms:
+        return []
+    rng = random.Random(seed)
+    candidates: list[tuple[QuestionForm, Passage, str, str]] = []
+    for form, _ in forms.most_common():
+        pattern = form.pattern()
+        for p in passages:
+            for m in pattern.finditer(p.text):
+                answer = m.group("answer").strip()
+                if answer and len(answer.split()) <= max_answer_words:
+                    candidates.append((form, p, m.group("key").strip(), answer))
+    rng.shuffle(candidates)
+    out = []
+    for form, p, key, answer in candidates[:n]:
+        name = _invented_name(rng)
+        text = re.sub(rf"(?<!\w){re.escape(key)}(?!\w)", name, p.text)
+        if name not in text or answer not in text:  # the key overlapped the answer: renaming would change it
+            continue
+        out.append(PracticeExample(form.question(name), answer,
+                                   Passage(id=f"practice/{len(out)}", title=p.title, text=text)))
+    return out
+
+
+def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=None,
+                  pairs: Sequence[tuple[str, str]] = ()) -> list[PracticeExample]:
+    """The fixed pool of `settings`: from `knowledge_base`'s passages (with ``source: questions``, in the forms of the
+    training `pairs`), or the Elements demo's practice."""
     if settings.source == "elements":
         from rag.demo import load_demo_corpus, load_demo_qa
         from rag.demo.reading_practice import ReadingPractice
@@ -114,5 +261,12 @@ def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=N
         base = [p for p in load_demo_corpus() if p.title in train_elements]
         return [PracticeExample(e.question, e.answer, e.passage)
                 for e in ReadingPractice(base, names, seed=settings.seed).examples(settings.pool)]
-    return corpus_practice(knowledge_base.all_passages(), settings.pool, seed=settings.seed,
-                           max_answer_words=settings.max_answer_words)
+    passages = knowledge_base.all_passages()
+    if settings.source == "questions":
+        pool = question_form_practice(passages, pairs, settings.pool, seed=settings.seed,
+                                      max_answer_words=settings.max_answer_words)
+        if pool:
+            return pool
+        logger.warning("reading practice (source: questions): no form of the training questions was found in the passages "
+                       "(the key must be in a passage's text, next to the answer); using corpus practice instead")
+    return corpus_practice(passages, settings.pool, seed=settings.seed, max_answer_words=settings.max_answer_words)
