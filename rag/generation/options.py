@@ -74,7 +74,8 @@ class GenerationOptions:
                                        high=4096, reader="causal", retrieval=True)
     retrieval: Optional[str] = _opt(str, "retriever: dense, bm25, or hybrid (both fused: as a RAG model's config says, "
                                          "else by score); default: a RAG model's configured one; a causal LM's bm25 "
-                                         "when the knowledge base has a BM25 index, else dense", choices=("bm25", "dense", "hybrid"), retrieval=True)
+                                         "when the knowledge base has a BM25 index, else dense",
+                                    choices=("bm25", "dense", "hybrid"), retrieval=True)
     ensemble: Optional[int] = _opt(int, "REPLUG (Shi et al. 2023): mix the next-token distributions of the top-K "
                                         "documents (a RAG model: RAG-Token over K passages)", low=1, high=100, retrieval=True)
     retrieval_temperature: Optional[float] = _opt(float, "causal LM with ensemble: temperature T of the REPLUG weights "

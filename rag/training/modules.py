@@ -613,11 +613,11 @@ class RagModule(pl.LightningModule):
             logger.warning("checkpoint was trained against knowledge base %s, now using %s (%s)", saved, kb.version, kb.path)
 
     def on_fit_start(self) -> None:
+        train = getattr(getattr(self.trainer, "datamodule", None), "_datasets", {}).get("train")
+        pairs = getattr(train, "pairs", [])  # the training (question, answer) pairs: gold passages, reading practice
         if self.hparams.get("gold_passage", "off") != "off" and self._gold is None:
             from rag.training.gold_passages import GoldPassages
 
-            train = getattr(getattr(self.trainer, "datamodule", None), "_datasets", {}).get("train")
-            pairs = getattr(train, "pairs", [])
             self._gold = GoldPassages(self._require_model().knowledge_base.all_passages(), [a for _, a in pairs],
                                       self.hparams.gold_passage)
             if getattr(train, "passage_ids", None) is not None:
@@ -629,9 +629,8 @@ class RagModule(pl.LightningModule):
             from rag.training.reading_practice import practice_pool
 
             model = self._require_model()
-            train = getattr(getattr(self.trainer, "datamodule", None), "_datasets", {}).get("train")
             self._practice = practice_pool(self.practice_settings, model.knowledge_base, model.generator_tokenizer,
-                                           pairs=getattr(train, "pairs", ()))
+                                           pairs=pairs)
             logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
                         self.practice_settings.per_step)
         export_dir = self.hparams.get("export_dir")

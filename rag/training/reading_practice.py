@@ -9,8 +9,8 @@ asks one of
 * ``which term is described as "…"?`` -> NAME, quoting a few words of a later sentence;
 
 or, with ``source: questions``, the training questions' own forms applied to other passages (for corpora whose passages
-hold many short entries: glossaries, catalogues, tables): where a training answer occurs in one passage next to a words
-of its question (the key: "What does NCB stand for?" and "... NCB: National Computer Board. ..."), the question with
+hold many short entries: glossaries, catalogues, tables): where a training answer occurs in one passage next to words of
+its question (the key: "What does NCB stand for?" and "... NCB: National Computer Board. ..."), the question with
 the key cut out is a form ("What does {} stand for?") and the text between key and answer its pattern (": " up to
 ". "); every other match of a pattern supported by several pairs is a new example, its key renamed as above
 (a pattern-expansion step in the manner of Brin 1998, DIPRE).
@@ -127,9 +127,9 @@ MAX_MIDDLE_CHARS = 30
 class QuestionForm:
     """A training question with its key cut out, and how its key and answer sit in a passage.
 
-    ``prefix`` and ``suffix``: the question around its key; ``key_first``: the key comes before the answer in the passage; ``middle``: the text
-    between them; ``before`` / ``after``: the punctuation and spaces before the first and after the second of them
-    (``^`` / ``$``: the passage's start / end)."""
+    ``prefix`` and ``suffix``: the question around its key; ``key_first``: the key comes before the answer in the
+    passage; ``middle``: the text between them; ``before`` / ``after``: the punctuation and spaces before the first and
+    after the second of them (``^`` / ``$``: the passage's start / end)."""
 
     prefix: str
     suffix: str
@@ -196,16 +196,17 @@ def find_question_forms(passages: Sequence[Passage], pairs: Sequence[tuple[str, 
     located = 0
     for question, answer in list(pairs)[:max_pairs]:
         answer = answer.strip()
-        if len(answer) < 3:
+        needle = answer.lower()
+        if len(needle) < 3:
             continue
-        hits = [i for i, t in enumerate(lows) if answer.lower() in t]
+        hits = [i for i, t in enumerate(lows) if needle in t]
         if len(hits) != 1:
             continue
         located += 1
         found = _locate(question, answer, texts[hits[0]])
         if found is not None:
             form, key = found
-            shown.setdefault(form, []).append((texts[hits[0]], key.lower(), answer.lower()))
+            shown.setdefault(form, []).append((texts[hits[0]], key.lower(), needle))
     floor = max(min_support, located // 100)
     kept: Counter = Counter()
     for form, rows in shown.items():
