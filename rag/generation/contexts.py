@@ -20,6 +20,7 @@ fixed ``max_combined_length``.
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Literal, Protocol, Sequence
@@ -34,6 +35,7 @@ __all__ = [
     "ContextFormat",
     "ContextTruncationWarning",
     "build_contexts",
+    "focus_on_question",
     "tokenize_contexts",
     "question_round_trip",
 ]
@@ -118,6 +120,41 @@ class ContextFormat:
     def join(self, title: str, text: str, question: str) -> str:
         """transformers' exact string: ``(prefix + title.strip('"' once each end) + title_sep + text + doc_sep + question)`` with double spaces collapsed."""
         return str(self.context(title, text, question))
+
+
+# Question words that say what kind of answer is wanted, not which entry holds it.
+_FRAME_WORDS = frozenset(
+    "a an and are as at be by did do does for from has have how in is it its mean means of on or stand stands "
+    "the to was were what when where which who whom whose why with".split()
+)
+_SENTENCE_END = re.compile(r"(?<=[.!?;])\s+")
+_WORD = re.compile(r"\w+")
+
+
+def focus_on_question(text: str, question: str) -> str:
+    """`text` rotated so that its sentence sharing the rarest, longest question words comes first (``passage_focus:
+    question``): a page of many short entries is read from the entry the question names, and a long passage cut to
+    ``max_context_length`` keeps that entry. Only the starting point moves (the text after that sentence follows it,
+    the text before it goes last), so entries stay whole; with no shared word, or that sentence already first,
+    `text` is returned unchanged.
+
+    A question word counts ``len(word) / (sentences holding it)`` once per sentence holding it (longer words are
+    rarer; a word in every sentence says little); frame words ("what", "does", "mean", ...) do not count; ties keep
+    the earlier sentence.
+    """
+    cuts = [0] + [m.end() for m in _SENTENCE_END.finditer(text)]
+    if len(cuts) < 2:
+        return text
+    sentences = [text[a:b] for a, b in zip(cuts, cuts[1:] + [len(text)])]
+    words = [set(_WORD.findall(x.lower())) for x in sentences]
+    wanted = set(_WORD.findall(question.lower())) - _FRAME_WORDS
+    df = {w: sum(w in ws for ws in words) for w in wanted}
+    scores = [sum(len(w) / df[w] for w in wanted & ws) for ws in words]
+    best = max(range(len(sentences)), key=lambda i: (scores[i], -i))
+    if best == 0 or scores[best] == 0:
+        return text
+    head, tail = text[:cuts[best]].rstrip(), text[cuts[best]:].rstrip()
+    return tail + " " + head
 
 
 def build_contexts(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import warnings
 
 import pytest
@@ -255,3 +256,44 @@ def test_question_round_trip_matches_transformers(tokenizers):
     assert ours == expected
     assert ours[1] == ours[1].lower() and ours[0] != QUESTIONS[0]
     assert len(q_tok(question_round_trip(q_tok, QUESTIONS, max_length=4)[1], add_special_tokens=False)["input_ids"]) == 2
+
+
+# ---------------------------------------------------------------------------- passage focus
+
+PAGE = ("abash: cause to be embarrassed. abatable: capable of being abated. abator: a person who abates a nuisance. "
+        "abbacy: the jurisdiction or office of an abbot. abbess: the superior of a group of nuns.")
+
+
+def _sentences(text: str) -> list[str]:
+    return sorted(re.split(r"(?<=[.])\s+", text.strip()))
+
+
+@pytest.mark.parametrize("term", ["abator", "abbacy", "abbess"])
+def test_focus_starts_at_the_entry_the_question_names_and_keeps_every_sentence(term):
+    from rag.generation.contexts import focus_on_question
+
+    out = focus_on_question(PAGE, f"What does {term} mean?")
+    assert out.startswith(f"{term}:")
+    assert _sentences(out) == _sentences(PAGE)
+    # a rotation: the entries after the named one follow it in order, the ones before it come last
+    start = PAGE.index(f"{term}:")
+    assert out == PAGE[start:] + " " + PAGE[:start].rstrip()
+
+
+@pytest.mark.parametrize("question", ["What does abash mean?", "Who are you?", "What does it mean?", ""])
+def test_focus_leaves_the_passage_alone_when_its_start_is_best_or_nothing_is_shared(question):
+    from rag.generation.contexts import focus_on_question
+
+    assert focus_on_question(PAGE, question) == PAGE
+    assert focus_on_question("One sentence about abator only", "What does abator mean?") == "One sentence about abator only"
+
+
+def test_focus_weighs_rare_question_words_over_words_every_sentence_has():
+    from rag.generation.contexts import focus_on_question
+
+    text = "Iron is a metal. Iron rusts in water. Iron was discovered in antiquity."
+    # "iron" is in every sentence; "discovered" names the one sentence that answers
+    assert focus_on_question(text, "When was iron discovered?").startswith("Iron was discovered")
+    # a longer shared word outweighs a shorter one, frame words ("what", "does") count for nothing
+    text = "Salt: sodium chloride. Sodium: a soft metal. Soft: not hard."
+    assert focus_on_question(text, "What does sodium mean, soft?").startswith("Sodium: a soft metal")

@@ -16,6 +16,7 @@ _MARGINALIZATIONS = ("sequence", "token")
 _RETRIEVALS = ("dense", "bm25", "hybrid")
 _TRUNCATIONS = ("keep_question", "hf")
 _FUSIONS = ("score", "rrf")
+_FOCUSES = ("none", "question")
 
 
 @dataclass
@@ -55,6 +56,11 @@ class RagModelConfig:
     """Most query-encoder tokens per question."""
     truncation: Literal["keep_question", "hf"] = "keep_question"
     """keep_question: shorten the passage so the question always fits; hf: cut on the right like transformers."""
+    passage_focus: Literal["none", "question"] = "none"
+    """none: each passage is read as stored. question: read from the sentence that shares the question's rarest words
+    (:func:`~rag.generation.contexts.focus_on_question`; the text before it goes last), for passages that hold many
+    short entries (glossaries, catalogues) where the reader must start at the entry the question names. Training,
+    decoding and serving read the same focused text; provenance shows the passage as stored."""
     hf_compat: bool = False
     """Reproduce transformers' RAG exactly (contexts, question round trip, loss quirks, summed loss)."""
     mask_padded_contexts: bool = True
@@ -111,6 +117,8 @@ class RagModelConfig:
         check_number(self.hybrid_bm25_weight, "RagModelConfig.hybrid_bm25_weight (0.5 for a cosine encoder)", low=0.0,
                      error=ConfigError)
         self.hybrid_bm25_weight = float(self.hybrid_bm25_weight)
+        if self.passage_focus not in _FOCUSES:
+            raise ConfigError(f"RagModelConfig.passage_focus={self.passage_focus!r}; choose one of {_FOCUSES}")
         if self.truncation not in _TRUNCATIONS:
             raise ConfigError(f"RagModelConfig.truncation={self.truncation!r}; choose one of {_TRUNCATIONS}")
         if not is_number(self.label_smoothing) or not 0.0 <= self.label_smoothing < 1.0:

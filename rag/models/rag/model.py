@@ -335,7 +335,23 @@ class RagModel(nn.Module):
                 question_input_ids = self._tokenize_questions(questions)["input_ids"]
             # Same strings as contexts.question_round_trip, without tokenizing a second time.
             questions = self.question_encoder.tokenizer.batch_decode(question_input_ids.tolist(), skip_special_tokens=True)
-        return build_contexts(questions, retrieved.passages, self.context_format)
+        return build_contexts(questions, self.reading_passages(questions, retrieved.passages), self.context_format)
+
+    def reading_passages(self, questions: Sequence[str], passages: Sequence[Sequence]) -> Sequence[Sequence]:
+        """The passages as the generator reads them: B lists of K, unchanged, or each focused on its question
+        (``config.passage_focus``; :func:`~rag.generation.contexts.focus_on_question`)."""
+        if self.config.passage_focus == "none":
+            return passages
+        from rag.generation.contexts import focus_on_question
+        from rag.knowledge.passages import Passage
+
+        def focused(p, q):
+            text = focus_on_question(p.text, q)
+            if dataclasses.is_dataclass(p):
+                return dataclasses.replace(p, text=text)
+            return Passage(str(getattr(p, "id", "")), p.title, text)  # any object with title and text
+
+        return [[focused(p, q) for p in docs] for q, docs in zip(questions, passages)]
 
     @property
     def context_format(self):
@@ -363,7 +379,7 @@ class RagModel(nn.Module):
         if self.is_causal:  # left-padded prompts "passage, question, answer header" (rag.generation.prompts)
             from rag.models.rag.causal import causal_prompts
 
-            ids, mask, n_truncated, strings, width = causal_prompts(self, questions, retrieved.passages)
+            ids, mask, n_truncated, strings, width = causal_prompts(self, questions, self.reading_passages(questions, retrieved.passages))
             return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
         strings = self.context_strings(questions, retrieved, None if q_inputs is None else q_inputs["input_ids"])
         ids, mask, n_truncated = self._tokenize_contexts(strings)
@@ -501,6 +517,8 @@ class RagModel(nn.Module):
             raise RagError(f"got {len(questions)} questions, {len(targets)} targets and "
                            f"{'no' if passages is None else len(passages)} passages; give one target (and passage) per question")
         device = _device_of(self.generator)
+        if passages is not None:
+            passages = [docs[0] for docs in self.reading_passages(questions, [[p] for p in passages])]
         if self.is_causal:
             from rag.models.rag.causal import causal_prompts
 
