@@ -3,22 +3,10 @@
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 from pathlib import Path
 
-import pytest
-
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "dictionary_qa.py"
-
-
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("dictionary_qa", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+EXAMPLE = "dictionary_qa"
 
 def _b64(n: int) -> str:
     alphabet = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"

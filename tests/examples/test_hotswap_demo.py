@@ -9,33 +9,17 @@ test checks the 2x2 matrix, the files, and that the live swap answers from A, th
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from rag.demo import CORPUS_PATH, load_demo_corpus, load_demo_qa
 from rag.utils.errors import RagError
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("hotswap_demo", REPO / "examples" / "hotswap_demo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses resolve their annotations through sys.modules
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
-
+EXAMPLE = "hotswap_demo"
 
 @pytest.fixture(scope="module")
 def edited(demo):

@@ -8,29 +8,13 @@ written. Perplexities of a random LM are meaningless; the test checks the plumbi
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 from rag.demo import load_demo_corpus
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("ralm_demo", REPO / "examples" / "ralm_demo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
-
+EXAMPLE = "ralm_demo"
 
 RST = """.. _shutil-mod:
 

@@ -6,29 +6,14 @@ test checks the plumbing and the invariants."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 
 from rag.demo import load_demo_corpus
 
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("replug_demo", REPO / "examples" / "replug_demo.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-        yield mod
-    finally:
-        sys.modules.pop(spec.name, None)
-
+EXAMPLE = "replug_demo"
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):

@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "table_qa.py"
-
-
-@pytest.fixture(scope="module")
-def demo():
-    spec = importlib.util.spec_from_file_location("table_qa", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
+EXAMPLE = "table_qa"
 
 def _read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
