@@ -35,9 +35,11 @@ from rag.utils.validate import check_number, check_strings
 SETTINGS_FILE = "rag_bm25.json"
 BM25S_DIR = "bm25s"
 FORMAT = 1
-TOKEN_PATTERN = r"(?u)\b\w+\b"
-"""Tokens are runs of word characters, single characters included: bm25s's default (``\\w\\w+``) drops "5", "K" and
-"C", so "which element is number 5?" or "what has the symbol K?" had no term to match."""
+TOKEN_PATTERN = r"(?u)\d+(?:[.,]\d+)+|\b\w+\b"
+"""Tokens are decimal numbers kept whole ("39.948", "1,000", "3.11") and runs of word characters, single characters
+included. bm25s's default (``\\w\\w+``) drops "5", "K" and "C", so "which element is number 5?" had no term to match;
+splitting at the point made "39" of "atomic number 39?" match Argon's atomic weight "39.948" (as Lucene's standard
+tokenizer does, a number with its decimals is one token)."""
 LEGACY_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
 """What indexes saved without a ``token_pattern`` setting were built with (bm25s's default)."""
 

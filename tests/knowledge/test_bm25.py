@@ -94,6 +94,18 @@ def test_one_character_tokens_such_as_numbers_and_symbols_are_indexed(tmp_path):
                                [[index.search(["number 8"], 3)[0][0][1], index.search(["number 8"], 3)[0][0][0], 0.0]], rtol=1e-6)
 
 
+def test_decimal_numbers_are_one_token(tmp_path):
+    """ "39" of "atomic number 39?" matched Argon's atomic weight "39.948" when the point split it."""
+    passages = [Passage("a", "Argon", "Atomic number: 18. Atomic weight: 39.948."),
+                Passage("b", "Yttrium", "Atomic number: 39. Atomic weight: 88.906."),
+                Passage("c", "Copper", "About 1,000 tonnes; version 3.11 of the table.")]
+    index = BM25Index.build(passages, show_progress=False)
+    scores, rows = index.search(["atomic number 39", "weight 39.948", "1,000 tonnes", "3.11"], k=3)
+    assert rows[:, 0].tolist() == [1, 0, 2, 2]
+    assert index.score_rows(["39"], np.array([[0]]))[0, 0] == 0.0  # "39.948" holds no term "39"
+    assert index.score_rows(["948"], np.array([[0]]))[0, 0] == 0.0
+
+
 def test_an_index_saved_without_a_token_pattern_keeps_the_pattern_it_was_built_with(tmp_path):
     import json
 
