@@ -6,6 +6,7 @@ when it contains a gold answer (``rag.eval.metrics.has_answer``, SQuAD normalisa
 
     python benchmarks/hybrid_recall.py                                       # the demo KB: demo:test, demo:natural, demo:dev
     python benchmarks/hybrid_recall.py --kb data/foldoc/kb --sets data/foldoc/test.jsonl,data/foldoc/val.jsonl
+    python benchmarks/hybrid_recall.py --kb OLD_KB --rebuild-bm25    # an older knowledge base, with today's BM25 tokens
 
 Writes ``--out`` (JSON) and prints a Markdown table.
 """
@@ -28,6 +29,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fusion", choices=("score", "rrf"), default="score")
     p.add_argument("--bm25-weight", default="0.5", help="β of score fusion; a comma-separated list sweeps it")
     p.add_argument("--rrf-k", type=int, default=60)
+    p.add_argument("--rebuild-bm25", action="store_true",
+                   help="index the knowledge base's passages again with today's BM25 defaults (e.g. its token pattern) "
+                        "instead of reading its stored BM25 index")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "hybrid_recall.json")
     return p.parse_args(argv)
@@ -53,9 +57,10 @@ def main(argv=None) -> int:
     import torch
 
     torch.set_num_threads(args.threads)
+    from rag.knowledge.bm25 import BM25Index, BM25Retriever
     from rag.knowledge.hybrid import HybridRetriever
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.retriever import default_query_encoder
+    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 
     if args.kb is None:
         from rag.demo.kb import ensure_demo_kb
@@ -65,11 +70,15 @@ def main(argv=None) -> int:
         kb = KnowledgeBase.open(args.kb)
     encoder = default_query_encoder(kb)
     weights = [float(w) for w in args.bm25_weight.split(",")] if args.fusion == "score" else [None]
-    hybrids = {(f"hybrid β={w}" if len(weights) > 1 else "hybrid"): HybridRetriever.from_knowledge_base(
-        kb, encoder, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights}
-    first = next(iter(hybrids.values()))
-    retrievers = {"dense": first.dense, "bm25": first.bm25, **hybrids}
-    report = {"kb": str(kb.path), "passages": len(kb), "fusion": args.fusion,
+    dense = DenseRetriever(kb, encoder)
+    if kb.bm25 is None and not args.rebuild_bm25:
+        raise SystemExit(f"{kb.path}: has no BM25 index; build the knowledge base with --bm25, or pass --rebuild-bm25")
+    bm25_index = BM25Index.build(kb.all_passages(), show_progress=False) if args.rebuild_bm25 else kb.bm25
+    bm25 = BM25Retriever(bm25_index, kb.get_passages, kb.served_version, knowledge_base=kb)
+    hybrids = {(f"hybrid β={w}" if len(weights) > 1 else "hybrid"): HybridRetriever(
+        dense, bm25, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights}
+    retrievers = {"dense": dense, "bm25": bm25, **hybrids}
+    report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": bm25_index.token_pattern, "fusion": args.fusion,
               **({"rrf_k": args.rrf_k} if args.fusion == "rrf" else {"bm25_weight": weights}), "sets": {}}
     for spec in args.sets.split(","):
         recs = records(spec)
