@@ -22,8 +22,9 @@ read (verbatim copying), and the perplexity on the tokens whose 4-gram is *not* 
     apt-get install python3-doc && python -m rag lm prepare
     OMP_NUM_THREADS=1 python examples/ralm_demo.py --n-eval 6 --text-tokens 160     # ~25 CPU-minutes
 
-writes ``--out`` (``runs/ralm_demo``: corpus JSONL files, the knowledge base, the reranker) and ``--results``
-(``benchmarks/results/ralm_demo.json``) after every run, then ``--plot`` (``benchmarks/results/ralm_demo.png``).
+writes ``--out`` (``runs/ralm_demo``: corpus JSONL files, the knowledge base, the reranker and its training examples)
+and ``--results`` (``benchmarks/results/ralm_demo.json``) after every run, then ``--plot``
+(``benchmarks/results/ralm_demo.png``).
 """
 
 from __future__ import annotations
@@ -288,6 +289,7 @@ def train_reranker(args, out: Path, kb_path: Path, train_path: Path) -> dict:
                  "--data.init_args.stride", str(args.rerank_stride), "--data.init_args.max_length", str(args.max_length),
                  "--data.init_args.doc_max_length", str(args.doc_max_length),
                  "--data.init_args.chunks_per_text", str(args.chunks_per_text),
+                 "--data.init_args.examples_file", str(out / "reranker_examples.json"),  # a rerun reuses the LM's scoring
                  "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
                  "--trainer.max_epochs", str(args.train_epochs), "--model.init_args.export_dir", str(export)]
     c0 = time.process_time()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from rag.models.ralm.rerank import PredictiveReranker
 from rag.training.schedules import step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
-from rag.utils.io import cache_dir
+from rag.utils.io import atomic_write_json, cache_dir
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +126,70 @@ def collect_examples(ralm: InContextRALM, texts: list[EvalText], *, chunks_per_t
             for i, (prefix, c) in enumerate(zip(prefixes, cands))]
 
 
+EXAMPLES_FORMAT = 1
+COLLECTION_SETTINGS = ("retrieval", "k", "stride", "query_length", "prefix_tokens", "max_length", "doc_max_length",
+                       "chunks_per_text", "val_fraction", "seed")
+"""The data options that change which examples are collected (``batch_size`` does not)."""
+
+
+def examples_key(texts: list[EvalText], model: torch.nn.Module, tokenizer, kb_version: str, settings: dict) -> dict:
+    """What a set of collected examples depends on: digests of the texts, of the LM's weights and of its tokenizer,
+    the knowledge base's version, and the collection settings."""
+    from rag.knowledge.encoders import weights_fingerprint
+
+    text_digest = hashlib.sha256()
+    for t in texts:
+        text_digest.update(json.dumps([t.id, t.title, t.text]).encode("utf-8"))
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    return {"format": EXAMPLES_FORMAT, "texts": text_digest.hexdigest(), "lm_weights": weights_fingerprint(model),
+            "tokenizer": hashlib.sha256(vocab.encode("utf-8")).hexdigest(), "knowledge_base": kb_version,
+            "settings": settings}
+
+
+def _parse_examples(rows, k: int, where: str) -> list[RerankExample]:
+    out = []
+    for i, row in enumerate(rows if isinstance(rows, list) else [None]):
+        ok = (isinstance(row, dict) and isinstance(row.get("prefix"), str) and isinstance(row.get("docs"), list)
+              and isinstance(row.get("lm_loglik"), list) and len(row["docs"]) == len(row["lm_loglik"]) == k
+              and all(isinstance(d, str) for d in row["docs"])
+              and all(isinstance(x, (int, float)) and math.isfinite(x) for x in row["lm_loglik"]))
+        if not ok:
+            raise ConfigError(f"{where}[{i}]: not a reranker example of k={k} documents (prefix, docs, lm_loglik); delete "
+                              "the file or point data.examples_file elsewhere to collect the examples again")
+        out.append(RerankExample(row["prefix"], list(row["docs"]), [float(x) for x in row["lm_loglik"]]))
+    return out
+
+
+def read_examples(path: str | os.PathLike, key: dict, k: int) -> Optional[tuple[list[RerankExample], list[RerankExample]]]:
+    """The (train, val) examples kept in `path` when they were collected under `key`; None when the file is absent or
+    was made under another key (it is then collected again and rewritten). A file that is not such a file is refused."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: data.examples_file is not a JSON file of reranker examples ({e}); delete it or "
+                          "choose another path") from e
+    if not isinstance(data, dict) or data.get("kind") != "rag reranker examples":
+        raise ConfigError(f"{path}: data.examples_file holds something else than reranker examples; it is left alone: "
+                          "choose another path")
+    if data.get("key") != key:
+        changed = sorted(f for f in key if (data.get("key") or {}).get(f) != key[f]) if isinstance(data.get("key"), dict) else ["key"]
+        logger.warning("%s: examples made with other %s; collecting them again", path, ", ".join(changed))
+        return None
+    return (_parse_examples(data.get("train"), k, f"{path}: train"), _parse_examples(data.get("val"), k, f"{path}: val"))
+
+
+def write_examples(path: str | os.PathLike, key: dict, train: list[RerankExample], val: list[RerankExample]) -> None:
+    """Keep collected examples in `path` (JSON, written atomically) under their `key`."""
+    def rows(examples: list[RerankExample]) -> list[dict]:
+        return [{"prefix": e.prefix, "docs": e.docs, "lm_loglik": e.lm_loglik} for e in examples]
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(path, {"kind": "rag reranker examples", "key": key, "train": rows(train), "val": rows(val)})
+
+
 def collate(batch: list[RerankExample]) -> dict:
     return {"prefixes": [e.prefix for e in batch], "docs": [e.docs for e in batch],
             "lm_loglik": torch.tensor([e.lm_loglik for e in batch], dtype=torch.float32)}
@@ -148,11 +213,15 @@ class RerankerDataModule(pl.LightningDataModule):
         val_fraction: share of texts held out for validation (whole texts, so no prefix leaks into training).
         batch_size: prefixes per batch.
         seed: sampling seed.
+        examples_file: a JSON file keeping the collected examples (the LM's scoring is most of a run's cost): read
+            when it was made from the same texts, LM weights and tokenizer, knowledge-base version and collection
+            settings, else the examples are collected and the file is (re)written, atomically. ``None``: not kept.
     """
 
     def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO, retrieval: Literal["bm25", "dense"] = "bm25",
                  k: int = 16, stride: int = 4, query_length: int = 32, prefix_tokens: int = 32, max_length: Optional[int] = None,
-                 doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8, seed: int = 0):
+                 doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8, seed: int = 0,
+                 examples_file: Optional[str] = None):
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
@@ -186,6 +255,13 @@ class RerankerDataModule(pl.LightningDataModule):
         model, tok, _ = load_generator(lm, kind="causal")
         ralm = InContextRALM(model, tok, self._retriever(), RalmConfig(stride=h.stride, query_length=h.query_length, k=h.k,
                                                                        max_length=h.max_length, doc_max_length=h.doc_max_length))
+        key = examples_key(texts, model, tok, self.knowledge_base.version,
+                           {name: h[name] for name in COLLECTION_SETTINGS})
+        kept = read_examples(h.examples_file, key, h.k) if h.examples_file else None
+        if kept is not None:
+            self.train_examples, self.val_examples = kept
+            logger.info("reranker examples: %d train, %d val read from %s", len(kept[0]), len(kept[1]), h.examples_file)
+            return
         order = list(range(len(texts)))
         random.Random(h.seed).shuffle(order)
         n_val = int(round(h.val_fraction * len(texts)))
@@ -194,6 +270,8 @@ class RerankerDataModule(pl.LightningDataModule):
         self.train_examples = collect_examples(ralm, train, **kw)
         self.val_examples = collect_examples(ralm, val, **kw) if val else []
         logger.info("reranker examples: %d train, %d val (k=%d)", len(self.train_examples), len(self.val_examples), h.k)
+        if h.examples_file:
+            write_examples(h.examples_file, key, self.train_examples, self.val_examples)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(self.train_examples, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)

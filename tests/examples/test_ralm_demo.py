@@ -101,6 +101,8 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
         assert 0.0 <= r["overlap"]["8gram"] <= r["overlap"]["4gram"] <= 1.0
     assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained"}
     assert (out / "reranker" / "rag_reranker.json").is_file()
+    kept = json.loads((out / "reranker_examples.json").read_text())  # a rerun reads the LM's scoring back
+    assert kept["kind"] == "rag reranker examples" and kept["train"] and kept["key"]["settings"]["k"] == 2
     assert "(b) Stride" in results["markdown"] and "(d) Reranking" in results["markdown"]
     # --report rewrites the table and the plot from the results file alone
     png.unlink()

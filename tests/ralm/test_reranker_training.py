@@ -20,6 +20,7 @@ from rag.training.reranker import (
     collect_examples,
     reranker_loss,
 )
+from rag.utils.errors import ConfigError
 
 CONFIG = Path(__file__).resolve().parents[2] / "lightning_configs" / "ralm_reranker_tiny.yaml"
 QUIET = dict(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
@@ -142,3 +143,43 @@ def test_bundled_config_parses(tmp_path, monkeypatch):
     # output paths follow trainer.default_root_dir ({default_root_dir} in the config, expanded by rag's CLI)
     root = cfg["trainer"]["default_root_dir"]
     assert cli.model.hparams.export_dir == cfg["model"]["init_args"]["export_dir"].replace("{default_root_dir}", root)
+
+
+def test_collected_examples_are_kept_and_read_back_only_for_the_same_collection(tiny_gpt2_dir, demo_passages, tmp_path,
+                                                                                 monkeypatch, caplog):
+    """The LM's scoring is most of a run: `data.examples_file` keeps it; another setting, text or LM collects again."""
+    import rag.training.reranker as reranker
+
+    texts = tmp_path / "t.jsonl"
+    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:6]),
+                     encoding="utf-8")
+    kept = tmp_path / "cache" / "examples.json"
+    kw = dict(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8, prefix_tokens=8,
+              max_length=96, doc_max_length=40, chunks_per_text=1, val_fraction=0.3, examples_file=str(kept))
+    first = RerankerDataModule(**kw)
+    first.setup()
+    assert kept.is_file() and len(first.train_examples) == 4 and len(first.val_examples) == 2
+    calls = []
+    real = reranker.collect_examples
+    monkeypatch.setattr(reranker, "collect_examples", lambda *a, **k: calls.append(1) or real(*a, **k))
+    again = RerankerDataModule(**{**kw, "batch_size": 2})  # batch_size does not change the examples
+    again.setup()
+    assert calls == [] and again.train_examples == first.train_examples and again.val_examples == first.val_examples
+    with caplog.at_level("WARNING", logger="rag.training.reranker"):
+        other = RerankerDataModule(**{**kw, "k": 2})
+        other.setup()
+    assert calls == [1, 1] and "settings" in caplog.text and all(len(e.docs) == 2 for e in other.train_examples)
+    assert json.loads(kept.read_text())["key"]["settings"]["k"] == 2  # rewritten for the new collection
+    texts.write_text(texts.read_text().replace("Symbol", "Sign"), encoding="utf-8")
+    RerankerDataModule(**{**kw, "k": 2}).setup()
+    assert len(calls) == 4  # other texts: collected again
+    data = json.loads(kept.read_text())
+    data["train"][0]["lm_loglik"] = data["train"][0]["lm_loglik"][:1]
+    kept.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"examples.json: train\[0\].*data.examples_file"):
+        RerankerDataModule(**{**kw, "k": 2}).setup()
+    foreign = tmp_path / "mine.json"
+    foreign.write_text('{"my": "notes"}')
+    with pytest.raises(ConfigError, match="left alone"):
+        RerankerDataModule(**{**kw, "examples_file": str(foreign)}).setup()
+    assert foreign.read_text() == '{"my": "notes"}'
