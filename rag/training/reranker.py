@@ -163,20 +163,19 @@ def _parse_examples(rows, k: int, where: str) -> list[RerankExample]:
 def read_examples(path: str | os.PathLike, key: dict, k: int) -> Optional[tuple[list[RerankExample], list[RerankExample]]]:
     """The (train, val) examples kept in `path` when they were collected under `key`; None when the file is absent or
     was made under another key (it is then collected again and rewritten). A file that is not such a file is refused."""
+    from rag.utils.files import read_json
+
     path = Path(path)
     if not path.exists():
         return None
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path}: data.examples_file is not a JSON file of reranker examples ({e}); delete it or "
-                          "choose another path") from e
+    data = read_json(path, fix="delete it or choose another data.examples_file", error=ConfigError)
     if not isinstance(data, dict) or data.get("kind") != "rag reranker examples":
         raise ConfigError(f"{path}: data.examples_file holds something else than reranker examples; it is left alone: "
                           "choose another path")
     if data.get("key") != key:
-        changed = sorted(f for f in key if (data.get("key") or {}).get(f) != key[f]) if isinstance(data.get("key"), dict) else ["key"]
-        logger.warning("%s: examples made with other %s; collecting them again", path, ", ".join(changed))
+        kept = data["key"] if isinstance(data.get("key"), dict) else {}
+        changed = [f for f in key if kept.get(f) != key[f]]
+        logger.warning("%s: examples made with other %s; collecting them again", path, ", ".join(changed) or "key")
         return None
     return (_parse_examples(data.get("train"), k, f"{path}: train"), _parse_examples(data.get("val"), k, f"{path}: val"))
 
@@ -255,9 +254,11 @@ class RerankerDataModule(pl.LightningDataModule):
         model, tok, _ = load_generator(lm, kind="causal")
         ralm = InContextRALM(model, tok, self._retriever(), RalmConfig(stride=h.stride, query_length=h.query_length, k=h.k,
                                                                        max_length=h.max_length, doc_max_length=h.doc_max_length))
-        key = examples_key(texts, model, tok, self.knowledge_base.version,
-                           {name: h[name] for name in COLLECTION_SETTINGS})
-        kept = read_examples(h.examples_file, key, h.k) if h.examples_file else None
+        key = kept = None
+        if h.examples_file:  # the key fingerprints the LM's weights: only worth it when examples are kept
+            key = examples_key(texts, model, tok, self.knowledge_base.version,
+                               {name: h[name] for name in COLLECTION_SETTINGS})
+            kept = read_examples(h.examples_file, key, h.k)
         if kept is not None:
             self.train_examples, self.val_examples = kept
             logger.info("reranker examples: %d train, %d val read from %s", len(kept[0]), len(kept[1]), h.examples_file)
