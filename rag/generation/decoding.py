@@ -24,7 +24,7 @@ token-identical to `RagTokenForGeneration.generate` and to `RagSequenceForGenera
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -43,6 +43,7 @@ from rag.generation.search import (
     sample,
 )
 from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced
+from rag.generation.spans import PassageSpans
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
@@ -224,7 +225,7 @@ def token_marginal_search(decoder: Decoder, start: Tensor, log_prior: Tensor, sp
 
 @torch.no_grad()
 def rag_token_generate(generator, contexts: Contexts, doc_scores: Tensor,
-                       config: GenerationConfig = GenerationConfig()) -> GenerationOutput:
+                       config: GenerationConfig = GenerationConfig(), spans: PassageSpans | None = None) -> GenerationOutput:
     """RAG-Token decoding (§2.5): greedy (`num_beams=1`) or beam search over the marginal transition
     `p'(y_i|x, y_<i) = Σ_z p(z|x) p(y_i|x, z, y_<i)` (Eq. 2), with `p(z|x) = softmax(doc_scores)`.
 
@@ -233,11 +234,15 @@ def rag_token_generate(generator, contexts: Contexts, doc_scores: Tensor,
     own KV cache, REPLUG's ensemble); doc_scores `(batch, n_docs)`. One decoder step runs `batch * num_beams * n_docs`
     rows with the KV cache. Seq2seq: token-identical to `transformers.RagTokenForGeneration.generate` given the same
     contexts, doc scores and options. Returns `GenerationOutput` with `batch * num_return_sequences` rows
-    (`doc_posteriors` None); sequences start with the start token.
+    (`doc_posteriors` None); sequences start with the start token. `spans`: extractive decoding, every answer a span
+    of its question's K passages (:class:`~rag.generation.spans.PassageSpans`, one entry per context).
     """
     batch, n_docs = _check_contexts(contexts, doc_scores)
     spec = _spec(config, generator, contexts)
     beams = config.num_beams
+    if spans is not None:
+        spec = replace(spec, allowed=spans.constraint([range(q * n_docs, (q + 1) * n_docs) for q in range(batch)
+                                                       for _ in range(beams)], spec.eos))
     if config.num_return_sequences > beams:
         raise ConfigError(f"GenerationConfig.num_return_sequences={config.num_return_sequences} exceeds num_beams="
                           f"{beams}: RAG-Token beam search returns at most num_beams sequences per question")
@@ -271,11 +276,14 @@ def generate_per_document(generator, contexts: Contexts,
     return _per_document(generator, contexts, config)[0]
 
 
-def _per_document(generator, contexts: Contexts, config: GenerationConfig, keep_cross_kv: bool = False):
+def _per_document(generator, contexts: Contexts, config: GenerationConfig, keep_cross_kv: bool = False,
+                  spans: PassageSpans | None = None):
     """`generate_per_document`, plus (with `keep_cross_kv`) the per-context cross-attention keys/values it
-    computed, or None."""
+    computed, or None. `spans`: each context's answers are spans of its passage (extractive decoding)."""
     spec = _spec(config, generator, contexts)
     items, beams = len(contexts), config.num_beams
+    if spans is not None:
+        spec = replace(spec, allowed=spans.constraint([(i,) for i in range(items) for _ in range(beams)], spec.eos))
     rows = torch.arange(items, device=doc_device(contexts))
     start = _start_tokens(config, generator, contexts, rows)
     decoder = _row_decoder(generator, contexts, rows.repeat_interleave(beams), keep_cross_kv=keep_cross_kv)
@@ -328,7 +336,8 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
                           decoding: Literal["thorough", "fast"] = "thorough", dedup: bool = True,
                           convention: Literal["transformers", "paper"] = "transformers",
                           rescore_batch_size: int | None = None,
-                          search_contexts: EncodedContexts | None = None) -> GenerationOutput:
+                          search_contexts: EncodedContexts | None = None,
+                          spans: PassageSpans | None = None) -> GenerationOutput:
     """RAG-Sequence decoding (§2.5): search every passage, pool the hypotheses, rank by `p(y|x)` (Eq. 1).
 
     1. `generate_per_document`: `num_beams` hypotheses per (question, passage), scored by `p(y|x, z)` alone
@@ -364,6 +373,9 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
     `RagModelConfig.mask_padded_contexts=False` does this), to reproduce that; rescoring always uses `contexts`.
     (transformers also re-encodes every context once per candidate during rescoring.)
 
+    `spans`: extractive decoding, each passage's search only takes spans of that passage
+    (:class:`~rag.generation.spans.PassageSpans`, one entry per context); rescoring is unconstrained.
+
     Returns `GenerationOutput` (`batch * num_return_sequences` rows) with `doc_posteriors` `p(z|x, y)`
     (fast decoding: zero for passages that did not produce `y`).
     """
@@ -379,7 +391,8 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
     device = doc_scores.device
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
     # The search's cross-attention keys/values serve rescoring only when both attend to the same encodings.
-    hyps, cross_kv = _per_document(generator, search, config, keep_cross_kv=decoding == "thorough" and search is contexts)
+    hyps, cross_kv = _per_document(generator, search, config, keep_cross_kv=decoding == "thorough" and search is contexts,
+                                   spans=spans)
     beams, width = config.num_beams, hyps.sequences.shape[-1]
     per_q = n_docs * beams
     flat_seqs = hyps.sequences.reshape(batch, per_q, width)

@@ -112,6 +112,9 @@ class GenerationConfig:
     """Sampling: keep only the `top_k` most likely tokens (0 = all)."""
     top_p: float = 1.0
     """Sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = all)."""
+    extractive: bool = False
+    """RAG decoding: every answer is a word-aligned span of the passages read (:mod:`rag.generation.spans`); no effect
+    where no passage is read (closed book)."""
 
     def __post_init__(self) -> None:
         def field(name: str) -> str:
@@ -126,6 +129,7 @@ class GenerationConfig:
         check_choice(self.early_stopping, field("early_stopping"), (True, False, "never"), error=ConfigError)
         check_number(self.length_penalty, field("length_penalty"), error=ConfigError)
         check_bool(self.do_sample, field("do_sample"), error=ConfigError)
+        check_bool(self.extractive, field("extractive"), error=ConfigError)
         if self.do_sample and self.num_beams > 1:
             raise ConfigError(f"GenerationConfig.do_sample: sampling needs num_beams=1, got num_beams={self.num_beams!r}")
         check_number(self.temperature, field("temperature"), above=0, error=ConfigError)
@@ -155,6 +159,9 @@ class SearchSpec:
     """EOS banned below this total length."""
     prompt_len: int = 1
     """Number of start tokens `S`."""
+    allowed: Optional[Callable[[Tensor, int], Optional[Tensor]]] = None
+    """Extra constraint: ``allowed(generated, vocab)`` with the tokens generated so far `(rows, n)` gives the tokens
+    allowed next `(rows, vocab)` bool (None: all); extractive decoding (:class:`rag.generation.spans.PassageSpans`)."""
 
     @property
     def num_beams(self) -> int:
@@ -253,6 +260,10 @@ def _constraints(seqs: Tensor, vocab: int, spec: SearchSpec) -> tuple[Tensor | N
             follow = seqs[:, n - 1:]  # the successor of each head
             row, pos = (heads == suffix[:, None, :]).all(-1).nonzero(as_tuple=True)
             banned[row, follow[row, pos]] = True
+    if spec.allowed is not None:
+        allowed = spec.allowed(seqs[:, spec.prompt_len:], vocab)
+        if allowed is not None:
+            banned = ~allowed if banned is None else banned | ~allowed
     if cur_len < spec.min_length:
         if banned is None:
             banned = torch.zeros(seqs.shape[0], vocab, dtype=torch.bool, device=seqs.device)

@@ -273,3 +273,24 @@ def test_passage_prefixes_are_prefilled_once_and_reused_across_calls(gpt2_dir, k
         torch.testing.assert_close(out.scores, cold.scores, atol=1e-4, rtol=1e-5)
     model.train()
     assert len(cache) == 0
+
+
+@pytest.mark.parametrize("marginalization,decoding,beams", [("sequence", "fast", 1), ("sequence", "thorough", 2),
+                                                            ("token", "thorough", 2)])
+def test_extractive_answers_are_word_spans_of_the_passages_read(gpt2_dir, kb_dir, marginalization, decoding, beams):
+    import re
+
+    from rag.knowledge.bm25 import TOKEN_PATTERN
+    from rag.pipeline.api import RagPipeline
+
+    def is_span(text, passages):
+        words = lambda t: [(m.start(), m.end()) for m in re.finditer(TOKEN_PATTERN, t)]  # noqa: E731
+        return any(t.startswith(text, s) and s + len(text) in {e for _, e in words(t)}
+                   for p in passages for t in (p.title, p.text) for s, _ in words(t))
+
+    pipe = RagPipeline(make(gpt2_dir, kb_dir).eval())
+    opts = dict(marginalization=marginalization, decoding=decoding, num_beams=beams, max_new_tokens=6)
+    free = pipe.generate(QUESTIONS, **opts)
+    assert not all(is_span(a.text, a.passages) for a in free)  # the random LM writes text no passage holds
+    spans = pipe.generate(QUESTIONS, extractive=True, **opts)
+    assert all(a.text and is_span(a.text, a.passages) for a in spans), [a.text for a in spans]

@@ -24,6 +24,7 @@ from rag.generation.decoding import (
     rag_sequence_generate,
     rag_token_generate,
 )
+from rag.generation.spans import PassageSpans, TokenTexts
 from rag.utils.errors import ConfigError
 
 __all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book", "no_retrieval_contexts", "unmasked_contexts"]
@@ -164,18 +165,30 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
         ids, mask = enc["input_ids"].to(ids.device), enc["attention_mask"].to(mask.device)
         doc_scores = torch.cat([doc_scores, torch.zeros_like(doc_scores)])
     contexts = decoding_contexts(model, ids, mask, share_cache, width)
+    spans = None
+    if config.extractive:  # answers are spans of the passages read; the no-retrieval rows read none
+        read = [(p.title, p.text) for ps in inputs.retrieved.passages for p in ps]
+        spans = PassageSpans(token_texts(model), read + [None] * (len(contexts) - len(read)))
     if marg == "token":
-        out = rag_token_generate(generator, contexts, model.retrieval_logits(doc_scores), config)
+        out = rag_token_generate(generator, contexts, model.retrieval_logits(doc_scores), config, spans=spans)
     else:
         search = None
         if not model.config.mask_padded_contexts:  # transformers' per-passage search (set by the hf_compat import)
             search = unmasked_contexts(generator, model.generator_tokenizer, ids, mask, model.config.max_context_length)
         out = rag_sequence_generate(generator, contexts, model.retrieval_logits(doc_scores), config, decoding=decoding,
-                                    search_contexts=search)
+                                    search_contexts=search, spans=spans)
     bare = None
     if with_no_retrieval:
         out, bare = _split_rows(out, len(questions) * config.num_return_sequences)
     return RagGeneration(inputs=inputs, contexts=contexts, output=out, marginalization=marg, no_retrieval=bare)
+
+
+def token_texts(model) -> TokenTexts:
+    """The generator tokenizer's :class:`TokenTexts`, built on first use and kept on `model` (extractive decoding)."""
+    cached = model.__dict__.get("_token_texts")
+    if cached is None or cached.tokenizer is not model.generator_tokenizer:
+        cached = model.__dict__["_token_texts"] = TokenTexts(model.generator_tokenizer)
+    return cached
 
 
 @torch.no_grad()

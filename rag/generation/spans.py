@@ -1,0 +1,130 @@
+"""Extractive decoding: every answer is a word-aligned span of a passage the reader read.
+
+A RAG reader asked for "a few words taken from the passage" still answers from its parametric memory at times
+("Who is credited with discovering tellurium?" -> a famous name that no passage holds). With ``extractive`` decoding
+each search row may only continue a span of its passages' text (title and text): the first token starts at a word,
+every later token continues the text exactly, and EOS is allowed only where a word ends, so "144." cannot stop inside
+"144.24". Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
+
+The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
+model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
+it holds for any tokenizer whose tokens decode to text; a character split over several byte tokens (rare non-ASCII
+characters) cannot be produced, and an answer stops before it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from rag.knowledge.bm25 import TOKEN_PATTERN
+
+__all__ = ["TokenTexts", "PassageSpans"]
+
+_WORD = re.compile(TOKEN_PATTERN)
+
+
+class TokenTexts:
+    """Every vocabulary id's text as it reads inside a sequence (with its leading space, if any), and the reverse map.
+
+    Built once per tokenizer (a vocabulary of 50k takes about a second): each id is decoded after a fixed one-letter
+    token and the letter cut off, which keeps the leading space that SentencePiece and byte-level BPE tokenizers both
+    drop when a token is decoded alone.
+    """
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        anchor = tokenizer.convert_tokens_to_ids("a")
+        if not isinstance(anchor, int) or anchor == getattr(tokenizer, "unk_token_id", None):
+            anchor = tokenizer("a", add_special_tokens=False)["input_ids"][-1]
+        head = tokenizer.decode([anchor])
+        special = set(tokenizer.all_special_ids)
+        self.by_text: dict[str, list[int]] = {}
+        for i in range(len(tokenizer)):
+            if i in special:
+                continue
+            text = tokenizer.decode([anchor, i])
+            if text.startswith(head) and len(text) > len(head) and "\ufffd" not in text:
+                self.by_text.setdefault(text[len(head):], []).append(i)
+        self.max_len = max(map(len, self.by_text), default=1)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(list(ids))
+
+    def continuing(self, text: str) -> set[int]:
+        """Ids whose text is a prefix of `text` (non-empty)."""
+        found: set[int] = set()
+        for j in range(1, min(len(text), self.max_len) + 1):
+            found.update(self.by_text.get(text[:j], ()))
+        return found
+
+
+class PassageSpans:
+    """The spans the answers of one decoding may take: the passage texts of each of its `N` contexts.
+
+    Args:
+        token_texts: the generator tokenizer's :class:`TokenTexts`.
+        passages: per context, the texts it may answer from (e.g. ``(title, text)``); None: unconstrained (a
+            closed-book row).
+    """
+
+    def __init__(self, token_texts: TokenTexts, passages: Sequence[Optional[Sequence[str]]]):
+        self.token_texts = token_texts
+        self._texts = []
+        for texts in passages:
+            if texts is None:
+                self._texts.append(None)
+                continue
+            entry = []
+            for t in texts:
+                words = list(_WORD.finditer(t))
+                entry.append((t, [m.start() for m in words], {m.end() for m in words}))
+            self._texts.append(entry)
+
+    def __len__(self) -> int:
+        return len(self._texts)
+
+    def constraint(self, contexts_of_row: Sequence[Sequence[int]], eos: int) -> Callable[[Tensor, int], Optional[Tensor]]:
+        """The :attr:`SearchSpec.allowed` function of a search whose row `r` reads contexts ``contexts_of_row[r]``
+        (RAG-Sequence: its own passage; RAG-Token: the question's K passages)."""
+        groups = [[self._texts[c] for c in cs] for cs in contexts_of_row]
+
+        def allowed(generated: Tensor, vocab: int) -> Optional[Tensor]:
+            mask = torch.zeros(generated.shape[0], vocab, dtype=torch.bool)
+            for r, row in enumerate(generated.tolist()):
+                entries = groups[r]
+                if eos in row or any(e is None for e in entries):  # finished, or nothing to take spans from
+                    mask[r] = True
+                    continue
+                ok, can_end = self._next(row, [t for e in entries for t in e])
+                if ok:
+                    mask[r, [i for i in ok if i < vocab]] = True
+                if can_end or not ok:  # an answer with no continuation left ends rather than taking a banned token
+                    mask[r, eos] = True
+            return mask.to(generated.device)
+
+        return allowed
+
+    def _next(self, row: list[int], texts) -> tuple[set[int], bool]:
+        """Ids that continue a span of `texts` after the generated `row`, and whether the span may end here."""
+        tt = self.token_texts
+        done = tt.decode(row).lstrip() if row else ""
+        ok: set[int] = set()
+        can_end = False
+        for text, starts, ends in texts:
+            for s in starts:
+                if not text.startswith(done, s):
+                    continue
+                e = s + len(done)
+                rest = text[e:e + tt.max_len]
+                if done:
+                    can_end |= e in ends
+                    ok |= tt.continuing(rest)
+                else:  # the first token: its text without leading spaces starts at a word
+                    for j in range(1, len(rest) + 1):
+                        for key in (rest[:j], " " + rest[:j]):
+                            ok.update(tt.by_text.get(key, ()))
+        return ok, can_end

@@ -1,0 +1,71 @@
+"""Extractive decoding's constraint: the tokens it allows continue a word-aligned span of the passage, and only those."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from rag.generation.spans import PassageSpans, TokenTexts
+from rag.knowledge.bm25 import TOKEN_PATTERN
+
+PASSAGE = ("Tellurium", "Symbol: Te. Atomic weight: 127.60. Discovered in 1782 by Franz Miller.")
+
+
+def word_span(text: str, texts) -> bool:
+    """`text` starts at a word of one of `texts` and continues it exactly (it need not end at a word)."""
+    return any(t.startswith(text, m.start()) for t in texts for m in re.finditer(TOKEN_PATTERN, t))
+
+
+@pytest.fixture(scope="module")
+def texts(bpe_tokenizer):
+    return TokenTexts(bpe_tokenizer)
+
+
+def allowed_after(texts, answer_ids: list[int], passages=(PASSAGE,)) -> torch.Tensor:
+    eos = texts.tokenizer.eos_token_id
+    spans = PassageSpans(texts, list(passages))
+    fn = spans.constraint([range(len(passages))], eos)
+    return fn(torch.tensor([answer_ids], dtype=torch.long).reshape(1, -1), len(texts.tokenizer))[0]
+
+
+def test_token_texts_keep_the_leading_space(texts, bpe_tokenizer):
+    [franz] = [i for i in bpe_tokenizer(" Franz", add_special_tokens=False)["input_ids"]][:1]
+    assert any(t.startswith(" ") and franz in ids for t, ids in texts.by_text.items())
+
+
+def test_every_allowed_token_continues_a_span_and_every_span_token_is_allowed(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    for answer in ("Franz Miller", "127.60", "Tellurium", "Te"):
+        ids = tok(answer, add_special_tokens=False)["input_ids"]
+        for n in range(len(ids) + 1):
+            mask = allowed_after(texts, ids[:n])
+            assert mask[ids[n]] if n < len(ids) else mask[eos], (answer, n)  # the span's own tokenization is allowed
+            for t in mask.nonzero().flatten().tolist():
+                if t != eos:
+                    assert word_span(tok.decode(ids[:n] + [t]).lstrip(), PASSAGE), (answer, n, tok.decode([t]))
+
+
+def test_an_answer_ends_only_where_a_word_ends(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    assert not allowed_after(texts, [])[eos]  # an empty answer is no span
+    ids = tok("127.60", add_special_tokens=False)["input_ids"]
+    cut = [n for n in range(1, len(ids)) if tok.decode(ids[:n]) in ("127", "127.", "127.6")]
+    assert cut and not any(allowed_after(texts, ids[:n])[eos] for n in cut)  # "127." is inside the number
+    assert allowed_after(texts, ids)[eos]
+
+
+def test_text_not_in_the_passage_is_banned(texts, bpe_tokenizer):
+    tok = bpe_tokenizer
+    for wrong in ("Oxygen", "Miller Franz", "1783"):  # another word; words out of order; a number the passage lacks
+        ids = tok(wrong, add_special_tokens=False)["input_ids"]
+        assert not all(allowed_after(texts, ids[:n])[ids[n]] for n in range(len(ids))), wrong
+
+
+def test_a_row_without_passages_and_a_finished_row_are_unconstrained(texts, bpe_tokenizer):
+    eos, vocab = bpe_tokenizer.eos_token_id, len(bpe_tokenizer)
+    spans = PassageSpans(texts, [PASSAGE, None])
+    fn = spans.constraint([(0,), (1,), (0,)], eos)
+    mask = fn(torch.tensor([[5], [5], [eos]]), vocab)
+    assert mask[1].all() and mask[2].all()
