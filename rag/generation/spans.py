@@ -2,9 +2,9 @@
 
 A RAG reader asked for "a few words taken from the passage" still answers from its parametric memory at times
 ("Who is credited with discovering tellurium?" -> a famous name that no passage holds). With ``extractive`` decoding
-each search row may only continue a span of its passages' text (title and text): the first token starts at a word,
-every later token continues the text exactly, and EOS is allowed only where a word ends, so "144." cannot stop inside
-"144.24". Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
+each search row may only continue a span of its passages' text (title and text): the first token starts at a word
+(or at the bracket or quote opening it), every later token continues the text exactly, and EOS is allowed only where a
+word ends (or after the bracket, quote or % closing it), so "144." cannot stop inside "144.24" and "(243)" is whole. Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
 
 The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
 model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
@@ -25,6 +25,24 @@ from rag.knowledge.bm25 import TOKEN_PATTERN
 __all__ = ["TokenTexts", "PassageSpans"]
 
 _WORD = re.compile(TOKEN_PATTERN)
+
+
+_OPEN, _CLOSE = "([{\"'‘“", ")]}\"'’”%"
+
+
+def _bounds(text: str) -> tuple[str, list[int], set[int]]:
+    """`text`, where a span may start (a word, or a bracket or quote right before one: "(243)") and where it may end
+    (a word's end, or the closing bracket, quote or % right after it)."""
+    starts, ends = [], set()
+    for m in _WORD.finditer(text):
+        s, e = m.span()
+        if s > 0 and text[s - 1] in _OPEN:
+            starts.append(s - 1)
+        starts.append(s)
+        ends.add(e)
+        if e < len(text) and text[e] in _CLOSE:
+            ends.add(e + 1)
+    return text, starts, ends
 
 
 class TokenTexts:
@@ -78,11 +96,7 @@ class PassageSpans:
             if texts is None:
                 self._texts.append(None)
                 continue
-            entry = []
-            for t in texts:
-                words = list(_WORD.finditer(t))
-                entry.append((t, [m.start() for m in words], {m.end() for m in words}))
-            self._texts.append(entry)
+            self._texts.append([_bounds(t) for t in texts])
 
     def __len__(self) -> int:
         return len(self._texts)

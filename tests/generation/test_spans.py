@@ -11,6 +11,7 @@ from rag.generation.spans import PassageSpans, TokenTexts
 from rag.knowledge.bm25 import TOKEN_PATTERN
 
 PASSAGE = ("Tellurium", "Symbol: Te. Atomic weight: 127.60. Discovered in 1782 by Franz Miller.")
+BRACKETS = ("Americium", "Atomic weight: (243). Discovered in 1944.")
 
 
 def word_span(text: str, texts) -> bool:
@@ -69,3 +70,13 @@ def test_a_row_without_passages_and_a_finished_row_are_unconstrained(texts, bpe_
     fn = spans.constraint([(0,), (1,), (0,)], eos)
     mask = fn(torch.tensor([[5], [5], [eos]]), vocab)
     assert mask[1].all() and mask[2].all()
+
+
+def test_a_span_may_take_the_brackets_around_a_word(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    ids = tok("(243)", add_special_tokens=False)["input_ids"]
+    for n in range(len(ids)):
+        assert allowed_after(texts, ids[:n], [BRACKETS])[ids[n]], n
+    inner = [n for n in range(1, len(ids)) if tok.decode(ids[:n]) == "(243"]
+    assert all(allowed_after(texts, ids[:n], [BRACKETS])[eos] for n in inner)  # "(243" ends where the word does
+    assert allowed_after(texts, ids, [BRACKETS])[eos]

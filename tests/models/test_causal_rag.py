@@ -283,10 +283,13 @@ def test_extractive_answers_are_word_spans_of_the_passages_read(gpt2_dir, kb_dir
     from rag.knowledge.bm25 import TOKEN_PATTERN
     from rag.pipeline.api import RagPipeline
 
-    def is_span(text, passages):
-        words = lambda t: [(m.start(), m.end()) for m in re.finditer(TOKEN_PATTERN, t)]  # noqa: E731
-        return any(t.startswith(text, s) and s + len(text) in {e for _, e in words(t)}
-                   for p in passages for t in (p.title, p.text) for s, _ in words(t))
+    def is_span(text, passages):  # from a word (or the bracket or quote before it) to a word's end (or what closes it)
+        def bounds(t):
+            words = [m.span() for m in re.finditer(TOKEN_PATTERN, t)]
+            starts = {s for s, _ in words} | {s - 1 for s, _ in words if s and t[s - 1] in "([{\"'"}
+            return starts, {e for _, e in words} | {e + 1 for _, e in words if e < len(t) and t[e] in ")]}\"'%"}
+        return any(t.startswith(text, s) and s + len(text) in bounds(t)[1]
+                   for p in passages for t in (p.title, p.text) for s in bounds(t)[0])
 
     pipe = RagPipeline(make(gpt2_dir, kb_dir).eval())
     opts = dict(marginalization=marginalization, decoding=decoding, num_beams=beams, max_new_tokens=6)
