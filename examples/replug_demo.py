@@ -148,11 +148,22 @@ class Runner:
         return row
 
 
-def train_lsr(args, out: Path, kb_path: Path) -> dict:
-    """``rag fit --config lightning_configs/replug_lsr_smollm2.yaml`` on the training pairs; the exported query encoder's
-    directory and the first / last validation metrics."""
+def _val_metrics(run: Path) -> list[dict]:
+    """The validation rows of the newest metrics.csv under `run`, in order."""
     import csv
 
+    metrics = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
+    if not metrics:
+        return []
+    with open(metrics[-1], encoding="utf-8") as f:
+        rows = list(csv.DictReader(f))
+    return [{k: float(v) for k, v in r.items() if (k.startswith("val/") or k == "step") and v} for r in rows if r.get("val/loss")]
+
+
+def train_lsr(args, out: Path, kb_path: Path) -> dict:
+    """``rag validate`` (the retriever before training), then ``rag fit --config lightning_configs/replug_lsr_smollm2.yaml``
+    on the training pairs; the exported query encoder's directory, the validation metrics before, after every epoch
+    and at the end, and with ``--lsr-doc-encoder`` the last refreshed knowledge base."""
     from rag.cli import main as rag_main
 
     run, export = out / "lsr_run", out / "lsr_query_encoder"
@@ -164,21 +175,41 @@ def train_lsr(args, out: Path, kb_path: Path) -> dict:
                  "--trainer.max_epochs", str(args.lsr_epochs)]
     if args.lsr_lr is not None:
         overrides += ["--model.init_args.query_encoder_lr", str(args.lsr_lr)]
+    if args.lsr_doc_encoder:
+        refresh = {"class_path": "rag.training.callbacks.IndexRefresh",
+                   "init_args": {"every": args.lsr_refresh_every, "output_dir": str(run / "index_refresh"), "keep": 1}}
+        overrides += ["--model.init_args.train_doc_encoder", "true", "--trainer.callbacks", json.dumps([refresh])]
+    before = out / "lsr_before"
     c0, w0 = time.process_time(), time.perf_counter()
+    if rag_main(["validate", "--config", str(args.lsr_config), *overrides, "--trainer.default_root_dir", str(before),
+                 "--trainer.logger.init_args.save_dir", str(before)]) != 0:
+        raise ConfigError("REPLUG LSR validation before training failed (see the messages above)")
+    val_before = _val_metrics(before)
     if rag_main(["fit", "--config", str(args.lsr_config), *overrides]) != 0:
         raise ConfigError("REPLUG LSR training failed (see the messages above)")
     info = {"cpu_s": round(time.process_time() - c0, 1), "wall_s": round(time.perf_counter() - w0, 1), "export_dir": str(export),
-            "config": str(args.lsr_config), "overrides": overrides}
-    metrics = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
-    if metrics:
-        with open(metrics[-1], encoding="utf-8") as f:
-            rows = list(csv.DictReader(f))
-        info["steps"] = max((int(r["step"]) for r in rows if r.get("step")), default=0) + 1
-        val = [r for r in rows if r.get("val/loss")]
-        if val:
-            info["val_first"] = {k: float(v) for k, v in val[0].items() if k.startswith("val/") and v}
-            info["val_last"] = {k: float(v) for k, v in val[-1].items() if k.startswith("val/") and v}
+            "config": str(args.lsr_config), "overrides": overrides, "train_pairs": _count_lines(out / "lsr_train.jsonl"),
+            "val_pairs": _count_lines(out / "lsr_val.jsonl")}
+    if val_before:
+        info["val_before"] = {k: v for k, v in val_before[-1].items() if k != "step"}
+    val = _val_metrics(run)
+    if val:
+        info["steps"] = int(max(r.get("step", 0) for r in val)) + 1
+        info["val_first"] = {k: v for k, v in val[0].items() if k != "step"}
+        info["val_last"] = {k: v for k, v in val[-1].items() if k != "step"}
+        info["val_by_epoch"] = val
+    if args.lsr_doc_encoder:
+        refreshed = sorted((run / "index_refresh").glob("step-*/kb"))
+        if not refreshed:
+            raise ConfigError(f"--lsr-doc-encoder: no refreshed knowledge base under {run / 'index_refresh'}; lower "
+                              "--lsr-refresh-every below the number of training steps")
+        info["knowledge_base"], info["index_refreshes"] = str(refreshed[-1]), refreshed[-1].parent.name
     return info
+
+
+def _count_lines(path: Path) -> int:
+    with open(path, encoding="utf-8") as f:
+        return sum(1 for line in f if line.strip())
 
 
 def elements_qa(model, tokenizer, args, out: Path) -> dict:
@@ -277,8 +308,10 @@ def markdown(results: dict) -> str:
         lines.append("")
     tr = results.get("lsr_training")
     if tr and tr.get("val_last"):
-        v0, v1 = tr.get("val_first", {}), tr["val_last"]
-        lines.append(f"REPLUG LSR training ({tr.get('steps', '?')} steps, {tr['cpu_s']:.0f} CPU s): val/loss "
+        v0, v1 = tr.get("val_before", tr.get("val_first", {})), tr["val_last"]
+        when = "before training" if "val_before" in tr else "after the first epoch"
+        lines.append(f"REPLUG LSR training ({tr.get('steps', '?')} steps, {tr['cpu_s']:.0f} CPU s; held-out pairs, {when} → "
+                     f"after): val/loss "
                      f"{v0.get('val/loss', math.nan):.3f} → {v1.get('val/loss', math.nan):.3f}, val/top1_agreement "
                      f"{v0.get('val/top1_agreement', math.nan):.2f} → {v1.get('val/top1_agreement', math.nan):.2f}, val/replug_loglik "
                      f"{v0.get('val/replug_loglik', math.nan):.2f} → {v1.get('val/replug_loglik', math.nan):.2f} nats.")
@@ -347,7 +380,9 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=0.1, help="λ = softmax(dense score / T) (= LSR's γ)")
     p.add_argument("--bm25-temperature", type=float, default=1.0, help="λ = softmax(BM25 score / T)")
     p.add_argument("--words-per-passage", type=int, default=100)
-    p.add_argument("--n-train", type=int, default=16, help="held-out documents giving LSR's training pairs (+ 4 for validation)")
+    p.add_argument("--n-train", type=int, default=16, help="held-out documents giving LSR's training pairs")
+    p.add_argument("--n-val", type=int, default=4, help="further held-out documents giving LSR's validation pairs (the "
+                   "before / after measurements of the retriever)")
     p.add_argument("--lsr-pairs-per-doc", type=int, default=3)
     p.add_argument("--lsr-query-tokens", type=int, default=32)
     p.add_argument("--lsr-target-tokens", type=int, default=32)
@@ -355,6 +390,9 @@ def parse_args(argv=None):
     p.add_argument("--lsr-epochs", type=int, default=3)
     p.add_argument("--lsr-lr", type=float, default=None, help="query-encoder learning rate (default: the config's)")
     p.add_argument("--lsr-config", default=str(CONFIG))
+    p.add_argument("--lsr-doc-encoder", action="store_true", help="train the document encoder too, the index re-encoded "
+                   "and swapped in every --lsr-refresh-every steps (REPLUG §4.4's refresh; IndexRefresh)")
+    p.add_argument("--lsr-refresh-every", type=int, default=20, help="steps between index refreshes (--lsr-doc-encoder)")
     p.add_argument("--qa-n", type=int, default=100, help="Elements QA test questions")
     p.add_argument("--qa-k", type=int, default=4)
     p.add_argument("--qa-new-tokens", type=int, default=8)
@@ -388,7 +426,7 @@ def main(argv=None) -> dict:
     model, tok, _ = load_generator(args.model, kind="causal")
     model.eval()
     docs = rd.read_rst_documents(root)
-    evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + 4, text_tokens=args.text_tokens,
+    evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + args.n_val, text_tokens=args.text_tokens,
                                               seed=args.seed)
     rd.write_jsonl(out / "eval.jsonl", evals)
     pair_kw = dict(query_tokens=args.lsr_query_tokens, target_tokens=args.lsr_target_tokens, per_doc=args.lsr_pairs_per_doc)
@@ -406,7 +444,6 @@ def main(argv=None) -> dict:
     atomic_write_json(results_path, results)
     runner = Runner(model, tok, evals, args, results, results_path)
     torch.manual_seed(args.seed)
-    kb = KnowledgeBase.open(kb_path)
     dense = open_retriever("dense", kb_path)
 
     with torch.no_grad():
@@ -423,8 +460,10 @@ def main(argv=None) -> dict:
     if "lsr" not in skip:
         results["lsr_training"] = train_lsr(args, out, kb_path)
         atomic_write_json(results_path, results)
-        # only the query encoder was trained: the document embeddings, hence the index, are unchanged
-        lsr = DenseRetriever(kb, default_query_encoder(kb, results["lsr_training"]["export_dir"]))
+        # only the query encoder trained: the index is unchanged; with the document encoder: the last refreshed index
+        lsr_kb = KnowledgeBase.open(results["lsr_training"].get("knowledge_base", kb_path))
+        lsr = DenseRetriever(lsr_kb, default_query_encoder(lsr_kb, results["lsr_training"]["export_dir"]),
+                             allow_encoder_change=args.lsr_doc_encoder)
         with torch.no_grad():
             for k in ks:
                 runner.run("REPLUG LSR", lsr, k, temperature=args.temperature)

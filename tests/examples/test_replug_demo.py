@@ -95,3 +95,24 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     png.unlink()
     again = demo.main(["--report", "--results", str(res), "--plot", str(png)])
     assert again["markdown"] == results["markdown"] and png.is_file()
+
+
+@pytest.mark.slow
+def test_lsr_with_the_document_encoder_refreshes_the_index_and_measures_before_and_after(demo, corpus, tiny_lm, tmp_path,
+                                                                                          monkeypatch):
+    monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
+    out, res = tmp_path / "out", tmp_path / "r.json"
+    results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot",
+                         str(tmp_path / "r.png"), "--n-eval", "2", "--text-tokens", "40", "--n-train", "3", "--n-val", "2",
+                         "--lsr-pairs-per-doc", "2", "--lsr-query-tokens", "8", "--lsr-target-tokens", "8", "--lsr-k", "2",
+                         "--lsr-epochs", "2", "--lsr-lr", "1e-3", "--ks", "2", "--stride", "8", "--max-length", "64",
+                         "--doc-max-length", "24", "--words-per-passage", "30", "--skip", "bm25,random,qa",
+                         "--lsr-doc-encoder", "--lsr-refresh-every", "1"])
+    tr = results["lsr_training"]
+    assert len(results["corpus"]["lsr_documents"]) == 3 + 2 and tr["val_pairs"] == 2 * 2
+    assert set(tr["val_before"]) == set(tr["val_last"]) >= {"val/loss", "val/top1_agreement", "val/replug_loglik"}
+    assert len(tr["val_by_epoch"]) == 2
+    refreshed = Path(tr["knowledge_base"])
+    assert refreshed.is_dir() and refreshed.parent.parent == out / "lsr_run" / "index_refresh"
+    by = {r["name"]: r for r in results["runs"]}
+    assert by["REPLUG LSR k=2"]["retrieved_chunks"] > 0 and "before training" in results["markdown"]
