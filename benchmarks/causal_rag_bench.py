@@ -11,6 +11,7 @@ layout transformers' beam search uses (:class:`rag.generation.causal.CausalPromp
     python benchmarks/causal_rag_bench.py                                   # checkpoints/demo_causal, 2 threads
     python benchmarks/causal_rag_bench.py --model checkpoints/demo --questions 16
     python benchmarks/causal_rag_bench.py --decoding thorough --marginalization sequence
+    python benchmarks/causal_rag_bench.py --extractive both      # extractive decoding off and on, side by side
 
 Questions: the held-out Elements test questions (``demo:test``), the first ``--questions`` of them, in batches of 1 and
 8; the first batch of each setting is a warm-up and not counted. Writes ``--out`` (JSON) and prints a table.
@@ -19,6 +20,7 @@ Questions: the held-out Elements test questions (``demo:test``), the first ``--q
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -39,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--marginalization", default=None, choices=("sequence", "token"), help="default: the model's")
     p.add_argument("--decoding", default="fast", choices=("fast", "thorough"))
     p.add_argument("--num-beams", type=int, default=None, help="default: the model's stored setting")
+    p.add_argument("--extractive", default="model", choices=("model", "on", "off", "both"),
+                   help="extractive decoding: the model's stored setting, on, off, or both side by side")
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "causal_rag_bench.json")
     return p.parse_args(argv)
 
@@ -59,24 +63,27 @@ def main(argv=None) -> int:
     kind = "causal" if getattr(model, "is_causal", False) else "seq2seq"
     config = reader._generation_config(args.num_beams, None, 1, {})  # the model's stored settings, as rag generate uses them
     questions = [e.question for e in read_qa("demo:test")]
+    extractive = {"model": (config.extractive,), "on": (True,), "off": (False,), "both": (False, True)}[args.extractive]
     results = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        for share in ((True, False) if kind == "causal" else (True,)):
-            def run(qs, share=share):
-                found = generate_for_questions(model, qs, config, marginalization=args.marginalization, decoding=args.decoding,
-                                               share_cache=share)
-                return answers_with_provenance(model, qs, found.inputs, found.contexts, found.output, 1, found.marginalization)
+    for batch, ext, share in [(b, e, s) for b in map(int, args.batch_sizes.split(",")) for e in extractive
+                              for s in ((True, False) if kind == "causal" else (True,))]:
+        cfg = dataclasses.replace(config, extractive=ext)
 
-            with torch.no_grad():
-                run(questions[:batch])  # warm-up
-                timed, start = questions[batch:batch + args.questions], time.perf_counter()
-                for i in range(0, len(timed), batch):
-                    run(timed[i:i + batch])
-                secs = time.perf_counter() - start
-            results.append({"batch": batch, "kv_cache_shared": share, "questions": len(timed),
-                            "seconds_per_answer": round(secs / len(timed), 3)})
-            print(f"batch {batch:2d}  kv cache {'shared' if share else 'not shared':10s}  "
-                  f"{secs / len(timed):6.3f} s/answer  ({len(timed)} questions)", flush=True)
+        def run(qs, share=share, cfg=cfg):
+            found = generate_for_questions(model, qs, cfg, marginalization=args.marginalization, decoding=args.decoding,
+                                           share_cache=share)
+            return answers_with_provenance(model, qs, found.inputs, found.contexts, found.output, 1, found.marginalization)
+
+        with torch.no_grad():
+            run(questions[:batch])  # warm-up
+            timed, start = questions[batch:batch + args.questions], time.perf_counter()
+            for i in range(0, len(timed), batch):
+                run(timed[i:i + batch])
+            secs = time.perf_counter() - start
+        results.append({"batch": batch, "extractive": ext, "kv_cache_shared": share, "questions": len(timed),
+                        "seconds_per_answer": round(secs / len(timed), 3)})
+        print(f"batch {batch:2d}  extractive {'on ' if ext else 'off'}  kv cache {'shared' if share else 'not shared':10s}  "
+              f"{secs / len(timed):6.3f} s/answer  ({len(timed)} questions)", flush=True)
     report = {"model": args.model, "kind": kind, "load_seconds": round(load_s, 1), "threads": args.threads,
               "marginalization": args.marginalization or model.config.marginalization, "decoding": args.decoding,
               "generation": {k: v for k, v in vars(config).items() if v not in (None, 0, False)},
