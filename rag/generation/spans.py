@@ -4,7 +4,8 @@ A RAG reader asked for "a few words taken from the passage" still answers from i
 ("Who is credited with discovering tellurium?" -> a famous name that no passage holds). With ``extractive`` decoding
 each search row may only continue a span of its passages' text (title and text): the first token starts at a word
 (or at the bracket or quote opening it), every later token continues the text exactly, and EOS is allowed only where a
-word ends (or after the bracket, quote or % closing it), so "144." cannot stop inside "144.24" and "(243)" is whole. Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
+word ends (or after the bracket, quote or % closing it), so "144." cannot stop inside "144.24" and "(243)" is whole.
+Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
 
 The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
 model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
@@ -25,8 +26,6 @@ from rag.knowledge.bm25 import TOKEN_PATTERN
 __all__ = ["TokenTexts", "PassageSpans"]
 
 _WORD = re.compile(TOKEN_PATTERN)
-
-
 _OPEN, _CLOSE = "([{\"'‘“", ")]}\"'’”%"
 
 
@@ -58,19 +57,20 @@ class TokenTexts:
         anchor = tokenizer.convert_tokens_to_ids("a")
         if not isinstance(anchor, int) or anchor == getattr(tokenizer, "unk_token_id", None):
             anchor = tokenizer("a", add_special_tokens=False)["input_ids"][-1]
-        head = tokenizer.decode([anchor])
+        head = tokenizer.decode([anchor], clean_up_tokenization_spaces=False)
         special = set(tokenizer.all_special_ids)
         self.by_text: dict[str, list[int]] = {}
         for i in range(len(tokenizer)):
             if i in special:
                 continue
-            text = tokenizer.decode([anchor, i])
+            text = tokenizer.decode([anchor, i], clean_up_tokenization_spaces=False)
             if text.startswith(head) and len(text) > len(head) and "\ufffd" not in text:
                 self.by_text.setdefault(text[len(head):], []).append(i)
         self.max_len = max(map(len, self.by_text), default=1)
 
     def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids))
+        # as read, with no "clean-up" of spaces before punctuation, so that the text matches the token texts above
+        return self.tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
 
     def continuing(self, text: str) -> set[int]:
         """Ids whose text is a prefix of `text` (non-empty)."""
