@@ -104,16 +104,18 @@ class PassageSpans:
     def constraint(self, contexts_of_row: Sequence[Sequence[int]], eos: int) -> Callable[[Tensor, int], Optional[Tensor]]:
         """The :attr:`SearchSpec.allowed` function of a search whose row `r` reads contexts ``contexts_of_row[r]``
         (RAG-Sequence: its own passage; RAG-Token: the question's K passages)."""
-        groups = [[self._texts[c] for c in cs] for cs in contexts_of_row]
+        # per row, once: the texts it reads, or None when one of its contexts read no passage (nothing to take spans from)
+        groups = [None if any(self._texts[c] is None for c in cs) else [t for c in cs for t in self._texts[c]]
+                  for cs in contexts_of_row]
 
         def allowed(generated: Tensor, vocab: int) -> Optional[Tensor]:
             mask = torch.zeros(generated.shape[0], vocab, dtype=torch.bool)
             for r, row in enumerate(generated.tolist()):
-                entries = groups[r]
-                if eos in row or any(e is None for e in entries):  # finished, or nothing to take spans from
+                texts = groups[r]
+                if texts is None or eos in row:  # nothing to take spans from, or finished
                     mask[r] = True
                     continue
-                ok, can_end = self._next(row, [t for e in entries for t in e])
+                ok, can_end = self._next(row, texts)
                 if ok:
                     mask[r, [i for i in ok if i < vocab]] = True
                 if can_end or not ok:  # an answer with no continuation left ends rather than taking a banned token
