@@ -45,6 +45,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+from rag.eval.perplexity import paired_difference, per_text_records  # noqa: E402
 from rag.knowledge.documents import Document  # noqa: E402
 from rag.knowledge.passages import Passage, split_passages  # noqa: E402
 from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, TextScore  # noqa: E402
@@ -259,7 +260,9 @@ class Runner:
         row = {"name": name, "groups": [group], "retrieval": retrieval, "stride": stride,
                "query_length": query_length if retriever is not None else None, "rerank": rerank, "k": k if reranker else 1,
                "perplexity": tot.perplexity, "word_perplexity": tot.word_perplexity, "bits_per_byte": tot.bits_per_byte,
-               "tokens": tot.tokens, "retrieved_chunks": tot.retrieved_chunks, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1)}
+               "tokens": tot.tokens, "retrieved_chunks": tot.retrieved_chunks, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+               # per evaluated text: (id, nats, bytes): paired intervals between settings are computed from these
+               "per_text": per_text_records(scores)}
         if retriever is not None:
             st = ngram_stats(ralm, scores, self.passages)
             row["overlap"] = st["overlap"]
@@ -314,6 +317,25 @@ def fmt(x: float) -> str:
     return f"{x:.2f}"
 
 
+def paired_rows(results: dict) -> list[tuple[tuple[str, str], dict]]:
+    """The comparisons the paper's §6 findings rest on, each paired by text (:func:`paired_difference`): every
+    reranker against BM25's own top 1 and against each other, and each query length against ℓ = 32."""
+    runs = results["runs"]
+    rerank = [r for r in runs if "rerank" in r["groups"] and r["retrieval"] == "bm25"]
+    plain = next((r for r in rerank if r["rerank"] == "none"), None)
+    rerankers = [r for r in rerank if r["rerank"] != "none"]
+    pairs = [(plain, r) for r in rerankers if plain] + [(a, b) for i, a in enumerate(rerankers) for b in rerankers[i + 1:]]
+    qlen = sorted((r for r in runs if "qlen" in r["groups"]), key=lambda r: r["query_length"])
+    q32 = next((r for r in qlen if r["query_length"] == 32), None)
+    pairs += [(q32, r) for r in qlen if q32 and r is not q32]
+    out = []
+    for a, b in pairs:
+        d = paired_difference(a.get("per_text"), b.get("per_text"))
+        if d is not None:
+            out.append(((a["name"], b["name"]), d))
+    return out
+
+
 def markdown(results: dict) -> str:
     runs = results["runs"]
     by = {r["name"]: r for r in runs}
@@ -340,6 +362,15 @@ def markdown(results: dict) -> str:
             rows = [by["none"]] + [r for r in rows if r["name"] != "none"]
         if rows:
             table(title, rows)
+    diffs = paired_rows(results)
+    if diffs:
+        lines.extend(["**Paired differences** (bits/byte of the second setting minus the first on the same texts; 95% "
+                      "bootstrap interval over the evaluated texts; texts the second predicts better)", "",
+                      "| comparison | Δ bits/byte | 95% interval | texts better |", "|---|---:|---:|---:|"])
+        for (a, b), d in diffs:
+            lines.append(f"| {a} → {b} | {d['delta_bpb']:+.4f} | [{d['low']:+.4f}, {d['high']:+.4f}] | "
+                         f"{d['texts_better']}/{d['texts']} |")
+        lines.append("")
     tr = results.get("reranker_training")
     if tr and tr.get("val_last"):
         v0, v1 = tr.get("val_first", {}), tr["val_last"]
@@ -347,6 +378,12 @@ def markdown(results: dict) -> str:
                      f"{v1.get('val/loss', float('nan')):.3f}, val/top1 {v1.get('val/top1', float('nan')):.2f}, "
                      f"val/loglik_gain {v1.get('val/loglik_gain', float('nan')):+.3f} nats per stride.")
     return "\n".join(lines) + "\n"
+
+
+def short(name: str) -> str:
+    """A run's name as a plot label: what reranks it, or BM25 alone."""
+    m = re.search(r"(zero-shot|predictive) rerank top-\d+ \(([^)]*)\)", name)
+    return f"{m.group(1)} ({m.group(2)})" if m else "BM25 top-1"
 
 
 def plot(results: dict, path: Path) -> None:
@@ -357,7 +394,8 @@ def plot(results: dict, path: Path) -> None:
 
     runs = results["runs"]
     none = next((r["perplexity"] for r in runs if r["name"] == "none"), None)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4), dpi=90)
+    diffs = [(names, d) for names, d in paired_rows(results) if "rerank" in names[1]]
+    fig, axes = plt.subplots(1, 3 if diffs else 2, figsize=(13.5 if diffs else 9, 3.4), dpi=90)
     for ax, group, key, label in ((axes[0], "stride", "stride", "retrieval stride s (ℓ = 32)"),
                                   (axes[1], "qlen", "query_length", f"query length ℓ (s = {results['settings']['qlen_stride']})")):
         pts = sorted((r[key], r["perplexity"]) for r in runs if group in r["groups"])
@@ -370,6 +408,17 @@ def plot(results: dict, path: Path) -> None:
         ax.set_ylabel("token perplexity")
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
+    if diffs:  # reranking: the paired difference of each comparison, with its interval
+        ax = axes[2]
+        ys = list(range(len(diffs)))
+        mids = [d["delta_bpb"] for _, d in diffs]
+        ax.errorbar(mids, ys, xerr=[[m - d["low"] for m, (_, d) in zip(mids, diffs)], [d["high"] - m for m, (_, d) in zip(mids, diffs)]],
+                    fmt="o", capsize=3)
+        ax.axvline(0, color="gray", ls="--")
+        ax.set_yticks(ys, [f"{short(a)} → {short(b)}" for (a, b), _ in diffs], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel("Δ bits/byte, 95% interval (< 0: better)")
+        ax.grid(alpha=0.3)
     fig.suptitle(f"{results['settings']['model_name']} on held-out Python library docs", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)

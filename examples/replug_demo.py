@@ -41,6 +41,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(REPO))
 
+from rag.eval.perplexity import paired_difference, per_text_records  # noqa: E402
 from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig  # noqa: E402
 from rag.utils.errors import ConfigError, CorpusError  # noqa: E402
 from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
@@ -141,7 +142,7 @@ class Runner:
         row = {"name": name, "method": method, "k": k, "temperature": temperature if k else None,
                "perplexity": tot.perplexity, "bits_per_byte": tot.bits_per_byte, "tokens": tot.tokens,
                "retrieved_chunks": tot.retrieved_chunks, "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
-               "per_text": [{"id": sc.id, "nll": -float(sc.token_logprobs.sum()), "bytes": sc.n_bytes} for sc in scores]}
+               "per_text": per_text_records(scores)}
         self.results["runs"].append(row)
         atomic_write_json(self.results_path, self.results)
         print(f"{name}: ppl {tot.perplexity:.3f}  bpb {tot.bits_per_byte:.4f}  ({cpu:.0f} CPU-s)", flush=True)
@@ -258,27 +259,6 @@ def elements_qa(model, tokenizer, args, out: Path) -> dict:
 # ---------------------------------------------------------------------------- report
 
 
-def paired_difference(base: dict, run: dict, *, resamples: int = 2000, seed: int = 0) -> Optional[dict]:
-    """Bits per byte of `run` minus `base` on the same held-out texts, with a 95% bootstrap interval over texts
-    (texts resampled with replacement, totals recomputed) and how many texts each setting predicts better.
-    None when either run has no per-text record (results of an older version of this script)."""
-    a, b = base.get("per_text"), run.get("per_text")
-    if not a or not b or [t["id"] for t in a] != [t["id"] for t in b]:
-        return None
-    nll0 = [t["nll"] for t in a]
-    nll1 = [t["nll"] for t in b]
-    nbytes = [t["bytes"] for t in a]
-
-    def delta(idx) -> float:
-        return (sum(nll1[i] for i in idx) - sum(nll0[i] for i in idx)) / math.log(2) / max(1, sum(nbytes[i] for i in idx))
-
-    n = len(a)
-    rng = random.Random(seed)
-    boot = sorted(delta([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-    return {"delta_bpb": delta(range(n)), "low": boot[int(0.025 * resamples)], "high": boot[int(0.975 * resamples) - 1],
-            "texts": n, "texts_better": sum(x < y for x, y in zip(nll1, nll0))}
-
-
 def markdown(results: dict) -> str:
     runs = results["runs"]
     s = results["settings"]
@@ -297,7 +277,7 @@ def markdown(results: dict) -> str:
         cells = [f"{by[k]['bits_per_byte']:.3f} ({by[k]['perplexity']:.2f})" if k in by else "" for k in ks]
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
     lines.append("")
-    diffs = [(r["name"], paired_difference(none, r)) for r in runs if none and r is not none]
+    diffs = [(r["name"], paired_difference(none.get("per_text"), r.get("per_text"))) for r in runs if none and r is not none]
     diffs = [(name, d) for name, d in diffs if d is not None]
     if diffs:
         lines += [f"**Against no retrieval, on the same {diffs[0][1]['texts']} held-out texts** (Δ bits per byte, 95% "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
@@ -20,7 +21,7 @@ from rag.models.ralm.model import EvalText, InContextRALM, TextScore
 from rag.utils.errors import CorpusError
 from rag.utils.files import bounded_lines, parse_json, regular_file
 
-__all__ = ["PerplexityResult", "perplexity_totals", "evaluate_perplexity", "read_eval_texts"]
+__all__ = ["PerplexityResult", "perplexity_totals", "per_text_records", "paired_difference", "evaluate_perplexity", "read_eval_texts"]
 
 
 @dataclass
@@ -66,6 +67,29 @@ def perplexity_totals(scores: Iterable[TextScore]) -> PerplexityResult:
     if tokens == 0:
         raise CorpusError("no text to evaluate; give at least one non-empty text")
     return PerplexityResult(nll, tokens, words, nbytes, texts, chunks)
+
+
+def per_text_records(scores: Iterable[TextScore]) -> list[dict]:
+    """One JSON-able record per text, ``{"id", "nll" (nats), "bytes"}``: what :func:`paired_difference` compares."""
+    return [{"id": s.id, "nll": -float(s.token_logprobs.sum()), "bytes": s.n_bytes} for s in scores]
+
+
+def paired_difference(base: list[dict], run: list[dict], *, resamples: int = 2000, seed: int = 0) -> Optional[dict]:
+    """Bits per byte of `run` minus `base` (:func:`per_text_records` of the same texts), with a 95% bootstrap interval
+    over texts (texts resampled with replacement, totals recomputed) and how many texts `run` predicts better.
+    None when either has no records or they are not the same texts in the same order."""
+    if not base or not run or [t["id"] for t in base] != [t["id"] for t in run]:
+        return None
+    nll0, nll1, nbytes = [t["nll"] for t in base], [t["nll"] for t in run], [t["bytes"] for t in base]
+
+    def delta(idx) -> float:
+        return (sum(nll1[i] for i in idx) - sum(nll0[i] for i in idx)) / math.log(2) / max(1, sum(nbytes[i] for i in idx))
+
+    n = len(base)
+    rng = random.Random(seed)
+    boot = sorted(delta([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
+    return {"delta_bpb": delta(range(n)), "low": boot[int(0.025 * resamples)], "high": boot[int(0.975 * resamples) - 1],
+            "texts": n, "texts_better": sum(x < y for x, y in zip(nll1, nll0))}
 
 
 def evaluate_perplexity(ralm: InContextRALM, texts: Iterable[EvalText | str], *, progress: bool = False) -> PerplexityResult:

@@ -104,6 +104,13 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     kept = json.loads((out / "reranker_examples.json").read_text())  # a rerun reads the LM's scoring back
     assert kept["kind"] == "rag reranker examples" and kept["train"] and kept["key"]["settings"]["k"] == 2
     assert "(b) Stride" in results["markdown"] and "(d) Reranking" in results["markdown"]
+    # every run keeps its per-text log-likelihoods, so settings are compared paired by text, with intervals
+    assert all([t["id"] for t in r["per_text"]] == [h["id"] for h in results["corpus"]["held_out"]] for r in results["runs"])
+    compared = dict(demo.paired_rows(results))
+    rerankers = [r["name"] for r in results["runs"] if r["rerank"] != "none"]
+    assert {("BM25 s=16 ℓ=32", n) for n in rerankers} <= set(compared) and ("BM25 s=16 ℓ=32", "BM25 s=16 ℓ=8") in compared
+    assert len(compared) == 3 + 3 + 1 and all(d["low"] <= d["delta_bpb"] <= d["high"] for d in compared.values())
+    assert "**Paired differences**" in results["markdown"]
     # --report rewrites the table and the plot from the results file alone
     png.unlink()
     again = demo.main(["--report", "--results", str(res), "--plot", str(png)])

@@ -42,20 +42,6 @@ def test_replug_settings_name_the_config_fields(demo):
     assert demo.replug_settings(None, 0.5) == {}
 
 
-def test_the_difference_to_no_retrieval_is_paired_by_text_with_an_interval(demo):
-    import math
-
-    base = {"per_text": [{"id": f"d{i}", "nll": 100.0, "bytes": 100} for i in range(20)]}
-    better = {"per_text": [{"id": f"d{i}", "nll": 100.0 - (i % 5), "bytes": 100} for i in range(20)]}
-    d = demo.paired_difference(base, better)
-    assert math.isclose(d["delta_bpb"], -40 / math.log(2) / 2000)  # 4 texts each 0..4 nats better
-    assert d["low"] <= d["delta_bpb"] <= d["high"] < 0 and (d["texts"], d["texts_better"]) == (20, 16)
-    assert demo.paired_difference(base, base)["low"] == demo.paired_difference(base, base)["high"] == 0.0
-    # other texts, or a run written before per-text records: no comparison
-    assert demo.paired_difference(base, {"per_text": better["per_text"][:19]}) is None
-    assert demo.paired_difference({}, better) is None
-
-
 @pytest.mark.slow
 def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
