@@ -89,8 +89,8 @@ class GenerationOptions:
                                          "probability reaches P (nucleus sampling; default 1: all tokens)", low=1e-6, high=1.0)
     seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, reader="causal")
     extractive: Optional[bool] = _opt(bool, "answer with a span of a retrieved passage: each answer is a run of whole "
-                                            "words from the title or text of the passages read (default: the model's, "
-                                            "else off)", reader="seq2seq", retrieval=True)
+                                            "words from the title or text of the passages read, not starting with a word "
+                                            "of the question (default: the model's, else off)", reader="seq2seq", retrieval=True)
 
     def __post_init__(self) -> None:
         for name, spec in option_specs().items():

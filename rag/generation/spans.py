@@ -7,6 +7,11 @@ each search row may only continue a span of its passages' text (title and text):
 word ends (or after the bracket, quote or % closing it), so "144." cannot stop inside "144.24" and "(243)" is whole.
 Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
 
+Given the question, a span does not start at a word the question holds (case-insensitive): a reader that read "Oxygen
+/ ... Discovered in 1774 by Joseph Priestley." must not answer "Who discovered oxygen?" with ``Oxygen``, nor "which
+element has the symbol Y?" with ``Y``. A span may still contain question words after its first. The price: an answer
+that starts with a word of the question (a choice question, "gold or silver?") cannot be given extractively.
+
 The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
 model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
 it holds for any tokenizer whose tokens decode to text; a character split over several byte tokens (rare non-ASCII
@@ -29,15 +34,21 @@ _WORD = re.compile(TOKEN_PATTERN)
 _OPEN, _CLOSE = "([{\"'‘“", ")]}\"'’”%"
 
 
-def _bounds(text: str) -> tuple[str, list[int], set[int]]:
-    """`text`, where a span may start (a word, or a bracket or quote right before one: "(243)") and where it may end
-    (a word's end, or the closing bracket, quote or % right after it)."""
+def _words(text: str) -> set[str]:
+    """The words of `text`, lower-cased."""
+    return {w.lower() for w in _WORD.findall(text)}
+
+
+def _bounds(text: str, banned: frozenset[str] = frozenset()) -> tuple[str, list[int], set[int]]:
+    """`text`, where a span may start (a word not in `banned`, or a bracket or quote right before one: "(243)") and
+    where it may end (a word's end, or the closing bracket, quote or % right after it)."""
     starts, ends = [], set()
     for m in _WORD.finditer(text):
         s, e = m.span()
-        if s > 0 and text[s - 1] in _OPEN:
-            starts.append(s - 1)
-        starts.append(s)
+        if m.group().lower() not in banned:
+            if s > 0 and text[s - 1] in _OPEN:
+                starts.append(s - 1)
+            starts.append(s)
         ends.add(e)
         if e < len(text) and text[e] in _CLOSE:
             ends.add(e + 1)
@@ -87,16 +98,21 @@ class PassageSpans:
         token_texts: the generator tokenizer's :class:`TokenTexts`.
         passages: per context, the texts it may answer from (e.g. ``(title, text)``); None: unconstrained (a
             closed-book row).
+        questions: per context, the question it answers (its words start no span); None: no such rule.
     """
 
-    def __init__(self, token_texts: TokenTexts, passages: Sequence[Optional[Sequence[str]]]):
+    def __init__(self, token_texts: TokenTexts, passages: Sequence[Optional[Sequence[str]]],
+                 questions: Optional[Sequence[str]] = None):
+        if questions is not None and len(questions) != len(passages):
+            raise ValueError(f"PassageSpans: {len(questions)} questions for {len(passages)} contexts; give one per context")
         self.token_texts = token_texts
         self._texts = []
-        for texts in passages:
+        for c, texts in enumerate(passages):
             if texts is None:
                 self._texts.append(None)
                 continue
-            self._texts.append([_bounds(t) for t in texts])
+            banned = frozenset(_words(questions[c])) if questions is not None else frozenset()
+            self._texts.append([_bounds(t, banned) for t in texts])
 
     def __len__(self) -> int:
         return len(self._texts)

@@ -24,9 +24,9 @@ def texts(bpe_tokenizer):
     return TokenTexts(bpe_tokenizer)
 
 
-def allowed_after(texts, answer_ids: list[int], passages=(PASSAGE,)) -> torch.Tensor:
+def allowed_after(texts, answer_ids: list[int], passages=(PASSAGE,), question=None) -> torch.Tensor:
     eos = texts.tokenizer.eos_token_id
-    spans = PassageSpans(texts, list(passages))
+    spans = PassageSpans(texts, list(passages), None if question is None else [question] * len(passages))
     fn = spans.constraint([range(len(passages))], eos)
     return fn(torch.tensor([answer_ids], dtype=torch.long).reshape(1, -1), len(texts.tokenizer))[0]
 
@@ -80,3 +80,18 @@ def test_a_span_may_take_the_brackets_around_a_word(texts, bpe_tokenizer):
     inner = [n for n in range(1, len(ids)) if tok.decode(ids[:n]) == "(243"]
     assert all(allowed_after(texts, ids[:n], [BRACKETS])[eos] for n in inner)  # "(243" ends where the word does
     assert allowed_after(texts, ids, [BRACKETS])[eos]
+
+
+def test_an_answer_does_not_start_with_a_word_of_its_question(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    question = "Who discovered TELLURIUM, with Miller?"
+    echo = tok("Tellurium", add_special_tokens=False)["input_ids"]
+    def takes(ids, question=None):  # every token of `ids` allowed in turn, then EOS
+        return all(allowed_after(texts, ids[:n], question=question)[ids[n] if n < len(ids) else eos] for n in range(len(ids) + 1))
+
+    assert takes(echo) and not takes(echo, question)  # the title, a span without the question, is one no longer
+    # a question word may follow the first word of the answer
+    ids = tok("Franz Miller", add_special_tokens=False)["input_ids"]
+    assert takes(ids, question)
+    with pytest.raises(ValueError, match="one per context"):
+        PassageSpans(texts, [PASSAGE, PASSAGE], ["only one question"])

@@ -167,8 +167,11 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     contexts = decoding_contexts(model, ids, mask, share_cache, width)
     spans = None
     if config.extractive:  # answers are spans of the passages read; the no-retrieval rows read none
-        read = [(p.title, p.text) for ps in inputs.retrieved.passages for p in ps]
-        spans = PassageSpans(token_texts(model), read + [None] * (len(contexts) - len(read)))
+        passages = inputs.retrieved.passages
+        read = [(p.title, p.text) for ps in passages for p in ps]
+        asked = [q for q, ps in zip(questions, passages) for _ in ps]  # an answer does not start with a question word
+        pad = [None] * (len(contexts) - len(read))
+        spans = PassageSpans(token_texts(model), read + pad, asked + [""] * len(pad))
     if marg == "token":
         out = rag_token_generate(generator, contexts, model.retrieval_logits(doc_scores), config, spans=spans)
     else:
