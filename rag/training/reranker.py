@@ -98,9 +98,12 @@ def ensure_tiny_gpt2(texts: list[str], *, d_model: int = 64, layers: int = 2, vo
 
 
 def collect_examples(ralm: InContextRALM, texts: list[EvalText], *, chunks_per_text: int, prefix_tokens: int,
-                     seed: int = 0) -> list[RerankExample]:
+                     seed: int = 0, desc: Optional[str] = None) -> list[RerankExample]:
     """§6.2 "Collecting Training Examples": per text up to `chunks_per_text` random chunks ``j ≥ 1``; their top-k documents
-    in one retrieval call; ``log p_θ(y | [d_i; x])`` for all (chunk, document) windows in batched LM passes."""
+    in one retrieval call; ``log p_θ(y | [d_i; x])`` for all (chunk, document) windows in batched LM passes (a progress
+    bar named `desc` counts the scored tokens; None: no bar)."""
+    from tqdm.auto import tqdm
+
     rng = random.Random(seed)
     cfg, scorer = ralm.config, ralm.scorer
     picks = []  # (text, stream, a, b, query)
@@ -119,7 +122,8 @@ def collect_examples(ralm: InContextRALM, texts: list[EvalText], *, chunks_per_t
         for doc in scorer.doc_tokens([p for p, _ in c]):
             windows.append(window_ids(stream, a, b, doc, scorer.max_length))
             n_scored.append(b - a)
-    lps = scorer.score(windows, n_scored)
+    with tqdm(total=sum(n_scored), desc=desc, unit="tok", disable=desc is None, dynamic_ncols=True) as bar:
+        lps = scorer.score(windows, n_scored, progress=bar)
     prefixes = ralm.tokenizer.batch_decode([stream[max(1, a - prefix_tokens):a] for _, stream, a, _, _ in picks])
     k = cfg.k
     return [RerankExample(prefix, [doc_text(p) for p, _ in c], [float(lp.sum()) for lp in lps[i * k:(i + 1) * k]])
@@ -268,8 +272,8 @@ class RerankerDataModule(pl.LightningDataModule):
         n_val = int(round(h.val_fraction * len(texts)))
         val, train = [texts[i] for i in order[:n_val]], [texts[i] for i in order[n_val:]]
         kw = dict(chunks_per_text=h.chunks_per_text, prefix_tokens=h.prefix_tokens, seed=h.seed)
-        self.train_examples = collect_examples(ralm, train, **kw)
-        self.val_examples = collect_examples(ralm, val, **kw) if val else []
+        self.train_examples = collect_examples(ralm, train, desc=f"reranker examples ({len(train)} texts)", **kw)
+        self.val_examples = collect_examples(ralm, val, desc=f"validation examples ({len(val)} texts)", **kw) if val else []
         logger.info("reranker examples: %d train, %d val (k=%d)", len(self.train_examples), len(self.val_examples), h.k)
         if h.examples_file:
             write_examples(h.examples_file, key, self.train_examples, self.val_examples)

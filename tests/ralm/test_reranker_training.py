@@ -38,12 +38,13 @@ def test_losses_by_hand():
     assert reranker_loss(scores, ll, "soft_label", 2.0).item() == pytest.approx(soft, rel=1e-6)
 
 
-def test_examples_are_the_lms_log_likelihood_of_the_next_stride(lm, bm25, demo_passages):
+def test_examples_are_the_lms_log_likelihood_of_the_next_stride(lm, bm25, demo_passages, capsys):
     model, tok = lm
     ralm = InContextRALM(model, tok, bm25, RalmConfig(stride=4, query_length=8, k=3, max_length=96, doc_max_length=40))
     texts = [EvalText(p.text, p.id, p.title) for p in demo_passages[:3]]
-    examples = collect_examples(ralm, texts, chunks_per_text=2, prefix_tokens=8, seed=1)
+    examples = collect_examples(ralm, texts, chunks_per_text=2, prefix_tokens=8, seed=1, desc="examples")
     assert len(examples) == 6 and all(len(e.docs) == 3 and len(e.lm_loglik) == 3 for e in examples)
+    assert "examples: 100%" in capsys.readouterr().err  # the LM scoring, the long part, shows its progress
     # re-derive the first example by hand: which chunk it is follows from its prefix text
     stream = ralm.scorer.stream(texts[0].text)
     spans, _ = ralm.plan(stream)
