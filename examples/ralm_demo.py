@@ -395,9 +395,14 @@ def plot(results: dict, path: Path) -> None:
     runs = results["runs"]
     none = next((r["perplexity"] for r in runs if r["name"] == "none"), None)
     diffs = [(names, d) for names, d in paired_rows(results) if "rerank" in names[1]]
-    fig, axes = plt.subplots(1, 3 if diffs else 2, figsize=(13.5 if diffs else 9, 3.4), dpi=90)
-    for ax, group, key, label in ((axes[0], "stride", "stride", "retrieval stride s (ℓ = 32)"),
-                                  (axes[1], "qlen", "query_length", f"query length ℓ (s = {results['settings']['qlen_stride']})")):
+    curves = [(group, key, label) for group, key, label in (
+        ("stride", "stride", "retrieval stride s (ℓ = 32)"),
+        ("qlen", "query_length", f"query length ℓ (s = {results['settings']['qlen_stride']})"))
+        if any(group in r["groups"] for r in runs)]  # a skipped measurement gets no empty panel
+    n = max(1, len(curves) + bool(diffs))
+    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.4), dpi=90, squeeze=False)
+    axes = list(axes[0])
+    for ax, (group, key, label) in zip(axes, curves):
         pts = sorted((r[key], r["perplexity"]) for r in runs if group in r["groups"])
         if pts:
             ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label="BM25 In-Context RALM")
@@ -407,9 +412,10 @@ def plot(results: dict, path: Path) -> None:
         ax.set_xlabel(label)
         ax.set_ylabel("token perplexity")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    if curves:
+        axes[0].legend(fontsize=8)
     if diffs:  # reranking: the paired difference of each comparison, with its interval
-        ax = axes[2]
+        ax = axes[-1]
         ys = list(range(len(diffs)))
         mids = [d["delta_bpb"] for _, d in diffs]
         ax.errorbar(mids, ys, xerr=[[m - d["low"] for m, (_, d) in zip(mids, diffs)], [d["high"] - m for m, (_, d) in zip(mids, diffs)]],
