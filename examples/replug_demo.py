@@ -176,6 +176,14 @@ def train_lsr(args, out: Path, kb_path: Path) -> dict:
                  "--trainer.max_epochs", str(args.lsr_epochs)]
     if args.lsr_lr is not None:
         overrides += ["--model.init_args.query_encoder_lr", str(args.lsr_lr)]
+    if args.lsr_seed is not None:
+        overrides += ["--seed_everything", str(args.lsr_seed)]
+    if args.lsr_beta is not None:
+        overrides += ["--model.init_args.beta", str(args.lsr_beta)]
+    if args.lsr_lm_batch_size is not None:
+        overrides += ["--model.init_args.lm_batch_size", str(args.lsr_lm_batch_size)]
+    if args.device != "cpu":
+        overrides += ["--trainer.accelerator", "gpu"]  # the LSR module moves its frozen LM to the trainer's device
     if args.lsr_doc_encoder:
         refresh = {"class_path": "rag.training.callbacks.IndexRefresh",
                    "init_args": {"every": args.lsr_refresh_every, "output_dir": str(run / "index_refresh"), "keep": 1}}
@@ -369,6 +377,10 @@ def parse_args(argv=None):
     p.add_argument("--lsr-k", type=int, default=8, help="documents per training input (paper: 20)")
     p.add_argument("--lsr-epochs", type=int, default=3)
     p.add_argument("--lsr-lr", type=float, default=None, help="query-encoder learning rate (default: the config's)")
+    p.add_argument("--lsr-beta", type=float, default=None, help="β of Q_LM = softmax(log P_LM(y | d, x) / β) (default: the config's, "
+                   "the paper's 0.1)")
+    p.add_argument("--lsr-seed", type=int, default=None, help="seed_everything of the LSR training (default: the config's, 1234)")
+    p.add_argument("--lsr-lm-batch-size", type=int, default=None, help="(document, input) pairs per LM call in LSR training")
     p.add_argument("--lsr-config", default=str(CONFIG))
     p.add_argument("--lsr-doc-encoder", action="store_true", help="train the document encoder too, the index re-encoded "
                    "and swapped in every --lsr-refresh-every steps (REPLUG §4.4's refresh; IndexRefresh)")
@@ -378,6 +390,9 @@ def parse_args(argv=None):
     p.add_argument("--qa-new-tokens", type=int, default=8)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: bm25,lsr,random,qa")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", help="where the LM runs: cpu or cuda (LSR training then runs on the GPU too)")
+    p.add_argument("--prepare-only", action="store_true", help="write the corpus split, the LSR pairs and the knowledge base "
+                   "into --out, then stop (prepare on one machine, measure on another with the same options)")
     p.add_argument("--report", action="store_true", help="only rewrite the table and the plot from --results (no runs)")
     return p.parse_args(argv)
 
@@ -404,7 +419,7 @@ def main(argv=None) -> dict:
     c_start, w_start = time.process_time(), time.perf_counter()
     root = rd.find_corpus(args.corpus)
     model, tok, _ = load_generator(args.model, kind="causal")
-    model.eval()
+    model.to(args.device).eval()
     docs = rd.read_rst_documents(root)
     evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + args.n_val, text_tokens=args.text_tokens,
                                               seed=args.seed)
@@ -413,8 +428,12 @@ def main(argv=None) -> dict:
     write_pairs(out / "lsr_train.jsonl", lsr_pairs(tok, train_docs[:args.n_train], **pair_kw))
     write_pairs(out / "lsr_val.jsonl", lsr_pairs(tok, train_docs[args.n_train:], **pair_kw))
     kb_path, passages, kb_cpu = rd.ensure_kb(out, kb_docs, encoder=args.encoder, words_per_passage=args.words_per_passage)
+    if args.prepare_only:
+        print(f"prepared {out}: {len(evals)} evaluation texts, {len(passages)} passages in {kb_path}", flush=True)
+        return {}
     settings = dict(vars(args))
-    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads())
+    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads(),
+                    device_name=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu")
     results = {"settings": settings,
                "corpus": {"source": rd.SOURCE if args.corpus is None else str(root), "path": str(root), "documents": len(docs),
                           "kb_documents": len(kb_docs), "kb_passages": len(passages), "kb_build_cpu_s": round(kb_cpu, 1),

@@ -102,3 +102,26 @@ def test_lsr_with_the_document_encoder_refreshes_the_index_and_measures_before_a
     assert refreshed.is_dir() and refreshed.parent.parent == out / "lsr_run" / "index_refresh"
     by = {r["name"]: r for r in results["runs"]}
     assert by["REPLUG LSR k=2"]["retrieved_chunks"] > 0 and "before training" in results["markdown"]
+
+
+@pytest.mark.slow
+def test_prepare_only_then_measure_reuses_the_knowledge_base_and_passes_the_lsr_options(demo, corpus, tiny_lm, tmp_path,
+                                                                                         monkeypatch):
+    import yaml
+
+    monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
+    out, res = tmp_path / "out", tmp_path / "r.json"
+    common = ["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot", str(tmp_path / "r.png"),
+              "--n-eval", "2", "--text-tokens", "40", "--n-train", "3", "--n-val", "2", "--lsr-pairs-per-doc", "2",
+              "--lsr-query-tokens", "8", "--lsr-target-tokens", "8", "--words-per-passage", "30"]
+    assert demo.main([*common, "--prepare-only"]) == {}
+    assert (out / "kb").is_dir() and (out / "lsr_train.jsonl").is_file() and not res.exists()  # nothing measured
+    results = demo.main([*common, "--lsr-k", "2", "--lsr-epochs", "1", "--lsr-beta", "0.5", "--lsr-seed", "7",
+                         "--lsr-lm-batch-size", "3", "--ks", "2", "--stride", "8", "--max-length", "64", "--doc-max-length", "24",
+                         "--skip", "bm25,random,qa"])
+    assert results["corpus"]["kb_build_cpu_s"] == 0.0  # the prepared knowledge base was reused, not rebuilt
+    assert results["settings"]["device_name"] == "cpu"
+    hparams = [yaml.safe_load(p.read_text()) for p in (out / "lsr_run").rglob("hparams.yaml")]
+    assert hparams and all(h["beta"] == 0.5 and h["lm_batch_size"] == 3 for h in hparams)
+    overrides = results["lsr_training"]["overrides"]
+    assert overrides[overrides.index("--seed_everything") + 1] == "7"
