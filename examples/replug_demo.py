@@ -390,7 +390,7 @@ def parse_args(argv=None):
     p.add_argument("--qa-new-tokens", type=int, default=8)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: bm25,lsr,random,qa")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", help="where the LM runs: cpu or cuda (LSR training then runs on the GPU too)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the LM runs: cpu or cuda (LSR training then runs on the GPU too)")
     p.add_argument("--prepare-only", action="store_true", help="write the corpus split, the LSR pairs and the knowledge base "
                    "into --out, then stop (prepare on one machine, measure on another with the same options)")
     p.add_argument("--report", action="store_true", help="only rewrite the table and the plot from --results (no runs)")
@@ -414,12 +414,15 @@ def main(argv=None) -> dict:
         report(results, results_path, args.plot)
         return results
     ks = [int(x) for x in args.ks.split(",")]
+    if args.device == "cuda" and not args.prepare_only and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or --prepare-only "
+                          "here and the measurement on the GPU machine")
     out.mkdir(parents=True, exist_ok=True)
     results_path.parent.mkdir(parents=True, exist_ok=True)
     c_start, w_start = time.process_time(), time.perf_counter()
     root = rd.find_corpus(args.corpus)
     model, tok, _ = load_generator(args.model, kind="causal")
-    model.to(args.device).eval()
+    model.eval()
     docs = rd.read_rst_documents(root)
     evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + args.n_val, text_tokens=args.text_tokens,
                                               seed=args.seed)
@@ -431,9 +434,10 @@ def main(argv=None) -> dict:
     if args.prepare_only:
         print(f"prepared {out}: {len(evals)} evaluation texts, {len(passages)} passages in {kb_path}", flush=True)
         return {}
+    model.to(args.device)  # after --prepare-only: preparing needs only the tokenizer, on any machine
     settings = dict(vars(args))
     settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads(),
-                    device_name=torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu")
+                    device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     results = {"settings": settings,
                "corpus": {"source": rd.SOURCE if args.corpus is None else str(root), "path": str(root), "documents": len(docs),
                           "kb_documents": len(kb_docs), "kb_passages": len(passages), "kb_build_cpu_s": round(kb_cpu, 1),

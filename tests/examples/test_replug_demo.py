@@ -125,3 +125,17 @@ def test_prepare_only_then_measure_reuses_the_knowledge_base_and_passes_the_lsr_
     assert hparams and all(h["beta"] == 0.5 and h["lm_batch_size"] == 3 for h in hparams)
     overrides = results["lsr_training"]["overrides"]
     assert overrides[overrides.index("--seed_everything") + 1] == "7"
+
+
+def test_device_cuda_without_cuda_is_one_clear_error(demo, tmp_path):
+    import torch
+
+    from rag.utils.errors import ConfigError
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    with pytest.raises(ConfigError, match="--device cuda.*--prepare-only"):
+        demo.main(["--device", "cuda", "--out", str(tmp_path / "out"), "--results", str(tmp_path / "r.json")])
+    assert not (tmp_path / "out").exists()  # refused before anything was written
+    with pytest.raises(SystemExit):
+        demo.main(["--device", "cuda:1"])
