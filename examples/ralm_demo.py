@@ -278,15 +278,30 @@ class Runner:
         return row
 
 
-def train_reranker(args, out: Path, kb_path: Path, train_path: Path) -> dict:
-    """``rag fit --config lightning_configs/ralm_reranker_smollm2.yaml`` on the training texts; returns the exported
-    reranker's directory and the last validation metrics."""
+def parse_variant(spec: str) -> tuple[str, list[str]]:
+    """``LABEL=ARGS`` (ARGS: extra ``rag fit`` options, shell-quoted) -> (label, args); a bare ``LABEL``: no extra args."""
+    import shlex
+
+    label, _, extra = spec.partition("=")
+    label = label.strip()
+    if not re.fullmatch(r"[\w.+-]+", label):
+        raise ConfigError(f"--train-variant {spec!r}: the label before '=' must be letters, digits, '.', '+', '-' or '_' "
+                          "(it names the run and the reranker's folder), e.g. soft2='--model.init_args.loss soft_label'")
+    return label, shlex.split(extra)
+
+
+def train_reranker(args, out: Path, kb_path: Path, train_path: Path, label: Optional[str] = None,
+                   extra: tuple[str, ...] = ()) -> dict:
+    """``rag fit --config lightning_configs/ralm_reranker_smollm2.yaml`` on the training texts, with the `extra` options
+    of a ``--train-variant`` named `label` (None: the config as it is); returns the exported reranker's directory and the
+    first and last validation metrics. Every variant reads the LM's scoring from one examples file."""
     import csv
 
     from rag.cli import main as rag_main
 
-    run = out / "reranker_run"
-    export = out / "reranker"
+    suffix = f"_{label}" if label else ""
+    run = out / f"reranker_run{suffix}"
+    export = out / f"reranker{suffix}"
     overrides = ["--data.init_args.texts", str(train_path), "--data.init_args.knowledge_base", str(kb_path),
                  "--data.init_args.lm", args.model, "--data.init_args.k", str(args.rerank_k),
                  "--data.init_args.stride", str(args.rerank_stride), "--data.init_args.max_length", str(args.max_length),
@@ -294,12 +309,12 @@ def train_reranker(args, out: Path, kb_path: Path, train_path: Path) -> dict:
                  "--data.init_args.chunks_per_text", str(args.chunks_per_text),
                  "--data.init_args.examples_file", str(out / "reranker_examples.json"),  # a rerun reuses the LM's scoring
                  "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
-                 "--trainer.max_epochs", str(args.train_epochs), "--model.init_args.export_dir", str(export)]
+                 "--trainer.max_epochs", str(args.train_epochs), "--model.init_args.export_dir", str(export), *extra]
     c0 = time.process_time()
     if rag_main(["fit", "--config", str(args.train_config), *overrides]) != 0:
-        raise ConfigError("training the predictive reranker failed (see the messages above)")
+        raise ConfigError(f"training the predictive reranker{f' {label!r}' if label else ''} failed (see the messages above)")
     info = {"cpu_s": round(time.process_time() - c0, 1), "export_dir": str(export), "config": str(args.train_config),
-            "overrides": overrides, "texts": str(train_path)}
+            "overrides": overrides, "texts": str(train_path), **({"label": label, "extra": list(extra)} if label else {})}
     metrics = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if metrics:
         rows = list(csv.DictReader(open(metrics[-1], encoding="utf-8")))
@@ -371,10 +386,14 @@ def markdown(results: dict) -> str:
             lines.append(f"| {a} → {b} | {d['delta_bpb']:+.4f} | [{d['low']:+.4f}, {d['high']:+.4f}] | "
                          f"{d['texts_better']}/{d['texts']} |")
         lines.append("")
-    tr = results.get("reranker_training")
-    if tr and tr.get("val_last"):
+    trainings = results.get("reranker_trainings") or ([results["reranker_training"]] if results.get("reranker_training") else [])
+    for tr in trainings:
+        if not tr.get("val_last"):
+            continue
         v0, v1 = tr.get("val_first", {}), tr["val_last"]
-        lines.append(f"Predictive reranker training ({tr['cpu_s']:.0f} CPU s): val/loss {v0.get('val/loss', float('nan')):.3f} → "
+        what = f"Predictive reranker training {tr['label']!r} ({' '.join(tr['extra']) or 'the config'})" if tr.get("label") \
+            else "Predictive reranker training"
+        lines.append(f"{what} ({tr['cpu_s']:.0f} CPU s): val/loss {v0.get('val/loss', float('nan')):.3f} → "
                      f"{v1.get('val/loss', float('nan')):.3f}, val/top1 {v1.get('val/top1', float('nan')):.2f}, "
                      f"val/loglik_gain {v1.get('val/loglik_gain', float('nan')):+.3f} nats per stride.")
     return "\n".join(lines) + "\n"
@@ -449,6 +468,11 @@ def parse_args(argv=None):
     p.add_argument("--chunks-per-text", type=int, default=3, help="training prefixes per training text")
     p.add_argument("--train-epochs", type=int, default=3)
     p.add_argument("--train-config", default=str(CONFIG))
+    p.add_argument("--train-variant", action="append", default=[], metavar="LABEL=ARGS",
+                   help="train and evaluate a predictive reranker with these extra `rag fit` options, e.g. "
+                        "soft2='--model.init_args.loss soft_label --model.init_args.temperature 2' (a bare LABEL: none); "
+                        "repeatable, one reranker each, all from the LM's one scoring. Without it: one reranker, the "
+                        "config as it is")
     p.add_argument("--words-per-passage", type=int, default=100)
     p.add_argument("--max-length", type=int, default=256, help="the LM's window (paper: 1024)")
     p.add_argument("--doc-max-length", type=int, default=128, help="document tokens (paper: 256)")
@@ -484,6 +508,9 @@ def main(argv=None) -> dict:
 
     args = parse_args(argv)
     skip = {s for s in args.skip.split(",") if s}
+    variants = [parse_variant(v) for v in args.train_variant]
+    if len({label for label, _ in variants}) < len(variants):
+        raise ConfigError("--train-variant: two variants share a label; give each its own")
     out, results_path = Path(args.out), Path(args.results)
     if args.report:
         results = json.loads(results_path.read_text(encoding="utf-8"))
@@ -533,11 +560,16 @@ def main(argv=None) -> dict:
             runner.run(f"BM25 s={rs} ℓ=32, zero-shot rerank top-{k} ({args.small_lm})", "rerank", bm25, "bm25", stride=rs,
                        reranker=LMReranker(scorer, rerank_tokens=args.rerank_tokens), rerank="zero-shot-small", k=k)
         if "train" not in skip:
-            results["reranker_training"] = train_reranker(args, out, kb_path, out / "train.jsonl")
-            atomic_write_json(results_path, results)
-            trained = PredictiveReranker.load(results["reranker_training"]["export_dir"])
-            runner.run(f"BM25 s={rs} ℓ=32, predictive rerank top-{k} (trained)", "rerank", bm25, "bm25", stride=rs,
-                       reranker=trained, rerank="trained", k=k)
+            for label, extra in variants or [(None, [])]:
+                info = train_reranker(args, out, kb_path, out / "train.jsonl", label, tuple(extra))
+                if label is None:
+                    results["reranker_training"] = info
+                else:
+                    results.setdefault("reranker_trainings", []).append(info)
+                atomic_write_json(results_path, results)
+                tag = f"trained, {label}" if label else "trained"
+                runner.run(f"BM25 s={rs} ℓ=32, predictive rerank top-{k} ({tag})", "rerank", bm25, "bm25", stride=rs,
+                           reranker=PredictiveReranker.load(info["export_dir"]), rerank=tag, k=k)
     results["total_cpu_s"] = round(time.process_time() - c_start, 1)
     report(results, results_path, args.plot)
     atomic_write_text(out / "results.md", results["markdown"])

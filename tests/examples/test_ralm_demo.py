@@ -43,6 +43,17 @@ The :mod:`shutil` module offers operations on files, see :func:`~os.path.join` a
 """
 
 
+def test_train_variant_labels(demo):
+    assert demo.parse_variant("soft2=--model.init_args.loss soft_label") == ("soft2", ["--model.init_args.loss", "soft_label"])
+    assert demo.parse_variant("plain") == ("plain", [])
+    assert demo.parse_variant("q=--x 'a b' --y=1") == ("q", ["--x", "a b", "--y=1"])  # shell quoting
+    for bad in ("=--x", "a b=--x", "../up=--x"):
+        with pytest.raises(demo.ConfigError, match="label"):
+            demo.parse_variant(bad)
+    with pytest.raises(demo.ConfigError, match="share a label"):
+        demo.main(["--train-variant", "a", "--train-variant", "a=--x 1", "--out", "/nonexistent/never"])
+
+
 def test_rst_to_text(demo):
     title, body = demo.rst_to_text(RST)
     assert title == "shutil --- High-level file operations"
@@ -76,7 +87,9 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--small-lm", tiny_lm, "--out", str(out), "--results", str(res),
                          "--plot", str(png), "--n-eval", "2", "--text-tokens", "40", "--n-train", "5", "--chunks-per-text", "1",
                          "--train-epochs", "1", "--max-length", "128", "--doc-max-length", "48", "--strides", "16,4",
-                         "--query-lengths", "8,32", "--rerank-k", "2", "--rerank-tokens", "4", "--words-per-passage", "30"])
+                         "--query-lengths", "8,32", "--rerank-k", "2", "--rerank-tokens", "4", "--words-per-passage", "30",
+                         "--train-variant", "plain", "--train-variant",
+                         "soft=--model.init_args.loss soft_label --model.init_args.temperature 2"])
     assert json.loads(res.read_text()) == json.loads(json.dumps(results))
     assert png.stat().st_size > 1000
     # the held-out documents are not in the knowledge base, and no training text is a held-out document
@@ -99,8 +112,16 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     for r in results["runs"][1:]:
         assert 0 < r["retrieved_chunks"] <= tokens // r["stride"]
         assert 0.0 <= r["overlap"]["8gram"] <= r["overlap"]["4gram"] <= 1.0
-    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained"}
-    assert (out / "reranker" / "rag_reranker.json").is_file()
+    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained, plain", "trained, soft"}
+    # each variant trains its own reranker from the one examples file, with its own options
+    trainings = {t["label"]: t for t in results["reranker_trainings"]}
+    assert set(trainings) == {"plain", "soft"} and "reranker_training" not in results
+    assert trainings["soft"]["extra"] == ["--model.init_args.loss", "soft_label", "--model.init_args.temperature", "2"]
+    for label in ("plain", "soft"):
+        assert (out / f"reranker_{label}" / "rag_reranker.json").is_file()
+        hparams = next((out / f"reranker_run_{label}").rglob("hparams.yaml")).read_text()
+        assert ("soft_label" in hparams) == (label == "soft")
+    assert "Predictive reranker training 'soft'" in results["markdown"]
     kept = json.loads((out / "reranker_examples.json").read_text())  # a rerun reads the LM's scoring back
     assert kept["kind"] == "rag reranker examples" and kept["train"] and kept["key"]["settings"]["k"] == 2
     assert "(b) Stride" in results["markdown"] and "(d) Reranking" in results["markdown"]
@@ -109,7 +130,7 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     compared = dict(demo.paired_rows(results))
     rerankers = [r["name"] for r in results["runs"] if r["rerank"] != "none"]
     assert {("BM25 s=16 ℓ=32", n) for n in rerankers} <= set(compared) and ("BM25 s=16 ℓ=32", "BM25 s=16 ℓ=8") in compared
-    assert len(compared) == 3 + 3 + 1 and all(d["low"] <= d["delta_bpb"] <= d["high"] for d in compared.values())
+    assert len(compared) == 4 + 6 + 1 and all(d["low"] <= d["delta_bpb"] <= d["high"] for d in compared.values())
     assert "**Paired differences**" in results["markdown"]
     # --report rewrites the table and the plot from the results file alone
     png.unlink()
