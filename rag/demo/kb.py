@@ -11,9 +11,9 @@ from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cach
 DEFAULT_ENCODER = "minilm"
 DEMO_CORPUS = "rag.demo (Elements database)"
 """The ``build.corpus`` of the demo knowledge base's manifest: what marks a knowledge base as the package's own cache."""
-DEMO_KB_BUILD = 3
+DEMO_KB_BUILD = 4
 """Bumped when the demo knowledge base is built differently (2: BM25 keeps one-character tokens such as "8" and "K";
-3: and decimal numbers whole, "39.948");
+3: and decimal numbers whole, "39.948"; 4: and counts a passage's title 3 times, ``bm25.TITLE_WEIGHT``);
 a cached one from another build is rebuilt in place: it is a cache this package made (``build.demo_kb_build``)."""
 
 

@@ -2,7 +2,7 @@
 
 Tokenization (lower-casing, English stop-word removal, Snowball stemming via
 PyStemmer) and BM25 scoring come from the `bm25s` library; this module adds the
-`rag` conventions around it: passages are indexed as ``title + " " + text``,
+`rag` conventions around it: passages are indexed as their title (counted ``title_weight`` times) and text,
 results are ``(B, k)`` arrays with a deterministic order (score descending, then
 row ascending, so ties and queries without any known term are reproducible),
 errors are :class:`~rag.utils.errors.RagError` subclasses, and saving is atomic.
@@ -42,6 +42,13 @@ splitting at the point made "39" of "atomic number 39?" match Argon's atomic wei
 tokenizer does, a number with its decimals is one token)."""
 LEGACY_TOKEN_PATTERN = r"(?u)\b\w\w+\b"
 """What indexes saved without a ``token_pattern`` setting were built with (bm25s's default)."""
+TITLE_WEIGHT = 3
+"""How many times a passage's title is counted: a title term is stronger evidence than a term of the text (BM25F,
+Robertson, Zaragoza and Taylor 2004, with the title field's weight as a repeat count). A passage's title names what it
+is about, and "What's the chemical symbol for sodium?" ranked the Potassium passage, whose text mentions sodium, above
+Sodium's own. 3 was chosen with ``benchmarks/hybrid_recall.py --title-weight`` on development questions only."""
+LEGACY_TITLE_WEIGHT = 1
+"""What indexes saved without a ``title_weight`` setting were built with."""
 
 def is_bm25_index(path: str | os.PathLike) -> bool:
     """True when `path` is a directory written by :meth:`BM25Index.save` (what ``overwrite=True`` may replace)."""
@@ -68,9 +75,9 @@ def _bm25s():
     return bm25s
 
 
-def passage_text(p: Passage) -> str:
-    """The text BM25 indexes for a passage: its title, a space, its text."""
-    return f"{p.title} {p.text}" if p.title else p.text
+def passage_text(p: Passage, title_weight: int = TITLE_WEIGHT) -> str:
+    """The text BM25 indexes for a passage: its title `title_weight` times, then its text."""
+    return " ".join([p.title] * title_weight + [p.text]) if p.title else p.text
 
 
 def _stemmer(name: Optional[str]):
@@ -108,9 +115,10 @@ class BM25Index:
     """
 
     def __init__(self, bm25, *, k1: float, b: float, stemmer: Optional[str], stopwords: Optional[str], num_docs: int,
-                 token_pattern: str = TOKEN_PATTERN):
+                 token_pattern: str = TOKEN_PATTERN, title_weight: int = TITLE_WEIGHT):
         self._bm25 = bm25
         self.token_pattern = token_pattern
+        self.title_weight = int(title_weight)
         self.k1 = float(k1)
         self.b = float(b)
         self.stemmer_name = stemmer
@@ -129,6 +137,7 @@ class BM25Index:
         stemmer: str | None = "english",
         stopwords: str | None = "en",
         token_pattern: str = TOKEN_PATTERN,
+        title_weight: int = TITLE_WEIGHT,
         show_progress: bool = True,
     ) -> "BM25Index":
         """Index each passage's title and text (see :func:`passage_text`).
@@ -136,7 +145,8 @@ class BM25Index:
         Defaults k1=0.9, b=0.4 are Pyserini's (Anserini's) BM25 settings. `stemmer`
         is a PyStemmer algorithm name or None; `stopwords` a bm25s stop-word list
         name ("en", "de", ...) or None; `token_pattern` the regular expression a token matches (stored with the
-        index, so queries are split as the passages were).
+        index, so queries are split as the passages were); `title_weight` how many times a title counts (0: not
+        indexed; see :data:`TITLE_WEIGHT`).
         """
         bm25s = _bm25s()
 
@@ -152,8 +162,11 @@ class BM25Index:
             re.compile(token_pattern)
         except (re.error, TypeError) as e:
             raise ConfigError(f"token_pattern={token_pattern!r} is not a regular expression ({e}); the default is {TOKEN_PATTERN!r}") from e
-        index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages), token_pattern=token_pattern)
-        tokens = index._tokenize([passage_text(p) for p in passages], show_progress)
+        check_number(title_weight, "title_weight (how many times a passage's title counts; 0: not indexed)", integer=True,
+                     low=0, high=100, error=ConfigError)
+        index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages), token_pattern=token_pattern,
+                    title_weight=title_weight)
+        tokens = index._tokenize([passage_text(p, index.title_weight) for p in passages], show_progress)
         bm25 = bm25s.BM25(k1=float(k1), b=float(b))
         bm25.index(tokens, show_progress=show_progress)
         index._bm25 = bm25
@@ -239,6 +252,7 @@ class BM25Index:
                 "stemmer": self.stemmer_name,
                 "stopwords": self.stopwords,
                 "token_pattern": self.token_pattern,
+                "title_weight": self.title_weight,
                 "num_docs": self._num_docs,
                 "bm25s_version": bm25s.__version__,
             })
@@ -262,7 +276,10 @@ class BM25Index:
             bm25 = bm25s.BM25.load(directory / BM25S_DIR, mmap=mmap, load_corpus=False, show_progress=False)
             num_docs = int(s["num_docs"])
             index = cls(bm25, k1=s["k1"], b=s["b"], stemmer=s["stemmer"], stopwords=s["stopwords"], num_docs=num_docs,
-                        token_pattern=str(s.get("token_pattern", LEGACY_TOKEN_PATTERN)))
+                        token_pattern=str(s.get("token_pattern", LEGACY_TOKEN_PATTERN)),
+                        title_weight=check_number(s.get("title_weight", LEGACY_TITLE_WEIGHT),
+                                                  f"{settings_file}: title_weight", integer=True, low=0, high=100,
+                                                  error=KnowledgeBaseError))
         except (OSError, ValueError, KeyError, TypeError) as e:
             if isinstance(e, RagError):
                 raise
@@ -385,7 +402,8 @@ class BM25Retriever:
                 )
             cur = self._source.index
             index = BM25Index.build(kb.all_passages(), k1=cur.k1, b=cur.b, stemmer=cur.stemmer_name,
-                                    stopwords=cur.stopwords, token_pattern=cur.token_pattern, show_progress=False)
+                                    stopwords=cur.stopwords, token_pattern=cur.token_pattern, title_weight=cur.title_weight,
+                                    show_progress=False)
         if len(index) != len(kb):
             raise KnowledgeBaseError(
                 f"{kb.path}: its BM25 index covers {len(index)} passages but it holds {len(kb)}; rebuild the knowledge base"

@@ -11,9 +11,10 @@ finds from the passage's "Atomic number: 8." Two fusions (``RagModelConfig.hybri
 with both parts computed exactly for every candidate, and the top K by s are returned. The same s is the retrieval
 logit: the document prior is softmax(s / τ), whose dense part carries the gradient into the query encoder (RAG §2.2)
 and whose BM25 part is a per-passage bias without gradient (``Retrieved.prior_bias``). Dividing by the query's best
-BM25 score puts the sparse part in [0, 1] whatever the corpus; β = 0.5 was chosen on two development sets (Elements
-dev and FOLDOC validation questions) for a cosine encoder (MiniLM, scores in [-1, 1]); ``benchmarks/hybrid_recall.py``
-sweeps it.
+BM25 score puts the sparse part in [0, 1] whatever the corpus; β = 1 was chosen with BM25's title weight
+(``bm25.TITLE_WEIGHT``) on three development sets (Elements dev, Elements natural dev, FOLDOC validation questions) for
+a cosine encoder (MiniLM, scores in [-1, 1]): the setting with the best mean recall among those where the fusion is at
+least as good as each retriever alone; ``benchmarks/hybrid_recall.py`` sweeps both.
 
 ``rrf``: reciprocal rank fusion (Cormack et al. 2009), which needs no score calibration ::
 
@@ -43,7 +44,7 @@ __all__ = ["RRF_K", "BM25_WEIGHT", "FUSIONS", "reciprocal_rank_fusion", "score_f
 
 RRF_K = 60
 """The k of reciprocal rank fusion (Cormack, Clarke and Büttcher 2009)."""
-BM25_WEIGHT = 0.5
+BM25_WEIGHT = 1.0
 """β of score fusion: the weight of the query-normalised BM25 score, in units of the dense score."""
 FUSIONS = ("score", "rrf")
 
@@ -101,7 +102,7 @@ class HybridRetriever:
         if fusion not in FUSIONS:
             raise ConfigError(f"hybrid_fusion={fusion!r}; choose one of {FUSIONS}")
         reciprocal_rank_fusion([np.zeros((0, 1), dtype=np.int64)], 1, rrf_k=rrf_k)  # checks rrf_k
-        check_number(bm25_weight, "hybrid_bm25_weight (the BM25 part's weight; 0.5 for a cosine encoder)", low=0.0,
+        check_number(bm25_weight, "hybrid_bm25_weight (the BM25 part's weight; 1 for a cosine encoder)", low=0.0,
                      error=ConfigError)
         self.fusion, self.rrf_k, self.bm25_weight = fusion, rrf_k, float(bm25_weight)
         self._pair = (dense, bm25)

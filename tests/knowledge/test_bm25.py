@@ -6,7 +6,16 @@ import numpy as np
 import pytest
 import torch
 
-from rag.knowledge.bm25 import LEGACY_TOKEN_PATTERN, TOKEN_PATTERN, BM25Index, BM25Retriever, passage_text, top_k
+from rag.knowledge.bm25 import (
+    LEGACY_TITLE_WEIGHT,
+    LEGACY_TOKEN_PATTERN,
+    TITLE_WEIGHT,
+    TOKEN_PATTERN,
+    BM25Index,
+    BM25Retriever,
+    passage_text,
+    top_k,
+)
 from rag.knowledge.passages import Passage
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
@@ -120,6 +129,34 @@ def test_an_index_saved_without_a_token_pattern_keeps_the_pattern_it_was_built_w
     assert (back.search(["number 8"], 2)[0][0] == back.search(["number"], 2)[0][0]).all()  # "8" is no term of it
     with pytest.raises(ConfigError, match="token_pattern"):
         BM25Index.build(passages, token_pattern="(", show_progress=False)
+
+
+def test_a_title_counts_title_weight_times_and_is_kept_with_the_index(tmp_path):
+    import json
+
+    passages = [Passage("k", "Potassium", "Symbol: K. Softer than sodium, and it reacts with water faster than sodium does."),
+                Passage("n", "Sodium", "Symbol: Na. A soft metal that reacts with water; with chlorine it forms table salt.")]
+    assert passage_text(passages[1], 2) == "Sodium Sodium " + passages[1].text and passage_text(passages[1], 0) == passages[1].text
+    assert passage_text(Passage("u", "", "no title"), 3) == "no title"
+    query = ["What's the chemical symbol for sodium?"]
+    # the text of Potassium mentions sodium twice: without the title's weight it wins, with it the passage about sodium does
+    assert BM25Index.build(passages, title_weight=0, show_progress=False).search(query, 1)[1][0, 0] == 0
+    index = BM25Index.build(passages, show_progress=False)
+    assert index.title_weight == TITLE_WEIGHT and index.search(query, 1)[1][0, 0] == 1
+    index.save(tmp_path / "bm25")
+    back = BM25Index.load(tmp_path / "bm25")
+    assert back.title_weight == TITLE_WEIGHT and (back.search(query, 2)[0] == index.search(query, 2)[0]).all()
+    settings = tmp_path / "bm25" / "rag_bm25.json"
+    data = json.loads(settings.read_text())
+    del data["title_weight"]  # as written before the setting existed: the title counted once
+    settings.write_text(json.dumps(data))
+    assert BM25Index.load(tmp_path / "bm25").title_weight == LEGACY_TITLE_WEIGHT
+    settings.write_text(json.dumps({**data, "title_weight": -2}))
+    with pytest.raises(KnowledgeBaseError, match="rag_bm25.json: title_weight"):
+        BM25Index.load(tmp_path / "bm25")
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="title_weight"):
+            BM25Index.build(passages, title_weight=bad, show_progress=False)
 
 
 def test_queries_without_known_terms_return_k_zero_rows(index):

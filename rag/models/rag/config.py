@@ -43,9 +43,10 @@ class RagModelConfig:
     """Hybrid retrieval: ``score`` ranks the union of both top-K lists by q · d + hybrid_bm25_weight · BM25 / (the
     query's best BM25 score), which is also the retrieval logit; ``rrf`` by reciprocal rank fusion, the logit q · d
     (:mod:`rag.knowledge.hybrid`). Configs saved before this field existed used ``rrf``."""
-    hybrid_bm25_weight: float = 0.5
-    """Hybrid score fusion: the weight of the normalised BM25 score, in units of the dense score (0.5 for a cosine
-    encoder such as MiniLM, chosen on the Elements dev and FOLDOC validation questions)."""
+    hybrid_bm25_weight: float = 1.0
+    """Hybrid score fusion: the weight of the normalised BM25 score, in units of the dense score (1 for a cosine
+    encoder such as MiniLM, chosen with BM25's title weight on the Elements dev, Elements natural dev and FOLDOC
+    validation questions; configs saved before the title weight existed keep their 0.5)."""
     hybrid_rrf_k: int = 60
     """Hybrid rrf fusion: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
     max_context_length: int = 300
@@ -114,7 +115,7 @@ class RagModelConfig:
             raise ConfigError(f"RagModelConfig.retrieval={self.retrieval!r}; choose one of {_RETRIEVALS}")
         if self.hybrid_fusion not in _FUSIONS:
             raise ConfigError(f"RagModelConfig.hybrid_fusion={self.hybrid_fusion!r}; choose one of {_FUSIONS}")
-        check_number(self.hybrid_bm25_weight, "RagModelConfig.hybrid_bm25_weight (0.5 for a cosine encoder)", low=0.0,
+        check_number(self.hybrid_bm25_weight, "RagModelConfig.hybrid_bm25_weight (1 for a cosine encoder)", low=0.0,
                      error=ConfigError)
         self.hybrid_bm25_weight = float(self.hybrid_bm25_weight)
         if self.passage_focus not in _FOCUSES:
