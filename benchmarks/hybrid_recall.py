@@ -123,8 +123,7 @@ def main(argv=None) -> int:
         retrievers[f"{tag}bm25"] = bm25
         retrievers.update({(f"{tag}hybrid β={w}" if len(weights) > 1 else f"{tag}hybrid"): HybridRetriever(
             dense, bm25, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights})
-    bm25_index = index
-    report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": bm25_index.token_pattern,
+    report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": index.token_pattern,
               "bm25_title_weight": [r.index.title_weight for n, r in retrievers.items() if n.endswith("bm25")],
               "fusion": args.fusion,
               **({"rrf_k": args.rrf_k} if args.fusion == "rrf" else {"bm25_weight": weights}), "sets": {}}
