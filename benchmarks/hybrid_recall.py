@@ -1,5 +1,6 @@
 """Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused: score fusion by default, or reciprocal rank fusion) retrieval on question sets
-over one knowledge base, with the frozen query encoder the knowledge base names.
+over one knowledge base, with the frozen query encoder the knowledge base names, and (``--model``) with the query
+encoders of trained RAG models (RAG's Table 6: learned against frozen retrieval).
 
 A passage is relevant when it is the question's element (the Elements sets name it in ``element``) or, for other data,
 when it contains a gold answer (``rag.eval.metrics.has_answer``, SQuAD normalisation).
@@ -9,6 +10,8 @@ when it contains a gold answer (``rag.eval.metrics.has_answer``, SQuAD normalisa
     python benchmarks/hybrid_recall.py --kb OLD_KB --rebuild-bm25    # an older knowledge base, with today's BM25 tokens
     python benchmarks/hybrid_recall.py --title-weight 1,2,3 --sets demo:dev --bm25-weight 0.5,1,2 --out A.json   # BM25's title weight
     python benchmarks/hybrid_recall.py --select A.json,B.json    # the setting chosen from those runs' question sets
+    python benchmarks/hybrid_recall.py --kb data/foldoc/kb --sets data/foldoc/val.jsonl --model learned=RUN/rag/model \
+        --model frozen=RUN/rag-frozen/model      # each model's own dense and fused retrieval (its β and fusion)
 
 ``--select`` applies one rule to every (title weight, β) the runs share: keep the settings whose fused recall is at
 least that of the better single retriever (same title weight) on every set and count, then take the best mean fused
@@ -43,6 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "sweeps it (implies --rebuild-bm25; default: the stored index's, or today's default when rebuilding)")
     p.add_argument("--select", default=None, help="comma-separated results of earlier runs: print the setting the rule "
                                                   "above chooses from their sets (no retrieval)")
+    p.add_argument("--model", action="append", default=[], metavar="LABEL=DIR",
+                   help="a trained RAG model directory (checksums verified): adds rows 'LABEL dense' and 'LABEL hybrid', "
+                        "what the model retrieves with its query encoder (hybrid: its fusion and β); repeatable")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks" / "results" / "hybrid_recall.json")
     return p.parse_args(argv)
@@ -72,7 +78,7 @@ def select(paths: list[str]) -> dict:
             rows[f"{path}:{spec}"] = row
     names = set.intersection(*({n.rsplit(" R@", 1)[0] for n in row if " R@" in n} for row in rows.values()))
     out = []
-    for name in sorted(n for n in names if "hybrid" in n):
+    for name in sorted(n for n in names if "hybrid" in n and (n.startswith("title×") or n.startswith("hybrid"))):
         tag = name.split("hybrid")[0]  # "title×3 " or ""
         fused = [row[f"{name} R@{k}"] for row in rows.values() for k in (1, 3)]
         best = [max(row[f"dense R@{k}"], row[f"{tag}bm25 R@{k}"]) for row in rows.values() for k in (1, 3)]
@@ -83,6 +89,30 @@ def select(paths: list[str]) -> dict:
     feasible = [c for c in out if c["min_margin"] >= 0]
     chosen = max(feasible, key=lambda c: (c["mean"], -(c["title_weight"] or 0), -(c["bm25_weight"] or 0)), default=None)
     return {"sets": sorted(rows), "candidates": out, "chosen": chosen}
+
+
+class ModelRetrieval:
+    """What a RagModel itself retrieves (its query encoder, question length, fusion and β), as a retriever of `kind`."""
+
+    def __init__(self, model, kind: str):
+        self.model, self.kind = model, kind
+
+    def retrieve(self, questions: list[str], k: int):
+        import torch
+
+        with torch.no_grad():
+            return self.model.scoring.score(list(questions), k, retrieval=self.kind)[0]
+
+
+def models(specs: list[str], kb):
+    """``LABEL=DIR`` -> (label, RagModel loaded over `kb`, every file checked against its recorded checksum)."""
+    from rag.models.rag.model import RagModel
+
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise SystemExit(f"--model {spec!r}: give LABEL=DIR, e.g. learned=runs/x/rag/model")
+        yield label, RagModel.from_pretrained(path, knowledge_base=kb)
 
 
 def main(argv=None) -> int:
@@ -123,6 +153,8 @@ def main(argv=None) -> int:
         retrievers[f"{tag}bm25"] = bm25
         retrievers.update({(f"{tag}hybrid β={w}" if len(weights) > 1 else f"{tag}hybrid"): HybridRetriever(
             dense, bm25, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights})
+    for label, model in models(args.model, kb):
+        retrievers.update({f"{label} {kind}": ModelRetrieval(model, kind) for kind in ("dense", "hybrid")})
     report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": index.token_pattern,
               "bm25_title_weight": [r.index.title_weight for n, r in retrievers.items() if n.endswith("bm25")],
               "fusion": args.fusion,
