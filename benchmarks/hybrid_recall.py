@@ -157,7 +157,7 @@ def main(argv=None) -> int:
         retrievers.update({f"{label} {kind}": ModelRetrieval(model, kind) for kind in ("dense", "hybrid")})
     report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": index.token_pattern,
               "bm25_title_weight": [r.index.title_weight for n, r in retrievers.items() if n.endswith("bm25")],
-              "fusion": args.fusion,
+              "fusion": args.fusion, **({"models": dict(m.partition("=")[::2] for m in args.model)} if args.model else {}),
               **({"rrf_k": args.rrf_k} if args.fusion == "rrf" else {"bm25_weight": weights}), "sets": {}}
     for spec in args.sets.split(","):
         recs = records(spec)

@@ -88,7 +88,9 @@ def test_a_models_rows_are_the_recall_of_its_own_retrieval(setup, capsys):
     out = root / "out.json"
     assert bench.main(["--kb", kb, "--sets", str(root / "qa.jsonl"), "--bm25-weight", "0.1", "--threads", "1",
                        "--model", f"frozen={root / 'frozen'}", "--model", f"learned={root / 'learned'}", "--out", str(out)]) == 0
-    row = json.loads(out.read_text())["sets"][str(root / "qa.jsonl")]
+    report = json.loads(out.read_text())
+    assert report["models"] == {"frozen": str(root / "frozen"), "learned": str(root / "learned")}
+    row = report["sets"][str(root / "qa.jsonl")]
     # the untrained model's query encoder is the knowledge base's own: its rows are the frozen retrievers'
     for k in (1, 3):
         assert row[f"frozen dense R@{k}"] == row[f"dense R@{k}"]
