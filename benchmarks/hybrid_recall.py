@@ -104,15 +104,15 @@ class ModelRetrieval:
             return self.model.scoring.score(list(questions), k, retrieval=self.kind)[0]
 
 
-def models(specs: list[str], kb):
-    """``LABEL=DIR`` -> (label, RagModel loaded over `kb`, every file checked against its recorded checksum)."""
-    from rag.models.rag.model import RagModel
-
+def model_dirs(specs: list[str]) -> dict[str, str]:
+    """``--model LABEL=DIR`` values -> {label: directory}."""
+    out = {}
     for spec in specs:
         label, sep, path = spec.partition("=")
         if not sep or not label or not path:
             raise SystemExit(f"--model {spec!r}: give LABEL=DIR, e.g. learned=runs/x/rag/model")
-        yield label, RagModel.from_pretrained(path, knowledge_base=kb)
+        out[label] = path
+    return out
 
 
 def main(argv=None) -> int:
@@ -131,6 +131,7 @@ def main(argv=None) -> int:
     from rag.knowledge.hybrid import HybridRetriever
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+    from rag.models.rag.model import RagModel
 
     if args.kb is None:
         from rag.demo.kb import ensure_demo_kb
@@ -153,11 +154,13 @@ def main(argv=None) -> int:
         retrievers[f"{tag}bm25"] = bm25
         retrievers.update({(f"{tag}hybrid β={w}" if len(weights) > 1 else f"{tag}hybrid"): HybridRetriever(
             dense, bm25, fusion=args.fusion, rrf_k=args.rrf_k, **({} if w is None else {"bm25_weight": w})) for w in weights})
-    for label, model in models(args.model, kb):
+    dirs = model_dirs(args.model)
+    for label, path in dirs.items():  # every file checked against the checksum the model recorded
+        model = RagModel.from_pretrained(path, knowledge_base=kb)
         retrievers.update({f"{label} {kind}": ModelRetrieval(model, kind) for kind in ("dense", "hybrid")})
     report = {"kb": str(kb.path), "passages": len(kb), "bm25_token_pattern": index.token_pattern,
               "bm25_title_weight": [r.index.title_weight for n, r in retrievers.items() if n.endswith("bm25")],
-              "fusion": args.fusion, **({"models": dict(m.partition("=")[::2] for m in args.model)} if args.model else {}),
+              "fusion": args.fusion, **({"models": dirs} if dirs else {}),
               **({"rrf_k": args.rrf_k} if args.fusion == "rrf" else {"bm25_weight": weights}), "sets": {}}
     for spec in args.sets.split(","):
         recs = records(spec)
