@@ -305,20 +305,31 @@ class PredictiveRerankerModule(pl.LightningModule):
         query_tokens: prefix tokens read at evaluation time (keep equal to ``data.prefix_tokens``).
         loss: ``marginal`` (Eq. 9) or ``soft_label``.
         temperature: ``τ`` of the soft labels.
+        rank_prior: 0 (the paper's reranker), or ``data.k`` to score a residual on the retriever's order (a bias per
+            rank, the head starting at zero, so the untrained reranker keeps the retriever's first document).
         lr: peak learning rate (warm-up then linear decay).
         weight_decay: AdamW weight decay.
         warmup_ratio: share of the steps spent warming up.
         export_dir: where the trained reranker is written at the end of ``fit`` (None: only checkpoints).
+        export_weights: ``best``: the weights of the epoch with the lowest validation loss (the last epoch's when
+            nothing is validated); ``last``: the last epoch's.
     """
 
     def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
-                 temperature: float = 1.0, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
-                 export_dir: Optional[str] = None):
+                 temperature: float = 1.0, rank_prior: int = 0, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
+                 export_dir: Optional[str] = None, export_weights: Literal["best", "last"] = "best"):
         super().__init__()
+        from torchmetrics import MeanMetric
+
         if loss not in ("marginal", "soft_label"):
             raise ConfigError(f"model.loss={loss!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
+        if export_weights not in ("best", "last"):
+            raise ConfigError(f"model.export_weights={export_weights!r}; choose 'best' (lowest validation loss) or 'last'")
         self.save_hyperparameters()
-        self.reranker = PredictiveReranker(encoder, max_length=pair_max_length, query_tokens=query_tokens).train()  # dropout on
+        self.reranker = PredictiveReranker(encoder, max_length=pair_max_length, query_tokens=query_tokens,
+                                           rank_prior=rank_prior).train()  # dropout on
+        self.val_loss = MeanMetric()  # synced across ranks: every rank keeps the same best epoch
+        self.best: Optional[tuple[float, int, dict]] = None  # (validation loss, epoch, the reranker's weights on the CPU)
 
     def _step(self, batch: dict, stage: str) -> torch.Tensor:
         scores = self.reranker(batch["prefixes"], batch["docs"])
@@ -327,6 +338,7 @@ class PredictiveRerankerModule(pl.LightningModule):
         b = ll.shape[0]
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=b)
         if stage != "train":
+            self.val_loss.update(loss.detach(), weight=b)
             pick = scores.argmax(-1)
             self.log(f"{stage}/top1", (pick == ll.argmax(-1)).float().mean(), batch_size=b)
             # log-likelihood of the next stride gained over the retriever's first document (the paper's "BM25 top-1")
@@ -340,6 +352,21 @@ class PredictiveRerankerModule(pl.LightningModule):
         from rag.training.distributed import check_same_knowledge_base
 
         check_same_knowledge_base(self.trainer, getattr(self.trainer.datamodule, "knowledge_base", None))
+        k = getattr(getattr(self.trainer.datamodule, "hparams", None), "k", None)
+        if self.hparams.rank_prior and k is not None and k != self.hparams.rank_prior:
+            raise ConfigError(f"model.rank_prior={self.hparams.rank_prior} but data.k={k}: the reranker learns a bias per "
+                              f"retrieved rank; set model.rank_prior to {k} (or 0 for none)")
+        self.best = None
+
+    def on_validation_epoch_end(self) -> None:
+        """Keep the weights of the epoch with the lowest validation loss (``export_weights: best``)."""
+        if self.trainer.sanity_checking or self.val_loss.update_count == 0:
+            self.val_loss.reset()
+            return
+        loss = float(self.val_loss.compute())
+        self.val_loss.reset()
+        if self.hparams.export_weights == "best" and (self.best is None or loss < self.best[0]):
+            self.best = (loss, self.current_epoch, {k: v.detach().cpu().clone() for k, v in self.reranker.state_dict().items()})
 
     @without_cudnn_attention
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
@@ -357,6 +384,9 @@ class PredictiveRerankerModule(pl.LightningModule):
         return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
 
     def on_train_end(self) -> None:
+        if self.best is not None:  # every rank kept the same epoch (the loss is synced): the module ends on its weights
+            self.reranker.load_state_dict(self.best[2])
+            logger.info("the reranker takes the weights of epoch %d (validation loss %.4f, the lowest)", self.best[1], self.best[0])
         if self.hparams.export_dir and self.trainer.is_global_zero:
             self.reranker.save(self.hparams.export_dir, overwrite=True)
             logger.info("trained reranker written to %s", self.hparams.export_dir)

@@ -96,6 +96,85 @@ def test_training_lowers_the_loss_on_a_toy_task(tiny_bert_dir, tmp_path):
     assert (tmp_path / "rr" / "rag_reranker.json").is_file()  # exported at the end of fit
 
 
+def test_rank_prior_starts_at_the_retrievers_order_and_round_trips(tiny_bert_dir, tmp_path):
+    """rank_prior = k: untrained, every candidate ties, so Eq. 8 picks the retriever's first; the biases are saved with
+    the head and checked against the settings on load; another k is refused by name."""
+    from rag.models.ralm.rerank import HEAD_FILE, RERANKER_FILE, PredictiveReranker, best_documents
+    from rag.utils.errors import IntegrityError
+
+    rr = PredictiveReranker(tiny_bert_dir, max_length=32, rank_prior=4).eval()
+    b = collate(_toy(5, 2))
+    with torch.no_grad():
+        scores = rr(b["prefixes"], b["docs"])
+    assert torch.equal(scores, torch.zeros(5, 4)) and best_documents(scores).tolist() == [0] * 5
+    with pytest.raises(ConfigError, match=r"rank_prior.*--rerank-k 4"):
+        rr(b["prefixes"], [d[:3] for d in b["docs"]])
+    with torch.no_grad():  # a trained state: both parts of the score must come back
+        rr.rank_bias.copy_(torch.tensor([0.5, -0.25, 1.0, 0.0]))
+        rr.head.weight.normal_(0, 0.5)
+        want = rr(b["prefixes"], b["docs"])
+    rr.save(tmp_path / "rr")
+    loaded = PredictiveReranker.load(tmp_path / "rr")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(b["prefixes"], b["docs"]), want)
+    assert loaded.rank_prior == 4
+    settings = json.loads((tmp_path / "rr" / RERANKER_FILE).read_text())
+    (tmp_path / "rr" / RERANKER_FILE).write_text(json.dumps({**settings, "rank_prior": 3}))
+    with pytest.raises(IntegrityError, match=rf"{HEAD_FILE}.*'rank_prior' = 3"):
+        PredictiveReranker.load(tmp_path / "rr")
+    (tmp_path / "rr" / RERANKER_FILE).write_text(json.dumps({k: v for k, v in settings.items() if k != "rank_prior"}))
+    with pytest.raises(IntegrityError, match="rank_prior"):  # a head with biases, settings without: refused, not dropped
+        PredictiveReranker.load(tmp_path / "rr")
+    with pytest.raises(ConfigError, match="rank_prior"):
+        PredictiveReranker(tiny_bert_dir, rank_prior=-1)
+
+
+@pytest.mark.parametrize("export_weights", ["best", "last"])
+def test_export_takes_the_epoch_with_the_lowest_validation_loss(tiny_bert_dir, tmp_path, export_weights):
+    """Validation examples reward the opposite document of training ones, so learning raises the validation loss:
+    `best` exports the epoch whose validation loss was lowest, `last` the final weights."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from rag.models.ralm.rerank import PredictiveReranker
+
+    class Snapshots(pl.Callback):
+        def __init__(self):
+            self.states, self.losses = [], []
+
+        def on_validation_epoch_end(self, trainer, module):
+            self.states.append({k: v.detach().clone() for k, v in module.reranker.state_dict().items()})
+            self.losses.append(module.val_loss.compute().item())
+
+    pl.seed_everything(0)
+    val = [RerankExample(e.prefix, e.docs, [-7.0 if x == -1.0 else -1.0 for x in e.lm_loglik]) for e in _toy(16, 3)]
+    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, lr=3e-3, warmup_ratio=0.0,
+                                      export_dir=str(tmp_path / "rr"), export_weights=export_weights)
+    snaps = Snapshots()
+    pl.Trainer(max_epochs=3, default_root_dir=str(tmp_path), callbacks=[snaps], **QUIET).fit(
+        module, DataLoader(_toy(64, 0), batch_size=8, shuffle=True, collate_fn=collate),
+        DataLoader(val, batch_size=8, collate_fn=collate))
+    assert len(snaps.losses) == 3 and snaps.losses[-1] > min(snaps.losses)  # the setting this test needs: best != last
+    epoch = snaps.losses.index(min(snaps.losses)) if export_weights == "best" else 2
+    exported = PredictiveReranker.load(tmp_path / "rr").state_dict()
+    for name, want in snaps.states[epoch].items():
+        torch.testing.assert_close(exported[name], want, rtol=0, atol=0, msg=name)
+    other = snaps.states[2 if export_weights == "best" else snaps.losses.index(min(snaps.losses))]
+    assert not torch.equal(exported["head.weight"], other["head.weight"])
+
+
+def test_rank_prior_must_match_the_datas_k(tiny_bert_dir, tiny_gpt2_dir, demo_passages, tmp_path):
+    import pytorch_lightning as pl
+
+    texts = tmp_path / "t.jsonl"
+    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:4]), encoding="utf-8")
+    data = RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8, prefix_tokens=8,
+                              max_length=96, doc_max_length=40, chunks_per_text=1, val_fraction=0.0, batch_size=4)
+    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8, rank_prior=4)
+    with pytest.raises(ConfigError, match=r"model.rank_prior=4 but data.k=3.*set model.rank_prior to 3"):
+        pl.Trainer(fast_dev_run=True, default_root_dir=str(tmp_path), **QUIET).fit(module, data)
+
+
 def test_exported_reranker_serves_lm_eval(tiny_bert_dir, tiny_gpt2_dir, bm25, lm, demo_passages, tmp_path, capsys):
     from rag.models.ralm.rerank import PredictiveReranker
 

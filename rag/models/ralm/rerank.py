@@ -97,13 +97,19 @@ class PredictiveReranker(nn.Module):
     """Cross-encoder ``f(x_{≤s·j}, d_i)`` (§6.2): a BERT-family encoder over ``[CLS] prefix [SEP] doc [SEP]`` and a linear
     head on the ``[CLS]`` state; ``p_rank(d_i | x) = softmax_i f`` (Eq. 7).
 
+    With ``rank_prior = k`` the score is a residual on the retriever's order, ``f = head(CLS) + b_rank`` with one
+    learned bias per retriever rank and the head starting at zero: untrained, every candidate ties and Eq. 8 keeps the
+    retriever's first, so training moves the choice only as far as the LM's signal carries it (an extension; the
+    paper's reranker reads the pair alone).
+
     Args:
         encoder: name or path of the encoder (``"minilm"``: the bundled all-MiniLM-L6-v2).
         max_length: word pieces per (prefix, document) pair; the prefix keeps its end, the document its start.
         query_tokens: the prefix is the last this-many tokens of the LM's stream before the chunk.
+        rank_prior: candidates per request whose retriever rank gets a bias (0: off, the paper's reranker).
     """
 
-    def __init__(self, encoder: str = "minilm", max_length: int = 256, query_tokens: int = 32):
+    def __init__(self, encoder: str = "minilm", max_length: int = 256, query_tokens: int = 32, rank_prior: int = 0):
         super().__init__()
         from transformers import AutoModel, AutoTokenizer
 
@@ -125,6 +131,15 @@ class PredictiveReranker(nn.Module):
         if isinstance(pooler, nn.Module):  # the head reads the [CLS] state, never the pooler: frozen (DDP needs no search)
             pooler.requires_grad_(False)
         self.head = nn.Linear(self.encoder.config.hidden_size, 1)
+        if not isinstance(rank_prior, int) or isinstance(rank_prior, bool) or rank_prior < 0:
+            raise ConfigError(f"rank_prior must be 0 (off) or the number of reranked candidates k, got {rank_prior!r}")
+        self.rank_prior = rank_prior
+        if rank_prior:
+            nn.init.zeros_(self.head.weight)
+            nn.init.zeros_(self.head.bias)
+            self.rank_bias = nn.Parameter(torch.zeros(rank_prior))
+        else:
+            self.register_parameter("rank_bias", None)
         self.max_length, self.query_tokens, self.encoder_name = int(max_length), int(query_tokens), str(encoder)
 
     def forward(self, prefixes: Sequence[str], docs: Sequence[Sequence[str]]) -> torch.Tensor:
@@ -136,7 +151,13 @@ class PredictiveReranker(nn.Module):
         enc = self.tokenizer(q, [d for row in docs for d in row], truncation="only_second", max_length=self.max_length,
                              padding=True, return_tensors="pt").to(self.head.weight.device)
         cls = self.encoder(**enc).last_hidden_state[:, 0]
-        return self.head(cls).squeeze(-1).view(b, k)
+        scores = self.head(cls).squeeze(-1).view(b, k)
+        if self.rank_bias is None:
+            return scores
+        if k != self.rank_prior:
+            raise ConfigError(f"this reranker learned a bias for each of the retriever's first {self.rank_prior} documents "
+                              f"(rank_prior) and was given {k}; rerank the top {self.rank_prior} (--rerank-k {self.rank_prior})")
+        return scores + self.rank_bias
 
     def _tail(self, texts: list[str]) -> list[str]:
         """Keep the end of each prefix within half the pair's budget (the end of the prefix matters most, §3.2)."""
@@ -163,9 +184,12 @@ class PredictiveReranker(nn.Module):
         with atomic_directory(directory, overwrite=overwrite, replaces=is_reranker_dir, kind="predictive reranker") as tmp:
             self.encoder.save_pretrained(tmp / "encoder")
             self.tokenizer.save_pretrained(tmp / "encoder")
-            save_file({k: v.detach().cpu().contiguous() for k, v in self.head.state_dict().items()}, str(tmp / HEAD_FILE))
+            tensors = dict(self.head.state_dict())
+            if self.rank_bias is not None:
+                tensors["rank_bias"] = self.rank_bias
+            save_file({k: v.detach().cpu().contiguous() for k, v in tensors.items()}, str(tmp / HEAD_FILE))
             atomic_write_json(tmp / RERANKER_FILE, {"format": 1, "max_length": self.max_length, "query_tokens": self.query_tokens,
-                                                    "encoder": self.encoder_name})
+                                                    "rank_prior": self.rank_prior, "encoder": self.encoder_name})
 
     @classmethod
     def load(cls, directory: str | os.PathLike) -> "PredictiveReranker":
@@ -187,8 +211,18 @@ class PredictiveReranker(nn.Module):
             check_positive_int(settings[key], f"{settings_file}: field {key!r}", error=IntegrityError)
         if not isinstance(settings.get("encoder", ""), str):
             raise IntegrityError(f"{settings_file}: field 'encoder' must be a string; {fix}")
-        model = cls(str(d / "encoder"), max_length=settings["max_length"], query_tokens=settings["query_tokens"])
+        rank_prior = settings.get("rank_prior", 0)  # absent in directories written before the option
+        if not isinstance(rank_prior, int) or isinstance(rank_prior, bool) or rank_prior < 0:
+            raise IntegrityError(f"{settings_file}: field 'rank_prior' must be an integer >= 0, got {rank_prior!r}; {fix}")
+        model = cls(str(d / "encoder"), max_length=settings["max_length"], query_tokens=settings["query_tokens"], rank_prior=rank_prior)
         with readable_model_files(d, "the reranker's head", fix):
-            model.head.load_state_dict(load_file(str(d / HEAD_FILE)))
+            tensors = load_file(str(d / HEAD_FILE))
+            bias = tensors.pop("rank_bias", None)
+            model.head.load_state_dict(tensors)
+            if (bias is None) != (model.rank_bias is None) or (bias is not None and tuple(bias.shape) != (rank_prior,)):
+                raise IntegrityError(f"{d / HEAD_FILE}: its rank biases do not match field 'rank_prior' = {rank_prior} of "
+                                     f"{settings_file}; {fix}")
+            if bias is not None:
+                model.rank_bias.data.copy_(bias)
         model.encoder_name = settings.get("encoder", model.encoder_name)
         return model.eval()
