@@ -129,6 +129,31 @@ def test_rank_prior_starts_at_the_retrievers_order_and_round_trips(tiny_bert_dir
         PredictiveReranker(tiny_bert_dir, rank_prior=-1)
 
 
+def test_lm_eval_refuses_a_rank_prior_reranker_at_another_k(capsys, tiny_bert_dir, tiny_gpt2_dir, demo_passages, tmp_path):
+    """Refused before any text is scored, by the option to change."""
+    from rag.cli import main
+    from rag.knowledge.encoders import TextEncoder
+    from rag.knowledge.knowledge_base import KnowledgeBase
+    from rag.models.ralm.rerank import PredictiveReranker
+
+    KnowledgeBase.build(demo_passages[:12], TextEncoder(tiny_bert_dir), tmp_path / "kb", index="flat", bm25=True, show_progress=False)
+    PredictiveReranker(tiny_bert_dir, max_length=48, query_tokens=8, rank_prior=3).save(tmp_path / "rr")
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": demo_passages[20].text, "id": demo_passages[20].id}) + "\n", encoding="utf-8")
+    argv = ["lm-eval", "--model", tiny_gpt2_dir, "--kb", str(tmp_path / "kb"), "--data", str(data), "--retrieval", "bm25",
+            "--rerank", "trained", "--rerank-model", str(tmp_path / "rr"), "--max-length", "96", "--doc-max-length", "40",
+            "--stride", "4", "--query-length", "8", "--json"]
+    assert main([*argv, "--rerank-k", "4"]) == 2
+    assert "top 3 (its rank_prior) but --rerank-k is 4; pass --rerank-k 3" in capsys.readouterr().err
+    assert main([*argv, "--rerank-k", "3"]) == 0
+    reranked = json.loads(capsys.readouterr().out)
+    assert main([a for a in argv if a not in ("--rerank", "trained", "--rerank-model", str(tmp_path / "rr"))]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    # untrained, every candidate ties: the reranker keeps BM25's first document, so it reads exactly what BM25 alone reads
+    assert reranked["retrieved_chunks"] == plain["retrieved_chunks"] > 0
+    assert reranked["perplexity"] == pytest.approx(plain["perplexity"], rel=1e-4)  # float32 batches may differ
+
+
 @pytest.mark.parametrize("export_weights", ["best", "last"])
 def test_export_takes_the_epoch_with_the_lowest_validation_loss(tiny_bert_dir, tmp_path, export_weights):
     """Validation examples reward the opposite document of training ones, so learning raises the validation loss:

@@ -406,6 +406,10 @@ class InContextRALM:
         if self.config.ensemble is not None and (reranker is not None or retriever is None):
             raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval (--retrieval bm25|dense) "
                               "and no --rerank")
+        fixed_k = getattr(reranker, "rank_prior", 0)  # a reranker that learned one bias per retriever rank
+        if fixed_k and fixed_k != self.config.k:
+            raise ConfigError(f"the reranker was trained on the retriever's top {fixed_k} (its rank_prior) but --rerank-k is "
+                              f"{self.config.k}; pass --rerank-k {fixed_k}")
         need = (self.config.doc_max_length if retriever is not None else 0) + self.stride + 1
         if need > self.scorer.max_length:
             raise ConfigError(
