@@ -322,6 +322,8 @@ def train_reranker(args, out: Path, kb_path: Path, train_path: Path, label: Opti
         if val:
             info["val_first"] = {k: float(v) for k, v in val[0].items() if k.startswith("val/") and v}
             info["val_last"] = {k: float(v) for k, v in val[-1].items() if k.startswith("val/") and v}
+            best = min(range(len(val)), key=lambda i: float(val[i]["val/loss"]))
+            info["val_best"] = {"epoch": best + 1, **{k: float(v) for k, v in val[best].items() if k.startswith("val/") and v}}
     return info
 
 
@@ -393,9 +395,12 @@ def markdown(results: dict) -> str:
         v0, v1 = tr.get("val_first", {}), tr["val_last"]
         what = f"Predictive reranker training {tr['label']!r} ({' '.join(tr['extra']) or 'the config'})" if tr.get("label") \
             else "Predictive reranker training"
+        vb = tr.get("val_best")
         lines.append(f"{what} ({tr['cpu_s']:.0f} CPU s): val/loss {v0.get('val/loss', float('nan')):.3f} → "
                      f"{v1.get('val/loss', float('nan')):.3f}, val/top1 {v1.get('val/top1', float('nan')):.2f}, "
-                     f"val/loglik_gain {v1.get('val/loglik_gain', float('nan')):+.3f} nats per stride.")
+                     f"val/loglik_gain {v1.get('val/loglik_gain', float('nan')):+.3f} nats per stride"
+                     + (f"; lowest val/loss after epoch {vb['epoch']} ({vb['val/loss']:.3f}, val/loglik_gain "
+                        f"{vb.get('val/loglik_gain', float('nan')):+.3f})." if vb else "."))
     return "\n".join(lines) + "\n"
 
 
@@ -418,8 +423,9 @@ def plot(results: dict, path: Path) -> None:
         ("stride", "stride", "retrieval stride s (ℓ = 32)"),
         ("qlen", "query_length", f"query length ℓ (s = {results['settings']['qlen_stride']})"))
         if any(group in r["groups"] for r in runs)]  # a skipped measurement gets no empty panel
-    n = max(1, len(curves) + bool(diffs))
-    fig, axes = plt.subplots(1, n, figsize=(4.5 * n, 3.4), dpi=90, squeeze=False)
+    widths = [4.5] * len(curves) + ([7.0] if diffs else []) or [4.5]  # the comparisons' long labels need room
+    fig, axes = plt.subplots(1, len(widths), figsize=(sum(widths), max(3.4, 1.5 + 0.28 * len(diffs))), dpi=90, squeeze=False,
+                             gridspec_kw={"width_ratios": widths})
     axes = list(axes[0])
     for ax, (group, key, label) in zip(axes, curves):
         pts = sorted((r[key], r["perplexity"]) for r in runs if group in r["groups"])
@@ -446,7 +452,7 @@ def plot(results: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(f"{results['settings']['model_name']} on held-out Python library docs", fontsize=10)
     fig.tight_layout()
-    fig.savefig(path)
+    fig.savefig(path, bbox_inches="tight")
     plt.close(fig)
 
 
