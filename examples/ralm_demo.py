@@ -309,7 +309,9 @@ def train_reranker(args, out: Path, kb_path: Path, train_path: Path, label: Opti
                  "--data.init_args.chunks_per_text", str(args.chunks_per_text),
                  "--data.init_args.examples_file", str(out / "reranker_examples.json"),  # a rerun reuses the LM's scoring
                  "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
-                 "--trainer.max_epochs", str(args.train_epochs), "--model.init_args.export_dir", str(export), *extra]
+                 "--trainer.max_epochs", str(args.train_epochs), "--model.init_args.export_dir", str(export),
+                 "--data.init_args.lm_batch_size", str(args.batch_size),
+                 *(["--trainer.accelerator", "gpu"] if args.device == "cuda" else []), *extra]
     c0 = time.process_time()
     if rag_main(["fit", "--config", str(args.train_config), *overrides]) != 0:
         raise ConfigError(f"training the predictive reranker{f' {label!r}' if label else ''} failed (see the messages above)")
@@ -492,6 +494,10 @@ def parse_args(argv=None):
     p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts")
     p.add_argument("--skip", default="", help="comma-separated parts to skip: dense,stride,qlen,rerank,train")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the LM runs (evaluation, zero-shot reranking, collecting the reranker's examples) and the reranker trains")
+    p.add_argument("--prepare-only", action="store_true", help="write the corpus split and the knowledge base into --out, then "
+                   "stop (prepare on one machine, measure on another with the same options and --corpus)")
     p.add_argument("--report", action="store_true", help="only rewrite the table and the plot from --results (no runs)")
     return p.parse_args(argv)
 
@@ -522,6 +528,9 @@ def main(argv=None) -> dict:
         results = json.loads(results_path.read_text(encoding="utf-8"))
         report(results, results_path, args.plot)
         return results
+    if args.device == "cuda" and not args.prepare_only and not torch.cuda.is_available():
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or --prepare-only "
+                          "here and the measurement on the GPU machine")
     out.mkdir(parents=True, exist_ok=True)
     results_path.parent.mkdir(parents=True, exist_ok=True)
     c_start = time.process_time()
@@ -532,8 +541,14 @@ def main(argv=None) -> dict:
     write_jsonl(out / "eval.jsonl", evals)
     write_jsonl(out / "train.jsonl", train)
     kb_path, passages, kb_cpu = ensure_kb(out, kb_docs, encoder=args.encoder, words_per_passage=args.words_per_passage)
+    if args.prepare_only:
+        print(f"prepared {out}: {len(evals)} evaluation texts, {len(train)} training texts, {len(passages)} passages in {kb_path}",
+              flush=True)
+        return {}
+    model.to(args.device)
     settings = {k: v for k, v in vars(args).items()}
-    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads())
+    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads(),
+                    device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     results = {"settings": settings,
                "corpus": {"source": SOURCE if args.corpus is None else str(root), "licence": LICENCE if args.corpus is None else None,
                           "apt_packages": list(APT_PACKAGES), "path": str(root), "documents": len(docs), "kb_documents": len(kb_docs),
@@ -562,6 +577,7 @@ def main(argv=None) -> dict:
                    reranker=LMReranker(None, rerank_tokens=args.rerank_tokens), rerank="zero-shot", k=k)
         if args.small_lm:
             sm, st, _ = load_generator(args.small_lm, kind="causal")
+            sm.to(args.device)
             scorer = CausalScorer(sm, st, max_length=min(args.max_length, 1024), doc_max_length=args.doc_max_length, batch_size=args.batch_size)
             runner.run(f"BM25 s={rs} ℓ=32, zero-shot rerank top-{k} ({args.small_lm})", "rerank", bm25, "bm25", stride=rs,
                        reranker=LMReranker(scorer, rerank_tokens=args.rerank_tokens), rerank="zero-shot-small", k=k)
@@ -575,7 +591,7 @@ def main(argv=None) -> dict:
                 atomic_write_json(results_path, results)
                 tag = f"trained, {label}" if label else "trained"
                 runner.run(f"BM25 s={rs} ℓ=32, predictive rerank top-{k} ({tag})", "rerank", bm25, "bm25", stride=rs,
-                           reranker=PredictiveReranker.load(info["export_dir"]), rerank=tag, k=k)
+                           reranker=PredictiveReranker.load(info["export_dir"]).to(args.device), rerank=tag, k=k)
     results["total_cpu_s"] = round(time.process_time() - c_start, 1)
     report(results, results_path, args.plot)
     atomic_write_text(out / "results.md", results["markdown"])

@@ -45,6 +45,7 @@ from rag.training.schedules import step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
 from rag.utils.io import atomic_write_json, cache_dir
+from rag.utils.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class RerankerDataModule(pl.LightningDataModule):
         chunks_per_text: prefixes sampled per text.
         val_fraction: share of texts held out for validation (whole texts, so no prefix leaks into training).
         batch_size: prefixes per batch.
+        lm_batch_size: windows per LM pass while collecting (the examples run on the trainer's device: a GPU with
+            ``trainer.accelerator: gpu``).
         seed: sampling seed.
         examples_file: a JSON file keeping the collected examples (the LM's scoring is most of a run's cost): read
             when it was made from the same texts, LM weights and tokenizer, knowledge-base version and collection
@@ -223,11 +226,12 @@ class RerankerDataModule(pl.LightningDataModule):
 
     def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO, retrieval: Literal["bm25", "dense"] = "bm25",
                  k: int = 16, stride: int = 4, query_length: int = 32, prefix_tokens: int = 32, max_length: Optional[int] = None,
-                 doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8, seed: int = 0,
-                 examples_file: Optional[str] = None):
+                 doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8,
+                 lm_batch_size: int = 8, seed: int = 0, examples_file: Optional[str] = None):
         super().__init__()
         if not 0.0 <= val_fraction < 1.0:
             raise ConfigError(f"data.val_fraction must be in [0, 1), got {val_fraction}")
+        check_positive_int(lm_batch_size, "data.lm_batch_size", error=ConfigError)
         self.save_hyperparameters()
         self.train_examples: list[RerankExample] = []
         self.val_examples: list[RerankExample] = []
@@ -257,7 +261,8 @@ class RerankerDataModule(pl.LightningDataModule):
         lm = ensure_tiny_gpt2([t.text for t in texts]) if h.lm == TINY_GPT2 else h.lm
         model, tok, _ = load_generator(lm, kind="causal")
         ralm = InContextRALM(model, tok, self._retriever(), RalmConfig(stride=h.stride, query_length=h.query_length, k=h.k,
-                                                                       max_length=h.max_length, doc_max_length=h.doc_max_length))
+                                                                       max_length=h.max_length, doc_max_length=h.doc_max_length,
+                                                                       batch_size=h.lm_batch_size))
         key = kept = None
         if h.examples_file:  # the key fingerprints the LM's weights: only worth it when examples are kept
             key = examples_key(texts, model, tok, self.knowledge_base.version,
@@ -267,6 +272,8 @@ class RerankerDataModule(pl.LightningDataModule):
             self.train_examples, self.val_examples = kept
             logger.info("reranker examples: %d train, %d val read from %s", len(kept[0]), len(kept[1]), h.examples_file)
             return
+        if self.trainer is not None:  # the LM's scoring is most of the cost: run it where the reranker trains
+            model.to(self.trainer.strategy.root_device)
         order = list(range(len(texts)))
         random.Random(h.seed).shuffle(order)
         n_val = int(round(h.val_fraction * len(texts)))

@@ -80,6 +80,24 @@ def tiny_lm(tmp_path_factory):
     return tiny.save(model, tok, tmp_path_factory.mktemp("lm"))
 
 
+def test_prepare_only_writes_the_split_and_the_knowledge_base(demo, corpus, tiny_lm, tmp_path, monkeypatch):
+    """--prepare-only: the split and the knowledge base, no measurement (for a GPU machine without the corpus package);
+    --device cuda where torch sees no GPU is refused before anything is written."""
+    import torch
+
+    monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
+    out, res = tmp_path / "out", tmp_path / "r.json"
+    argv = ["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--n-eval", "2",
+            "--text-tokens", "40", "--n-train", "5", "--words-per-passage", "30"]
+    if not torch.cuda.is_available():
+        with pytest.raises(demo.ConfigError, match="--device cuda.*sees no CUDA device.*--prepare-only"):
+            demo.main([*argv, "--device", "cuda"])
+        assert not out.exists()
+    assert demo.main([*argv, "--prepare-only", "--device", "cuda"]) == {}
+    assert len((out / "eval.jsonl").read_text().splitlines()) == 2 and len((out / "train.jsonl").read_text().splitlines()) == 5
+    assert (out / "kb").is_dir() and not res.exists()
+
+
 @pytest.mark.slow
 def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
@@ -89,7 +107,8 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
                          "--train-epochs", "1", "--max-length", "128", "--doc-max-length", "48", "--strides", "16,4",
                          "--query-lengths", "8,32", "--rerank-k", "2", "--rerank-tokens", "4", "--words-per-passage", "30",
                          "--train-variant", "plain", "--train-variant",
-                         "soft=--model.init_args.loss soft_label --model.init_args.temperature 2"])
+                         "soft=--model.init_args.loss soft_label --model.init_args.temperature 2",
+                         "--train-variant", "rp=--model.init_args.rank_prior 2"])
     assert json.loads(res.read_text()) == json.loads(json.dumps(results))
     assert png.stat().st_size > 1000
     # the held-out documents are not in the knowledge base, and no training text is a held-out document
@@ -112,10 +131,12 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     for r in results["runs"][1:]:
         assert 0 < r["retrieved_chunks"] <= tokens // r["stride"]
         assert 0.0 <= r["overlap"]["8gram"] <= r["overlap"]["4gram"] <= 1.0
-    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained, plain", "trained, soft"}
+    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained, plain", "trained, soft", "trained, rp"}
     # each variant trains its own reranker from the one examples file, with its own options
     trainings = {t["label"]: t for t in results["reranker_trainings"]}
-    assert set(trainings) == {"plain", "soft"} and "reranker_training" not in results
+    assert set(trainings) == {"plain", "soft", "rp"} and "reranker_training" not in results
+    assert json.loads((out / "reranker_rp" / "rag_reranker.json").read_text())["rank_prior"] == 2
+    assert trainings["rp"]["val_best"]["epoch"] == 1 and "lowest val/loss after epoch 1" in results["markdown"]
     assert trainings["soft"]["extra"] == ["--model.init_args.loss", "soft_label", "--model.init_args.temperature", "2"]
     for label in ("plain", "soft"):
         assert (out / f"reranker_{label}" / "rag_reranker.json").is_file()
@@ -130,7 +151,7 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     compared = dict(demo.paired_rows(results))
     rerankers = [r["name"] for r in results["runs"] if r["rerank"] != "none"]
     assert {("BM25 s=16 ℓ=32", n) for n in rerankers} <= set(compared) and ("BM25 s=16 ℓ=32", "BM25 s=16 ℓ=8") in compared
-    assert len(compared) == 4 + 6 + 1 and all(d["low"] <= d["delta_bpb"] <= d["high"] for d in compared.values())
+    assert len(compared) == 5 + 10 + 1 and all(d["low"] <= d["delta_bpb"] <= d["high"] for d in compared.values())
     assert "**Paired differences**" in results["markdown"]
     # --report rewrites the table and the plot from the results file alone
     png.unlink()

@@ -232,6 +232,8 @@ def test_datamodule_fast_dev_run(tiny_bert_dir, tiny_gpt2_dir, demo_passages, tm
     module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8)
     pl.Trainer(fast_dev_run=True, default_root_dir=str(tmp_path), **QUIET).fit(module, data)
     assert len(data.train_examples) == 7 and len(data.val_examples) == 3
+    with pytest.raises(ConfigError, match="data.lm_batch_size"):
+        RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, lm_batch_size=0)
 
 
 def test_bundled_config_parses(tmp_path, monkeypatch):
