@@ -314,6 +314,8 @@ class PredictiveRerankerModule(pl.LightningModule):
         temperature: ``τ`` of the soft labels.
         rank_prior: 0 (the paper's reranker), or ``data.k`` to score a residual on the retriever's order (a bias per
             rank, the head starting at zero, so the untrained reranker keeps the retriever's first document).
+        rank_prior_lr: peak learning rate of the per-rank biases: k numbers that must move by nats, where the encoder's
+            ``lr`` would move them by hundredths.
         lr: peak learning rate (warm-up then linear decay).
         weight_decay: AdamW weight decay.
         warmup_ratio: share of the steps spent warming up.
@@ -323,13 +325,15 @@ class PredictiveRerankerModule(pl.LightningModule):
     """
 
     def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
-                 temperature: float = 1.0, rank_prior: int = 0, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
+                 temperature: float = 1.0, rank_prior: int = 0, rank_prior_lr: float = 1e-2, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
                  export_dir: Optional[str] = None, export_weights: Literal["best", "last"] = "best"):
         super().__init__()
         from torchmetrics import MeanMetric
 
         if loss not in ("marginal", "soft_label"):
             raise ConfigError(f"model.loss={loss!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
+        if not (isinstance(rank_prior_lr, (int, float)) and rank_prior_lr > 0):
+            raise ConfigError(f"model.rank_prior_lr={rank_prior_lr!r}; give a learning rate > 0")
         if export_weights not in ("best", "last"):
             raise ConfigError(f"model.export_weights={export_weights!r}; choose 'best' (lowest validation loss) or 'last'")
         self.save_hyperparameters()
@@ -385,9 +389,13 @@ class PredictiveRerankerModule(pl.LightningModule):
 
     def configure_optimizers(self) -> dict:
         h = self.hparams
-        decay = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim >= 2]
-        plain = [p for n, p in self.named_parameters() if p.requires_grad and p.ndim < 2]
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": h.weight_decay}, {"params": plain, "weight_decay": 0.0}], lr=h.lr)
+        prior = self.reranker.rank_bias
+        params = [p for p in self.parameters() if p.requires_grad and p is not prior]
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": h.weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        if prior is not None:
+            groups.append({"params": [prior], "weight_decay": 0.0, "lr": h.rank_prior_lr})
+        opt = torch.optim.AdamW(groups, lr=h.lr)
         return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
 
     def on_train_end(self) -> None:

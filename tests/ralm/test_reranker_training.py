@@ -154,6 +154,30 @@ def test_lm_eval_refuses_a_rank_prior_reranker_at_another_k(capsys, tiny_bert_di
     assert reranked["perplexity"] == pytest.approx(plain["perplexity"], rel=1e-4)  # float32 batches may differ
 
 
+def test_rank_biases_learn_the_retrievers_prior_at_their_own_rate(tiny_bert_dir, tmp_path):
+    """Every document reads the same and the retriever's first helps most: only the per-rank biases can learn that,
+    and at the encoder's rate they would not move."""
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    rng = random.Random(0)
+    examples = [RerankExample("the same prefix", ["the same document"] * 3,
+                              [-2.0 - rng.random(), -4.0 - rng.random(), -5.0 - rng.random()]) for _ in range(48)]
+    moved = {}
+    for prior_lr in (1e-2, 1e-6):
+        pl.seed_everything(0)
+        module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, rank_prior=3, rank_prior_lr=prior_lr,
+                                          lr=1e-6, warmup_ratio=0.0)
+        pl.Trainer(max_epochs=2, default_root_dir=str(tmp_path), **QUIET).fit(
+            module, DataLoader(examples, batch_size=8, shuffle=True, collate_fn=collate))
+        moved[prior_lr] = module.reranker.rank_bias.detach().clone()
+    fast, slow = moved[1e-2], moved[1e-6]
+    assert fast.argmax().item() == 0 and (fast[0] - fast[1:]).min().item() > 0.05, fast
+    assert slow.abs().max().item() < 1e-3, slow
+    with pytest.raises(ConfigError, match="rank_prior_lr"):
+        PredictiveRerankerModule(encoder=tiny_bert_dir, rank_prior=3, rank_prior_lr=0)
+
+
 @pytest.mark.parametrize("export_weights", ["best", "last"])
 def test_export_takes_the_epoch_with_the_lowest_validation_loss(tiny_bert_dir, tmp_path, export_weights):
     """Validation examples reward the opposite document of training ones, so learning raises the validation loss:
