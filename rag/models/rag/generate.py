@@ -178,8 +178,11 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
         search = None
         if not model.config.mask_padded_contexts:  # transformers' per-passage search (set by the hf_compat import)
             search = unmasked_contexts(generator, model.generator_tokenizer, ids, mask, model.config.max_context_length)
+        # transformers' get_nll drops the prior of a candidate whose second target is the pad id: a causal reader
+        # (pad = EOS) would lose it on every one-token answer, so Eq. 1 is taken literally there (no parity to keep)
+        convention = "paper" if getattr(model, "is_causal", False) else "transformers"
         out = rag_sequence_generate(generator, contexts, model.retrieval_logits(doc_scores), config, decoding=decoding,
-                                    search_contexts=search, spans=spans)
+                                    search_contexts=search, spans=spans, convention=convention)
     bare = None
     if with_no_retrieval:
         out, bare = _split_rows(out, len(questions) * config.num_return_sequences)
