@@ -320,12 +320,10 @@ def train_reranker(args, out: Path, kb_path: Path, train_path: Path, label: Opti
     metrics = sorted(run.rglob("metrics.csv"), key=lambda p: p.stat().st_mtime)
     if metrics:
         rows = list(csv.DictReader(open(metrics[-1], encoding="utf-8")))
-        val = [r for r in rows if r.get("val/loss")]
+        val = [{k: float(v) for k, v in r.items() if k.startswith("val/") and v} for r in rows if r.get("val/loss")]
         if val:
-            info["val_first"] = {k: float(v) for k, v in val[0].items() if k.startswith("val/") and v}
-            info["val_last"] = {k: float(v) for k, v in val[-1].items() if k.startswith("val/") and v}
-            best = min(range(len(val)), key=lambda i: float(val[i]["val/loss"]))
-            info["val_best"] = {"epoch": best + 1, **{k: float(v) for k, v in val[best].items() if k.startswith("val/") and v}}
+            best = min(range(len(val)), key=lambda i: val[i]["val/loss"])
+            info.update(val_first=val[0], val_last=val[-1], val_best={"epoch": best + 1, **val[best]})
     return info
 
 
