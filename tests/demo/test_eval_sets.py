@@ -33,3 +33,12 @@ def test_the_development_set_is_what_its_builder_makes():
     from rag.demo.natural_dev import build
 
     assert build() == load_demo_qa("natural_dev")
+
+
+def test_the_freeform_set_asks_what_no_training_question_asks():
+    freeform = load_demo_qa("freeform")
+    assert len(freeform) >= 60
+    trained_kinds = {r.get("type") for split in ("train", "dev", "test") for r in load_demo_qa(split)}
+    assert not trained_kinds & {r["type"] for r in freeform}
+    asked = {r["question"].lower() for name in ("train", "dev", "test", "natural", "natural_dev") for r in load_demo_qa(name)}
+    assert not asked & {r["question"].lower() for r in freeform}
