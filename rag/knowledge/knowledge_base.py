@@ -45,7 +45,6 @@ from rag.knowledge.manifest import (
     check_version,
     is_knowledge_base,
     new_manifest,
-    stored_passages_digest,
     verify_kb_files,
 )
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
@@ -60,14 +59,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
 
 logger = logging.getLogger(__name__)
-
-def _check_version(path: Path, manifest: Manifest, passages) -> None:
-    """IntegrityError unless `manifest`'s version id is the one the opened `passages` (a datasets.Dataset) and the
-    manifest's verified embeddings digest, index spec and encoder give (:func:`~rag.knowledge.manifest.check_version`)."""
-    if getattr(passages, "_indices", None) is not None:
-        raise IntegrityError(f"{path / PASSAGES}: holds an indices mapping (no build writes one); rebuild the knowledge base")
-    check_version(manifest, stored_passages_digest(passages.data.table, path / PASSAGES), path / MANIFEST)
-
 
 class KnowledgeBase:
     """An opened, verified knowledge-base directory. Thread-safe for concurrent reads.
@@ -458,8 +449,7 @@ class KnowledgeBase:
         `verify="full"` checks every file's SHA-256 against the manifest (reads every
         byte once); `"size"` checks presence and sizes only (for very large
         knowledge bases); `"none"` trusts the directory. `"full"` also recomputes the version id from the verified
-        content (passages, the embeddings' SHA-256, index spec, encoder fingerprint) as the build computed it, and
-        refuses a manifest whose recorded id differs (IntegrityError naming both). Either check refuses a manifest
+        content, refusing a differing recorded id (:func:`~rag.knowledge.manifest.check_version`). Either check refuses a manifest
         that lacks a record for a file this method reads, and embeddings holding NaN/inf
         (:func:`check_finite`). The result's :attr:`verified` says which check ran; only
         ``"full"`` reports its version id plain (:attr:`served_version`). `hash_nice`: hash in a child
@@ -496,8 +486,8 @@ class KnowledgeBase:
             )
         if verify != "none":
             check_finite(embeddings, path / EMBEDDINGS)
-        if verify == "full":  # the id is recomputed from the verified content, never taken from the manifest
-            _check_version(path, manifest, passages)
+        if verify == "full":  # the id is recomputed from the verified content, never read from the manifest
+            check_version(path, manifest, passages)
         bm25 = None
         if (path / BM25_DIR).is_dir():
             from rag.knowledge.bm25 import BM25Index
@@ -510,8 +500,7 @@ class KnowledgeBase:
 
     def recheck(self, verify: Verify = "full", *, hash_nice: Optional[int] = None) -> None:
         """Check this open knowledge base's files against its manifest again, as :meth:`open` did (`verify`: "full"
-        hashes every file, and recomputes the version id if the open did not; `hash_nice` as in :meth:`open`), and
-        record the check in :attr:`verified`.
+        hashes every file and recomputes the id; `hash_nice` as in :meth:`open`), and record it in :attr:`verified`.
 
         Its files are memory-mapped: an edit made in place after opening changes what it serves without changing
         anything in memory, so a version kept open (e.g. for :meth:`KnowledgeBaseSlot.swap_back
@@ -525,7 +514,7 @@ class KnowledgeBase:
             verify_kb_files(self.path, self.manifest, verify, hash_nice=hash_nice)
             check_arrow_files(self.path / PASSAGES)
             if verify == "full" and self.verified != "full":  # opened unverified: its id was never recomputed
-                _check_version(self.path, self.manifest, self._passages)
+                check_version(self.path, self.manifest, self._passages)
         self.verified = verify
 
     # ------------------------------------------------------------------ reading

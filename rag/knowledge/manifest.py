@@ -182,19 +182,23 @@ def stored_passages_digest(table: Any, where: Path) -> str:
     return h.hexdigest()
 
 
-def check_version(manifest: Manifest, passages_hex: str, where: Path) -> None:
-    """Refuse a manifest whose version id is not the one its content gives: the id recomputed (as the build computes
-    it, :func:`content_version`) from `passages_hex` (:func:`stored_passages_digest` of the stored passages), the
-    embeddings' verified SHA-256, the index spec and the encoder fingerprint the manifest records.
+def check_version(path: Path, manifest: Manifest, passages: Any) -> None:
+    """Refuse a manifest whose version id is not the one its content gives: the id recomputed as the build computes
+    it (:func:`content_version`) from the opened `passages` (a ``datasets.Dataset``; :func:`stored_passages_digest`),
+    the embeddings' verified SHA-256, the index spec and the encoder fingerprint the manifest records.
 
     Raises IntegrityError naming both ids (or the recorded passages digest that the passages do not give)."""
-    recomputed = content_version(passages_hex, manifest.files[EMBEDDINGS]["sha256"], manifest.index, manifest.encoder)
+    where = path / MANIFEST
+    if getattr(passages, "_indices", None) is not None:
+        raise IntegrityError(f"{path / PASSAGES}: holds an indices mapping (no build writes one); rebuild the knowledge base")
+    digest = stored_passages_digest(passages.data.table, path / PASSAGES)
+    recomputed = content_version(digest, manifest.files[EMBEDDINGS]["sha256"], manifest.index, manifest.encoder)
     if recomputed != manifest.version:
         raise IntegrityError(f"{where}: records version {manifest.version} but its content gives {recomputed} (passages, "
                              f"embeddings, index spec or encoder changed after the build); rebuild the knowledge base")
-    if manifest.passages_digest is not None and manifest.passages_digest != passages_hex:
+    if manifest.passages_digest is not None and manifest.passages_digest != digest:
         raise IntegrityError(f"{where}: records passages digest {manifest.passages_digest[:12]}… but the passages give "
-                             f"{passages_hex[:12]}…; rebuild the knowledge base")
+                             f"{digest[:12]}…; rebuild the knowledge base")
 
 
 def check_passages(passages: Sequence[Passage], where: str) -> None:
