@@ -330,3 +330,25 @@ def test_generate_file_must_be_a_regular_file_read_in_bounded_lines(tmp_path, ca
 @pytest.mark.parametrize("value", ["-1", "-5"])
 def test_show_passages_must_not_be_negative(capsys, value):
     assert f"--show-passages {value}: must be 0" in refused(capsys, "generate", "--show-passages", value, "q")
+
+
+def test_a_failed_allocation_blames_no_intact_file(tmp_path, monkeypatch):
+    """A loader's RuntimeError while memory is short (e.g. an allocation of gigabytes failed) must not be reported as
+    a damaged file that the blame scan merely could not read for want of memory (it named an intact eval.json)."""
+    import rag.utils.files as files
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "eval.json").write_text('{"dev": {"em": 99.0}}')
+    real = files.read_json
+
+    def short_of_memory(path, **kw):
+        if Path(path).name == "eval.json":
+            raise MemoryError
+        return real(path, **kw)
+
+    monkeypatch.setattr(files, "read_json", short_of_memory)
+    with pytest.raises(IntegrityError) as e:
+        with files.readable_model_files(d, "the generator", "restore it"):
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 26843545600 bytes")
+    assert str(e.value).startswith(f"{d}: the generator cannot be loaded") and "eval.json" not in str(e.value)

@@ -131,8 +131,9 @@ def check_json_files(directory: str | os.PathLike, *, fix: str, error: type[RagE
 
 def _damaged_file(directory: Path) -> Optional[Path]:
     """The first file under `directory` whose header or JSON cannot be read (None when each reads): safetensors headers
-    (``safe_open`` reads only the header) and JSON files."""
-    from safetensors import safe_open
+    (``safe_open`` reads only the header) and JSON files. Only a parse failure marks a file: a read that fails for want
+    of memory (after a failed allocation) blames none."""
+    from safetensors import SafetensorError, safe_open
 
     for f in sorted(directory.rglob("*")):
         if not f.is_file():
@@ -143,7 +144,9 @@ def _damaged_file(directory: Path) -> Optional[Path]:
                     pass
             elif f.suffix == ".json":
                 read_json(f, fix="")
-        except Exception:  # noqa: BLE001 - any failure marks the file
+        except MemoryError:
+            return None
+        except (RagError, SafetensorError, OSError, ValueError, UnicodeDecodeError):
             return f
     return None
 
