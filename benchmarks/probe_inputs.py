@@ -360,6 +360,98 @@ def cases(f: dict, w: Path) -> list[Case]:
 HOLDERS: list = []
 
 
+# ------------------------------------------------------------------------------------------------ issue #46.4-7 and milder
+
+
+def _adapter_export(f: dict, w: Path) -> Path:
+    """A LoRA-adapted causal RAG model over the tiny GPT-2, exported once (rank 4 on c_attn)."""
+    out = w / "adapter_model"
+    if not out.is_dir():
+        from rag.generators.lora import LoraSettings, apply_lora
+        from rag.models.rag.model import RagModel, RagModelConfig
+
+        model = RagModel.from_components(None, f["gpt2"], f["kb"], RagModelConfig(n_docs=2, max_context_length=80,
+                                                                                   retrieval="bm25"))
+        model.generator = apply_lora(model.generator, LoraSettings(r=4, alpha=8, target_modules=["c_attn"]))
+        model.eval().save_pretrained(out)
+    return out
+
+
+def _rechecksum(root: Path, record: str, rel: str) -> None:
+    from rag.utils.checksums import file_checksums
+
+    edit_json(root / record, lambda m: m["files"].update(file_checksums(root, [root / rel])))
+
+
+def trust_cases(f: dict, w: Path) -> list[Case]:
+    """Issue #46: a forged knowledge base, names and shapes inside a model directory, YAML aliases, pickles, --file."""
+    out: list[Case] = []
+    forged = w / "kb_forged"
+
+    def forge():
+        copy(f["kb"], forged)
+        arrow = next((forged / "passages").glob("*.arrow"))
+        arrow.write_bytes(arrow.read_bytes().replace(b"oxygen0 ", b"OXYGEN0 ", 1))
+        _rechecksum(forged, "manifest.json", str(arrow.relative_to(forged)))
+
+    out.append(Case("trust", "index search on a forged copy (passage edited, its SHA-256 updated)", [
+        "index", "search", str(forged), "oxygen"], "refuse", "records version", setup=forge))
+    hub = w / "adapter_hub_base"
+    hub_id = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+    def hub_setup():
+        copy(str(_adapter_export(f, w)), hub)
+        edit_json(hub / "rag_config.json", lambda m: m["generator"]["adapter"]["base"].update(name=hub_id))
+
+    def without_offline(r: Result) -> Optional[str]:  # as the probe met it: HF_HUB_OFFLINE not set at all
+        env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+        p = subprocess.run([sys.executable, "-m", "rag", "generate", "--model", str(hub), "q"], cwd=w, capture_output=True,
+                           text=True, timeout=TIMEOUT, env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                           preexec_fn=_limit)
+        last = (p.stderr.strip().splitlines() or [""])[-1]
+        return None if p.returncode == 2 and "generator.adapter.base.name" in last else f"unset: exit {p.returncode}: {last[:160]}"
+
+    out.append(Case("trust", "adapter base named by a hub id", ["generate", "--model", str(hub), "q"], "refuse",
+                    "generator.adapter.base.name", check=without_offline, setup=hub_setup))
+    big_r = w / "adapter_r100000"
+
+    def big_rank():
+        copy(str(_adapter_export(f, w)), big_r)
+        edit_json(big_r / "generator" / "adapter_config.json", lambda c: c.update(r=100000))
+        _rechecksum(big_r, "rag_config.json", "generator/adapter_config.json")
+
+    out.append(Case("trust", "adapter_config.json r=100000 (checksum updated)", ["generate", "--model", str(big_r), "q"],
+                    "refuse", "adapter_config.json", setup=big_rank))
+    bomb = w / "bomb.yaml"
+    lines = ["l0: &l0 [" + ", ".join(["lol"] * 9) + "]"] + [f"l{k}: &l{k} [" + ", ".join([f"*l{k - 1}"] * 9) + "]"
+                                                          for k in range(1, 9)]
+    out.append(Case("trust", "fit --config: a 9-line YAML alias bomb", ["fit", "--config", str(bomb)], "refuse", "bomb.yaml",
+                    setup=lambda: bomb.write_text("\n".join(lines) + "\n")))
+    pickled = w / "lm_pickle"
+
+    def pickle_weights():
+        import pickle
+
+        copy(f["gpt2"], pickled)
+        (pickled / "model.safetensors").unlink()
+        (pickled / "pytorch_model.bin").write_bytes(pickle.dumps({"w": _Call()}))
+
+    out.append(Case("trust", "a pickle in place of the LM's weights", [
+        "lm-eval", "--model", str(pickled), "--data", f["text"], "--retrieval", "none"], "refuse", "pickles are never loaded",
+        check=lambda r: "the pickle ran" if "the pickle ran" in r.out + r.err else None, setup=pickle_weights))
+    out.append(Case("trust", "generate --file /dev/zero", ["generate", "--file", "/dev/zero"], "refuse", "character device"))
+    out.append(Case("trust", "generate --show-passages -1", ["generate", "--show-passages", "-1", "q"], "refuse",
+                    "--show-passages -1"))
+    return out
+
+
+class _Call:
+    """Pickles as a call of print (what a malicious weights file does with os.system)."""
+
+    def __reduce__(self):
+        return (print, ("the pickle ran",))
+
+
 def swap_back_case(f: dict, w: Path) -> tuple[str, Optional[str]]:
     """swap_back to a version kept open whose passages were edited in place (#28.1), through the slot the server uses."""
     from rag.knowledge.hotswap import KnowledgeBaseSlot
@@ -395,7 +487,7 @@ def main() -> int:
     bad = 0
     rows = []
     try:
-        for case in cases(fixtures, work):
+        for case in cases(fixtures, work) + trust_cases(fixtures, work):
             if args.only and args.only not in case.klass and args.only not in case.name:
                 continue
             if case.setup:

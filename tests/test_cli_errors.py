@@ -197,6 +197,26 @@ def test_malformed_manifest_fields_are_named(tmp_path, capsys, kb, mutate, field
         assert code == 2 and "manifest.json" in line and field in line and "rebuild" in line
 
 
+def test_a_forged_knowledge_base_is_refused_naming_both_ids(tmp_path, capsys, kb):
+    """A copy with one passage edited in its Arrow file and that file's SHA-256 written into the manifest: `rag index
+    search` recomputes the id from the verified content and refuses, naming the recorded and the recomputed id."""
+    from rag.utils.checksums import file_checksums
+
+    bad = tmp_path / "forged"
+    shutil.copytree(kb, bad)
+    [arrow] = (bad / "passages").glob("*.arrow")
+    data = arrow.read_bytes()
+    assert data.count(b"symbol E3") == 1
+    arrow.write_bytes(data.replace(b"symbol E3", b"symbol X3"))
+    m = json.loads((bad / "manifest.json").read_text())
+    m["files"].update(file_checksums(bad, [arrow]))
+    (bad / "manifest.json").write_text(json.dumps(m))
+    code, out, err = run(capsys, "index", "search", str(bad), "metal E3")
+    line = one_line_error(err)
+    assert code == 2 and out == "" and f"records version {m['version']} but its content gives kb-" in line
+    assert str(bad / "manifest.json") in line and "rebuild" in line
+
+
 @pytest.mark.parametrize("content", ["[1, 2]", '"a string"', "null", "{not json"])
 def test_manifest_that_is_not_an_object(tmp_path, capsys, kb, content):
     bad = tmp_path / "bad"

@@ -289,3 +289,66 @@ def test_messages_are_one_line_and_memory_advice_names_only_real_options():
 
 if sys.platform != "linux":  # pragma: no cover
     pytestmark = pytest.mark.skip("uses /dev/zero and FIFOs")
+
+
+# ------------------------------------------------------------------------------------- issue #46, outside the server
+
+
+def test_a_pickle_in_place_of_lm_weights_is_refused_as_a_pickle(tmp_path, capsys, causal_lm, tiny_kb_dir):
+    """pytorch_model.bin holding a pickled call (it would print if run): exit 2, one line naming the file and saying
+    pickles are never loaded beyond tensors; nothing of it ran."""
+    import pickle
+
+    class Call:
+        def __reduce__(self):
+            return (print, ("PICKLE RAN",))
+
+    d = _copy(causal_lm, tmp_path / "lm")
+    (d / "model.safetensors").unlink()
+    (d / "pytorch_model.bin").write_bytes(pickle.dumps({"transformer.wte.weight": Call()}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's note on the pickle protocol
+        code, out, err = run(capsys, "generate", "--model", str(d), "--kb", tiny_kb_dir, "The oxygen")
+    line = [ln for ln in err.splitlines() if ln.strip()][-1]
+    assert code == 2 and "Traceback" not in err and "PICKLE RAN" not in out + err, err
+    assert line.startswith("rag generate: error: ") and str(d / "pytorch_model.bin") in line
+    assert "pickles are never loaded" in line and "weights_only=False" not in line
+
+
+def test_generate_file_must_be_a_regular_file_read_in_bounded_lines(tmp_path, capsys, monkeypatch):
+    import rag.cli.index as cli_index
+
+    line = refused(capsys, "generate", "--file", "/dev/zero")
+    assert "/dev/zero: is a character device, not a regular file" in line and "no such file" not in line
+    assert "no such file" in refused(capsys, "generate", "--file", str(tmp_path / "missing.txt"))
+    long = tmp_path / "long.txt"
+    long.write_text("who " * 100 + "\nsecond question\n")
+    monkeypatch.setattr(cli_index, "MAX_QUERY_CHARS", 64)  # the line is never read past the bound
+    assert f"--file {long}: line 1 is longer than 64 characters" in refused(capsys, "generate", "--file", str(long))
+
+
+@pytest.mark.parametrize("value", ["-1", "-5"])
+def test_show_passages_must_not_be_negative(capsys, value):
+    assert f"--show-passages {value}: must be 0" in refused(capsys, "generate", "--show-passages", value, "q")
+
+
+def test_a_failed_allocation_blames_no_intact_file(tmp_path, monkeypatch):
+    """A loader's RuntimeError while memory is short (e.g. an allocation of gigabytes failed) must not be reported as
+    a damaged file that the blame scan merely could not read for want of memory (it named an intact eval.json)."""
+    import rag.utils.files as files
+
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "eval.json").write_text('{"dev": {"em": 99.0}}')
+    real = files.read_json
+
+    def short_of_memory(path, **kw):
+        if Path(path).name == "eval.json":
+            raise MemoryError
+        return real(path, **kw)
+
+    monkeypatch.setattr(files, "read_json", short_of_memory)
+    with pytest.raises(IntegrityError) as e:
+        with files.readable_model_files(d, "the generator", "restore it"):
+            raise RuntimeError("DefaultCPUAllocator: not enough memory: you tried to allocate 26843545600 bytes")
+    assert str(e.value).startswith(f"{d}: the generator cannot be loaded") and "eval.json" not in str(e.value)

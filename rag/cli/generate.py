@@ -88,6 +88,8 @@ def cmd_generate(args) -> int:
     from rag.pipeline.api import load
 
     check_positive(args, "batch_size", "doc_max_length", "max_length")
+    if args.show_passages < 0:
+        raise ConfigError(f"--show-passages {args.show_passages}: must be 0 (print no passage) or more")
     options = generation_options(args).set_options()  # only what was given: the rest is the model's stored setting
     if args.heatmap_dir and Path(args.heatmap_dir).exists() and not Path(args.heatmap_dir).is_dir():
         raise ConfigError(f"--heatmap-dir {args.heatmap_dir}: is a file; give a directory (created if missing) for the PNGs")

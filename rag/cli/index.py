@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import IO, Iterator, Optional
 
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.files import regular_file
 from rag.utils.io import to_json
 
 
@@ -226,8 +227,7 @@ def read_queries(args) -> Iterator[str]:
         return iter(queries)
     if args.file:
         path = Path(args.file)
-        if not path.is_file():
-            raise RagError(f"--file {path}: {'is a directory' if path.is_dir() else 'no such file'}; give a text file with one query per line")
+        regular_file(path, "--file: a text file with one query per line")  # a device or pipe may never end
         with path.open("rb") as f:  # a first pass, so that a bad byte is reported before anything is loaded
             for _ in _lines(f, f"--file {path}"):
                 pass
@@ -246,10 +246,19 @@ def _nonempty(queries: Iterator[str], where: str) -> Iterator[str]:
     return itertools.chain([first], queries)
 
 
+MAX_QUERY_CHARS = 1 << 20
+"""Longest query line read (1 MiB): a file without line breaks is never read whole."""
+
+
 def _lines(stream: IO, where: str, close: bool = False) -> Iterator[str]:
     """Non-blank lines of a byte (or text) stream as strings; RagError naming `where` and the line for non-UTF-8 bytes."""
     try:
-        for n, raw in enumerate(stream, 1):
+        for n in itertools.count(1):
+            raw = stream.readline(MAX_QUERY_CHARS + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_QUERY_CHARS and raw[-1:] not in ("\n", b"\n"):
+                raise RagError(f"{where}: line {n} is longer than {MAX_QUERY_CHARS:,} characters; give one query per line")
             if isinstance(raw, bytes):
                 try:
                     raw = raw.decode("utf-8")

@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rag.utils.yaml_files import check_cli_yaml
+
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
 DEFAULT_SEED = 1234
 
@@ -159,6 +161,7 @@ def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
     """
     from jsonargparse import set_parsing_settings
 
+    check_cli_yaml(sys.argv[1:] if args is None else args)
     pl, _ = _imports()
     # Option help from the dataclass fields' own docstrings (RagModelConfig, ContextMixing, ...), not only from Args:.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
@@ -190,6 +193,7 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
         raise SystemExit(f"rag: expected one of {', '.join(SUBCOMMANDS)} followed by --config FILE.yaml")
     from rag.training.run_dir import release_run_dirs
 
+    check_cli_yaml(argv)  # before any YAML loader (nested_help's, jsonargparse's) expands an alias
     own = argv == sys.argv[1:]
     nested = nested_help(argv)
     if nested is not None:

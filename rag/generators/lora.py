@@ -16,10 +16,14 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
+from rag.generators.demo_lm import DEMO_LM_NAMES
 from rag.utils.errors import ConfigError, IntegrityError
+from rag.utils.files import read_json
+from rag.utils.hub import resolve_recorded_name
+from rag.utils.validate import is_integer
 
 __all__ = ["LoraSettings", "apply_lora", "is_adapter", "base_model_of", "base_identity", "check_base", "load_adapter",
-           "ADAPTER_FILES"]
+           "check_adapter_shapes", "ADAPTER_FILES"]
 
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
 SOURCE_ATTR = "_rag_source"
@@ -138,9 +142,95 @@ def check_base(recorded: dict, found: dict, where: Union[str, os.PathLike]) -> N
             "`rag lm prepare --force`), or retrain")
 
 
+_PREFIX = "base_model.model."  # how peft names the base's modules in an adapter file
+
+
+def _module_shape(module: nn.Module) -> Optional[tuple[str, int, int]]:
+    """``(kind, inputs, outputs)`` of a module a LoRA adapter can wrap: a linear layer (transformers' GPT-2 ``Conv1D``
+    stores its weight transposed), or an embedding (rows, width); None for anything else."""
+    weight = getattr(module, "weight", None)
+    if isinstance(module, nn.Embedding):
+        return "embedding", module.num_embeddings, module.embedding_dim
+    if isinstance(module, nn.Linear):
+        return "linear", module.in_features, module.out_features
+    if type(module).__name__ == "Conv1D" and weight is not None and weight.dim() == 2:
+        return "linear", int(weight.shape[0]), int(weight.shape[1])
+    return None
+
+
+def check_adapter_shapes(directory: Union[str, os.PathLike], base: nn.Module) -> None:
+    """Refuse an adapter whose config and tensors disagree, or whose tensors do not fit `base`, before peft allocates.
+
+    Reads ``adapter_config.json`` (bounded) and only the header of ``adapter_model.safetensors``. Every module of
+    `base` the config targets must have LoRA tensors in the file, of the rank the config gives it (``r``, or
+    ``rank_pattern``), ``lora_A`` ``(r, inputs)`` and ``lora_B`` ``(outputs, r)`` with the module's own sizes; so what
+    peft allocates is what the (checksummed) file holds. IntegrityError names the file that is wrong.
+    """
+    from peft import LoraConfig
+    from peft.tuners.tuners_utils import check_target_module_exists
+    from peft.utils.other import get_pattern_key
+    from safetensors import SafetensorError, safe_open
+
+    directory = Path(directory)
+    cfg_file, weights = directory / ADAPTER_FILES[0], directory / ADAPTER_FILES[1]
+    fix = "the adapter was altered — restore it, or save the model again"
+    raw = read_json(cfg_file, fix=fix)
+
+    def bad_config(what: str) -> IntegrityError:
+        return IntegrityError(f"{cfg_file}: {what}; {fix}")
+
+    if not isinstance(raw, dict) or raw.get("peft_type") != "LORA":
+        raise bad_config(f"peft_type is {raw.get('peft_type') if isinstance(raw, dict) else raw!r}, not 'LORA' (only LoRA "
+                         "adapters are loaded)")
+    if not is_integer(raw.get("r")) or raw["r"] < 1:
+        raise bad_config(f"r={raw.get('r')!r} is not a positive integer")
+    pattern = raw.get("rank_pattern") or {}
+    if not isinstance(pattern, dict) or any(not is_integer(v) or v < 1 for v in pattern.values()):
+        raise bad_config(f"rank_pattern {pattern!r} must map module names to positive integers")
+    if raw.get("layer_replication"):
+        raise bad_config("layer_replication copies base layers, which an exported adapter never asks")
+    try:
+        config = LoraConfig(**{k: v for k, v in raw.items() if k in LoraConfig.__dataclass_fields__})
+    except (TypeError, ValueError) as e:
+        raise bad_config(f"is not a valid LoRA config ({' '.join(str(e).split())[:200]})") from None
+    try:
+        with safe_open(os.fspath(weights), framework="pt") as f:  # the header only: no tensor is read
+            shapes = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise IntegrityError(f"{weights}: cannot be read as safetensors ({type(e).__name__}: {e}); {fix}") from None
+    found = 0
+    for name, module in base.named_modules():
+        if not name or not check_target_module_exists(config, name):
+            continue
+        kind = _module_shape(module)
+        if kind is None:
+            raise bad_config(f"targets {name} ({type(module).__name__}), which is not a linear or embedding layer")
+        found += 1
+        key = get_pattern_key(list(pattern), name)  # as peft picks a module's rank
+        rank, how = (int(pattern[key]), f"rank_pattern {pattern}") if key in pattern else (int(raw["r"]), f"r={raw['r']}")
+        a_key, b_key = ((f"{_PREFIX}{name}.lora_embedding_A", f"{_PREFIX}{name}.lora_embedding_B") if kind[0] == "embedding"
+                        else (f"{_PREFIX}{name}.lora_A.weight", f"{_PREFIX}{name}.lora_B.weight"))
+        a, b = shapes.get(a_key), shapes.get(b_key)
+        if a is None or b is None:
+            raise bad_config(f"targets module {name}, but {weights.name} holds no LoRA tensors for it")
+        if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
+            raise IntegrityError(f"{weights}: {a_key} {a} and {b_key} {b} are not a rank-r pair (r, inputs) / (outputs, r); {fix}")
+        if a[0] != rank:
+            raise bad_config(f"gives module {name} rank {rank} ({how}), but {weights.name} holds rank {a[0]} for it")
+        want = [rank, kind[1]]
+        if a != want or b != [kind[2], rank]:
+            raise IntegrityError(f"{weights}: {a_key} {a} / {b_key} {b} do not fit the base's {name} ({kind[1]} inputs, "
+                                 f"{kind[2]} outputs: expected {want} / {[kind[2], rank]}); {fix}")
+    if not found:
+        raise bad_config(f"target_modules {raw.get('target_modules')!r} match no module of the base model")
+
+
 def load_adapter(directory: Union[str, os.PathLike], recorded_base: dict, *, where: Union[str, os.PathLike]):
     """The generator of an adapter directory: its base loaded by the recorded name, checked against the recorded
-    checksums (:func:`check_base`), with the adapter on top (eval mode); returns ``(model, tokenizer)``."""
+    checksums (:func:`check_base`), with the adapter on top (eval mode); returns ``(model, tokenizer)``.
+
+    The name resolves locally only (a demo LM alias, a directory, or a snapshot in the local hub cache;
+    :func:`rag.utils.hub.resolve_recorded_name`) unless ``HF_HUB_OFFLINE=0`` opts into downloads."""
     from peft import PeftModel
 
     from rag.generators.load import load_generator
@@ -148,9 +238,12 @@ def load_adapter(directory: Union[str, os.PathLike], recorded_base: dict, *, whe
     name = recorded_base.get("name")
     if not isinstance(name, str) or not name:
         raise IntegrityError(f"{where}: the adapter records no base model name; save the model again")
-    base, tok, _ = load_generator(name, kind="causal")
+    is_alias = name in DEMO_LM_NAMES and not os.path.isdir(name)  # converted locally, never fetched
+    source = name if is_alias else resolve_recorded_name(name, "generator.adapter.base.name", where)
+    base, tok, _ = load_generator(source, kind="causal")
     found = base_identity(base)
     check_base(recorded_base, found, where)
+    check_adapter_shapes(directory, base)
     model = PeftModel.from_pretrained(base, os.fspath(directory), is_trainable=False)
     setattr(model, SOURCE_ATTR, name)
     return model.eval(), tok

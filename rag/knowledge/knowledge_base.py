@@ -42,6 +42,7 @@ from rag.knowledge.manifest import (
     check_arrow_files,
     check_finite,
     check_passages,
+    check_version,
     is_knowledge_base,
     new_manifest,
     verify_kb_files,
@@ -447,7 +448,8 @@ class KnowledgeBase:
 
         `verify="full"` checks every file's SHA-256 against the manifest (reads every
         byte once); `"size"` checks presence and sizes only (for very large
-        knowledge bases); `"none"` trusts the directory. Either check refuses a manifest
+        knowledge bases); `"none"` trusts the directory. `"full"` also recomputes the version id from the verified
+        content, refusing a differing recorded id (:func:`~rag.knowledge.manifest.check_version`). Either check refuses a manifest
         that lacks a record for a file this method reads, and embeddings holding NaN/inf
         (:func:`check_finite`). The result's :attr:`verified` says which check ran; only
         ``"full"`` reports its version id plain (:attr:`served_version`). `hash_nice`: hash in a child
@@ -484,6 +486,8 @@ class KnowledgeBase:
             )
         if verify != "none":
             check_finite(embeddings, path / EMBEDDINGS)
+        if verify == "full":  # the id is recomputed from the verified content, never read from the manifest
+            check_version(path, manifest, passages)
         bm25 = None
         if (path / BM25_DIR).is_dir():
             from rag.knowledge.bm25 import BM25Index
@@ -496,7 +500,7 @@ class KnowledgeBase:
 
     def recheck(self, verify: Verify = "full", *, hash_nice: Optional[int] = None) -> None:
         """Check this open knowledge base's files against its manifest again, as :meth:`open` did (`verify`: "full"
-        hashes every file; `hash_nice` as in :meth:`open`), and record the check in :attr:`verified`.
+        hashes every file and recomputes the id; `hash_nice` as in :meth:`open`), and record it in :attr:`verified`.
 
         Its files are memory-mapped: an edit made in place after opening changes what it serves without changing
         anything in memory, so a version kept open (e.g. for :meth:`KnowledgeBaseSlot.swap_back
@@ -509,6 +513,8 @@ class KnowledgeBase:
         with self.in_use():
             verify_kb_files(self.path, self.manifest, verify, hash_nice=hash_nice)
             check_arrow_files(self.path / PASSAGES)
+            if verify == "full" and self.verified != "full":  # opened unverified: its id was never recomputed
+                check_version(self.path, self.manifest, self._passages)
         self.verified = verify
 
     # ------------------------------------------------------------------ reading

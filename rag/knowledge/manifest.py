@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Iterator, Optional, Sequence
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from rag.knowledge.index import IndexSpec
 from rag.knowledge.passages import Passage
@@ -146,6 +148,57 @@ def passages_digest(passages: Sequence[Passage]) -> str:
     for p in passages:
         h.update(f"{p.id}\x1f{p.title}\x1f{p.text}\x1e".encode("utf-8"))
     return h.hexdigest()
+
+
+_DIGEST_ROWS = 65536  # passages joined and hashed per step when a stored table is digested
+
+
+def stored_passages_digest(table: Any, where: Path) -> str:
+    """:func:`passages_digest` of a stored passages table (a pyarrow Table with string columns id, title, text),
+    computed block by block in Arrow: each row is joined to the same ``id␟title␟text␞`` bytes, and the joined
+    column's value buffer (the rows' bytes back to back) is hashed, so no Python object is made per passage.
+
+    Raises IntegrityError naming `where` if a column is missing, not text, or holds a null (no build writes one)."""
+    names = ("id", "title", "text")
+    for name in names:
+        if name not in table.column_names:
+            raise IntegrityError(f"{where}: the passages have no {name!r} column; rebuild the knowledge base")
+        kind = table.schema.field(name).type
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+            raise IntegrityError(f"{where}: the passages' {name!r} column holds {kind}, not text; rebuild the knowledge base")
+        if table.column(name).null_count:
+            raise IntegrityError(f"{where}: the passages' {name!r} column holds nulls (no build writes them); rebuild the "
+                                 f"knowledge base")
+    h = hashlib.sha256()
+    for batch in table.select(list(names)).to_batches(max_chunksize=_DIGEST_ROWS):
+        if not batch.num_rows:
+            continue
+        joined = pc.binary_join_element_wise(batch.column(0), "\x1f", batch.column(1), "\x1f", batch.column(2), "\x1e", "")
+        chunks = joined.chunks if isinstance(joined, pa.ChunkedArray) else [joined]
+        for arr in chunks:
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int64 if pa.types.is_large_string(arr.type) else np.int32)
+            start, end = int(offsets[arr.offset]), int(offsets[arr.offset + len(arr)])
+            h.update(memoryview(arr.buffers()[2])[start:end])
+    return h.hexdigest()
+
+
+def check_version(path: Path, manifest: Manifest, passages: Any) -> None:
+    """Refuse a manifest whose version id is not the one its content gives: the id recomputed as the build computes
+    it (:func:`content_version`) from the opened `passages` (a ``datasets.Dataset``; :func:`stored_passages_digest`),
+    the embeddings' verified SHA-256, the index spec and the encoder fingerprint the manifest records.
+
+    Raises IntegrityError naming both ids (or the recorded passages digest that the passages do not give)."""
+    where = path / MANIFEST
+    if getattr(passages, "_indices", None) is not None:
+        raise IntegrityError(f"{path / PASSAGES}: holds an indices mapping (no build writes one); rebuild the knowledge base")
+    digest = stored_passages_digest(passages.data.table, path / PASSAGES)
+    recomputed = content_version(digest, manifest.files[EMBEDDINGS]["sha256"], manifest.index, manifest.encoder)
+    if recomputed != manifest.version:
+        raise IntegrityError(f"{where}: records version {manifest.version} but its content gives {recomputed} (passages, "
+                             f"embeddings, index spec or encoder changed after the build); rebuild the knowledge base")
+    if manifest.passages_digest is not None and manifest.passages_digest != digest:
+        raise IntegrityError(f"{where}: records passages digest {manifest.passages_digest[:12]}… but the passages give "
+                             f"{digest[:12]}…; rebuild the knowledge base")
 
 
 def check_passages(passages: Sequence[Passage], where: str) -> None:

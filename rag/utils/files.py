@@ -15,6 +15,7 @@ import contextlib
 import itertools
 import json
 import os
+import pickle
 import stat
 from pathlib import Path
 from typing import IO, Any, Iterator, Optional
@@ -28,6 +29,7 @@ MAX_JSON_BYTES = 256 << 20
 """Largest JSON file read whole (256 MiB: a large tokenizer.json is ~10 MB, a knowledge-base manifest ~10 KB)."""
 MAX_JSON_DEPTH = 64
 """Deepest nesting of objects and arrays accepted (the files rag reads nest at most ~6 levels)."""
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")  # where a refused pickle is looked for
 
 
 def regular_file(path: str | os.PathLike, what: str, *, error: type[RagError] = RagError) -> os.stat_result:
@@ -129,8 +131,9 @@ def check_json_files(directory: str | os.PathLike, *, fix: str, error: type[RagE
 
 def _damaged_file(directory: Path) -> Optional[Path]:
     """The first file under `directory` whose header or JSON cannot be read (None when each reads): safetensors headers
-    (``safe_open`` reads only the header) and JSON files."""
-    from safetensors import safe_open
+    (``safe_open`` reads only the header) and JSON files. Only a parse failure marks a file: a read that fails for want
+    of memory (after a failed allocation) blames none."""
+    from safetensors import SafetensorError, safe_open
 
     for f in sorted(directory.rglob("*")):
         if not f.is_file():
@@ -141,7 +144,9 @@ def _damaged_file(directory: Path) -> Optional[Path]:
                     pass
             elif f.suffix == ".json":
                 read_json(f, fix="")
-        except Exception:  # noqa: BLE001 - any failure marks the file
+        except MemoryError:
+            return None
+        except (RagError, SafetensorError, OSError, ValueError, UnicodeDecodeError):
             return f
     return None
 
@@ -150,13 +155,21 @@ def _damaged_file(directory: Path) -> Optional[Path]:
 def readable_model_files(directory: str | os.PathLike, what: str, fix: str) -> Iterator[None]:
     """Turn a model file that a parser cannot read (garbage in ``model.safetensors``, a truncated ``config.json``, a
     settings file lacking a field) into an IntegrityError naming the file (else `directory`), `what` it belongs to and
-    `fix`, instead of the parser's own exception (``SafetensorError: header too large``, ``KeyError: 'max_length'``)."""
+    `fix`, instead of the parser's own exception (``SafetensorError: header too large``, ``KeyError: 'max_length'``);
+    a pickle that torch's ``weights_only`` loader refuses is named as such (pickled code is never run)."""
     from safetensors import SafetensorError
 
     try:
         yield
     except RagError:
         raise
+    except pickle.UnpicklingError as e:  # torch's weights_only loader met code or objects beyond plain tensors
+        d = Path(directory)
+        pickles = sorted(f for f in d.rglob("*") if f.suffix in _PICKLE_SUFFIXES and f.is_file()) if d.is_dir() else []
+        where = pickles[0] if pickles else d
+        raise IntegrityError(f"{where}: a pickle holding more than plain tensors ({what}); pickles are never loaded beyond "
+                             "tensor data (no pickled code or object is run) — save the weights as safetensors "
+                             "(save_pretrained) and remove the pickle") from e
     except (SafetensorError, OSError, ValueError, EOFError, RuntimeError, UnicodeDecodeError, KeyError, TypeError) as e:
         d = Path(directory)
         culprit = _damaged_file(d) if d.is_dir() else None

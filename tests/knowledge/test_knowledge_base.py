@@ -339,3 +339,95 @@ def test_passages_data_file_names_stay_inside(toy_kb):
     _rechecksum(root, "passages/state.json")
     with pytest.raises(IntegrityError, match="outside"):
         KnowledgeBase.open(root)
+
+
+def _forge_passage(root: Path, old: bytes, new: bytes) -> None:
+    """Edit one passage's text inside the stored Arrow file and update the manifest's record of that file."""
+    [arrow] = (root / "passages").glob("*.arrow")
+    data = arrow.read_bytes()
+    assert data.count(old) == 1 and len(old) == len(new)
+    arrow.write_bytes(data.replace(old, new))
+    _rechecksum(root, str(arrow.relative_to(root)))
+
+
+@pytest.mark.parametrize("forge", [
+    lambda root: _forge_passage(root, b"text number 3", b"text number 9"),
+    lambda root: _rewrite_manifest(root, lambda m: m["encoder"].update(fingerprint="e" * 64)),
+    lambda root: _rewrite_manifest(root, lambda m: m["index"].update(kind="hnsw")),
+])
+def test_a_forged_knowledge_base_is_refused_under_the_genuine_id(toy_kb, forge):
+    """Content changed after the build with every file record made to match (passages edited, the encoder or the
+    index spec rewritten) no longer gives the recorded id: a full open recomputes it and refuses, naming both ids."""
+    root, genuine = Path(toy_kb.path), toy_kb.version
+    forge(root)
+    with pytest.raises(IntegrityError) as e:
+        KnowledgeBase.open(root)
+    message = str(e.value)
+    assert f"records version {genuine} but its content gives kb-" in message and str(root / MANIFEST) in message
+    assert "\n" not in message
+    assert KnowledgeBase.open(root, verify="size").served_version == f"{genuine}+unverified"
+
+
+def test_a_self_consistent_rewrite_gets_a_new_id(toy_kb):
+    """What the id proves: a writer of the folder can make a new knowledge base whose records all agree, but it then
+    carries the id of its own content, never the id of the one it replaced; the recorded passages digest is checked too."""
+    from rag.knowledge.manifest import content_version, passages_digest
+
+    root, genuine = Path(toy_kb.path), toy_kb.version
+    _forge_passage(root, b"text number 3", b"text number 9")
+    edited = [Passage(f"p{i}", f"title {i}", f"text number {9 if i == 3 else i}") for i in range(6)]
+    m = json.loads((root / MANIFEST).read_text())
+    new_id = content_version(passages_digest(edited), m["files"][EMBEDDINGS]["sha256"], m["index"], m["encoder"])
+    _rewrite_manifest(root, lambda m: m.update(version=new_id))
+    with pytest.raises(IntegrityError, match="records passages digest .* but the passages give"):
+        KnowledgeBase.open(root)
+    _rewrite_manifest(root, lambda m: m.update(passages_digest=passages_digest(edited)))
+    kb = KnowledgeBase.open(root)
+    assert kb.served_version == new_id != genuine
+    assert kb.get_passages(np.array([[3]]))[0][0].text == "text number 9"
+
+
+def test_recheck_of_a_size_checked_open_recomputes_the_id(toy_kb):
+    """A knowledge base opened with verify='size' and re-checked in full (a swap back) gets its id recomputed too."""
+    root = Path(toy_kb.path)
+    _forge_passage(root, b"text number 3", b"text number 9")
+    kb = KnowledgeBase.open(root, verify="size")
+    with pytest.raises(IntegrityError, match=f"records version {toy_kb.version} but its content gives"):
+        kb.recheck("full")
+    assert kb.verified == "size"
+
+
+def test_the_stored_passages_digest_is_the_builds(tmp_path, monkeypatch):
+    """The digest computed in Arrow at open equals the build's over Passage objects, with non-ASCII text and many
+    blocks."""
+    import datasets
+
+    import rag.knowledge.manifest as kbm
+
+    passages = [Passage(f"p{i}", f"tïtle {i}", "Zürich — " * (i % 5) + f"text {i} ☃") for i in range(50)]
+    ds = datasets.Dataset.from_dict({"id": [p.id for p in passages], "title": [p.title for p in passages],
+                                     "text": [p.text for p in passages]})
+    ds.save_to_disk(str(tmp_path / "p"))
+    table = datasets.load_from_disk(str(tmp_path / "p")).data.table
+    for rows in (7, 65536):
+        monkeypatch.setattr(kbm, "_DIGEST_ROWS", rows)
+        assert kbm.stored_passages_digest(table, tmp_path / "p") == kbm.passages_digest(passages)
+
+
+def test_a_swap_to_a_forged_copy_is_refused(tmp_path, bert_encoder, demo_passages):
+    """`POST /admin/swap` opens through KnowledgeBaseSlot.swap: a copy with one passage edited and its record updated
+    is refused, naming both ids, and the genuine version keeps serving."""
+    import shutil
+
+    from rag.knowledge.hotswap import KnowledgeBaseSlot
+
+    kb = KnowledgeBase.build(demo_passages[:8], bert_encoder, tmp_path / "genuine", index="flat", show_progress=False)
+    forged = tmp_path / "forged"
+    shutil.copytree(kb.path, forged)
+    text = demo_passages[2].text.encode()
+    _forge_passage(forged, text, text[:-1] + (b"X" if text[-1:] != b"X" else b"Y"))
+    slot = KnowledgeBaseSlot(DenseRetriever(kb, bert_encoder), verify_nice=None)
+    with pytest.raises(IntegrityError, match=f"swap refused, still serving {kb.version}: .*records version {kb.version} "
+                                             f"but its content gives kb-"):
+        slot.swap(forged)
+    assert slot.version == kb.version and slot.swap_count == 0

@@ -197,3 +197,23 @@ def test_the_bundled_demo_checkpoint_knows_the_demo_passages(name):
 
     ref = json.loads((demo_checkpoint_dir(name) / CHECKPOINT_CONFIG).read_text())["knowledge_base"]
     assert ref["passages_digest"] == passages_digest(load_demo_corpus())
+
+
+def test_a_forged_knowledge_base_is_refused_by_load_and_generate_kb(saved, kb_dir, tmp_path, capsys):
+    """`rag serve --kb` and `rag generate --kb` open through rag.load: a copy of the knowledge base with one passage
+    edited and its Arrow file's SHA-256 written into the manifest is refused, naming the recorded and recomputed ids."""
+    from rag.pipeline.api import load
+
+    forged = tmp_path / "forged"
+    shutil.copytree(kb_dir, forged)
+    [arrow] = (forged / "passages").glob("*.arrow")
+    data = arrow.read_bytes()
+    old = next(w for w in (b"oxygen", b"Oxygen", b"iron", b"the") if data.count(w))
+    arrow.write_bytes(data.replace(old, old.upper(), 1))
+    manifest = json.loads((forged / "manifest.json").read_text())
+    manifest["files"].update(file_checksums(forged, [arrow]))
+    (forged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match=f"records version {manifest['version']} but its content gives kb-"):
+        load(saved, knowledge_base=str(forged))
+    code, err = _cli(capsys, "--model", str(saved), "--kb", str(forged))
+    assert code == 2 and f"records version {manifest['version']}" in err.strip().splitlines()[-1]

@@ -29,6 +29,7 @@ from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import read_json
+from rag.utils.hub import resolve_recorded_name
 from rag.utils.io import atomic_directory, atomic_write_json
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -371,7 +372,7 @@ def readable_weights(record: Path):
 def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None = None):
     """The checkpoint's query encoder: its saved copy (in `qdir`), or the encoder it references by name, whose
     weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
+    from rag.knowledge.encoders import TextEncoder, check_fingerprint, resolve_name_or_path
 
     if not entry.get("reference"):
         return TextEncoder.from_pretrained(qdir if qdir is not None else root / QUESTION_ENCODER_DIR)
@@ -380,6 +381,8 @@ def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None 
     if missing:
         raise IntegrityError(f"{cfg_file}: the referenced query encoder lacks field(s) {missing}; save the model again")
     name = entry["name"]
+    if not (isinstance(name, str) and os.path.isdir(resolve_name_or_path(name))):  # a bundled alias loads as named
+        name = resolve_recorded_name(name, "question_encoder.name", cfg_file)
     try:
         qenc = TextEncoder(name, pooling=entry["pooling"], normalize=entry["normalize"], max_length=entry["max_length"])
     except RagError as e:
