@@ -257,11 +257,13 @@ def _open_run(out: Path, settings: dict) -> set[str]:
         old = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise EvalResumeError(f"{path}: cannot be read ({e}); choose another --out") from None
-    diff = [k for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
+    derived = ("questions", "data_sha256")  # follow from the others: named last
+    diff = sorted((k for k in set(old) | set(settings) if old.get(k) != settings.get(k)), key=lambda k: (k in derived, k))
     if diff:
         k = diff[0]
-        raise EvalResumeError(f"{out}: made with other settings ({k}: {old.get(k)!r}, now {settings.get(k)!r}); it is never "
-                              "resumed with others: choose another --out, or delete it to start over")
+        also = f"; also {', '.join(diff[1:])}" if diff[1:] else ""
+        raise EvalResumeError(f"{out}: made with other settings ({k}: {old.get(k)!r}, now {settings.get(k)!r}{also}); it is "
+                              "never resumed with others: choose another --out, or delete it to start over")
     return {r["id"] for r in read_records(out, repair=True)}
 
 
