@@ -24,16 +24,19 @@ def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.1f}"
 
 
+FAMILIES = ("answer_recall", "recall", "precision", "mrr", "ndcg")
+
+
 def _ordered(names: Sequence[str]) -> list[str]:
-    """Metric names in report order: answer metrics, then each family by cut-off, then MAP / R-precision."""
+    """Metric names in report order: answer metrics, then each retrieval family by cut-off, then MAP."""
     head = [n for n in ("em", "f1", "kilt_em", "kilt_f1", "rprec") if n in names]
 
     def key(n: str):
         m = re.fullmatch(r"(.+)@(\d+)", n)
-        return (m.group(1), int(m.group(2))) if m else (n, 0)
+        family = m.group(1) if m else n
+        return (FAMILIES.index(family) if family in FAMILIES else len(FAMILIES), family, int(m.group(2)) if m else 0)
 
-    rest = sorted((n for n in names if n not in head), key=key)
-    return head + rest
+    return head + sorted((n for n in names if n not in head), key=key)
 
 
 def markdown(summary: dict) -> str:

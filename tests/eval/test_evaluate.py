@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from rag.cli import main
+from rag.demo.model import ensure_demo_kb_for_model
 from rag.eval.compare import compare_runs
 from rag.eval.runner import EvalResumeError, evaluate, read_records
 from rag.knowledge.knowledge_base import KnowledgeBase
@@ -22,10 +23,11 @@ ENCODER = {"name": "synthetic", "dim": 4, "fingerprint": "synthetic-4"}
 
 @pytest.fixture(scope="module")
 def beir_kb(tmp_path_factory):
-    """The BEIR fixture's corpus, plus one document split in two chunks, as a knowledge base (retrieved with BM25)."""
+    """The BEIR fixture's corpus, plus hydrogen and one document split in two chunks, as a knowledge base (retrieved with BM25)."""
     rows = [json.loads(line) for line in (FIXTURES / "beir" / "corpus.jsonl").read_text().splitlines()]
     ps = [Passage(r["_id"], r["title"], r["text"]) for r in rows]
-    ps += [Passage("elements/neon-0", "Neon", "Symbol: Ne. Noble gas."), Passage("elements/neon-1", "Neon", "Atomic number: 10.")]
+    ps += [Passage("elements/neon-0", "Neon", "Symbol: Ne. Noble gas."), Passage("elements/neon-1", "Neon", "Atomic number: 10."),
+           Passage("elements/hydrogen", "Hydrogen", "Symbol: H. Atomic number: 1.")]
     emb = np.random.default_rng(0).standard_normal((len(ps), 4)).astype(np.float32)
     return KnowledgeBase.from_embeddings(ps, emb, ENCODER, tmp_path_factory.mktemp("kb") / "kb", index="flat", show_progress=False)
 
@@ -131,3 +133,34 @@ def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
     assert "no such directory" in capsys.readouterr().err
     assert main(["evaluate", "--data", "demo:test"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_demo_model_end_to_end_and_compare(tmp_path, capsys):
+    """The bundled demo model over demo:test (first 3 questions), then compared with its retriever alone."""
+    run, retr = tmp_path / "demo", tmp_path / "retriever"
+    assert main(["evaluate", "--model", "demo", "--data", "demo:test", "--limit", "3", "--out", str(run), "--quiet"]) == 0
+    assert "| em |" in capsys.readouterr().out
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["questions"] == 3 and 0 <= summary["metrics"]["em"] <= 1
+    assert {p.name for p in (run / "plots").iterdir()} == {"recall_at_k.png", "by_category.png", "score_histograms.png"}
+    kb = str(ensure_demo_kb_for_model())
+    assert main(["evaluate", "--kb", kb, "--data", "demo:test", "--limit", "3", "--out", str(retr), "--quiet"]) == 0
+    capsys.readouterr()
+    assert main(["evaluate", "--compare", str(retr), str(run), "--resamples", "100"]) == 0
+    out = capsys.readouterr().out
+    assert "3 paired questions" in out and "answer_recall@5" in out and "95% interval" in out
+
+
+@pytest.mark.parametrize("name", ["kilt_nq.jsonl", "dpr_nq-test.qa.csv", "dpr_trivia-dev.json", "hotpot_dev_distractor.json",
+                                  "own.jsonl", "beir"])
+def test_every_format_round_trips_through_evaluate(beir_kb, tmp_path, name):
+    summary = evaluate(None, FIXTURES / name, tmp_path / "run", knowledge_base=beir_kb, retrieval="bm25", ks=(1, 3),
+                       progress=False)
+    recs = read_records(tmp_path / "run")
+    assert summary["complete"] and summary["questions"] == len(recs) >= 2
+    if name != "dpr_nq-test.qa.csv":  # every other format names gold provenance, all of it in this knowledge base
+        assert summary["provenance"]["in_knowledge_base"] == summary["provenance"]["gold_ids"] > 0
+        assert "recall@3" in summary["metrics"]
+    if name == "hotpot_dev_distractor.json":  # supporting facts name pages by title
+        assert recs[0]["scores"]["recall@3"] == 1.0 and set(summary["by_category"]) == {"comparison", "bridge"}
