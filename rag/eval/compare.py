@@ -13,6 +13,7 @@ import os
 from pathlib import Path
 
 from rag.eval.bootstrap import paired_mean_difference
+from rag.eval.ranking import ordered_metrics
 from rag.utils.errors import RagError
 
 __all__ = ["compare_runs", "format_comparison"]
@@ -41,7 +42,7 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, resample
     common = [i for i in ra if i in rb]
     if not common:
         raise RagError(f"--compare: {run_a} and {run_b} share no question id; compare two runs over the same evaluation set")
-    names = [n for n in sa["metrics"] if n in sb["metrics"]]
+    names = ordered_metrics([n for n in sa["metrics"] if n in sb["metrics"]])
     metrics = {}
     for n in names:
         ids = [i for i in common if n in ra[i]["scores"] and n in rb[i]["scores"]]

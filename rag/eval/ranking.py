@@ -20,11 +20,12 @@ output; R-precision of a guess (the pages read, best first, duplicates dropped) 
 from __future__ import annotations
 
 import math
+import re
 from typing import Iterable, Mapping, Sequence
 
 from rag.utils.errors import ConfigError
 
-__all__ = ["trec_order", "query_metrics", "ranking_metrics", "metric_names", "r_precision", "parse_ks"]
+__all__ = ["trec_order", "query_metrics", "ranking_metrics", "metric_names", "ordered_metrics", "r_precision", "parse_ks"]
 
 
 def trec_order(run: Mapping[str, float]) -> list[str]:
@@ -53,6 +54,21 @@ def metric_names(ks: Sequence[int]) -> list[str]:
     """The names :func:`query_metrics` returns, in report order."""
     names = [f"{m}@{k}" for m in ("recall", "precision", "mrr", "ndcg") for k in ks]
     return names + ["map"]
+
+
+FAMILIES = ("answer_recall", "recall", "precision", "mrr", "ndcg")
+
+
+def ordered_metrics(names: Sequence[str]) -> list[str]:
+    """Metric names in report order: answer metrics, then each retrieval family by cut-off, then MAP."""
+    head = [n for n in ("em", "f1", "kilt_em", "kilt_f1", "rprec") if n in names]
+
+    def key(n: str):
+        m = re.fullmatch(r"(.+)@(\d+)", n)
+        family = m.group(1) if m else n
+        return (FAMILIES.index(family) if family in FAMILIES else len(FAMILIES), family, int(m.group(2)) if m else 0)
+
+    return head + sorted((n for n in names if n not in head), key=key)
 
 
 def query_metrics(ranked: Sequence[str], qrels: Mapping[str, int], ks: Sequence[int]) -> dict[str, float]:

@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import io
-import re
 from pathlib import Path
 from typing import Sequence
 
@@ -15,6 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
 
+from rag.eval.ranking import ordered_metrics as _ordered  # noqa: E402
 from rag.utils.io import atomic_write_bytes, atomic_write_text  # noqa: E402
 
 __all__ = ["write_report", "markdown"]
@@ -22,21 +22,6 @@ __all__ = ["write_report", "markdown"]
 
 def _pct(v) -> str:
     return "–" if v is None else f"{100 * v:.1f}"
-
-
-FAMILIES = ("answer_recall", "recall", "precision", "mrr", "ndcg")
-
-
-def _ordered(names: Sequence[str]) -> list[str]:
-    """Metric names in report order: answer metrics, then each retrieval family by cut-off, then MAP."""
-    head = [n for n in ("em", "f1", "kilt_em", "kilt_f1", "rprec") if n in names]
-
-    def key(n: str):
-        m = re.fullmatch(r"(.+)@(\d+)", n)
-        family = m.group(1) if m else n
-        return (FAMILIES.index(family) if family in FAMILIES else len(FAMILIES), family, int(m.group(2)) if m else 0)
-
-    return head + sorted((n for n in names if n not in head), key=key)
 
 
 def markdown(summary: dict) -> str:
