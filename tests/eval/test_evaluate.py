@@ -144,7 +144,7 @@ def test_demo_model_end_to_end_and_compare(tmp_path, capsys):
     summary = json.loads((run / "summary.json").read_text())
     assert summary["questions"] == 3 and 0 <= summary["metrics"]["em"] <= 1
     assert {p.name for p in (run / "plots").iterdir()} == {"recall_at_k.png", "by_category.png", "score_histograms.png"}
-    kb = str(ensure_demo_kb_for_model())
+    kb = str(ensure_demo_kb_for_model().path)
     assert main(["evaluate", "--kb", kb, "--data", "demo:test", "--limit", "3", "--out", str(retr), "--quiet"]) == 0
     capsys.readouterr()
     assert main(["evaluate", "--compare", str(retr), str(run), "--resamples", "100"]) == 0
