@@ -79,7 +79,7 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     _check_out(out)
     examples = read_eval_set(data, format=format)
     examples = examples[:limit] if limit is not None else examples
-    system = _System.open(model, knowledge_base, verify=verify, device=device, options=options)
+    system = _System.open(model, knowledge_base, verify=verify, device=device, options=dict(options))
     k_max = min(max(ks), system.size) if system.size else max(ks)
     settings = {"rag_version": rag.__version__, "model": system.name, "kb_version": system.kb_version,
                 "data": str(data), "format": format, "questions": len(examples), "data_sha256": _digest(examples),

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import rag
 from rag.cli import main
 from rag.demo.model import ensure_demo_kb_for_model
 from rag.eval.compare import compare_runs
@@ -164,3 +165,16 @@ def test_every_format_round_trips_through_evaluate(beir_kb, tmp_path, name):
         assert "recall@3" in summary["metrics"]
     if name == "hotpot_dev_distractor.json":  # supporting facts name pages by title
         assert recs[0]["scores"]["recall@3"] == 1.0 and set(summary["by_category"]) == {"comparison", "bridge"}
+
+
+def test_cli_retriever_alone_json_and_the_python_name(beir_kb, tmp_path, capsys):
+    assert rag.evaluate is evaluate
+    argv = ["evaluate", "--kb", str(beir_kb.path), "--data", str(FIXTURES / "beir"), "--retrieval", "bm25", "--k", "1,3",
+            "--out", str(tmp_path / "run"), "--json", "--quiet"]
+    assert main(argv) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["questions"] == 2 and summary["settings"]["options"] == {"retrieval": "bm25"} and "ndcg@3" in summary["metrics"]
+    assert main(argv) == 0  # a complete directory: the same summary, nothing run again
+    assert json.loads(capsys.readouterr().out) == summary
+    assert main(argv[:-4] + ["--k", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 2
+    assert "made with other settings (ks: [1, 3], now [1])" in capsys.readouterr().err
