@@ -42,6 +42,10 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, resample
     common = [i for i in ra if i in rb]
     if not common:
         raise RagError(f"--compare: {run_a} and {run_b} share no question id; compare two runs over the same evaluation set")
+    differ = next((i for i in common if ra[i]["question"] != rb[i]["question"]), None)
+    if differ is not None:
+        raise RagError(f"--compare: question {differ!r} is {ra[differ]['question']!r} in {run_a} but {rb[differ]['question']!r} in "
+                       f"{run_b}: the runs are not over the same evaluation set; compare runs of one set")
     names = ordered_metrics([n for n in sa["metrics"] if n in sb["metrics"]])
     metrics = {}
     for n in names:

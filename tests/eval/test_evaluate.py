@@ -17,6 +17,7 @@ from rag.eval.runner import EvalResumeError, evaluate, read_records
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 from rag.pipeline.api import RagPipeline
+from rag.utils.errors import RagError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval"
 ENCODER = {"name": "synthetic", "dim": 4, "fingerprint": "synthetic-4"}
@@ -116,7 +117,13 @@ def test_compare_two_runs(beir_kb, tmp_path):
     assert m["low"] <= m["delta"] <= m["high"] and m["better"] + m["worse"] == 1
     assert c["metrics"]["recall@5"]["delta"] == 0.0 and c["metrics"]["recall@5"]["low"] == 0.0
     assert c["paired_questions"] == 3 and set(c["by_category"]) == {"symbol", "atomic_number", "discoverer"}
-    assert c["flipped"]["metric"] == "recall@1" or c["flipped"]["metric"].startswith(("recall@", "answer_recall@"))
+    flipped = c["flipped"]
+    assert flipped["metric"] == "answer_recall@1" and sum(flipped["counts"].values()) == 1
+    assert [f["id"] for f in flipped["a_wrong_b_right"] + flipped["a_right_b_wrong"]] == [recs[0]["id"]]
+    recs[1]["question"] = "another question"
+    (b / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    with pytest.raises(RagError, match=r"question 'helium-number' is .* but 'another question' in .*not over the same evaluation set"):
+        compare_runs(a, b)
 
 
 def test_cli_errors_are_one_line_with_exit_2(tmp_path, capsys):
