@@ -11,6 +11,7 @@ Public API (everything else is internal and may change):
   :class:`~rag.knowledge.types.Reranker` protocols
 - :class:`~rag.models.rag.model.RagModel`, :class:`~rag.models.rag.model.RagModelConfig`
 - :func:`~rag.pipeline.api.load`, :class:`~rag.pipeline.api.RagPipeline`, :class:`~rag.pipeline.api.Answer`
+- :func:`~rag.eval.runner.evaluate` (`rag evaluate`)
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ _LAZY = {
     "RagPipeline": "rag.pipeline.api",
     "Answer": "rag.pipeline.api",
     "load": "rag.pipeline.api",
+    "evaluate": "rag.eval.runner",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

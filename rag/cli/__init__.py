@@ -3,6 +3,7 @@
     rag index build|info|search ...     knowledge bases (rag.cli.index)
     rag lm prepare [--force]            the demo causal LM, converted and verified (rag.cli.lm)
     rag lm-eval ...                     perplexity with In-Context RALM (rag.cli.lm_eval)
+    rag evaluate ...                    a model or retriever over an evaluation set; --compare two runs (rag.cli.evaluate)
     rag nli prepare [--force]           the default NLI model, trained on SNLI (rag.cli.nli)
     rag fit|validate|test|predict ...   training and evaluation with LightningCLI
     rag export CKPT DIR                 a `rag fit` checkpoint as a model directory (rag.cli.export)
@@ -29,7 +30,8 @@ from rag.utils.errors import RagError
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
 COMMANDS = {"demo": "rag.cli.demo", "export": "rag.cli.export", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve",
-            "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli"}
+            "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli",
+            "evaluate": "rag.cli.evaluate"}
 
 
 class _Parser(argparse.ArgumentParser):

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import math
 import os
-import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+from rag.eval.bootstrap import bootstrap_interval
 from rag.knowledge.documents import MAX_DOCUMENT_CHARS
 from rag.models.ralm.model import EvalText, InContextRALM, TextScore
 from rag.utils.errors import CorpusError
@@ -86,9 +86,8 @@ def paired_difference(base: list[dict], run: list[dict], *, resamples: int = 200
         return (sum(nll1[i] for i in idx) - sum(nll0[i] for i in idx)) / math.log(2) / max(1, sum(nbytes[i] for i in idx))
 
     n = len(base)
-    rng = random.Random(seed)
-    boot = sorted(delta([rng.randrange(n) for _ in range(n)]) for _ in range(resamples))
-    return {"delta_bpb": delta(range(n)), "low": boot[int(0.025 * resamples)], "high": boot[int(0.975 * resamples) - 1],
+    low, high = bootstrap_interval(n, delta, resamples=resamples, seed=seed)
+    return {"delta_bpb": delta(range(n)), "low": low, "high": high,
             "texts": n, "texts_better": sum(x < y for x, y in zip(nll1, nll0))}
 
 

@@ -73,6 +73,13 @@ class QAExample:
     where: str
     passage_id: Optional[str] = None
     """The knowledge-base passage that holds the answer, when the data names it (``data.passage_field``)."""
+    id: Optional[str] = None
+    """The record's own id (field ``id`` or ``_id``), when it has one."""
+    category: Optional[str] = None
+    """The question's category (field ``category``, else ``type``), when the record has one (reports group by it)."""
+    gold_passages: tuple[str, ...] = ()
+    """Knowledge-base passage ids holding the answer (field ``passage_ids``, a list, or ``passage_id``): the gold
+    provenance `rag evaluate` scores retrieval against."""
 
 
 # ---------------------------------------------------------------------------- validation
@@ -177,9 +184,32 @@ def _records_to_examples(records: Iterable[tuple[str, Any]], name: str, question
                                   f"{pid!r}; add it to every record or unset data.passage_field")
             ex = dataclasses.replace(ex, passage_id=str(pid))
         if ex is not None:
-            out.append(ex)
+            out.append(dataclasses.replace(ex, **_extra_fields(rec, where)))
     tally.warn()
     return out
+
+
+def _extra_fields(rec: dict, where: str) -> dict:
+    """A record's optional id, category and gold passage ids, where the fields hold strings or integers (other values
+    are left alone: a dataset may use these names for something else); a malformed ``passage_ids`` list is an error."""
+    out: dict = {}
+    for name, fields in (("id", ("id", "_id")), ("category", ("category", "type"))):
+        value = next((rec[f] for f in fields if _scalar(rec.get(f))), None)
+        if value is not None:
+            out[name] = str(value).strip()
+    if "passage_ids" in rec:
+        ids = rec["passage_ids"]
+        if not isinstance(ids, list) or not all(_scalar(i) for i in ids):
+            raise QADataError(f"{where}: field 'passage_ids' must be a list of passage ids, got {str(ids)[:60]!r}; write e.g. "
+                              '{"passage_ids": ["elements/argon"]}')
+        out["gold_passages"] = tuple(dict.fromkeys(str(i).strip() for i in ids))
+    elif _scalar(rec.get("passage_id")):
+        out["gold_passages"] = (str(rec["passage_id"]).strip(),)
+    return out
+
+
+def _scalar(value: Any) -> bool:
+    return (isinstance(value, str) or is_integer(value)) and bool(str(value).strip())
 
 
 def _jsonl_records(path: Path) -> Iterator[tuple[str, Any]]:
