@@ -14,8 +14,11 @@ outputs are compared: the benchmark aborts unless they are token-identical.
 
 How it is measured: two persistent worker processes (ours, transformers) build the same seeded models
 (checked by a parameter checksum), warm up on a small input, and take turns on `--threads` torch threads:
-ours/theirs, then theirs/ours (ABAB), so machine-load drift hits both alike. Reported: median of the timed
-rounds per side (`DEFAULT_ROUNDS`, or `--repeats`), min-max spread, and the spread of the per-round ratios.
+ours/theirs, then theirs/ours (ABAB), so machine-load drift hits both alike. Before the timed rounds of each
+configuration, each side makes one call at that configuration's shapes that is discarded (reported as
+``*_warmup_s``): a first call at new shapes runs cold (allocator, kernels), and one cold round would decide a ratio.
+Reported: median of the timed rounds per side (`DEFAULT_ROUNDS`, or `--repeats`; `--quick`: one round after the
+warm-up), min-max spread, and the spread of the per-round ratios.
 Peak memory of every run, in its worker: `malloc_trim(0)`, reset the kernel's RSS high-water mark
 (`/proc/self/clear_refs` = 5), run, then `VmHWM - VmRSS(before)` from `/proc/self/status`: the extra
 resident memory the call needed (torch's CPU allocations included, which tracemalloc does not see); the
@@ -286,6 +289,14 @@ def benchmark(configs: list[BenchConfig], rounds: dict[str, int], threads: int, 
             runs = {"ours": [], "transformers": []}
             peaks = {"ours": [], "transformers": []}
             encoded = {}
+            warmup, warm_out = {}, {}
+            for impl in ("ours", "transformers"):  # one discarded call per side at this configuration's shapes
+                warmup[impl], _, warm_out[impl], _ = sides[impl].run(cfg)  # (a first call at new shapes runs cold)
+                if progress:
+                    progress.update(1)
+                    progress.set_postfix_str(f"{cfg.name} {impl} warm-up {warmup[impl]:.1f}s")
+            if not torch.equal(warm_out["ours"], warm_out["transformers"]):
+                raise RuntimeError(f"{cfg.name}: outputs differ from transformers (warm-up call)")
             for rep in range(rounds[cfg.name]):
                 outs = {}
                 for impl in (("ours", "transformers") if rep % 2 == 0 else ("transformers", "ours")):
@@ -306,6 +317,7 @@ def benchmark(configs: list[BenchConfig], rounds: dict[str, int], threads: int, 
             results.append(dict(
                 config=cfg.name, label=cfg.label, n_docs=cfg.n_docs, num_beams=cfg.num_beams, batch=batch,
                 context_len=context_len, ours_s=runs["ours"], transformers_s=runs["transformers"],
+                ours_warmup_s=warmup["ours"], transformers_warmup_s=warmup["transformers"],
                 ours_median_s=med["ours"], transformers_median_s=med["transformers"],
                 ratio=med["transformers"] / med["ours"], pair_ratio_min=min(pair_ratios), pair_ratio_max=max(pair_ratios),
                 target=TARGETS.get(cfg.name), ours_peak_bytes=peak["ours"], transformers_peak_bytes=peak["transformers"],
@@ -447,7 +459,7 @@ def main(argv=None) -> int:
         rounds = {k: args.repeats for k in rounds}
     info = machine_info(args.threads)
     t0 = time.perf_counter()
-    with tqdm(total=sum(2 * rounds[c.name] for c in configs), desc="decode bench", unit="run") as bar:
+    with tqdm(total=sum(2 * (rounds[c.name] + 1) for c in configs), desc="decode bench", unit="run") as bar:
         results = benchmark(configs, rounds, args.threads, batch, context_len, progress=bar)
     info["wall_s"] = round(time.perf_counter() - t0, 1)
     info["load_average_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None

@@ -20,7 +20,8 @@ GPU, and printed with their ratio:
   ``--n-docs`` passages each, AdamW): forward with retrieval, backward and step, on the CPU (float32) vs the GPU
   (float32, and bfloat16 autocast). The same model, data and steps (``train_bench.py``'s builders).
 
-Without a GPU (or faiss without GPU support) the GPU columns are skipped; the CPU side still runs.
+Without a GPU (or faiss without GPU support) the GPU columns are skipped; the CPU side still runs. A measurement that
+raises is recorded (its traceback under ``errors``), the others still run, and the script then exits 1.
 
     python benchmarks/gpu_bench.py --out benchmarks/results/gpu_bench.json            # the device run
     python benchmarks/gpu_bench.py --sizes 20000 --encode 64 --train-steps 2 --quick   # a sanity run (CPU)
@@ -322,6 +323,10 @@ def main(argv=None) -> int:
     res["wall_s"] = round(time.perf_counter() - clock.t0, 1)
     save()
     print(f"wrote {args.out} ({res['wall_s']} s)")
+    if res.get("errors"):  # what worked is written; the run still failed
+        print(f"gpu_bench: {len(res['errors'])} measurement(s) failed: {', '.join(res['errors'])} (tracebacks under "
+              f"\"errors\" in {args.out})", file=sys.stderr)
+        return 1
     return 0
 
 

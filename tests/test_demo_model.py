@@ -17,7 +17,6 @@ import pytest
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "checkpoints"
 REPORT = CHECKPOINTS / "demo" / "eval.json"
-CAUSAL_REPORT = CHECKPOINTS / "demo_causal" / "eval.json"
 DEMO_READERS = CHECKPOINTS.parent / "benchmarks" / "results" / "demo_readers.json"
 
 
@@ -97,11 +96,13 @@ def test_held_out_exact_match_is_what_checkpoints_readme_reports(demo_pipe):
         em.update([a.text for a in answers], [list(e.answers) for e in chunk])
     recorded = json.loads(REPORT.read_text())["dev"]["em"]
     assert float(em.compute()) == pytest.approx(recorded, abs=0.02)
-    assert recorded > 0.4  # it answers from the knowledge base (the closed-book model of the learning demo: 0.0)
+    assert float(em.compute()) > 0.4  # it answers from the knowledge base (the closed-book model of the learning demo: 0.0)
 
 
 def test_the_default_is_the_causal_reader_an_adapter_that_names_its_base():
-    """The default demo model is small (an adapter, not the base weights) and names every base file by its checksum."""
+    """The default demo model is small (an adapter, not the base weights) and names every base file by its checksum.
+    (That it answers better than the seq2seq model is computed, not read from its report: the slow
+    ``test_the_default_answers_more_held_out_questions_than_the_seq2seq_model``.)"""
     from rag.demo.model import DEFAULT_DEMO, demo_checkpoint_dir
 
     root = demo_checkpoint_dir()
@@ -113,28 +114,63 @@ def test_the_default_is_the_causal_reader_an_adapter_that_names_its_base():
     assert {"model.safetensors", "config.json", "tokenizer.json"} <= set(base["files"])
     assert all(len(f["sha256"]) == 64 for f in base["files"].values())
     assert meta["question_encoder"].get("reference") is True and meta["config"]["retrieval"] == "hybrid"
-    report = json.loads(CAUSAL_REPORT.read_text())
-    seq2seq = json.loads(REPORT.read_text())
-    assert report["test"]["em"] > 100 * seq2seq["test"]["em"]  # why it is the default (checkpoints/README.md)
+
+
+N_RECORDED = 32
+"""The held-out dev questions the slow tests decode with the default (the first of demo_readers.json's, in batches of 8)."""
+
+
+def _exact_matches(answers: list[str], questions: list[str]) -> int:
+    """How many `answers` exactly match (SQuAD normalisation) a gold answer of their dev question, from the QA data."""
+    from rag.eval.metrics import ExactMatch
+    from rag.eval.qa_data import read_qa
+
+    gold = {e.question: list(e.answers) for e in read_qa("demo:dev")}
+    em = ExactMatch()
+    em.update(answers, [gold[q] for q in questions])
+    return round(float(em.compute()) * len(answers))
+
+
+@pytest.fixture(scope="module")
+def default_dev_answers(demo_cache):
+    """`rag.load("demo")`'s answers (the causal default, its stored settings) to the first N_RECORDED dev questions of
+    benchmarks/results/demo_readers.json, decoded now in batches of 8 as the benchmark did: (recorded rows, answers)."""
+    from rag.pipeline.api import load
+
+    recorded = json.loads(DEMO_READERS.read_text())["models"]["checkpoints/demo_causal"]["dev"]["answers"][:N_RECORDED]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAG_CACHE", str(demo_cache))
+        pipe = load("demo", knowledge_base=demo_cache / "demo_kb")
+        answers = []
+        for i in range(0, len(recorded), 8):
+            answers += [a.text for a in pipe.generate([r["question"] for r in recorded[i:i + 8]])]
+    return recorded, answers
 
 
 @pytest.mark.slow
-def test_the_default_reproduces_its_recorded_answers(demo_cache, monkeypatch):
+def test_the_default_reproduces_its_recorded_answers(default_dev_answers):
     """`rag.load("demo")` is the causal model; its greedy answers to the first 32 held-out dev questions are the ones
-    recorded in benchmarks/results/demo_readers.json (made by benchmarks/demo_readers.py, batches of 8), answer by answer.
+    recorded in benchmarks/results/demo_readers.json (made by benchmarks/demo_readers.py, batches of 8), answer by answer,
+    and most of them (scored now against the QA data, not the report's flags) are right.
     """
-    from rag.pipeline.api import load
-
-    monkeypatch.setenv("RAG_CACHE", str(demo_cache))
-    recorded = json.loads(DEMO_READERS.read_text())["models"]["checkpoints/demo_causal"]["dev"]["answers"][:32]
-    pipe = load("demo", knowledge_base=demo_cache / "demo_kb")
-    answers = []
-    for i in range(0, len(recorded), 8):
-        answers += [a.text for a in pipe.generate([r["question"] for r in recorded[i:i + 8]])]
+    recorded, answers = default_dev_answers
     differ = [(r["question"], r["answer"], a) for r, a in zip(recorded, answers) if a != r["answer"]]
     # float32 batched decoding may flip a near-tied greedy token on another CPU: one answer of 32, not more
     assert len(differ) <= 1, differ
-    assert sum(r["em"] for r in recorded) >= 24  # the recorded answers are mostly right (86% of all dev questions)
+    assert _exact_matches(answers, [r["question"] for r in recorded]) >= 24  # 75%; all dev questions: 99% recorded
+
+
+@pytest.mark.slow
+def test_the_default_answers_more_held_out_questions_than_the_seq2seq_model(default_dev_answers, demo_pipe):
+    """Why the causal reader is the default (checkpoints/README.md), computed: on the same held-out dev questions, each
+    model decoding with its own stored settings, the default answers more of them exactly."""
+    recorded, answers = default_dev_answers
+    questions = [r["question"] for r in recorded]
+    seq2seq = []
+    for i in range(0, len(questions), 8):
+        seq2seq += [a.text for a in demo_pipe.generate(questions[i:i + 8])]
+    causal_em, seq2seq_em = _exact_matches(answers, questions), _exact_matches(seq2seq, questions)
+    assert causal_em > seq2seq_em, (causal_em, seq2seq_em)
 
 
 @pytest.mark.slow

@@ -317,9 +317,9 @@ def cmd_search(args) -> int:
     if args.k > len(kb):
         raise RagError(f"-k {args.k}: must be between 1 and the number of passages in {kb.path} ({len(kb)})")
     if args.bm25:
-        from rag.knowledge.bm25 import BM25Retriever
+        from rag.knowledge.retriever_kinds import retriever_for_kind
 
-        retriever = BM25Retriever.from_knowledge_base(kb)
+        retriever = retriever_for_kind("bm25", kb, build_missing=kb.bm25 is None)  # none stored: one built in memory
     else:
         from rag.knowledge.retriever import DenseRetriever
 

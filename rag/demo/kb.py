@@ -6,6 +6,8 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rag.knowledge.resolve import KnowledgeBaseSpec, open_knowledge_base
+from rag.utils.checksums import Verify
 from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 
 DEFAULT_ENCODER = "minilm"
@@ -46,3 +48,14 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
         show_progress=show_progress, overwrite=overwrite,
         build_info={"corpus": DEMO_CORPUS, "demo_kb_build": DEMO_KB_BUILD},
     )
+
+
+KNOWLEDGE_BASE_NAMES = {"demo": lambda: ensure_demo_kb(show_progress=False)}
+"""The knowledge bases a caller (``--kb``, ``knowledge_base=``, a YAML's ``knowledge_base``, a checkpoint's
+``rag_config.json``) may name instead of a directory: "demo" is :func:`ensure_demo_kb`'s (built on first use)."""
+
+
+def resolve_knowledge_base(spec: KnowledgeBaseSpec, *, verify: Verify = "full"):
+    """An open KnowledgeBase as is, ``"demo"`` (:data:`KNOWLEDGE_BASE_NAMES`), or a knowledge-base directory opened
+    with `verify`: :func:`rag.knowledge.resolve.open_knowledge_base` with this layer's names."""
+    return open_knowledge_base(spec, verify=verify, names=KNOWLEDGE_BASE_NAMES)

@@ -325,7 +325,9 @@ class BM25Retriever:
         passages: either the passages in index row order (any sequence supporting
             ``len`` and integer indexing), or a callable mapping a ``(B, K)`` int64
             row array to B lists of K passages (e.g. a knowledge base's lookup).
-        kb_version: reported in every result's ``kb_version``.
+        kb_version: reported in every result's ``kb_version``; None: the knowledge base's ``served_version`` (its
+            version id, ``+unverified`` when it was opened without hashing), or ``"bm25"`` over bare passages. Over a
+            knowledge base it must be that served version (ConfigError otherwise).
         knowledge_base: the knowledge base `index` and `passages` belong to; inferred when
             `passages` is ``kb.get_passages`` of a knowledge base whose stored index is `index`.
         build_missing: when swapping to a knowledge base stored without a BM25 index, build one
@@ -337,7 +339,7 @@ class BM25Retriever:
         self,
         index: BM25Index,
         passages: Union[PassageLookup, Sequence[Passage]],
-        kb_version: str = "bm25",
+        kb_version: Optional[str] = None,
         *,
         knowledge_base=None,
         build_missing: bool = False,
@@ -363,8 +365,14 @@ class BM25Retriever:
                 f"{getattr(knowledge_base, 'path', 'the knowledge base')}: holds {len(knowledge_base)} passages but the "
                 f"BM25 index covers {len(index)}; use the BM25 index built with it"
             )
+        if knowledge_base is not None and getattr(knowledge_base, "served_version", None) is not None:
+            served = str(knowledge_base.served_version)
+            if kb_version is not None and str(kb_version) != served:  # e.g. kb.version of a size-verified one
+                raise ConfigError(f"kb_version={kb_version!r}, but the knowledge base {getattr(knowledge_base, 'path', '')} "
+                                  f"serves as {served!r}; omit kb_version (it is the knowledge base's served_version)")
+            kb_version = served
         self.build_missing = bool(build_missing)
-        self._source = BM25Source(index, lookup, str(kb_version), knowledge_base)
+        self._source = BM25Source(index, lookup, str("bm25" if kb_version is None else kb_version), knowledge_base)
 
     # ------------------------------------------------------------------ state
     @property
@@ -423,14 +431,6 @@ class BM25Retriever:
         self._source = source
 
     # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_knowledge_base(cls, kb, **build_kw) -> "BM25Retriever":
-        """Sparse retrieval over a knowledge base's passages: its stored BM25 index if it was
-        built with one (`rag index build --bm25`), else one built in memory now (and on later
-        swaps to knowledge bases without one)."""
-        index = kb.bm25 if kb.bm25 is not None else BM25Index.build(kb.all_passages(), **build_kw)
-        return cls(index, kb.get_passages, kb_version=kb.served_version, knowledge_base=kb, build_missing=kb.bm25 is None)
-
     @classmethod
     def from_passages(cls, passages: Sequence[Passage], *, kb_version: str = "bm25", **build_kw) -> "BM25Retriever":
         """Build an index over `passages` (keywords as :meth:`BM25Index.build`) and wrap it."""

@@ -36,8 +36,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from rag.knowledge.bm25 import BM25Retriever
+from rag.knowledge.retriever import DenseRetriever
 from rag.knowledge.types import Retrieved
-from rag.utils.errors import ConfigError
+from rag.utils.errors import ConfigError, KnowledgeBaseError
 from rag.utils.validate import check_number, check_positive_int
 
 __all__ = ["RRF_K", "BM25_WEIGHT", "FUSIONS", "reciprocal_rank_fusion", "score_fusion", "HybridRetriever"]
@@ -111,15 +113,11 @@ class HybridRetriever:
     def from_knowledge_base(cls, kb, query_encoder, *, fusion: str = "score", rrf_k: int = RRF_K,
                             bm25_weight: float = BM25_WEIGHT, allow_encoder_change: bool = False) -> "HybridRetriever":
         """Over `kb`'s FAISS index (queries embedded by `query_encoder`) and its stored BM25 index."""
-        from rag.knowledge.bm25 import BM25Retriever
-        from rag.knowledge.retriever import DenseRetriever
-        from rag.utils.errors import KnowledgeBaseError
-
         if kb.bm25 is None:
             raise KnowledgeBaseError(f"{kb.path}: has no BM25 index, which hybrid retrieval fuses with the dense ranking; "
                                      "rebuild it with `rag index build --bm25`, or use retrieval dense")
         return cls(DenseRetriever(kb, query_encoder, allow_encoder_change=allow_encoder_change),
-                   BM25Retriever(kb.bm25, kb.get_passages, kb.served_version, knowledge_base=kb),
+                   BM25Retriever(kb.bm25, kb.get_passages, knowledge_base=kb),
                    fusion=fusion, rrf_k=rrf_k, bm25_weight=bm25_weight)
 
     @classmethod
@@ -170,15 +168,12 @@ class HybridRetriever:
     # ------------------------------------------------------------------ hot swap
     def prepare_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None):
         """New dense and BM25 retrievers for `kb`, checked (dimension, document encoder, BM25 index) before the swap."""
-        from rag.knowledge.bm25 import BM25Retriever
-        from rag.knowledge.retriever import DenseRetriever
-
         dense, bm25 = self._pair
         new_dense = DenseRetriever(kb, dense.query_encoder, allow_encoder_change=dense.allow_encoder_change)
         new_dense.space = dense.space
         new_dense.set_knowledge_base(kb, allow_encoder_change=allow_encoder_change)  # checks the embedding space
         source = bm25.prepare_knowledge_base(kb)
-        return (new_dense, BM25Retriever(source.index, source.lookup, source.kb_version, knowledge_base=kb))
+        return (new_dense, BM25Retriever(source.index, source.lookup, knowledge_base=kb))
 
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None, prepared=None) -> None:
         """Serve from `kb` from now on (one reference assignment)."""

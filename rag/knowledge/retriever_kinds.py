@@ -13,6 +13,9 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
+from rag.knowledge.bm25 import BM25Index, BM25Retriever
+from rag.knowledge.hybrid import HybridRetriever
+from rag.knowledge.retriever import DenseRetriever, check_compatible, default_query_encoder
 from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 
@@ -21,28 +24,32 @@ __all__ = ["RETRIEVAL_KINDS", "retriever_for_kind", "ServedRetrievers", "Knowled
 RETRIEVAL_KINDS = ("bm25", "dense", "hybrid")
 
 
-def retriever_for_kind(kind: str, kb, query_encoder=None, *, settings=None):
-    """The retriever `kind` over the open knowledge base `kb` (the ``--retrieval`` option): ``bm25`` uses its stored
-    BM25 index (``rag index build --bm25``), ``dense`` its FAISS index with `query_encoder` (None: the encoder its
-    manifest names, :func:`~rag.knowledge.retriever.default_query_encoder`); ``hybrid`` both, fused as `settings` (a
-    RagModelConfig; None: the defaults) says."""
+def retriever_for_kind(kind: str, kb, query_encoder=None, *, settings=None, allow_encoder_change: bool = False,
+                       build_missing: bool = False, **bm25_build):
+    """The one factory of retrievers over the open knowledge base `kb`, by `kind` (``--retrieval``); each reports
+    ``kb.served_version`` with every result.
+
+    ``bm25`` uses its stored BM25 index (``rag index build --bm25``; with `build_missing`, one built in memory now and on
+    later swaps, keywords `bm25_build` as :meth:`~rag.knowledge.bm25.BM25Index.build`); ``dense`` its FAISS index with
+    `query_encoder` (None: the encoder its manifest names, :func:`~rag.knowledge.retriever.default_query_encoder`;
+    dimension checked now); ``hybrid`` both, fused as `settings` (a RagModelConfig; None: the defaults) says.
+
+    Raises:
+        KnowledgeBaseError: BM25 or hybrid over a knowledge base without a BM25 index; a dimension mismatch.
+        ConfigError: an unknown `kind`.
+    """
     if kind == "bm25":
-        from rag.knowledge.bm25 import BM25Retriever
-
-        if kb.bm25 is None:
-            raise KnowledgeBaseError(f"--kb {kb.path}: has no BM25 index, which --retrieval bm25 needs; rebuild it with "
-                                     "`rag index build --bm25`, or pass --retrieval dense")
-        return BM25Retriever(kb.bm25, kb.get_passages, kb.served_version, knowledge_base=kb)
+        if kb.bm25 is None and not build_missing:
+            raise KnowledgeBaseError(f"--kb {kb.path}: has no BM25 index, which --retrieval bm25 (retrieval='bm25') needs; "
+                                     "rebuild it with `rag index build --bm25`, or use --retrieval dense")
+        index = kb.bm25 if kb.bm25 is not None else BM25Index.build(kb.all_passages(), **bm25_build)
+        return BM25Retriever(index, kb.get_passages, knowledge_base=kb, build_missing=build_missing)
     if kind in ("dense", "hybrid"):
-        from rag.knowledge.retriever import DenseRetriever, default_query_encoder
-
         encoder = query_encoder if query_encoder is not None else default_query_encoder(kb)
         if kind == "hybrid":  # both rankings fused (rag.knowledge.hybrid)
-            from rag.knowledge.hybrid import HybridRetriever
-
-            return HybridRetriever.for_settings(kb, encoder, settings)
-        return DenseRetriever(kb, encoder)
-    raise ConfigError(f"--retrieval {kind!r}: choose one of {RETRIEVAL_KINDS}")
+            return HybridRetriever.for_settings(kb, encoder, settings, allow_encoder_change=allow_encoder_change)
+        return DenseRetriever(kb, encoder, allow_encoder_change=allow_encoder_change)
+    raise ConfigError(f"retrieval={kind!r} (--retrieval); choose one of {RETRIEVAL_KINDS}")
 
 
 class ServedRetrievers:
@@ -114,8 +121,6 @@ class KnowledgeBaseRetrievers:
         """The dense query encoder (loaded from `kb`'s manifest on first use, then kept across swaps)."""
         with self._encoder_lock:
             if self.query_encoder is None:
-                from rag.knowledge.retriever import default_query_encoder
-
                 self.query_encoder = default_query_encoder(kb)
                 self.space = kb.encoder.get("fingerprint")
             return self.query_encoder
@@ -132,8 +137,6 @@ class KnowledgeBaseRetrievers:
             KnowledgeBaseError: `kb` lacks a BM25 index while BM25 has served, or its embeddings do not fit the
                 dense query encoder (dimension, or document encoder unless `allow_encoder_change`).
         """
-        from rag.knowledge.retriever import check_compatible
-
         current = self._served
         built = {}
         for kind in sorted(current._built):

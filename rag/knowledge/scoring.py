@@ -21,14 +21,18 @@ from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
 
 import torch
 
+from rag.knowledge.bm25 import BM25Retriever
+from rag.knowledge.hybrid import HybridRetriever
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.retriever import DenseRetriever, check_compatible
+from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS, retriever_for_kind
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
 
-__all__ = ["ScoringSettings", "RetrievalScorer", "make_retriever"]
+__all__ = ["ScoringSettings", "RetrievalScorer"]
 
 
 class ScoringSettings(Protocol):
@@ -48,29 +52,6 @@ class ScoringSettings(Protocol):
 
     @property
     def uses_doc_encoder(self) -> bool: ...
-
-
-def make_retriever(kb: "KnowledgeBase", question_encoder: "TextEncoder", retrieval: str, *,
-                   allow_encoder_change: bool = False, settings: Optional["ScoringSettings"] = None) -> Retriever:
-    """DenseRetriever (dim checked now, not mid-epoch), a BM25Retriever over the KB's stored BM25 index, or both fused
-    (``hybrid``, :class:`~rag.knowledge.hybrid.HybridRetriever`)."""
-    from rag.knowledge.retriever import DenseRetriever, check_compatible
-
-    if retrieval == "bm25":
-        from rag.knowledge.bm25 import BM25Retriever
-
-        if kb.bm25 is None:
-            raise KnowledgeBaseError(
-                f"{kb.path}: has no BM25 index, but retrieval='bm25'; rebuild the knowledge base with bm25=True "
-                "(`rag index build --bm25`) or use retrieval='dense'"
-            )
-        return BM25Retriever(kb.bm25, kb.get_passages, kb_version=kb.version, knowledge_base=kb)
-    check_compatible(kb, question_encoder.dim, None)
-    if retrieval == "hybrid":
-        from rag.knowledge.hybrid import HybridRetriever
-
-        return HybridRetriever.for_settings(kb, question_encoder, settings, allow_encoder_change=allow_encoder_change)
-    return DenseRetriever(kb, question_encoder, allow_encoder_change=allow_encoder_change)
 
 
 class RetrievalScorer:
@@ -96,16 +77,10 @@ class RetrievalScorer:
 
     def __init__(self, question_encoder: "TextEncoder", retriever: Union[Retriever, "KnowledgeBase"], settings: ScoringSettings,
                  doc_encoder: Optional["TextEncoder"] = None):
-        from rag.knowledge.bm25 import BM25Retriever
-        from rag.knowledge.knowledge_base import KnowledgeBase
-        from rag.knowledge.retriever import DenseRetriever, check_compatible
-
         self.question_encoder = question_encoder
         self.settings = settings
-        from rag.knowledge.hybrid import HybridRetriever
-
         if isinstance(retriever, KnowledgeBase):
-            retriever = make_retriever(retriever, question_encoder, settings.retrieval, settings=settings)
+            retriever = retriever_for_kind(settings.retrieval, retriever, question_encoder, settings=settings)
         if settings.retrieval == "hybrid":
             if not isinstance(retriever, HybridRetriever):
                 raise ConfigError(f"config.retrieval='hybrid' needs a HybridRetriever or a KnowledgeBase, got {type(retriever).__name__}")
@@ -175,8 +150,6 @@ class RetrievalScorer:
         served now: the model's own, or one built for it on first use (rebuilt after a knowledge-base swap)."""
         if kind is None or kind == self.settings.retrieval:
             return self.retriever
-        from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS
-
         if kind not in RETRIEVAL_KINDS:
             raise ConfigError(f"retrieval={kind!r} (--retrieval); choose one of {RETRIEVAL_KINDS}")
         kb = self.knowledge_base
@@ -184,8 +157,8 @@ class RetrievalScorer:
         if found is None or found.knowledge_base is not kb:
             if kb is None:
                 raise ConfigError(f"retrieval={kind!r}: this model's retriever has no knowledge base to build it over")
-            found = make_retriever(kb, self.question_encoder, kind, settings=self.settings,
-                                   allow_encoder_change=bool(getattr(self.retriever, "allow_encoder_change", False)))
+            found = retriever_for_kind(kind, kb, self.question_encoder, settings=self.settings,
+                                       allow_encoder_change=bool(getattr(self.retriever, "allow_encoder_change", False)))
             self._other_kinds[kind] = found
         return found
 

@@ -20,6 +20,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rag.models.rag.model import RagModel
     from rag.models.ralm.model import DocumentScorer, RalmConfig
 
+from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
 from rag.generation.options import reader_options, retrieval_options
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
@@ -259,13 +260,12 @@ class RalmReader:
     def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
                  config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
                  reranker: Optional["DocumentScorer"] = None):
-        from rag.knowledge.knowledge_base import KnowledgeBase
         from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
         from rag.models.ralm.model import InContextRALM, RalmConfig
 
         if knowledge_base is None:
             raise ConfigError("a causal LM carries no knowledge base: pass knowledge_base=<directory> (--kb DIR)")
-        kb = knowledge_base if isinstance(knowledge_base, KnowledgeBase) else KnowledgeBase.open(knowledge_base)
+        kb = resolve_knowledge_base(knowledge_base)
         self.model, self.tokenizer, self.reranker = model.eval(), tokenizer, reranker
         self.config = config or RalmConfig()
         self._retriever = KnowledgeBaseRetrievers(kb, retrieval)

@@ -15,6 +15,7 @@ import random
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from rag.demo.kb import resolve_knowledge_base
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number
 
@@ -120,15 +121,9 @@ def sample_context_choices(top_rows: Sequence[Sequence[int]], mixing: ContextMix
     return out
 
 
-def open_knowledge_base(spec: str):
-    """``"demo"`` -> the bundled demo knowledge base (built on first use); else a knowledge-base directory."""
-    if spec == "demo":
-        from rag.demo.kb import ensure_demo_kb
-
-        return ensure_demo_kb(show_progress=False)
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    return KnowledgeBase.open(spec)
+open_knowledge_base = resolve_knowledge_base
+"""``"demo"`` -> the bundled demo knowledge base (built on first use); else a knowledge-base directory (the one
+resolver, :func:`rag.demo.kb.resolve_knowledge_base`)."""
 
 
 def retrieve_rows(kb, questions: Sequence[str], k: int, query_encoder: Optional[str] = None) -> list[list[int]]:

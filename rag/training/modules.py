@@ -33,6 +33,7 @@ from typing import Any, Literal, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.demo.kb import KNOWLEDGE_BASE_NAMES, resolve_knowledge_base
 from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, TokenF1
 from rag.generators.lora import LoraSettings
 from rag.generators.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name, resolve_generator
@@ -245,10 +246,8 @@ class RagModule(pl.LightningModule):
 
         h = self.hparams
         kb = h.knowledge_base
-        if kb == "demo":  # the bundled Elements knowledge base (dense + BM25), built on first use
-            from rag.demo.kb import ensure_demo_kb
-
-            kb = str(ensure_demo_kb(show_progress=False).path)
+        if kb in KNOWLEDGE_BASE_NAMES:  # "demo": the bundled Elements knowledge base (dense + BM25), built on first use
+            kb = str(resolve_knowledge_base(kb).path)
         elif h.build_knowledge_base_from is not None:
             enc = h.knowledge_base_encoder or h.question_encoder
             if enc is None:

@@ -28,6 +28,7 @@ from typing import Any, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.demo.kb import resolve_knowledge_base
 from rag.models.ralm.model import doc_text
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, document_logprobs
 from rag.models.replug.lsr import lsr_loss
@@ -177,11 +178,10 @@ class ReplugLSRModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from rag.knowledge.knowledge_base import KnowledgeBase
         from rag.knowledge.retriever import default_query_encoder
 
         h = self.hparams
-        kb = KnowledgeBase.open(self._ensure_kb())
+        kb = resolve_knowledge_base(self._ensure_kb())
         if h.k > len(kb):
             raise ConfigError(f"model.k={h.k} documents per input but the knowledge base {kb.path} holds {len(kb)}; lower model.k")
         qenc = default_query_encoder(kb, h.question_encoder)

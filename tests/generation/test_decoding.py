@@ -285,11 +285,22 @@ def test_thorough_scores_equal_brute_force_marginal_likelihood(tiny):
 
 
 def test_teacher_forced_logprobs_reuse_encoder_states(tiny):
+    """Scoring 2 sequences under 3 passages each runs the encoder 0 more times than encoding the passages did (the
+    states are reused for all 6 rows), and gives the log-probs of a full forward pass over each row."""
     tok, gen, _ = tiny
     ids, mask, _ = _contexts(tok, 1, 3, padded=True)
     seqs = torch.tensor([[EOS, 40, 41, 42, EOS], [EOS, 50, EOS, PAD, PAD]])
     index = torch.tensor([[0, 1, 2], [2, 0, 1]])
-    lp = teacher_forced_logprobs(gen, encode_contexts(gen, ids, mask), seqs, index, batch_size=4)
+    calls = []
+    hook = gen.get_encoder().register_forward_hook(lambda module, args, out: calls.append(1))
+    try:
+        contexts = encode_contexts(gen, ids, mask)
+        encoded = len(calls)
+        lp = teacher_forced_logprobs(gen, contexts, seqs, index, batch_size=4)
+        rescored = len(calls) - encoded
+    finally:
+        hook.remove()
+    assert encoded >= 1 and rescored == 0, (encoded, rescored)  # the hook sees the encoder; scoring never runs it
     with torch.no_grad():
         for c in range(2):
             for k in range(3):

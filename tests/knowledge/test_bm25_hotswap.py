@@ -17,6 +17,7 @@ from rag.knowledge.bm25 import BM25Retriever
 from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
+from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.utils.errors import IntegrityError, KnowledgeBaseError
 
 N = 12
@@ -63,7 +64,7 @@ def kbs(tmp_path_factory, demo_passages, tiny_dpr_context_dir):
 
 @pytest.fixture()
 def retriever(kbs):
-    return BM25Retriever.from_knowledge_base(KnowledgeBase.open(kbs["A"]))
+    return retriever_for_kind("bm25", KnowledgeBase.open(kbs["A"]))
 
 
 def test_swap_moves_the_bm25_index_with_the_knowledge_base(retriever, kbs):
@@ -109,7 +110,7 @@ def test_embedding_checks_do_not_apply_to_bm25(retriever, kbs):
 
 def test_build_missing_indexes_a_knowledge_base_without_bm25(kbs):
     kb_c = KnowledgeBase.open(kbs["C"])
-    r = BM25Retriever.from_knowledge_base(kb_c, show_progress=False)  # built in memory
+    r = retriever_for_kind("bm25", kb_c, build_missing=True, show_progress=False)  # built in memory
     assert r.build_missing and r.knowledge_base is kb_c
     slot = KnowledgeBaseSlot(r)
     slot.swap(kbs["A"])  # stored index used
@@ -129,7 +130,7 @@ def test_call_started_on_old_bm25_index_finishes_on_it(kbs, monkeypatch):
         return get_passages(self, rows)
 
     monkeypatch.setattr(KnowledgeBase, "get_passages", gated)  # before the retriever binds kb.get_passages
-    retriever = BM25Retriever.from_knowledge_base(KnowledgeBase.open(kbs["A"]))
+    retriever = retriever_for_kind("bm25", KnowledgeBase.open(kbs["A"]))
     slot = KnowledgeBaseSlot(retriever, keep_loaded=0)
     va = retriever.kb_version
     out: dict = {}

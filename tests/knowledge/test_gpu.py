@@ -15,8 +15,14 @@ from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-needs_gpu = pytest.mark.skipif(gpu_count() == 0 or faiss_gpu_problem(0) is not None,
-                               reason="needs faiss with GPU support that runs on this machine's CUDA device")
+_FAISS_GPU_PROBLEM = faiss_gpu_problem(0) if torch.cuda.is_available() else "no CUDA device"
+needs_gpu = pytest.mark.skipif(
+    _FAISS_GPU_PROBLEM is not None,
+    reason="IVF-PQ search and builds on a GPU run in faiss's own CUDA kernels, which only faiss's GPU build has (the "
+           "[gpu] extra, faiss-gpu-cu12: kernels for compute capability 7.0-8.9, so not on an H100/H200); the torch "
+           f"flat search does not stand in for them (flat-on-GPU is tested above). Here: {_FAISS_GPU_PROBLEM}")
+"""The three IVF-PQ tests below. Every other GPU test needs only a CUDA device: the flat search runs in torch, and a
+faiss that cannot use the GPU (faiss-cpu, or a GPU build without this GPU's kernels) must leave IVF on the CPU."""
 
 
 def _kb(tmp_path, index: str, n: int = 2000, d: int = 32) -> KnowledgeBase:
@@ -87,14 +93,19 @@ def test_gpu_flat_search_equals_cpu(tmp_path, shard):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(gpu_count() == 0 or faiss_gpu_problem(0) is None, reason="needs a GPU that the installed faiss cannot run on")
+@needs_cuda
+@pytest.mark.skipif(_FAISS_GPU_PROBLEM is None, reason="the installed faiss runs on this GPU")
 def test_a_faiss_that_cannot_run_on_this_gpu_leaves_ivf_search_and_builds_on_the_cpu(tmp_path, caplog):
+    """On a GPU machine with faiss-cpu (the default install) or a faiss GPU build without kernels for this GPU."""
     kb = _kb(tmp_path, "ivf_pq:nlist=16,nprobe=16")
     q = np.random.default_rng(1).standard_normal((8, 32)).astype(np.float32)
+    want = kb.search(q, 5)
     with caplog.at_level(logging.WARNING, logger="rag.knowledge.gpu"):
         assert kb.use_gpu(0) is False
-    assert "failed a test search" in caplog.text and "searching on the CPU" in caplog.text
-    assert kb.search(q, 5)[1].shape == (8, 5)  # still answers, on the CPU
+    why = "no GPU for faiss" if gpu_count() == 0 else "failed a test search"
+    assert why in caplog.text and "searching on the CPU" in caplog.text
+    got = kb.search(q, 5)  # still answers, on the CPU: the same rows
+    np.testing.assert_array_equal(got[1], want[1])
 
 
 @pytest.mark.gpu
@@ -168,16 +179,23 @@ def test_an_ivf_pq_index_built_on_the_gpu_is_a_cpu_index_as_good_as_a_cpu_build(
 
 
 @pytest.mark.gpu
-@needs_gpu
+@needs_cuda  # built on the GPU where faiss can, else (automatically) on the CPU: either way it must search the same
 def test_a_knowledge_base_built_where_a_gpu_is_searches_like_one_built_on_the_cpu(tmp_path):
     x = _clustered(5000, 32, 0)
     passages = [Passage(f"p{i}", "", f"text {i}") for i in range(len(x))]
     enc = {"name": "random", "dim": 32}
-    spec = "ivf_pq:nlist=32,pq_m=8,nprobe=32"
+    spec = "ivf_pq:nlist=32,pq_m=16,nprobe=32"
     on_gpu = KnowledgeBase.from_embeddings(passages, x, enc, tmp_path / "g", index=spec, show_progress=False)
     on_cpu = KnowledgeBase.from_embeddings(passages, x, enc, tmp_path / "c", index=spec, show_progress=False, gpu=False)
     reopened = KnowledgeBase.open(tmp_path / "g")
     q = x[:100]
-    top_gpu, top_cpu = reopened.search(q, 1)[1][:, 0], on_cpu.search(q, 1)[1][:, 0]
-    assert np.mean(top_gpu == np.arange(100)) > 0.9 and np.mean(top_cpu == np.arange(100)) > 0.9
+    exact = np.argsort(-(q @ x.T), axis=1)[:, :10]
+
+    def recall(kb) -> float:
+        return float(np.mean([len(set(a) & set(b)) / 10 for a, b in zip(exact, kb.search(q, 10)[1])]))
+
+    r_gpu, r_cpu = recall(reopened), recall(on_cpu)
+    assert r_cpu > 0.5 and abs(r_gpu - r_cpu) < 0.05, (r_gpu, r_cpu)  # 16-byte codes: recall, not self-retrieval
+    if _FAISS_GPU_PROBLEM is not None:  # faiss could not build on this GPU: built on the CPU, the same index
+        np.testing.assert_array_equal(reopened.search(q, 10)[1], on_cpu.search(q, 10)[1])
     del on_gpu

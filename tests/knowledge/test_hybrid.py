@@ -143,9 +143,9 @@ def test_retrieval_can_be_chosen_per_call_and_follows_a_swap(kb, tiny_dpr_questi
     pipe = RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, RagModelConfig(n_docs=2)))
     q = ["which element has the symbol Li?"]
     bm25 = pipe.retrieve(q, k=2, retrieval="bm25")[0]
-    from rag.knowledge.bm25 import BM25Retriever
+    from rag.knowledge.retriever_kinds import retriever_for_kind
 
-    want = BM25Retriever.from_knowledge_base(kb).retrieve(q, 2)
+    want = retriever_for_kind("bm25", kb).retrieve(q, 2)
     assert [p.id for p in bm25.passages] == [p.id for p in want.passages[0]]
     [a] = pipe.generate(q, retrieval="hybrid", max_new_tokens=3)
     assert len(a.passages) == 2

@@ -131,17 +131,33 @@ def test_prewarm_warms_only_its_own_mappings(kb_dirs):
 
 
 def test_prewarm_pauses_between_steps(kb_dirs, monkeypatch):
-    """It yields after every step (the requests of the version serving meanwhile come first)."""
+    """It yields after every step (the requests of the version serving meanwhile come first): `pause` seconds after a
+    step that found its pages in the page cache, as long as the step took after one that read the disk. The clock and
+    the sleep are this module's stand-ins, so the pauses are compared exactly, with no timing assertion."""
     kb = _cold(kb_dirs["A"])
-    sleeps = []
-    real_sleep, me = pagecache.time.sleep, threading.get_ident()
-    # time.sleep is the module's: other threads (a previous test's background release worker) sleep through
-    # it too, so count only this thread's calls and let the others really sleep.
+    sleeps, ticks = [], []
+    real_sleep, real_clock, me = pagecache.time.sleep, pagecache.time.monotonic, threading.get_ident()
+    step_seconds = 0.25  # every step "takes" a quarter second on the stand-in clock
+
+    def clock():
+        if threading.get_ident() != me:
+            return real_clock()
+        ticks.append(step_seconds * len(ticks))
+        return ticks[-1]
+
+    # time.sleep / time.monotonic are the module's: other threads (a previous test's background release worker) use
+    # them too, so stand in for this thread's calls only and let the others really sleep.
     monkeypatch.setattr(pagecache.time, "sleep", lambda s: sleeps.append(s) if threading.get_ident() == me else real_sleep(s))
-    chunk = 1 << 16
-    kb.prewarm(chunk=chunk, pause=0.002)
+    monkeypatch.setattr(pagecache.time, "monotonic", clock)
+    chunk, pause = 1 << 16, 0.002
     steps = sum(-(-size // chunk) for size in kb.mapped_files().values())
-    assert len(sleeps) == steps and all(s >= 0 for s in sleeps)
+    assert steps > 1
+    kb.prewarm(chunk=chunk, pause=pause)  # cold: a step reading the disk leaves it idle for as long as it took
+    assert len(sleeps) == steps and set(sleeps) <= {pause, step_seconds}, sorted(set(sleeps))
+    assert len(ticks) == 2 * steps  # one clock reading before and one after each step
+    sleeps.clear()
+    kb.prewarm(chunk=chunk, pause=pause)  # every page cached now: exactly `pause` after each step
+    assert sleeps == [pause] * steps
 
 
 def test_prewarm_in_memory_closed_and_bad_arguments(kb_dirs):

@@ -75,9 +75,29 @@ def test_loss_equals_transformers_on_the_same_text(module):
         torch.testing.assert_close(nll[i].detach(), ref, rtol=1e-5, atol=1e-5)
 
 
-def test_training_steps_lower_the_loss_and_touch_only_the_lm(module):
+def test_training_steps_lower_the_loss_and_touch_only_the_lm(gpt2_dir, tiny_kb_dir):
+    """The module's own configure_optimizers (under a real Trainer, for its step schedule) optimizes exactly the LM's
+    trainable parameters: 30 of its steps (of a 300-step schedule) lower the loss, and a parameter frozen beforehand never
+    moves."""
+    import pytorch_lightning as pl
+
+    module = CausalReaderModule(lm=gpt2_dir, knowledge_base=tiny_kb_dir, doc_max_length=24, learning_rate=3e-3,
+                                warmup_ratio=0.0)
+    module.configure_model()
+    frozen = dict(module.lm.named_parameters())["transformer.wpe.weight"]  # positions (the token embeddings are the head)
+    frozen.requires_grad_(False)
+    before = frozen.detach().clone()
+    module.trainer = pl.Trainer(max_steps=300, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                                enable_model_summary=False, accelerator="cpu")
+    config = module.configure_optimizers()
+    opt, scheduler = config["optimizer"], config["lr_scheduler"]["scheduler"]
+    optimized = [p for group in opt.param_groups for p in group["params"]]
+    trainable = [p for p in module.lm.parameters() if p.requires_grad]
+    assert len(optimized) == len({id(p) for p in optimized}) == len(trainable)
+    assert {id(p) for p in optimized} == {id(p) for p in trainable}  # all of the LM's trainable ones, nothing else
+    assert {id(p) for p in module.parameters()} - {id(p) for p in module.lm.parameters()} == set()  # it owns no others
+    assert all(group["lr"] == 3e-3 for group in opt.param_groups)
     batch = {"questions": ["what is the symbol of gold?"] * 4, "targets": ["Au"] * 4, "contexts": [GOLD] * 4}
-    opt = torch.optim.AdamW(module.lm.parameters(), lr=3e-3)
     module.lm.train()
     first = None
     for _ in range(30):
@@ -85,9 +105,11 @@ def test_training_steps_lower_the_loss_and_touch_only_the_lm(module):
         first = float(loss.detach()) if first is None else first
         opt.zero_grad()
         loss.backward()
-        assert all(p.grad is not None for p in module.lm.parameters() if p.requires_grad)
+        assert all(p.grad is not None for p in trainable)
         opt.step()
+        scheduler.step()
     assert float(loss) < first / 4, (first, float(loss))
+    assert torch.equal(frozen, before)
 
 
 def test_answer_under_a_given_passage_equals_ralm_reader_generation(module):

@@ -24,6 +24,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Union
 
+from rag.demo.kb import KNOWLEDGE_BASE_NAMES, resolve_knowledge_base
 from rag.generators.lora import ADAPTER_FILES, base_identity, base_model_of, is_adapter, load_adapter
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
@@ -82,15 +83,9 @@ def is_hf_rag_checkpoint(path: Union[str, os.PathLike]) -> bool:
     return isinstance(data, dict) and data.get("model_type") == "rag"
 
 
-def open_knowledge_base(kb, verify: str = "full"):
-    """`kb` if it is a KnowledgeBase, else the knowledge-base directory it names, opened and verified."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
-    if isinstance(kb, KnowledgeBase):
-        return kb
-    if isinstance(kb, (str, os.PathLike)):
-        return KnowledgeBase.open(kb, verify=verify)
-    raise ConfigError(f"knowledge_base must be a KnowledgeBase or a directory path, got {type(kb).__name__}")
+open_knowledge_base = resolve_knowledge_base
+"""`kb` if it is a KnowledgeBase, "demo", else the knowledge-base directory it names, opened and verified (the one
+resolver, :func:`rag.demo.kb.resolve_knowledge_base`)."""
 
 
 # --------------------------------------------------------------------------- saving
@@ -187,9 +182,9 @@ def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: 
 
 # --------------------------------------------------------------------------- knowledge-base references
 
-WELL_KNOWN_KBS = ("demo",)
-"""Knowledge bases a checkpoint may name instead of a path: "demo" is :func:`rag.demo.kb.ensure_demo_kb`'s
-(``$RAG_CACHE/demo_kb``, built from the bundled corpus on first use)."""
+WELL_KNOWN_KBS = tuple(KNOWLEDGE_BASE_NAMES)
+"""Knowledge bases a checkpoint may name instead of a path (:data:`rag.demo.kb.KNOWLEDGE_BASE_NAMES`): "demo" is
+:func:`rag.demo.kb.ensure_demo_kb`'s (``$RAG_CACHE/demo_kb``, built from the bundled corpus on first use)."""
 
 _MAX_UP = 2  # a knowledge base at most this many directories above the checkpoint is referenced relatively
 
@@ -221,9 +216,7 @@ def referenced_knowledge_base(root: Path, kb_ref: dict):
     if name is not None:
         if name not in WELL_KNOWN_KBS:
             raise ConfigError(f"{cfg_file}: names knowledge base {name!r}, not one of {list(WELL_KNOWN_KBS)}; {how}")
-        from rag.demo.kb import ensure_demo_kb
-
-        return ensure_demo_kb(show_progress=False)
+        return resolve_knowledge_base(name)
     path = kb_ref.get("path")
     if not path:
         raise ConfigError(f"{cfg_file}: records no knowledge base; {how}")

@@ -19,8 +19,10 @@ from typing import Callable, Iterable, Iterator, Optional, Protocol, Sequence
 import numpy as np
 import torch
 
+from rag.demo.kb import resolve_knowledge_base
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
+from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_bool, check_number
 
@@ -234,10 +236,7 @@ def open_retriever(kind: str, kb_path):
         return None
     if kb_path is None:
         raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass --retrieval none")
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.retriever_kinds import retriever_for_kind
-
-    return retriever_for_kind(kind, KnowledgeBase.open(kb_path))
+    return retriever_for_kind(kind, resolve_knowledge_base(kb_path))
 
 
 def doc_text(p: Passage) -> str:
