@@ -28,7 +28,7 @@ from rag.utils.io import atomic_directory, atomic_write_json
 __all__ = [
     "DEMO_LM_NAMES", "DEMO_LM_PACKAGE", "INSTALL_COMMAND", "PROSE_SAMPLE", "GGUFTokenizerSpec", "demo_lm_dir", "find_gguf",
     "read_gguf_tokenizer", "build_gguf_tokenizer", "verify_tokenizer", "check_language_model", "prepare_demo_lm",
-    "read_demo_lm_manifest",
+    "read_demo_lm_manifest", "demo_lm_needs_conversion",
 ]
 
 log = logging.getLogger(__name__)
@@ -413,6 +413,12 @@ def _convert_once(gguf_path: Path, gguf_sha: str, tmp: Path, show_progress: bool
         "verification": {"tokenizer": tok_report, "language_model": lm_report},
         "files": files,
     }
+
+
+def demo_lm_needs_conversion() -> bool:
+    """Whether :func:`prepare_demo_lm` has no converted cache to check (nothing at :func:`demo_lm_dir`, or no manifest
+    there): a cheap test for a first run, before the checksums are read."""
+    return not (demo_lm_dir() / MANIFEST).is_file()
 
 
 def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
