@@ -170,3 +170,15 @@ def test_the_first_rag_demo_prints_one_line_per_stage_and_nothing_of_the_librari
     assert all(re.fullmatch(r"rag demo: \d+ of 12 reader prompts .*", line) for line in lines[3:]), run.stderr
     out = run.stdout.splitlines()
     assert out.index("") == 2 and out[3].startswith("Q: ")  # the knowledge base and model lines, then the first answer
+
+
+def test_rag_generate_reports_the_cut_prompts_once_after_the_answers(tmp_path, capsys, gpt2_dir, kb_dir):
+    model = RagModel.from_components(None, gpt2_dir, kb_dir, RagModelConfig(n_docs=3, max_context_length=40))
+    model.save_pretrained(tmp_path / "model")
+    capsys.readouterr()
+    code = main(["generate", "--model", str(tmp_path / "model"), "--json", "--batch-size", "1", "--max-new-tokens", "2",
+                 "Which element has symbol Na?", "Who discovered oxygen?"])
+    out, err = capsys.readouterr()
+    assert code == 0 and len(out.splitlines()) == 2  # stdout: the answers alone
+    assert "Warning" not in err and re.fullmatch(r"rag generate: [1-6] of 6 reader prompts \(\d+%\) were longer than "
+                                                 r"max_context_length=40 tokens: .*\n", err), err
