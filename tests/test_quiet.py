@@ -182,3 +182,25 @@ def test_rag_generate_reports_the_cut_prompts_once_after_the_answers(tmp_path, c
     assert code == 0 and len(out.splitlines()) == 2  # stdout: the answers alone
     assert "Warning" not in err and re.fullmatch(r"rag generate: [1-6] of 6 reader prompts \(\d+%\) were longer than "
                                                  r"max_context_length=40 tokens: .*\n", err), err
+
+
+def test_a_training_run_whose_prompts_are_cut_says_so_before_the_first_step(tmp_path, caplog, tiny_bart_dir,
+                                                                             tiny_dpr_question_dir, tiny_kb_dir):
+    import pytorch_lightning as pl
+
+    from rag.training.data import QADataModule
+    from rag.training.modules import RagModule
+
+    module = RagModule(generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
+                       rag={"n_docs": 2, "max_context_length": 24, "max_target_length": 8, "max_question_length": 16},
+                       max_new_tokens=3)
+    data = QADataModule(train="demo:train", val="demo:dev", batch_size=4, eval_batch_size=4, max_eval_examples=4)
+    trainer = pl.Trainer(fast_dev_run=True, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)
+    with caplog.at_level(logging.WARNING, logger="rag.training.modules"):
+        trainer.fit(module, datamodule=data)
+    lines = [r.getMessage() for r in caplog.records if r.name == "rag.training.modules"]
+    up_front = [i for i, m in enumerate(lines) if "measured before training on 64 of the" in m]
+    per_epoch = [i for i, m in enumerate(lines) if "contexts this epoch" in m]
+    assert up_front and per_epoch and up_front[0] < per_epoch[0], lines
+    assert re.match(r"train: 128 of 128 reader prompts \(100%\) were longer than max_context_length=24 tokens", lines[up_front[0]])

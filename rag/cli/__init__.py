@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from rag.utils.errors import RagError
 from rag.utils.quiet import one_line_warnings, quiet_libraries
+from rag.utils.truncation import counting_cut_prompts
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
@@ -134,8 +135,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 sys.argv[1:] = rest  # LightningCLI reads the process's command line
         try:
             try:
-                # the training loop's bar stays; the libraries' bars, logs and warnings only with -v
-                with one_line_warnings(f"rag {rest[0]}", enabled=not verbose), quiet_libraries(not verbose):
+                # the training loop's bar stays; the libraries' bars, logs and warnings only with -v. Cut reader prompts
+                # are counted, not warned per step: RagModule reports them before training and once per epoch
+                with one_line_warnings(f"rag {rest[0]}", enabled=not verbose), quiet_libraries(not verbose), \
+                        counting_cut_prompts():
                     run_lightning_cli(rest)
             except Exception as e:  # jsonargparse wraps a class's own error in its ValueError: the user's is the cause
                 cause = user_error_in(e)

@@ -425,7 +425,7 @@ def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
     """Convert the demo LM into :func:`demo_lm_dir` once and return that directory (loadable by ``load_generator``).
 
     ``show_progress=False`` silences rag's bar and transformers' logging bars (transformers' own GGUF de-quantization bar
-    writes to stderr regardless). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
+    writes to stderr regardless, except inside :func:`rag.utils.quiet.quiet_libraries`, as in every `rag` command). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
     its checksum; otherwise (or with ``force``) it is rebuilt atomically. A directory there without a manifest was not
     written by this function and is left alone unless ``force`` is given.
     """

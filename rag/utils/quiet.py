@@ -2,9 +2,9 @@
 
 :func:`quiet_libraries` is the one place that hides third-party output. Within it
 
-- a tqdm bar is drawn only when code of an allowed package (``rag``, the training loop's ``lightning``, a user's
-  ``__main__``) created it: transformers' "Loading weights", datasets' "Saving the dataset", bm25s' stages and the GGUF
-  de-quantization bar are created disabled, whichever library draws them;
+- a tqdm bar is drawn only when code of an allowed package (:data:`SHOWN_OWNERS`: ``rag``, the training loop's
+  ``lightning``, a user's ``__main__``) created it: transformers' "Loading weights", datasets' "Saving the dataset",
+  bm25s' stages and the GGUF de-quantization bar are created disabled, whichever library draws them;
 - log records of other packages reach the console handlers only at ERROR and above, and transformers, datasets and
   huggingface_hub, if first imported inside the block, start at verbosity ``error``;
 
@@ -24,10 +24,11 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
-__all__ = ["SHOWN_BAR_OWNERS", "quiet_libraries", "one_line_warnings", "is_own_warning", "stage"]
+__all__ = ["SHOWN_OWNERS", "quiet_libraries", "one_line_warnings", "is_own_warning", "stage"]
 
-SHOWN_BAR_OWNERS = ("rag", "lightning", "pytorch_lightning", "__main__")
-"""Top-level packages whose own tqdm bars stay visible inside :func:`quiet_libraries`."""
+SHOWN_OWNERS = ("rag", "lightning", "pytorch_lightning", "__main__")
+"""Top-level packages whose own tqdm bars and log records stay visible inside :func:`quiet_libraries`: rag, the
+training loop (its progress bar, model summary and checkpoint notes) and a user's script."""
 
 _VERBOSITY_ENV = {"transformers": "TRANSFORMERS_VERBOSITY", "datasets": "DATASETS_VERBOSITY", "huggingface_hub": "HF_HUB_VERBOSITY"}
 """The libraries that read their verbosity from the environment when first imported (and keep their own handler)."""
@@ -60,7 +61,7 @@ def _own_bars_only() -> Iterator[None]:
     real_init = tqdm.std.tqdm.__init__
 
     def __init__(self, *args, **kwargs):
-        if _package(_bar_owner(sys._getframe(1))) not in SHOWN_BAR_OWNERS:
+        if _package(_bar_owner(sys._getframe(1))) not in SHOWN_OWNERS:
             kwargs["disable"] = True
         real_init(self, *args, **kwargs)
 
@@ -72,10 +73,10 @@ def _own_bars_only() -> Iterator[None]:
 
 
 class _OwnRecords(logging.Filter):
-    """Passes rag's records and every record at ERROR or above."""
+    """Passes the records of :data:`SHOWN_OWNERS` and every record at ERROR or above."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return _package(record.name) == "rag" or record.levelno >= logging.ERROR
+        return _package(record.name) in SHOWN_OWNERS or record.levelno >= logging.ERROR
 
 
 def _console_handlers() -> list[logging.Handler]:

@@ -11,9 +11,9 @@ from __future__ import annotations
 import contextlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
-__all__ = ["CutPrompts", "counting_cut_prompts", "note_cut_prompts"]
+__all__ = ["CutPrompts", "counting_cut_prompts", "note_cut_prompts", "sample_cut_prompts"]
 
 
 @dataclass
@@ -66,3 +66,16 @@ def note_cut_prompts(cut: int, total: int, window: int) -> bool:
     count.cut += int(cut)
     count.windows.add(int(window))
     return True
+
+
+def sample_cut_prompts(prepare: Callable[[list[str]], Any], questions: Sequence[str], *, limit: int = 64,
+                       batch_size: int = 16) -> tuple[CutPrompts, int]:
+    """The count of cut prompts that ``prepare`` (a RAG model's ``prepare_inputs``: retrieve, then build the prompts)
+    makes for up to `limit` of the distinct `questions`, evenly spaced through them; and how many questions that was."""
+    distinct = list(dict.fromkeys(questions))
+    n = min(len(distinct), max(1, limit))
+    chosen = [distinct[i * len(distinct) // n] for i in range(n)] if distinct else []
+    with counting_cut_prompts() as count:
+        for i in range(0, len(chosen), batch_size):
+            prepare(chosen[i:i + batch_size])
+    return count, len(chosen)
