@@ -204,3 +204,17 @@ def test_a_training_run_whose_prompts_are_cut_says_so_before_the_first_step(tmp_
     per_epoch = [i for i, m in enumerate(lines) if "contexts this epoch" in m]
     assert up_front and per_epoch and up_front[0] < per_epoch[0], lines
     assert re.match(r"train: 128 of 128 reader prompts \(100%\) were longer than max_context_length=24 tokens", lines[up_front[0]])
+
+
+def test_rag_hotswap_eval_reports_the_cut_prompts_of_every_cell(tmp_path, capsys, tiny_bart_dir, kb_dir):
+    model = RagModel.from_components(None, tiny_bart_dir, kb_dir, RagModelConfig(n_docs=2, max_context_length=24))
+    model.save_pretrained(tmp_path / "model")
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps({"question": q, "answer": ["x"]}) + "\n" for q in ("Who discovered oxygen?", "What is Na?")))
+    capsys.readouterr()
+    code = main(["hotswap-eval", "--model", str(tmp_path / "model"), "--kb", kb_dir, "--kb", kb_dir, "--data", str(qa),
+                 "--max-new-tokens", "2", "--quiet", "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and json.loads(out)["n_questions"] == [2]
+    # 2 knowledge bases x 2 questions x 2 passages
+    assert re.fullmatch(r"rag hotswap-eval: [1-8] of 8 reader prompts \(\d+%\) were longer than max_context_length=24 .*\n", err), err
