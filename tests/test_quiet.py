@@ -218,3 +218,23 @@ def test_rag_hotswap_eval_reports_the_cut_prompts_of_every_cell(tmp_path, capsys
     assert code == 0 and json.loads(out)["n_questions"] == [2]
     # 2 knowledge bases x 2 questions x 2 passages
     assert re.fullmatch(r"rag hotswap-eval: [1-8] of 8 reader prompts \(\d+%\) were longer than max_context_length=24 .*\n", err), err
+
+
+def test_measuring_the_cut_prompts_before_training_leaves_the_random_state_alone(caplog, tiny_bart_dir, tiny_dpr_question_dir,
+                                                                                 tiny_kb_dir):
+    import torch
+
+    from rag.training.modules import RagModule
+
+    module = RagModule(generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
+                       rag={"n_docs": 2, "max_context_length": 24, "max_target_length": 8, "max_question_length": 16})
+    module.configure_model()
+    dropouts = [m for m in module.model.modules() if isinstance(m, torch.nn.Dropout)]
+    for m in dropouts:  # the tiny models are built without dropout; real ones draw random numbers in training mode
+        m.p = 0.1
+    assert module.model.training and dropouts
+    before = torch.get_rng_state()
+    with caplog.at_level(logging.WARNING, logger="rag.training.modules"):
+        module._report_cut_prompts_up_front(["Who discovered oxygen?", "What is the symbol of gold?"])
+    assert torch.equal(before, torch.get_rng_state())
+    assert "train: 4 of 4 reader prompts" in caplog.text

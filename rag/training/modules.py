@@ -645,9 +645,11 @@ class RagModule(pl.LightningModule):
 
     def _report_cut_prompts_up_front(self, questions: list[str]) -> None:
         """Before the first step: the fraction of reader prompts longer than ``rag.max_context_length``, measured on the
-        retrieval of up to 64 of the training questions (one warning line when any is cut)."""
+        retrieval of up to 64 of the training questions (one warning line when any is cut). The random number
+        generators are left as they were (the query encoder's dropout draws from them), so training is unchanged."""
         model = self._require_model()
-        with torch.no_grad():
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
             cut, n = sample_cut_prompts(model.prepare_inputs, questions)
         if cut.cut:
             logger.warning("train: %s (measured before training on %d of the %d training questions; "
