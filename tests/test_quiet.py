@@ -238,3 +238,21 @@ def test_measuring_the_cut_prompts_before_training_leaves_the_random_state_alone
         module._report_cut_prompts_up_front(["Who discovered oxygen?", "What is the symbol of gold?"])
     assert torch.equal(before, torch.get_rng_state())
     assert "train: 4 of 4 reader prompts" in caplog.text
+
+
+def test_the_demo_knows_from_the_manifests_alone_which_first_run_stages_it_has_to_run(tmp_path, monkeypatch):
+    from rag.demo.kb import DEMO_CORPUS, DEMO_KB_BUILD, demo_kb_needs_build
+    from rag.generators.demo_lm import MANIFEST, demo_lm_dir, demo_lm_needs_conversion
+
+    monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
+    assert demo_kb_needs_build() and demo_kb_needs_build(tmp_path / "elsewhere") and demo_lm_needs_conversion()
+    kb = tmp_path / "kb"
+    kb.mkdir()
+    for build, needed in ((DEMO_KB_BUILD, False), (DEMO_KB_BUILD - 1, True)):
+        (kb / "manifest.json").write_text(json.dumps({"build": {"corpus": DEMO_CORPUS, "demo_kb_build": build}}))
+        assert demo_kb_needs_build(kb) is needed
+    (kb / "manifest.json").write_text(json.dumps({"build": {"corpus": ["my.jsonl"]}}))  # a user's own: never rebuilt
+    assert demo_kb_needs_build(kb) is False
+    demo_lm_dir().mkdir(parents=True)
+    (demo_lm_dir() / MANIFEST).write_text("{}")
+    assert not demo_lm_needs_conversion()  # a damaged one is found (and converted again) when it is verified at load
