@@ -34,30 +34,33 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def evaluate(pipe, name: str, batch_size: int, retrieval=None) -> dict:
-    """EM (SQuAD normalisation, any gold answer), EM by type, recall@1/@3 of the passages answered from, seconds."""
+    """EM (SQuAD normalisation, any gold answer), EM by type, recall@1/@3 of the passages answered from, seconds, and
+    how many reader prompts were longer than the model's window and cut (``prompts_cut``)."""
     from rag.eval.metrics import exact_match
     from rag.eval.qa_data import read_qa
+    from rag.utils.truncation import counting_cut_prompts
 
     records = [json.loads(line) for line in open(_path(name), encoding="utf-8")]
     examples = read_qa(f"demo:{name}")
     hits, by_type, r1, r3, rows = 0, defaultdict(list), 0, 0, []
     start = time.perf_counter()
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i:i + batch_size]
-        extra = {"retrieval": retrieval} if retrieval else {}
-        answers = pipe.generate([e.question for e in chunk], **extra)
-        for e, rec, a in zip(chunk, records[i:i + batch_size], answers):
-            ok = exact_match(a.text, list(e.answers))
-            hits += ok
-            by_type[rec.get("type", "?")].append(ok)
-            titles = [p.title for p in a.passages]
-            r1 += bool(titles[:1] and titles[0] == rec.get("element"))
-            r3 += rec.get("element") in titles[:3]
-            rows.append({"question": e.question, "answer": a.text, "gold": list(e.answers), "em": bool(ok)})
+    with counting_cut_prompts() as cut:
+        for i in range(0, len(examples), batch_size):
+            chunk = examples[i:i + batch_size]
+            extra = {"retrieval": retrieval} if retrieval else {}
+            answers = pipe.generate([e.question for e in chunk], **extra)
+            for e, rec, a in zip(chunk, records[i:i + batch_size], answers):
+                ok = exact_match(a.text, list(e.answers))
+                hits += ok
+                by_type[rec.get("type", "?")].append(ok)
+                titles = [p.title for p in a.passages]
+                r1 += bool(titles[:1] and titles[0] == rec.get("element"))
+                r3 += rec.get("element") in titles[:3]
+                rows.append({"question": e.question, "answer": a.text, "gold": list(e.answers), "em": bool(ok)})
     n = len(examples)
     return {"n": n, "em": round(100 * hits / n, 1), "recall@1": round(100 * r1 / n, 1), "recall@3": round(100 * r3 / n, 1),
             "em_by_type": {t: round(100 * sum(v) / len(v), 1) for t, v in sorted(by_type.items())},
-            "seconds_per_answer": round((time.perf_counter() - start) / n, 2), "answers": rows}
+            "seconds_per_answer": round((time.perf_counter() - start) / n, 2), "prompts_cut": cut.to_dict(), "answers": rows}
 
 
 def _path(name: str) -> Path:
@@ -88,6 +91,9 @@ def main(argv=None) -> int:
     for model, res in report.items():
         for s in sets:
             print(f"{Path(model).name} {s} by type: {res[s]['em_by_type']}")
+            cut = res[s]["prompts_cut"]
+            print(f"{Path(model).name} {s}: {cut['cut']} of {cut['prompts']} reader prompts cut to max_context_length "
+                  f"{cut['max_context_length']}")
     return 0
 
 

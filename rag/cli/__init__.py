@@ -26,6 +26,8 @@ import warnings
 from typing import Optional, Sequence
 
 from rag.utils.errors import RagError
+from rag.utils.quiet import one_line_warnings, quiet_libraries
+from rag.utils.truncation import counting_cut_prompts
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
 # subcommand -> module with add_parser(subparsers); each parser sets `func`.
@@ -69,17 +71,6 @@ def _add_verbose_everywhere(parser: argparse.ArgumentParser) -> None:
                     child.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
                                        help="log at INFO level; show tracebacks and every warning")
                 _add_verbose_everywhere(child)
-
-
-def quiet_libraries() -> None:
-    """Turn off the progress bars transformers, datasets and huggingface_hub draw on their own (`--quiet`)."""
-    import datasets
-    import huggingface_hub.utils
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    datasets.disable_progress_bars()
-    huggingface_hub.utils.disable_progress_bars()
 
 
 _USAGE_ERRNOS = {errno.ENOENT: "check the path", errno.EACCES: "check its permissions, or choose another path",
@@ -146,7 +137,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 sys.argv[1:] = rest  # LightningCLI reads the process's command line
         try:
             try:
-                run_lightning_cli(rest)
+                # the training loop's bar stays; the libraries' bars, logs and warnings only with -v. Cut reader prompts
+                # are counted, not warned per step: RagModule reports them before training and once per epoch
+                with one_line_warnings(f"rag {rest[0]}", enabled=not verbose), quiet_libraries(not verbose), \
+                        counting_cut_prompts():
+                    run_lightning_cli(rest)
             except Exception as e:  # jsonargparse wraps a class's own error in its ValueError: the user's is the cause
                 cause = user_error_in(e)
                 if cause is None:
@@ -181,14 +176,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     command = " ".join(c for c in (args.command, getattr(args, "index_command", None)) if c)
-    with warnings.catch_warnings():
-        if not args.verbose:  # one line per warning, without the source line it was issued from (-v shows that)
-            warnings.showwarning = lambda message, category, *_, **__: print(f"rag {command}: {category.__name__}: {message}", file=sys.stderr)
+    # rag's warnings one line each, without the source line they were issued from; other packages' warnings, progress
+    # bars and log records only with -v (which shows everything as Python and the libraries would)
+    with one_line_warnings(f"rag {command}", enabled=not args.verbose), quiet_libraries(not args.verbose):
+        if not args.verbose:
             # A model's own max_context_length shortening its passages (keeping the question) is how it was configured,
             # not news on every run; -v shows it. Questions that are themselves cut still warn.
             warnings.filterwarnings("ignore", message="Some generator contexts are longer than max_length")
-        if getattr(args, "quiet", False):
-            quiet_libraries()
         try:
             return int(args.func(args) or 0)
         except KeyboardInterrupt:

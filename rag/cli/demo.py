@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import sys
+
 from rag.cli.index import _print_results
+from rag.demo.kb import demo_kb_needs_build
+from rag.generators.demo_lm import demo_lm_needs_conversion, prepare_demo_lm
+from rag.utils.quiet import stage
+from rag.utils.truncation import counting_cut_prompts
 
 DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements), and one phrased naturally
     "what is the chemical symbol of mercury?",
@@ -23,7 +30,8 @@ def add_parser(sub) -> None:
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
     p.add_argument("--retrieve-only", action="store_true", help="print the top-k passages only (no generation)")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--quiet", action="store_true", help="no progress bars (building the knowledge base on first use, loading models)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines (building the knowledge base and converting the LM on "
+                                                         "first use, loading the model)")
     p.set_defaults(func=cmd_demo)
 
 
@@ -35,7 +43,9 @@ def cmd_demo(args) -> int:
     check_positive(args, "k")
     if args.questions:
         check_strings(args.questions, "questions")
-    kb = ensure_demo_kb(args.kb, show_progress=not args.quiet)
+    verbose = bool(getattr(args, "verbose", False))
+    with _stage("building the demo knowledge base", args, show=demo_kb_needs_build(args.kb)):
+        kb = ensure_demo_kb(args.kb, show_progress=verbose)
     questions = args.questions or DEFAULT_QUESTIONS
     if not args.json:
         print(f"demo knowledge base: {kb.path} ({kb.version}, {len(kb)} passages, {kb.index_spec.kind})")
@@ -55,9 +65,24 @@ def cmd_demo(args) -> int:
     from rag.demo.model import demo_checkpoint_dir
     from rag.pipeline.api import load
 
-    pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
+    if demo_lm_needs_conversion():  # otherwise loading reuses (and verifies) the converted LM
+        with _stage("converting the demo LM from its GGUF file", args):
+            prepare_demo_lm(show_progress=verbose)
+    with _stage("loading the demo model", args):
+        pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
     if not args.json:
         print(f"demo model: {demo_checkpoint_dir()} (see checkpoints/README.md for how it was trained and how well it does)")
-    for a in pipe.generate(questions):  # the model's stored decoding settings
+    with counting_cut_prompts() as cut:
+        answers = pipe.generate(questions)  # the model's stored decoding settings
+    for a in answers:
         print_answer(a, as_json=args.json, show_passages=args.k)
+    if cut.summary():
+        print(f"rag demo: {cut.summary()}", file=sys.stderr)
     return 0
+
+
+def _stage(label: str, args, show: bool = True):
+    """One timed line on stderr for a first-run step (none with --quiet, or when the step has nothing to do)."""
+    if args.quiet or not show:
+        return contextlib.nullcontext()
+    return stage(label, inline=not getattr(args, "verbose", False))

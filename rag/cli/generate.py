@@ -9,6 +9,7 @@ from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
 from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
+from rag.utils.truncation import counting_cut_prompts
 
 
 def add_parser(sub) -> None:
@@ -122,11 +123,14 @@ def cmd_generate(args) -> int:
         sys.stdout.flush()
 
     batch: list[str] = []
-    for q in queries:
-        batch.append(q)
-        if len(batch) == args.batch_size:
+    with counting_cut_prompts() as cut:  # reported once, after the answers, instead of a warning per batch
+        for q in queries:
+            batch.append(q)
+            if len(batch) == args.batch_size:
+                run(batch)
+                batch = []
+        if batch:
             run(batch)
-            batch = []
-    if batch:
-        run(batch)
+    if cut.summary():
+        print(f"rag generate: {cut.summary()}", file=sys.stderr)
     return 0

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from rag.utils.errors import RagError
 from rag.utils.io import to_json
+from rag.utils.truncation import counting_cut_prompts
 
 
 def add_parser(sub) -> None:
@@ -66,13 +68,16 @@ def cmd_hotswap_eval(args) -> int:
     # checkpoints, is not recorded at all).
     extra = {"allow_encoder_change": True} if args.allow_encoder_change else {}
     pipe = load(args.model, knowledge_base=args.kb[0], device=args.device, **extra)
-    result = evaluate_hotswap(
-        pipe, args.kb, args.data, batch_size=args.batch_size, n_docs=args.n_docs, num_beams=args.num_beams,
-        marginalization=args.marginalization, decoding=args.decoding, max_new_tokens=args.max_new_tokens,
-        limit=args.limit, allow_encoder_change=args.allow_encoder_change, verify=args.verify,
-        kb_labels=args.kb_label, data_labels=args.data_label, show_progress=not args.quiet, nli=nli,
-        nli_threshold=args.nli_threshold,
-    )
+    with counting_cut_prompts() as cut:  # reported once, over every (knowledge base, question set) cell
+        result = evaluate_hotswap(
+            pipe, args.kb, args.data, batch_size=args.batch_size, n_docs=args.n_docs, num_beams=args.num_beams,
+            marginalization=args.marginalization, decoding=args.decoding, max_new_tokens=args.max_new_tokens,
+            limit=args.limit, allow_encoder_change=args.allow_encoder_change, verify=args.verify,
+            kb_labels=args.kb_label, data_labels=args.data_label, show_progress=not args.quiet, nli=nli,
+            nli_threshold=args.nli_threshold,
+        )
+    if cut.summary():
+        print(f"rag hotswap-eval: {cut.summary()}", file=sys.stderr)
     if args.plot:
         path = result.plot(args.plot, metric=args.metric)
     if args.json:

@@ -8,6 +8,8 @@ from typing import Optional
 
 from rag.knowledge.resolve import KnowledgeBaseSpec, open_knowledge_base
 from rag.utils.checksums import Verify
+from rag.utils.errors import RagError
+from rag.utils.files import read_json
 from rag.utils.io import cache_dir  # noqa: F401  (re-exported: rag.demo.kb.cache_dir)
 
 DEFAULT_ENCODER = "minilm"
@@ -39,8 +41,7 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
     overwrite = False
     if (path / "manifest.json").is_file():
         kb = KnowledgeBase.open(path)
-        build = kb.manifest.build
-        if not (build.get("corpus") == DEMO_CORPUS and build.get("demo_kb_build", 1) != DEMO_KB_BUILD):
+        if not _outdated(kb.manifest.build):
             return kb
         overwrite = True  # an older build of the demo knowledge base: ours to replace (atomically)
     return KnowledgeBase.build(
@@ -59,3 +60,22 @@ def resolve_knowledge_base(spec: KnowledgeBaseSpec, *, verify: Verify = "full"):
     """An open KnowledgeBase as is, ``"demo"`` (:data:`KNOWLEDGE_BASE_NAMES`), or a knowledge-base directory opened
     with `verify`: :func:`rag.knowledge.resolve.open_knowledge_base` with this layer's names."""
     return open_knowledge_base(spec, verify=verify, names=KNOWLEDGE_BASE_NAMES)
+
+
+def _outdated(build: dict) -> bool:
+    """A manifest's ``build`` entry is the package's own demo cache from another build (rebuilt in place)."""
+    return build.get("corpus") == DEMO_CORPUS and build.get("demo_kb_build", 1) != DEMO_KB_BUILD
+
+
+def demo_kb_needs_build(path: Optional[str | os.PathLike] = None) -> bool:
+    """Whether :func:`ensure_demo_kb` will build (no knowledge base at `path`, or the package's cache of another build),
+    read from the manifest alone (its files are verified when opened)."""
+    path = Path(path) if path is not None else demo_kb_path()
+    if not (path / "manifest.json").is_file():
+        return True
+    try:
+        manifest = read_json(path / "manifest.json", fix="rebuild it")
+    except RagError:
+        return False  # damaged: opening it names the problem
+    build = manifest.get("build") if isinstance(manifest, dict) else None
+    return isinstance(build, dict) and _outdated(build)

@@ -28,7 +28,7 @@ from rag.utils.io import atomic_directory, atomic_write_json
 __all__ = [
     "DEMO_LM_NAMES", "DEMO_LM_PACKAGE", "INSTALL_COMMAND", "PROSE_SAMPLE", "GGUFTokenizerSpec", "demo_lm_dir", "find_gguf",
     "read_gguf_tokenizer", "build_gguf_tokenizer", "verify_tokenizer", "check_language_model", "prepare_demo_lm",
-    "read_demo_lm_manifest",
+    "read_demo_lm_manifest", "demo_lm_needs_conversion",
 ]
 
 log = logging.getLogger(__name__)
@@ -415,11 +415,17 @@ def _convert_once(gguf_path: Path, gguf_sha: str, tmp: Path, show_progress: bool
     }
 
 
+def demo_lm_needs_conversion() -> bool:
+    """Whether :func:`prepare_demo_lm` has no converted cache to check (nothing at :func:`demo_lm_dir`, or no manifest
+    there): a cheap test for a first run, before the checksums are read."""
+    return not (demo_lm_dir() / MANIFEST).is_file()
+
+
 def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
     """Convert the demo LM into :func:`demo_lm_dir` once and return that directory (loadable by ``load_generator``).
 
     ``show_progress=False`` silences rag's bar and transformers' logging bars (transformers' own GGUF de-quantization bar
-    writes to stderr regardless). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
+    writes to stderr regardless, except inside :func:`rag.utils.quiet.quiet_libraries`, as in every `rag` command). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
     its checksum; otherwise (or with ``force``) it is rebuilt atomically. A directory there without a manifest was not
     written by this function and is left alone unless ``force`` is given.
     """

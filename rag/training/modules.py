@@ -42,6 +42,7 @@ from rag.training.reading_practice import ReadingPracticeSettings
 from rag.training.schedules import SCHEDULES, step_schedule
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.truncation import sample_cut_prompts
 from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
@@ -632,12 +633,28 @@ class RagModule(pl.LightningModule):
                                            pairs=pairs)
             logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
                         self.practice_settings.per_step)
+        if pairs and not self.hparams.get("closed_book") and self.trainer.is_global_zero:
+            self._report_cut_prompts_up_front([q for q, _ in pairs])
         export_dir = self.hparams.get("export_dir")
         if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
             from rag.utils.io import check_output_dir
 
             check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                              option="model.export_dir")
+
+    def _report_cut_prompts_up_front(self, questions: list[str]) -> None:
+        """Before the first step: the fraction of reader prompts longer than ``rag.max_context_length``, measured on the
+        retrieval of up to 64 of the training questions (one warning line when any is cut). The random number
+        generators are left as they were (the query encoder's dropout draws from them), so training is unchanged."""
+        model = self._require_model()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            cut, n = sample_cut_prompts(model.prepare_inputs, questions)
+        if cut.cut:
+            logger.warning("train: %s (measured before training on %d of the %d training questions; "
+                           "model.rag.max_context_length sets the window)", cut.summary(), n, len(set(questions)))
+        else:
+            logger.info("train: no reader prompt is cut (%d prompts of %d training questions)", cut.prompts, n)
 
     def decoding_defaults(self) -> dict:
         """This run's decoding settings (``num_beams``, ``max_new_tokens``, ``length_penalty``): validation, test and

@@ -21,6 +21,7 @@ from torch import Tensor
 from rag.generation.causal import CausalPrompts, PrefixCache, prompt_positions
 from rag.generation.prompts import segmented_pad, tokenize_answers, tokenize_prompts
 from rag.utils.errors import ConfigError
+from rag.utils.truncation import note_cut_prompts
 
 __all__ = ["causal_prompts", "causal_targets", "causal_logits", "decoding_prompts", "prefix_cache"]
 
@@ -39,7 +40,8 @@ def causal_prompts(model, questions: Sequence[str], passages: Optional[Sequence[
     cfg = model.config
     found = tokenize_prompts(model.generator_tokenizer, cfg.prompt_format, list(questions), passages, cfg.max_context_length)
     ids, mask, width = segmented_pad(found.ids, found.prefix_lengths or [0] * len(found.ids), _pad_id(model))
-    if any(found.truncated):
+    counted = passages is not None and note_cut_prompts(sum(found.truncated), len(found.ids), cfg.max_context_length)
+    if any(found.truncated) and not counted:  # counted: the command reports the total once
         import warnings
 
         from rag.generation.contexts import ContextTruncationWarning

@@ -65,6 +65,7 @@ from rag.models.rag.batch import RagInputs, RagOutput
 from rag.models.rag.checkpoint import CHECKPOINT_CONFIG, CHECKPOINT_FORMAT, load_rag_model, open_knowledge_base, save_rag_model
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.truncation import note_cut_prompts
 from rag.utils.validate import check_positive_int, check_strings
 
 _LOG_TAU_MIN, _LOG_TAU_MAX = math.log(0.01), math.log(100.0)  # a learned retrieval temperature stays in [0.01, 100]
@@ -383,6 +384,7 @@ class RagModel(nn.Module):
             return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
         strings = self.context_strings(questions, retrieved, None if q_inputs is None else q_inputs["input_ids"])
         ids, mask, n_truncated = self._tokenize_contexts(strings)
+        note_cut_prompts(n_truncated, len(strings), self.config.max_context_length)  # counted where a command asks
         return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings)
 
     def _tokenize_contexts(self, strings) -> tuple[torch.Tensor, torch.Tensor, int]:
