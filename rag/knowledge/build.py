@@ -395,7 +395,7 @@ def write_from_embeddings(out: Path, passages: Sequence[Passage], embeddings: np
         raise RagError(f"encoder identity says dim={encoder['dim']} but embeddings have dim {vectors.shape[1]}")
     check_fits(spec, len(passages), vectors.shape[1])
     check_memory(spec, len(passages), vectors.shape[1], max_memory, chunk_rows=0, passages_bytes=passages_memory(passages))
-    for start, block in vectors.blocks(1 << 16):
+    for start, block in vectors.blocks(16_384):
         if not np.isfinite(block).all():
             bad = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
             raise RagError(f"embedding of passage {passages[bad].id!r} (row {bad}) contains NaN or inf; check the encoder "

@@ -275,7 +275,23 @@ def _sample_rows(n: int, size: int) -> np.ndarray:
     return np.sort(np.random.default_rng(_SEED).choice(n, size=size, replace=False))
 
 
+def _reserve(index: faiss.Index, n: int) -> None:
+    """Give the codes (and an HNSW graph's links) their final capacity before adding `n` vectors: growing them add by
+    add would reallocate geometrically, holding old and new buffers (up to ~3x the index) at once. A resize up then
+    down keeps the capacity (std::vector semantics), so the adds never reallocate."""
+    store = faiss.downcast_index(index.storage) if isinstance(index, faiss.IndexHNSW) else index
+    vecs = [(store.codes, n * store.code_size)] if isinstance(store, faiss.IndexFlatCodes) else []
+    if isinstance(index, faiss.IndexHNSW):  # level 0 holds 2m links, upper levels m/(m-1) on average, +1% margin
+        m = index.hnsw.nb_neighbors(1)
+        vecs.append((index.hnsw.neighbors, int(n * (2 * m + m / max(1, m - 1)) * 1.01) + 64 * m))
+    for vec, size in vecs:
+        if vec.size() == 0:
+            vec.resize(size)
+            vec.resize(0)
+
+
 def _add_chunks(index: faiss.Index, src: Vectors, desc: str, show: bool) -> None:
+    _reserve(index, src.shape[0])
     with tqdm(total=src.shape[0], desc=desc, unit="vec", disable=not show, leave=False) as bar:
         for start, block in src.blocks(_ADD_CHUNK):
             if not src.checked_finite and not np.isfinite(block).all():
