@@ -219,8 +219,7 @@ def _resumable(staging: Path, key: dict, n: int, d: int) -> dict[int, str]:
         if not str(name).isdigit() or not 0 <= int(name) * chunk_rows < n or not isinstance(digest, str):
             continue
         start = int(name) * chunk_rows
-        idx = np.arange(start, min(n, start + chunk_rows))
-        if _chunk_digest(vectors.take(idx)) == digest:
+        if _chunk_digest(vectors.rows(start, min(n, start + chunk_rows))) == digest:
             done[int(name)] = digest
     return done
 
@@ -294,15 +293,24 @@ def _checksums(root: Path, show: bool) -> dict[str, dict]:
     return out
 
 
+def _place(src: Path, dst: Path, link: bool) -> None:
+    """Hard-link `src` to `dst` when `link` (a file the build owns) and the filesystem allows it; else copy it."""
+    if link:
+        with contextlib.suppress(OSError):
+            os.link(src, dst)
+            return
+    shutil.copyfile(src, dst)
+
+
 def write_knowledge_base(out: Path, passages: Sequence[Passage], vectors: Vectors, encoder: dict, spec: IndexSpec, *,
-                         embeddings_file: Optional[Path] = None, query_encoder: Optional[dict] = None,
+                         embeddings_file: Optional[Path] = None, link: bool = False, query_encoder: Optional[dict] = None,
                          parent: Optional[str] = None, bm25: bool = False, show_progress: bool = True,
                          overwrite: bool = False, build_info: Optional[dict] = None, gpu: Optional[bool] = None,
                          index_writer=write_index) -> Manifest:
     """Index `vectors` (row i = passage i) and write the knowledge base `out` atomically; return its manifest.
 
-    `embeddings_file`: the ``.npy`` that `vectors` reads, hard-linked (or copied) into the directory as its
-    ``embeddings.npy``; without it `vectors` must be an :class:`~rag.knowledge.vectors.ArrayVectors`, saved with
+    `embeddings_file`: the ``.npy`` that `vectors` reads, copied into the directory as its ``embeddings.npy`` (with
+    `link`, a file this build owns, e.g. its staging file: hard-linked where the filesystem allows); without it `vectors` must be an :class:`~rag.knowledge.vectors.ArrayVectors`, saved with
     ``np.save``. Either way the file's bytes, hence the version id, are those of ``np.save`` of the whole array.
     `index_writer(index, path)` writes ``index.faiss`` (:func:`~rag.knowledge.index.write_index`).
     """
@@ -322,10 +330,7 @@ def write_knowledge_base(out: Path, passages: Sequence[Passage], vectors: Vector
         if embeddings_file is None:
             np.save(tmp / EMBEDDINGS, vectors.x)
         else:
-            try:
-                os.link(embeddings_file, tmp / EMBEDDINGS)  # the staging copy stays until the directory is in place
-            except OSError:
-                shutil.copyfile(embeddings_file, tmp / EMBEDDINGS)
+            _place(embeddings_file, tmp / EMBEDDINGS, link)
         index_writer(faiss_index, tmp / INDEX)
         if bm25:
             BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
@@ -364,7 +369,7 @@ def build_from_encoder(passages: Sequence[Passage], encoder, out: Path, index: I
     info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
     qenc = {"name": query_encoder} if query_encoder else None
     on_cpu = device is not None and torch.device(device).type == "cpu"
-    manifest = write_knowledge_base(out, passages, NpyVectors(emb, checked_finite=True), ident, spec, embeddings_file=emb,
+    manifest = write_knowledge_base(out, passages, NpyVectors(emb, checked_finite=True), ident, spec, embeddings_file=emb, link=True,
                                     query_encoder=qenc, bm25=bm25, show_progress=show_progress, overwrite=overwrite,
                                     build_info=info, gpu=False if on_cpu else None, index_writer=index_writer)
     shutil.rmtree(staging, ignore_errors=True)

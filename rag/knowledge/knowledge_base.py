@@ -338,6 +338,7 @@ class KnowledgeBase:
         build_info: Optional[dict] = None,
         gpu: Optional[bool] = None,
         max_memory: Optional[int | str] = None,
+        link_file: bool = False,
     ) -> "KnowledgeBase":
         """Write a knowledge base from passages and their precomputed `(N, D)` embeddings.
 
@@ -345,7 +346,8 @@ class KnowledgeBase:
         (:meth:`TextEncoder.identity`). Used by :meth:`build`, :meth:`add`, and the
         training-time index refresh, which re-encodes with a fine-tuned encoder.
         `embeddings` is an array, or the path of a ``.npy`` file read in blocks (never
-        loaded whole; it is linked or copied into the directory). `max_memory` as for
+        loaded whole; copied into the directory, or with `link_file` hard-linked: the caller
+        then never modifies that file again). `max_memory` as for
         :meth:`build` (the index and a block count against it, not a file's vectors).
         `gpu`: where an ``ivf_pq`` index is trained (:func:`rag.knowledge.index.build_index`;
         None: on a GPU when faiss sees one). The stored index is a CPU index either way.
@@ -353,7 +355,8 @@ class KnowledgeBase:
         out = Path(out)
         manifest = write_from_embeddings(out, passages, embeddings, encoder, index, query_encoder=query_encoder, parent=parent,
                                          bm25=bm25, show_progress=show_progress, overwrite=overwrite, build_info=build_info,
-                                         gpu=gpu, max_memory=max_memory, index_writer=write_index)
+                                         gpu=gpu, max_memory=max_memory, index_writer=write_index,
+                                         link=link_file)
         return cls._written(out, manifest)
 
     def add(

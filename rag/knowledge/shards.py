@@ -225,7 +225,7 @@ def merge_shards(
             build[UNVERIFIED_INPUTS] = {"verify": verify, "shards": [str(Path(kb.path).resolve()) for kb in shards]}
         merged = KnowledgeBase.from_embeddings(
             passages, merged_file, first.encoder, out, index=spec, query_encoder=first.manifest.query_encoder, bm25=bm25,
-            show_progress=show_progress, overwrite=overwrite, build_info=build, max_memory=max_memory,
+            show_progress=show_progress, overwrite=overwrite, build_info=build, max_memory=max_memory, link_file=True,
         )
     finally:
         with contextlib.suppress(OSError):

@@ -107,6 +107,16 @@ class NpyVectors(Vectors):
                     got += k
                 yield s, buf[:m]
 
+    def rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows ``start … stop`` as a new array (one read)."""
+        d = self.shape[1]
+        self._held(stop - start)
+        with open(self.path, "rb", buffering=0) as f:
+            data = os.pread(f.fileno(), (stop - start) * 4 * d, self.offset + start * 4 * d)
+        if len(data) != (stop - start) * 4 * d:
+            raise IntegrityError(f"{self.path}: ends before row {stop}; rebuild it")
+        return np.frombuffer(data, np.float32).reshape(-1, d).copy()
+
     def take(self, idx: np.ndarray) -> np.ndarray:
         idx = np.asarray(idx, dtype=np.int64)
         n, d = self.shape

@@ -16,7 +16,7 @@ from rag.knowledge.build import check_memory, estimate_memory, parse_memory, sta
 from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.index import IndexSpec, build_index, search_index
 from rag.knowledge.knowledge_base import KnowledgeBase
-from rag.knowledge.passages import load_corpus
+from rag.knowledge.passages import Passage, load_corpus
 from rag.knowledge.vectors import ArrayVectors, NpyVectors, create_npy, write_rows
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 
@@ -195,3 +195,12 @@ def test_staging_file_digest_matches_progress_record(counting, corpus, tmp_path)
     done = json.loads((staging_dir(out) / "progress.json").read_text())["done"]
     rows = NpyVectors(staging_dir(out) / "embeddings.npy").take(np.arange(40))
     assert done == {"0": hashlib.sha256(rows.tobytes()).hexdigest()}
+
+
+def test_from_embeddings_reads_a_file_in_blocks_and_copies_it(vectors_file, tmp_path):
+    x, path = vectors_file
+    passages = [Passage(f"p{i}", "", f"t{i}") for i in range(N)]
+    from_file = KnowledgeBase.from_embeddings(passages, path, {"name": "x"}, tmp_path / "a", index="flat", show_progress=False)
+    from_array = KnowledgeBase.from_embeddings(passages, x, {"name": "x"}, tmp_path / "b", index="flat", show_progress=False)
+    assert from_file.version == from_array.version  # the same bytes, hence the same id
+    assert (tmp_path / "a" / "embeddings.npy").stat().st_ino != path.stat().st_ino  # the caller's file is never shared
