@@ -134,18 +134,23 @@ def build_on_ray(
     with tqdm(total=len(dirs), initial=len(dirs) - len(pending), desc=f"encode on {workers} Ray workers", unit="shard",
               disable=not show_progress) as bar:
         refs = list(pending)
-        while refs:
-            ready, refs = ray.wait(refs, num_returns=1)
-            try:
-                ray.get(ready[0])
-            except ray.exceptions.RayTaskError as e:  # the encoding raised: the worker's own error, not retried
-                cause = getattr(e, "cause", None)
-                raise (cause if isinstance(cause, Exception) else RagError(str(e))) from e
-            except (ray.exceptions.WorkerCrashedError, ray.exceptions.RayError) as e:
-                raise RagError(f"shard {pending[ready[0]]} of the Ray build failed after {max_retries} retries "
-                               f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); re-run the same command: "
-                               f"finished shards in {root} are reused") from e
-            bar.update(1)
+        try:
+            while refs:
+                ready, refs = ray.wait(refs, num_returns=1)
+                try:
+                    ray.get(ready[0])
+                except ray.exceptions.RayTaskError as e:  # the encoding raised: the worker's own error, not retried
+                    cause = getattr(e, "cause", None)
+                    raise (cause if isinstance(cause, Exception) else RagError(str(e))) from e
+                except ray.exceptions.RayError as e:  # the worker died more often than Ray retries
+                    raise RagError(f"shard {pending[ready[0]]} of the Ray build failed after {max_retries} retries "
+                                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); re-run the same "
+                                   f"command: finished shards in {root} are reused") from e
+                bar.update(1)
+        except BaseException:
+            for ref in refs:  # the other shards' work is not waited for
+                ray.cancel(ref, force=True)
+            raise
     kb = merge_shards(out, dirs, index=spec.to_string(), bm25=bm25, verify="full", show_progress=show_progress,
                       overwrite=overwrite, max_memory=max_memory)
     shutil.rmtree(root, ignore_errors=True)
