@@ -7,6 +7,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from rag.cli import main  # noqa: E402
 from rag.demo import CORPUS_PATH  # noqa: E402
 from rag.knowledge.encoders import TextEncoder  # noqa: E402
 from rag.knowledge.knowledge_base import KnowledgeBase  # noqa: E402
@@ -25,7 +26,7 @@ def local_ray():
 
 
 def test_ray_build_equals_the_one_shot_build_and_retries_a_dead_worker(local_ray, tiny_dpr_context_dir,
-                                                                       tiny_dpr_question_dir, tmp_path):
+                                                                       tiny_dpr_question_dir, tmp_path, capsys):
     corpus = load_corpus(str(CORPUS_PATH), show_progress=False)
     encoder = TextEncoder(tiny_dpr_context_dir, role="context")
     one = KnowledgeBase.build(corpus, encoder, tmp_path / "one", index="flat", show_progress=False)
@@ -55,5 +56,9 @@ def test_ray_build_equals_the_one_shot_build_and_retries_a_dead_worker(local_ray
     np.testing.assert_allclose(s2, s1, rtol=1e-5, atol=1e-5)
     assert [m["version"] for m in kb.manifest.build["merged_shards"]] and kb.manifest.build["ray_workers"] == 2
     assert not ray_shards_dir(tmp_path / "ray").exists()  # the shards were merged and removed
+    # the command line does the same (the driver's encoder shipped to the workers): the same version
+    assert main(["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", tiny_dpr_context_dir, "--out",
+                 str(tmp_path / "cli"), "--index", "flat", "--ray", "--workers", "2", "--device", "cpu", "--quiet"]) == 0
+    assert f"({kb.version}) on 2 Ray workers: 150 passages" in capsys.readouterr().out
     with pytest.raises(ConfigError, match=r"--workers 1000: the corpus has 150 passages, fewer than 1000 workers"):
         build_on_ray(corpus, encoder, tmp_path / "big", workers=1000, index="flat", show_progress=False)
