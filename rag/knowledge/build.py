@@ -61,6 +61,8 @@ logger = logging.getLogger(__name__)
 CHUNK_ROWS = 16_384
 """Passages encoded per chunk (one resumable unit; ~25 MB of 384-d vectors, 50 MB of 768-d)."""
 _ADD_ROWS = 16_384  # rows per faiss add() block (index.py's)
+RUNTIME_BYTES = 512 << 20
+"""The build process itself (Python, torch, faiss, datasets imported): measured 350-460 MiB, counted as 512 MiB."""
 _PROGRESS = "progress.json"
 _LOCK = "lock"
 _FORMAT = 1
@@ -97,8 +99,8 @@ def default_max_memory() -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Estimated bytes of a build: the finished index (held in RAM to be searched, except ivf_pq's lists, which are
-    memory-mapped too but are small) and the build's peak (index + training sample + one chunk + passages + encoder)."""
+    """Estimated bytes of a build: the finished index (held in RAM to be searched) and the build's peak (index +
+    training sample + one chunk and one add block + passages + encoder + the process's own runtime)."""
 
     index: int
     peak: int
@@ -134,7 +136,8 @@ def estimate_memory(spec: IndexSpec, n: int, d: int, *, chunk_rows: int = CHUNK_
     else:
         train = 0
     parts = {"index": idx, "training sample": train, "encoding chunk": 2 * min(chunk_rows, n) * d * 4,
-             "add block": min(_ADD_ROWS, n) * d * 4, "passages": passages_bytes, "encoder": encoder_bytes}
+             "add block": min(_ADD_ROWS, n) * d * 4, "passages": passages_bytes, "encoder": encoder_bytes,
+             "runtime": RUNTIME_BYTES}
     return MemoryEstimate(index=idx, peak=sum(parts.values()), parts=parts)
 
 
