@@ -62,7 +62,7 @@ CHUNK_ROWS = 16_384
 """Passages encoded per chunk (one resumable unit; ~25 MB of 384-d vectors, 50 MB of 768-d)."""
 _ADD_ROWS = 16_384  # rows per faiss add() block (index.py's)
 RUNTIME_BYTES = 512 << 20
-"""The build process itself (Python, torch, faiss, datasets imported): measured 350-460 MiB, counted as 512 MiB."""
+"""The build process itself (Python, torch, faiss, datasets imported), counted in every estimate (docs/scale-gpu.md)."""
 _PROGRESS = "progress.json"
 _LOCK = "lock"
 _FORMAT = 1

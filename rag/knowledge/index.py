@@ -277,7 +277,7 @@ def _sample_rows(n: int, size: int) -> np.ndarray:
 
 def _reserve(index: faiss.Index, n: int) -> None:
     """Give the codes (and an HNSW graph's links) their final capacity before adding `n` vectors: growing them add by
-    add would reallocate geometrically, holding old and new buffers (up to ~3x the index) at once. A resize up then
+    add would reallocate geometrically, holding the old and the grown buffer at once. A resize up then
     down keeps the capacity (std::vector semantics), so the adds never reallocate."""
     store = faiss.downcast_index(index.storage) if isinstance(index, faiss.IndexHNSW) else index
     vecs = [(store.codes, n * store.code_size)] if isinstance(store, faiss.IndexFlatCodes) else []
