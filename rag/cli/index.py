@@ -50,6 +50,13 @@ def add_parser(sub) -> None:
     b.add_argument("--shard", default=None, metavar="i/N",
                    help="encode only slice i of N of the corpus into --out (a shard, flat index); run i = 0..N-1 on several "
                         "processes or machines, then `rag index merge`")
+    b.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse, before encoding, an index spec whose estimated build peak exceeds SIZE (e.g. 16G, 512M; "
+                        "default: 80%% of RAM); encoding streams to disk in chunks, so the index is what must fit")
+    b.add_argument("--ray", nargs="?", const="", default=None, metavar="ADDRESS",
+                   help="encode on Ray workers (one shard each, then merged): join the cluster at ADDRESS (host:port, "
+                        "ray://host:port, auto), or without ADDRESS a local Ray")
+    b.add_argument("--workers", type=int, default=None, metavar="N", help="with --ray: the number of workers (shards); default 2")
     b.add_argument("--quiet", action="store_true", help="no progress bars")
     b.set_defaults(func=cmd_build)
 
@@ -62,6 +69,8 @@ def add_parser(sub) -> None:
     m.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
     m.add_argument("--verify", default="full", choices=["full", "size", "none"], help="how each shard is checked (default: every SHA-256)")
     m.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at OUT (atomically; never anything else)")
+    m.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="refuse an index spec whose estimated build peak exceeds SIZE (e.g. 16G; default: 80%% of RAM)")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
     m.set_defaults(func=cmd_merge)
 
@@ -111,12 +120,15 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
 def cmd_build(args) -> int:
     import torch
 
+    from rag.knowledge.build import parse_memory
     from rag.knowledge.documents import check_sources
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.index import IndexSpec, check_fits
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.knowledge.manifest import is_knowledge_base
     from rag.knowledge.passages import load_corpus
+    from rag.knowledge.ray_build import build_on_ray
+    from rag.knowledge.ray_pool import check_reachable
     from rag.knowledge.shards import parse_shard, shard_info, shard_passages
     from rag.utils.devices import check_device
     from rag.utils.io import check_output_dir
@@ -124,7 +136,15 @@ def cmd_build(args) -> int:
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
     shard = parse_shard(args.shard) if args.shard is not None else None
-    check_positive(args, "batch_size", "max_length", "max_document_chars")
+    check_positive(args, "batch_size", "max_length", "max_document_chars", "workers")
+    if args.max_memory is not None:
+        parse_memory(args.max_memory)
+    if args.workers is not None and args.ray is None:
+        raise ConfigError(f"--workers {args.workers}: only means something with --ray; add --ray [ADDRESS] or drop --workers")
+    if args.ray is not None and shard is not None:
+        raise ConfigError("--ray with --shard: a Ray build makes and merges every shard itself; drop --shard")
+    if args.ray:  # an address that does not answer fails now, naming it, not after the corpus is read
+        check_reachable(args.ray, 5.0, ConfigError, "--ray")
     if args.words_per_passage < 0:
         raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive number of words")
     check_device(args.device)
@@ -148,6 +168,16 @@ def cmd_build(args) -> int:
     )
     build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage,
                   "min_tail_words": args.min_tail_words}
+    if args.ray is not None:
+        kb = build_on_ray(passages, encoder, args.out, workers=args.workers or 2, address=args.ray or None, index=spec,
+                          batch_size=args.batch_size, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                          query_encoder=args.query_encoder, bm25=args.bm25, show_progress=not args.quiet,
+                          overwrite=args.overwrite, build_info=build_info, max_memory=args.max_memory,
+                          num_gpus=1.0 if args.device and args.device.startswith("cuda") else 0.0)
+        print(f"built {kb.path} ({kb.served_version}) on {args.workers or 2} Ray workers: {len(kb)} passages, dim {kb.dim}, "
+              f"index {kb.index_spec.kind}, {kb.manifest.build.get('encode_seconds', 0):.1f}s encoding (all workers) + "
+              f"{kb.manifest.build['index_seconds']:.1f}s indexing")
+        return 0
     if shard is not None:  # this slice, flat-indexed; `rag index merge` builds `spec` over all of them
         check_fits(spec, len(passages), encoder.dim)
         build_info["shard"] = shard_info(passages, shard, args.index)
@@ -155,7 +185,7 @@ def cmd_build(args) -> int:
     kb = KnowledgeBase.build(
         passages, encoder, args.out, index=spec, batch_size=args.batch_size, device=args.device,
         dtype=getattr(torch, args.dtype) if args.dtype else None, query_encoder=args.query_encoder, bm25=args.bm25,
-        show_progress=not args.quiet, overwrite=args.overwrite, build_info=build_info,
+        show_progress=not args.quiet, overwrite=args.overwrite, build_info=build_info, max_memory=args.max_memory,
     )
     if shard is not None:
         print(f"built shard {shard} at {kb.path} ({kb.version}): {len(kb)} passages, rows {build_info['shard']['start']}–"
@@ -173,7 +203,7 @@ def cmd_merge(args) -> int:
     for shard in args.shards:
         _check_not_an_input(args.out, [shard])
     kb = merge_shards(args.out, args.shards, index=args.index, bm25=args.bm25, verify=args.verify,
-                      show_progress=not args.quiet, overwrite=args.overwrite)
+                      show_progress=not args.quiet, overwrite=args.overwrite, max_memory=args.max_memory)
     print(f"merged {len(args.shards)} shards into {kb.path} ({kb.served_version}): {len(kb)} passages, dim {kb.dim}, index "
           f"{kb.index_spec.kind}, {kb.manifest.build['index_seconds']:.1f}s indexing")
     if kb.unverified_inputs:

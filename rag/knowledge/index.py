@@ -36,6 +36,7 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
+from rag.knowledge.vectors import ArrayVectors, Vectors
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.io import atomic_write_file
 from rag.utils.validate import check_number, check_positive_int, is_integer
@@ -274,50 +275,72 @@ def _sample_rows(n: int, size: int) -> np.ndarray:
     return np.sort(np.random.default_rng(_SEED).choice(n, size=size, replace=False))
 
 
-def _add_chunks(index: faiss.Index, x: np.ndarray, desc: str, show: bool) -> None:
-    with tqdm(total=x.shape[0], desc=desc, unit="vec", disable=not show, leave=False) as bar:
-        for start in range(0, x.shape[0], _ADD_CHUNK):
-            block = x[start : start + _ADD_CHUNK]
+def _reserve(index: faiss.Index, n: int) -> None:
+    """Give the codes (and an HNSW graph's links) their final capacity before adding `n` vectors: growing them add by
+    add would reallocate geometrically, holding the old and the grown buffer at once. A resize up then
+    down keeps the capacity (std::vector semantics), so the adds never reallocate."""
+    store = faiss.downcast_index(index.storage) if isinstance(index, faiss.IndexHNSW) else index
+    vecs = [(store.codes, n * store.code_size)] if isinstance(store, faiss.IndexFlatCodes) else []
+    if isinstance(index, faiss.IndexHNSW):  # level 0 holds 2m links, upper levels m/(m-1) on average, +1% margin
+        m = index.hnsw.nb_neighbors(1)
+        vecs.append((index.hnsw.neighbors, int(n * (2 * m + m / max(1, m - 1)) * 1.01) + 64 * m))
+    for vec, size in vecs:
+        if vec.size() == 0:
+            vec.resize(size)
+            vec.resize(0)
+
+
+def _add_chunks(index: faiss.Index, src: Vectors, desc: str, show: bool) -> None:
+    _reserve(index, src.shape[0])
+    with tqdm(total=src.shape[0], desc=desc, unit="vec", disable=not show, leave=False) as bar:
+        for start, block in src.blocks(_ADD_CHUNK):
+            if not src.checked_finite and not np.isfinite(block).all():
+                bad = start + int(np.argwhere(~np.isfinite(block))[0, 0])
+                raise RagError(f"vectors row {bad} contains NaN or inf; fix or drop that row")
             index.add(block)
             bar.update(block.shape[0])
 
 
-def _build_hnsw(x: np.ndarray, spec: IndexSpec, show: bool) -> faiss.Index:
-    d, metric = x.shape[1], _faiss_metric(spec)
+def _build_hnsw(src: Vectors, spec: IndexSpec, show: bool) -> faiss.Index:
+    d, metric = src.shape[1], _faiss_metric(spec)
     if spec.kind == "hnsw":
         index = faiss.IndexHNSWFlat(d, spec.m, metric)
     else:
         index = faiss.IndexHNSWSQ(d, faiss.ScalarQuantizer.QT_8bit, spec.m, metric)
-        index.train(_sq_training_rows(x))
+        index.train(_sq_training_rows(src, show))
     index.hnsw.efConstruction = spec.ef_construction
     index.hnsw.efSearch = spec.ef_search  # only a default: search_index passes its own
-    _add_chunks(index, x, f"index {spec.kind}", show)
+    _add_chunks(index, src, f"index {spec.kind}", show)
     return index
 
 
-def _sq_training_rows(x: np.ndarray) -> np.ndarray:
+def _sq_training_rows(src: Vectors, show: bool) -> np.ndarray:
     """A random sample plus, per dimension, the rows holding its min and max.
 
     The 8-bit quantiser learns a [min, max] range per dimension from its training
     rows and clips values outside it; including the extreme rows makes the range
-    cover every vector of the corpus.
+    cover every vector of the corpus. One pass over `src` in blocks.
     """
-    n = x.shape[0]
+    n = src.shape[0]
     lo = hi = lo_idx = hi_idx = None
-    for s in range(0, n, _ADD_CHUNK):
-        block = x[s : s + _ADD_CHUNK]
-        bmin, bmax = block.min(axis=0), block.max(axis=0)
-        amin, amax = block.argmin(axis=0) + s, block.argmax(axis=0) + s
-        if lo is None:
-            lo, hi, lo_idx, hi_idx = bmin, bmax, amin, amax
-        else:
-            take_lo, take_hi = bmin < lo, bmax > hi
-            lo = np.where(take_lo, bmin, lo)
-            hi = np.where(take_hi, bmax, hi)
-            lo_idx = np.where(take_lo, amin, lo_idx)
-            hi_idx = np.where(take_hi, amax, hi_idx)
+    with tqdm(total=n, desc="scan for the quantiser's range", unit="vec", disable=not show, leave=False) as bar:
+        for s, block in src.blocks(_ADD_CHUNK):
+            if not src.checked_finite and not np.isfinite(block).all():
+                bad = s + int(np.argwhere(~np.isfinite(block))[0, 0])
+                raise RagError(f"vectors row {bad} contains NaN or inf; fix or drop that row")
+            bmin, bmax = block.min(axis=0), block.max(axis=0)
+            amin, amax = block.argmin(axis=0) + s, block.argmax(axis=0) + s
+            if lo is None:
+                lo, hi, lo_idx, hi_idx = bmin, bmax, amin, amax
+            else:
+                take_lo, take_hi = bmin < lo, bmax > hi
+                lo = np.where(take_lo, bmin, lo)
+                hi = np.where(take_hi, bmax, hi)
+                lo_idx = np.where(take_lo, amin, lo_idx)
+                hi_idx = np.where(take_hi, amax, hi_idx)
+            bar.update(block.shape[0])
     rows = np.union1d(_sample_rows(n, _TRAIN_SAMPLE_SQ), np.concatenate([lo_idx, hi_idx]))
-    return np.ascontiguousarray(x[rows])
+    return src.take(rows)
 
 
 def check_fits(spec: IndexSpec, n: int, d: int) -> tuple[Optional[int], Optional[int]]:
@@ -345,8 +368,8 @@ def check_fits(spec: IndexSpec, n: int, d: int) -> tuple[Optional[int], Optional
     return nlist, pq_m
 
 
-def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool, gpu: Optional[bool]) -> faiss.Index:
-    n, d = x.shape
+def _build_ivf_pq(src: Vectors, spec: IndexSpec, show: bool, gpu: Optional[bool]) -> faiss.Index:
+    n, d = src.shape
     nlist, pq_m = check_fits(spec, n, d)
     metric = _faiss_metric(spec)
     quantizer = faiss.IndexFlatIP(d) if spec.metric == "ip" else faiss.IndexFlatL2(d)
@@ -354,21 +377,30 @@ def _build_ivf_pq(x: np.ndarray, spec: IndexSpec, show: bool, gpu: Optional[bool
     index.cp.seed = _SEED
     index.pq.cp.seed = _SEED
     index.nprobe = min(spec.nprobe, nlist)
-    train = np.ascontiguousarray(x[_sample_rows(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << spec.pq_nbits))])
+    train = src.take(_sample_rows(n, train_sample_size(n, nlist, spec.pq_nbits)))
+    if not src.checked_finite and not np.isfinite(train).all():
+        raise RagError("the vectors' training sample contains NaN or inf; fix or drop those rows")
     if gpu is not False:
         from rag.knowledge.faiss_gpu import build_on_gpu
 
-        built = build_on_gpu(index, train, x, required=bool(gpu), add=lambda g: _add_chunks(g, x, "index ivf_pq (GPU)", show))
+        built = build_on_gpu(index, train, src, required=bool(gpu), add=lambda g: _add_chunks(g, src, "index ivf_pq (GPU)", show))
         if built is not None:
             return built
-    index.train(train)
+    with tqdm(total=1, desc=f"train ivf_pq on {len(train):,} vectors", disable=not show, leave=False) as bar:
+        index.train(train)
+        bar.update(1)
     del train
-    _add_chunks(index, x, "index ivf_pq", show)
+    _add_chunks(index, src, "index ivf_pq", show)
     return index
 
 
+def train_sample_size(n: int, nlist: int, pq_nbits: int) -> int:
+    """Rows an ivf_pq index of `n` vectors trains on: ~50 per list and 40 per PQ centroid, at most `n`."""
+    return min(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << pq_nbits))
+
+
 def build_index(
-    vectors: np.ndarray,
+    vectors: np.ndarray | Vectors,
     spec: IndexSpec,
     *,
     threads: Optional[int] = None,
@@ -377,8 +409,10 @@ def build_index(
 ) -> faiss.Index:
     """Build an index over `vectors` ``(N, D)`` float32; row i of `vectors` is id i.
 
-    Trains the quantisers where the kind needs it (hnsw_sq8, ivf_pq), then adds the
-    vectors in chunks with a progress bar. `threads` bounds faiss's OpenMP threads
+    `vectors` is an array or a :class:`~rag.knowledge.vectors.Vectors` source (e.g. a
+    ``.npy`` file read in blocks): the quantisers train on a sample (hnsw_sq8, ivf_pq)
+    and the vectors are added in blocks of 16,384 rows with a progress bar, so beyond
+    the index itself the build holds one block and the training sample. `threads` bounds faiss's OpenMP threads
     for the build (None = faiss default). The result's ``d`` is D for every kind.
     `gpu`: train and fill an ``ivf_pq`` index on GPU 0 and return its CPU copy
     (:func:`rag.knowledge.faiss_gpu.build_on_gpu`): None = when faiss sees a GPU, True =
@@ -388,17 +422,17 @@ def build_index(
     if not isinstance(spec, IndexSpec):
         raise ConfigError(f"spec must be an IndexSpec, got {type(spec).__name__}")
     spec.validate()
-    x = _check_matrix(vectors, "vectors")
-    if x.shape[0] == 0:
+    src = vectors if isinstance(vectors, Vectors) else ArrayVectors(_check_matrix(vectors, "vectors"), checked_finite=True)
+    if src.shape[0] == 0:
         raise RagError("cannot build an index over 0 vectors; the corpus is empty")
     with faiss_threads(threads):
         if spec.kind == "flat":
-            index = faiss.IndexFlatIP(x.shape[1]) if spec.metric == "ip" else faiss.IndexFlatL2(x.shape[1])
-            _add_chunks(index, x, "index flat", show_progress)
+            index = faiss.IndexFlatIP(src.shape[1]) if spec.metric == "ip" else faiss.IndexFlatL2(src.shape[1])
+            _add_chunks(index, src, "index flat", show_progress)
         elif spec.kind in ("hnsw", "hnsw_sq8"):
-            index = _build_hnsw(x, spec, show_progress)
+            index = _build_hnsw(src, spec, show_progress)
         else:
-            index = _build_ivf_pq(x, spec, show_progress, gpu)
+            index = _build_ivf_pq(src, spec, show_progress, gpu)
     return index
 
 

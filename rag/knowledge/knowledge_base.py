@@ -31,7 +31,8 @@ import numpy as np
 import torch
 
 from rag.knowledge import pagecache
-from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, check_fits, read_index, search_index, write_index
+from rag.knowledge.build import CHUNK_ROWS, build_from_encoder, write_from_embeddings
+from rag.knowledge.index import IndexSpec, read_index, search_index, write_index
 from rag.knowledge.manifest import (
     BM25_DIR,
     EMBEDDINGS,
@@ -41,18 +42,14 @@ from rag.knowledge.manifest import (
     Manifest,
     check_arrow_files,
     check_finite,
-    check_passages,
     check_version,
-    is_knowledge_base,
-    new_manifest,
     verify_kb_files,
 )
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
 from rag.knowledge.passages import Passage
-from rag.utils.checksums import Verify, file_checksums
+from rag.utils.checksums import Verify
 from rag.utils.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.files import read_json
-from rag.utils.io import atomic_directory, atomic_write_json, check_output_dir
 from rag.utils.validate import check_choice, check_number, check_positive_int
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -298,6 +295,8 @@ class KnowledgeBase:
         show_progress: bool = True,
         overwrite: bool = False,
         build_info: Optional[dict] = None,
+        max_memory: Optional[int | str] = None,
+        chunk_rows: int = CHUNK_ROWS,
     ) -> "KnowledgeBase":
         """Encode `passages` with `encoder`, index them, and write a knowledge base to `out`.
 
@@ -305,32 +304,29 @@ class KnowledgeBase:
         default (DPR pairs a question encoder with the context encoder that built
         the index); without it queries use `encoder` itself. An ``ivf_pq`` index is
         trained on a GPU when faiss sees one, unless `device` is the CPU.
+        Bounded memory (:mod:`rag.knowledge.build`): `chunk_rows` passages are encoded
+        at a time into a staging file the index is then built from in blocks; a killed
+        build resumes from its finished chunks; a spec whose estimated peak exceeds
+        `max_memory` (bytes or "16G"; None: 80% of RAM) is refused before encoding.
         """
-        from rag.utils.devices import check_device
+        manifest = build_from_encoder(passages, encoder, Path(out), index, batch_size=batch_size, device=device, dtype=dtype,
+                                      query_encoder=query_encoder, bm25=bm25, show_progress=show_progress, overwrite=overwrite,
+                                      build_info=build_info, max_memory=max_memory, chunk_rows=chunk_rows,
+                                      index_writer=write_index)
+        return cls._written(Path(out), manifest)
 
-        passages = list(passages)
-        check_passages(passages, str(out))
-        # Everything that can be checked is checked before encoding, which takes hours on a large corpus.
-        index = IndexSpec.parse(index) if isinstance(index, str) else index
-        check_fits(index, len(passages), encoder.dim)
-        check_positive_int(batch_size, "batch_size (--batch-size)", error=ConfigError)
-        check_device(device)
-        check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
-        t0 = time.perf_counter()
-        vectors = encoder.encode_passages(passages, batch_size=batch_size, show_progress=show_progress, device=device, dtype=dtype)
-        info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
-        qenc = {"name": query_encoder} if query_encoder else None
-        on_cpu = device is not None and torch.device(device).type == "cpu"
-        return cls.from_embeddings(
-            passages, vectors, encoder.identity(), out, index=index, query_encoder=qenc, bm25=bm25,
-            show_progress=show_progress, overwrite=overwrite, build_info=info, gpu=False if on_cpu else None,
-        )
+    @classmethod
+    def _written(cls, out: Path, manifest) -> "KnowledgeBase":
+        logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, manifest.count)
+        kb = cls.open(out, verify="none")
+        kb.verified = "full"  # written and checksummed by this process from embeddings checked finite
+        return kb
 
     @classmethod
     def from_embeddings(
         cls,
         passages: Sequence[Passage],
-        embeddings: np.ndarray,
+        embeddings: np.ndarray | str | os.PathLike,
         encoder: dict,
         out: str | os.PathLike,
         *,
@@ -342,55 +338,27 @@ class KnowledgeBase:
         overwrite: bool = False,
         build_info: Optional[dict] = None,
         gpu: Optional[bool] = None,
+        max_memory: Optional[int | str] = None,
+        link_file: bool = False,
     ) -> "KnowledgeBase":
         """Write a knowledge base from passages and their precomputed `(N, D)` embeddings.
 
         `encoder` is the identity dict of the encoder that produced `embeddings`
         (:meth:`TextEncoder.identity`). Used by :meth:`build`, :meth:`add`, and the
         training-time index refresh, which re-encodes with a fine-tuned encoder.
+        `embeddings` is an array, or the path of a ``.npy`` file read in blocks (never
+        loaded whole; copied into the directory, or with `link_file` hard-linked: the caller
+        then never modifies that file again). `max_memory` as for
+        :meth:`build` (the index and a block count against it, not a file's vectors).
         `gpu`: where an ``ivf_pq`` index is trained (:func:`rag.knowledge.index.build_index`;
         None: on a GPU when faiss sees one). The stored index is a CPU index either way.
         """
-        import datasets
-
         out = Path(out)
-        passages = list(passages)
-        check_passages(passages, str(out))
-        spec = IndexSpec.parse(index) if isinstance(index, str) else index
-        check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
-        embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
-        if embeddings.ndim != 2 or embeddings.shape[0] != len(passages):
-            raise RagError(f"embeddings have shape {tuple(embeddings.shape)}; expected ({len(passages)}, dim) — one row per passage")
-        if "dim" in encoder and int(encoder["dim"]) != embeddings.shape[1]:
-            raise RagError(f"encoder identity says dim={encoder['dim']} but embeddings have dim {embeddings.shape[1]}")
-        if not np.isfinite(embeddings).all():
-            bad = int(np.flatnonzero(~np.isfinite(embeddings).all(axis=1))[0])
-            raise RagError(f"embedding of passage {passages[bad].id!r} (row {bad}) contains NaN or inf; check the encoder (fp16 overflow?)")
-
-        t0 = time.perf_counter()
-        faiss_index = build_index(embeddings, spec, show_progress=show_progress, gpu=gpu)
-        index_seconds = time.perf_counter() - t0
-
-        with atomic_directory(out, overwrite=overwrite, replaces=is_knowledge_base, kind="knowledge base") as tmp:
-            datasets.Dataset.from_dict(
-                {"id": [p.id for p in passages], "title": [p.title for p in passages], "text": [p.text for p in passages]}
-            ).save_to_disk(str(tmp / PASSAGES), num_shards=max(1, len(passages) // 2_000_000))
-            np.save(tmp / EMBEDDINGS, embeddings)
-            write_index(faiss_index, tmp / INDEX)
-            if bm25:
-                from rag.knowledge.bm25 import BM25Index
-
-                BM25Index.build(passages, show_progress=show_progress).save(tmp / BM25_DIR)
-            files = file_checksums(tmp, (f for f in tmp.rglob("*") if f.is_file()))
-            build = {"index_seconds": round(index_seconds, 3), "bytes_per_vector": round(bytes_per_vector(faiss_index), 2),
-                     **(build_info or {})}
-            manifest = new_manifest(passages, int(embeddings.shape[1]), spec, encoder, files, parent=parent,
-                                    query_encoder=query_encoder, build=build)
-            atomic_write_json(tmp / MANIFEST, manifest.to_dict())
-        logger.info("wrote knowledge base %s (%s, %d passages)", out, manifest.version, len(passages))
-        kb = cls.open(out, verify="none")
-        kb.verified = "full"  # written and checksummed by this call from embeddings checked finite above
-        return kb
+        manifest = write_from_embeddings(out, passages, embeddings, encoder, index, query_encoder=query_encoder, parent=parent,
+                                         bm25=bm25, show_progress=show_progress, overwrite=overwrite, build_info=build_info,
+                                         gpu=gpu, max_memory=max_memory, index_writer=write_index,
+                                         link=link_file)
+        return cls._written(out, manifest)
 
     def add(
         self,

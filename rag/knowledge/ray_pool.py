@@ -23,7 +23,7 @@ import numpy as np
 from rag.utils.errors import ConfigError, RetrievalError
 from rag.utils.validate import check_positive_int
 
-__all__ = ["RayRetrievalPool", "SearchActor"]
+__all__ = ["RayRetrievalPool", "SearchActor", "connect", "check_reachable"]
 
 
 class SearchActor:
@@ -52,9 +52,10 @@ def _import_ray():
     return ray
 
 
-def _check_reachable(address: str, timeout: float) -> None:
-    """RetrievalError unless a ``host:port`` / ``ray://host:port`` address accepts a TCP connection within `timeout`
-    (Ray itself would retry for minutes); other forms (``auto``, ``local``) are left to Ray."""
+def check_reachable(address: str, timeout: float, error: type[Exception] = RetrievalError, option: str = "") -> None:
+    """`error` unless a ``host:port`` / ``ray://host:port`` address accepts a TCP connection within `timeout`
+    (Ray itself would retry for minutes); other forms (``auto``, ``local``) are left to Ray. `option` names the
+    setting that gave the address (e.g. ``--ray``) in the message."""
     hostport = address[len("ray://"):] if address.startswith("ray://") else address
     host, sep, port = hostport.rpartition(":")
     if not sep or not host or not port.isdigit():
@@ -63,8 +64,23 @@ def _check_reachable(address: str, timeout: float) -> None:
         with socket.create_connection((host, int(port)), timeout=timeout):
             pass
     except OSError as e:
-        raise RetrievalError(f"Ray cluster at {address} is not reachable ({e}); start it (`ray start --head`) or pass the "
-                             "address its head node prints, or address=None for a local Ray") from None
+        raise error(f"{option + ': ' if option else ''}Ray cluster at {address} is not reachable ({e}); start it "
+                    "(`ray start --head`) or pass the address its head node prints, or none for a local Ray") from None
+
+
+def connect(address: Optional[str], *, timeout: float = 5.0, error: type[Exception] = RetrievalError, option: str = ""):
+    """The `ray` module, initialised: joined to the cluster at `address` (checked reachable within `timeout` first, else
+    `error` naming it and `option`), or a local Ray when `address` is None; an already initialised Ray is used as is."""
+    ray = _import_ray()
+    if not ray.is_initialized():
+        if address is not None:
+            check_reachable(address, timeout, error, option)
+        try:
+            ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise error(f"{option + ': ' if option else ''}cannot connect to the Ray cluster at {address or 'a local Ray'}: "
+                        f"{e}") from e
+    return ray
 
 
 class RayRetrievalPool:
@@ -83,17 +99,10 @@ class RayRetrievalPool:
     def __init__(self, path: str | os.PathLike, n_actors: int = 2, *, address: Optional[str] = None, verify: str = "size",
                  max_restarts: int = 3, timeout: float = 60.0, num_cpus: float = 0.5) -> None:
         check_positive_int(n_actors, "n_actors", error=ConfigError)
-        ray = _import_ray()
+        self.timeout = float(timeout)
+        ray = connect(address, timeout=min(5.0, self.timeout))
         self._ray = ray
         self.path = str(os.path.abspath(path))
-        self.timeout = float(timeout)
-        if not ray.is_initialized():
-            if address is not None:
-                _check_reachable(address, timeout=min(5.0, self.timeout))
-            try:
-                ray.init(address=address, include_dashboard=False, log_to_driver=False, ignore_reinit_error=True)
-            except (ConnectionError, RuntimeError, ValueError) as e:
-                raise RetrievalError(f"cannot connect to the Ray cluster at {address or 'a local Ray'}: {e}") from e
         remote = ray.remote(max_restarts=max_restarts, max_task_retries=0, num_cpus=num_cpus)(SearchActor)
         self.actors = [remote.remote(self.path, verify) for _ in range(n_actors)]
         try:

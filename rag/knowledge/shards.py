@@ -26,8 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-import numpy as np
+from tqdm.auto import tqdm
 
+from rag.knowledge.build import check_memory
+from rag.knowledge.vectors import NpyVectors, create_npy, write_rows
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.utils.io import check_output_dir
 from rag.utils.validate import is_integer
@@ -172,11 +174,13 @@ def merge_shards(
     verify: str = "full",
     show_progress: bool = True,
     overwrite: bool = False,
+    max_memory: Optional[int | str] = None,
 ):
     """Merge the shard knowledge bases `shard_dirs` (any order) into one knowledge base at `out`.
 
-    The embeddings are concatenated into a memory-mapped temporary file beside `out` (not into RAM), so the merge
-    needs the disk of the result twice over but memory only for the passages' text and the index. `index` overrides
+    The embeddings are concatenated block by block into a temporary file beside `out` (never into RAM) and the index is
+    built from that file in blocks, so the merge needs the disk of the result twice over but memory only for the
+    passages' text, the index and one block; `max_memory` as for :meth:`KnowledgeBase.build`. `index` overrides
     the spec recorded in the shards. `verify` other than ``"full"`` marks the result (``build.unverified_inputs``, so it
     serves as ``<version>+unverified``): a shard altered in place would otherwise come out with fresh checksums.
     Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
@@ -193,6 +197,7 @@ def merge_shards(
     spec = IndexSpec.parse(index or info["index_spec"])
     n = sum(len(kb) for kb in shards)
     check_fits(spec, n, first.dim)
+    check_memory(spec, n, first.dim, max_memory, chunk_rows=0)  # before any passage is read
     passages = [p for kb in shards for p in kb.all_passages()]
     if len(passages) != info["corpus_passages"] or passages_digest(passages) != info["corpus_digest"]:
         raise KnowledgeBaseError(f"the {len(shards)} shards hold {len(passages)} passages whose digest differs from the corpus "
@@ -200,22 +205,28 @@ def merge_shards(
     out.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{out.name}.merge-", dir=out.parent))
     try:
-        vectors = np.lib.format.open_memmap(scratch / "embeddings.npy", mode="w+", dtype=np.float32, shape=(n, first.dim))
-        row = 0
-        for kb in shards:
-            vectors[row:row + len(kb)] = kb.embeddings()
-            row += len(kb)
-        vectors.flush()
+        merged_file = scratch / "embeddings.npy"
+        offset, row = create_npy(merged_file, (n, first.dim)), 0
+        fd = os.open(merged_file, os.O_WRONLY)
+        try:  # block by block through one buffer: no shard's vectors are ever held whole
+            with tqdm(total=n, desc="merge embeddings", unit="vec", disable=not show_progress, leave=False) as bar:
+                for kb in shards:
+                    for start, block in NpyVectors(Path(kb.path) / "embeddings.npy").blocks(1 << 16):
+                        write_rows(fd, offset, row + start, block)
+                        bar.update(block.shape[0])
+                    row += len(kb)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         build = {k: v for k, v in first.manifest.build.items() if k not in ("shard", "index_seconds", "bytes_per_vector")}
         build["merged_shards"] = [{"path": str(Path(kb.path).resolve()), "version": kb.version} for kb in shards]
         build["encode_seconds"] = round(sum(float(kb.manifest.build.get("encode_seconds", 0.0)) for kb in shards), 3)
         if verify != "full" or any(kb.unverified_inputs for kb in shards):
             build[UNVERIFIED_INPUTS] = {"verify": verify, "shards": [str(Path(kb.path).resolve()) for kb in shards]}
         merged = KnowledgeBase.from_embeddings(
-            passages, vectors, first.encoder, out, index=spec, query_encoder=first.manifest.query_encoder, bm25=bm25,
-            show_progress=show_progress, overwrite=overwrite, build_info=build,
+            passages, merged_file, first.encoder, out, index=spec, query_encoder=first.manifest.query_encoder, bm25=bm25,
+            show_progress=show_progress, overwrite=overwrite, build_info=build, max_memory=max_memory, link_file=True,
         )
-        del vectors
     finally:
         with contextlib.suppress(OSError):
             shutil.rmtree(scratch)

@@ -171,3 +171,11 @@ def test_merge_without_verification_marks_its_result_unverified(built, tmp_path,
         assert kb.manifest.build["unverified_inputs"]["verify"] == verify
     clean = merge_shards(tmp_path / "clean", [built / f"shard{i}" for i in range(N)], verify="full", show_progress=False)
     assert not clean.unverified_inputs and clean.served_version == clean.version
+
+
+def test_merge_refuses_a_spec_over_the_memory_limit_before_reading_the_shards(built, tmp_path, capsys):
+    shards = [str(built / f"shard{i}") for i in range(N)]
+    code = main(["index", "merge", str(tmp_path / "m"), *shards, "--index", "hnsw", "--max-memory", "4K", "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--max-memory 4.0 KiB: a hnsw build of 150 vectors" in err[0]
+    assert "must fit in RAM to be searched" in err[0] and not (tmp_path / "m").exists()
