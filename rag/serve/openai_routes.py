@@ -33,17 +33,19 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence, Union
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from rag.serve.auth import api_key_check
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
 from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version
 from rag.serve.responses import SafeJSONResponse, json_safe
+from rag.serve.state import ServerState
 from rag.utils.errors import RagError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OpenAIRoutes", "openai_error", "ERROR_TYPES"]
+__all__ = ["OpenAIRoutes", "openai_router", "openai_error", "ERROR_TYPES"]
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "invalid_request_error", 422: "invalid_request_error", 499: "client_disconnected",
@@ -374,3 +376,14 @@ class OpenAIRoutes:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    """``/v1/models``, ``/v1/models/{model_id}``, ``/v1/chat/completions`` and ``/v1/completions`` behind the API key."""
+    v1 = OpenAIRoutes(state.pipeline, state.runner, model_name=state.model_name, nli_options=state.nli_options)
+    router = APIRouter(dependencies=[Depends(api_key_check(state))])
+    router.get("/v1/models")(v1.models)
+    router.get("/v1/models/{model_id}")(v1.model)
+    router.post("/v1/chat/completions")(v1.chat)
+    router.post("/v1/completions")(v1.completions)
+    return router

@@ -1,0 +1,105 @@
+"""Request bodies of `rag serve`'s own routes (``/generate``, ``/retrieve``, ``/admin/*``) and the text check they share
+with the OpenAI-compatible bodies (:mod:`rag.serve.openai_schema`).
+
+Every body is strict (``"3"`` is not 3, 1 is not true), refuses unknown fields, NaN and infinities, and strings that
+are not valid Unicode (:func:`valid_unicode`).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal, Optional, Union
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
+
+from rag.generation.options import GenerationOptions, OptionSpec, option_specs
+from rag.serve.limits import MAX_N_DOCS, MAX_QUESTIONS
+from rag.utils.errors import ConfigError
+
+__all__ = ["GenerateRequest", "RetrieveRequest", "SwapRequest", "SwapBackRequest", "Question", "valid_unicode",
+           "option_request_field", "MAX_QUESTION_CHARS", "MAX_PATH_CHARS"]
+
+MAX_QUESTION_CHARS = 4096
+"""Longest question accepted (characters; the tokenizer truncates further)."""
+MAX_PATH_CHARS = 4096
+
+
+def valid_unicode(s: str) -> str:
+    """Refuse strings that are not valid Unicode text: JSON's ``\\ud800`` escapes decode to lone
+    surrogates, which no tokenizer, file system or UTF-8 response can take."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"contains a lone surrogate at character {e.start}; send valid Unicode text") from None
+    return s
+
+
+Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False),
+                     AfterValidator(valid_unicode)]
+
+
+def option_request_field(spec: OptionSpec) -> tuple:
+    """A request field from the generation-options schema (for /generate and the OpenAI routes alike): unset (None)
+    means the model's stored default."""
+    if spec.choices:
+        strs = tuple(c for c in spec.choices if isinstance(c, str))
+        typ = Literal[strs] if len(strs) == len(spec.choices) else Union[bool, Literal[strs]]
+        return Optional[typ], Field(None, description=spec.help)
+    return Optional[spec.type], Field(None, ge=spec.low, le=spec.high, description=spec.help)
+
+
+class _Body(BaseModel):
+    # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored;
+    # NaN and +-Infinity (which Python's JSON parser accepts) are not numbers a request may carry.
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class _GenerateFields(_Body):
+    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    nli: Optional[bool] = None
+    """The RetRobust NLI back-off (needs a server started with ``rag serve --nli``); default: on when it was."""
+    nli_threshold: Optional[float] = Field(None, ge=0.0, le=1.0)
+    """Entailment probability the back-off needs (default: the server's, 0.5 unless set)."""
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        try:  # the schema's own cross-field checks (num_return_sequences <= num_beams, ...)
+            GenerationOptions(**self.options())
+        except ConfigError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    def options(self) -> dict:
+        """The generation options the request set (the rest: the model's stored defaults)."""
+        return self.model_dump(exclude={"questions", "nli", "nli_threshold"}, exclude_unset=True)
+
+
+GenerateRequest = create_model(
+    "GenerateRequest", __base__=_GenerateFields, __module__=__name__,
+    __doc__="Body of ``POST /generate``: questions, the generation options of "
+            ":class:`~rag.generation.options.GenerationOptions` (unset: the model's defaults), and the NLI back-off.",
+    **{name: option_request_field(spec) for name, spec in option_specs().items()})
+
+
+class RetrieveRequest(_Body):
+    """Body of ``POST /retrieve``."""
+
+    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
+    k: int = Field(5, ge=1, le=MAX_N_DOCS)
+
+
+class SwapRequest(_Body):
+    """Body of ``POST /admin/swap``: a knowledge-base directory inside a configured root."""
+
+    path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(valid_unicode)]
+    allow_encoder_change: bool = False
+    allow_metric_change: bool = False
+    verify: Literal["full"] = "full"
+    """Always "full": a swapped-in knowledge base is served under its version id only after every file's
+    SHA-256 matched (``"size"`` is refused with 422; size-only checks stay a local choice of
+    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` / ``KnowledgeBase.open``)."""
+
+
+class SwapBackRequest(_Body):
+    """Body of ``POST /admin/swap_back`` (may be omitted); re-opened knowledge bases are verified fully."""
+
+    verify: Literal["full"] = "full"
