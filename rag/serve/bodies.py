@@ -7,7 +7,7 @@ are not valid Unicode (:func:`valid_unicode`).
 
 from __future__ import annotations
 
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
 
@@ -15,7 +15,7 @@ from rag.generation.options import GenerationOptions, OptionSpec, option_specs
 from rag.serve.limits import MAX_N_DOCS, MAX_QUESTIONS
 from rag.utils.errors import ConfigError
 
-__all__ = ["GenerateRequest", "RetrieveRequest", "SwapRequest", "SwapBackRequest", "Question", "valid_unicode",
+__all__ = ["GenerateRequest", "RetrieveRequest", "SwapRequest", "SwapBackRequest", "Question", "valid_unicode", "check_text_tree",
            "option_request_field", "MAX_QUESTION_CHARS", "MAX_PATH_CHARS"]
 
 MAX_QUESTION_CHARS = 4096
@@ -31,6 +31,29 @@ def valid_unicode(s: str) -> str:
     except UnicodeEncodeError as e:
         raise ValueError(f"contains a lone surrogate at character {e.start}; send valid Unicode text") from None
     return s
+
+
+def check_text_tree(value: Any) -> Any:
+    """`value` (a parsed JSON body) unchanged if every string in it, keys included, is valid Unicode
+    (:func:`valid_unicode`); else ValueError naming where the first bad one is (``messages.0.content.1.text``). The
+    one check of every text field of every request form (string content, content parts, unknown fields); iterative, so
+    a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        node, where = stack.pop()
+        if isinstance(node, str):
+            try:
+                valid_unicode(node)
+            except ValueError as e:
+                raise ValueError(f"{'.'.join(map(str, where)) or 'the body'}: {e}") from None
+        elif isinstance(node, dict):
+            for k, v in node.items():
+                if isinstance(k, str):
+                    stack.append((k, where + ("<field name>",)))
+                stack.append((v, where + (k,)))
+        elif isinstance(node, (list, tuple)):
+            stack.extend((v, where + (i,)) for i, v in enumerate(node))
+    return value
 
 
 Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False),
@@ -51,6 +74,11 @@ class _Body(BaseModel):
     # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored;
     # NaN and +-Infinity (which Python's JSON parser accepts) are not numbers a request may carry.
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        return check_text_tree(data)
 
 
 class _GenerateFields(_Body):

