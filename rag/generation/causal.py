@@ -22,7 +22,16 @@ import torch
 from torch import Tensor
 
 from rag.generation.kv_cache import cache_kwarg, output_cache
-from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
+from rag.generation.search import (
+    GenerationConfig,
+    beam_search,
+    config_token_id,
+    greedy_search,
+    resolve_spec,
+    sample,
+    unit_boundary,
+    unit_rows,
+)
 from rag.utils.errors import RagError
 
 __all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
@@ -330,8 +339,8 @@ def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, cont
     scored tokens; context_index `(C, K)` holds rows of `prompts`. Returns `(C, K, T - 1)`: entry `t` scores
     `sequences[:, t + 1]`, 0 after the first `eos` target when `eos` is given. With `prompts.share_cache` each pair
     starts from a copy of its prompt's prefilled KV cache and the LM runs only on the sequence's tokens; else every pair
-    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32).
-    """
+    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32, or fewer inside a serving unit hook:
+    :func:`~rag.generation.search.unit_rows`); each forward is one unit of work (:func:`~rag.generation.search.unit_boundary`)."""
     n_cand, n_docs = context_index.shape
     if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
         raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
@@ -345,9 +354,10 @@ def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, cont
         length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
     lengths = length[cand]
     lengths, order = torch.sort(lengths, descending=True, stable=True)
-    batch = 32 if max_rows is None else max_rows
+    batch = unit_rows(32) if max_rows is None else max_rows
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
     for lo in range(0, rows.shape[0], batch):
+        unit_boundary()  # one chunk is one bounded unit of work
         pick = order[lo:lo + batch]
         n = int(lengths[lo:lo + batch].max())
         seq, ctx = sequences[cand[pick]], rows[pick]

@@ -87,3 +87,46 @@ def test_a_lone_surrogate_in_a_generate_body_is_422(rag_server, body):
     r = _post(url, "/generate", body)
     assert r.status_code == 422, r.text
     assert "lone surrogate" in r.text
+
+
+# ---------------------------------------------------------------------------- 2. one unit of work is bounded
+
+@pytest.fixture(scope="module")
+def causal_rag_dir(tmp_path_factory, serve_layout, tiny_gpt2_dir) -> str:
+    """RAG-Sequence over the tiny causal GPT-2 (the shape of the default demo model: a causal reader, thorough
+    rescoring), saved and loaded back as `rag serve` loads it."""
+    from rag.models.rag.model import RagModel, RagModelConfig
+
+    out = tmp_path_factory.mktemp("causal_rag") / "model"
+    RagModel.from_components(None, tiny_gpt2_dir, serve_layout["kbs"]["kb_a"].path,
+                             RagModelConfig(n_docs=4, max_context_length=96)).save_pretrained(out)
+    return str(out)
+
+
+def test_every_unit_of_causal_rag_sequence_work_is_at_most_one_bounded_forward(causal_rag_dir):
+    """Inside the server's unit hook, each LM forward of a causal RAG-Sequence request is a unit of its own (the one
+    question's prompt prefill, prefixes then the rest, is one unit of two), and a rescoring chunk holds at most
+    UNIT_ROWS (candidate, passage) rows:
+    one unit's work is bounded whatever n_docs x num_beams x max_new_tokens the limits admit. (Before: the whole
+    thorough rescoring pass, 32 rows per forward, was one unit.)"""
+    import rag
+    from rag.generation.search import unit_hook
+    from rag.serve.requests import UNIT_ROWS
+
+    pipe = rag.load(causal_rag_dir)
+    lm = pipe.model.generator
+    forwards: list[list[int]] = [[]]  # rows of each forward, per unit
+    handle = lm.register_forward_hook(lambda mod, args, kwargs, out: forwards[-1].append(int(kwargs["input_ids"].shape[0])),
+                                      with_kwargs=True)
+    try:
+        with unit_hook(lambda _generated: forwards.append([]), max_rows=UNIT_ROWS):
+            answers = pipe.generate([QUESTION], marginalization="sequence", decoding="thorough", n_docs=4, num_beams=8,
+                                    num_return_sequences=8, max_new_tokens=6, min_new_tokens=6)
+    finally:
+        handle.remove()
+    assert answers and all(len(a.text) for a in answers)
+    units = [u for u in forwards if u]
+    rescoring = 8 * 4 * 4  # up to beams x docs candidates, each scored under every passage
+    assert sum(len(u) for u in units) >= rescoring // UNIT_ROWS  # the rescoring pass ran, chunked
+    assert max(len(u) for u in units[1:]) == 1 and len(units[0]) <= 2, [len(u) for u in units]
+    assert max(max(u) for u in units) <= max(UNIT_ROWS, 8 * 4)  # a chunk, or one beam step over beams x docs rows
