@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                    help=f"most new tokens per answer a request may ask for (default: {d.max_new_tokens}); more: 422")
     p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
                    help=f"most questions per request (default: {d.max_batch}); more: 422")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, metavar="N",
+                   help=f"most prompt tokens one scoring request (/v1/completions with max_tokens 0) may send, all its "
+                        f"prompts together (default: {d.max_prompt_tokens}); more: 400")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, metavar="SECONDS",
                    help=f"answer 504 to a request not done after this long, queueing included, and stop its work "
                         f"(default: {d.request_timeout:g}; 0: no limit)")
@@ -74,7 +77,8 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
-                         max_batch=args.max_batch, request_timeout=args.request_timeout or None, max_queue=args.max_queue)
+                         max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
+                         request_timeout=args.request_timeout or None, max_queue=args.max_queue)
     token = os.environ.get(args.admin_token_env) or None
     if token is None:
         print(f"rag serve: ${args.admin_token_env} is not set: admin endpoints (swap) are disabled", file=sys.stderr)

@@ -258,7 +258,7 @@ class OpenAIRoutes:
         return list(prompt)
 
     async def _score(self, req: CompletionRequest, request: Request, prompts: list) -> SafeJSONResponse:
-        from rag.serve.scoring import score_prompt
+        from rag.serve.scoring import prepare_prompt, score_prompt
 
         check_fields(req)
         self._check_model(req.model)
@@ -274,10 +274,14 @@ class OpenAIRoutes:
         top = req.logprobs
 
         def work(w: RequestWork) -> list[dict]:
+            w.unit()
+            prepared = [prepare_prompt(reader.model, reader.tokenizer, p) for p in prompts]
+            self.runner.check_within("max_prompt_tokens", sum(len(p.ids) for p in prepared), "prompt tokens",
+                                     param="prompt")
             out = []
-            for p in prompts:
+            for p in prepared:
                 w.unit()
-                out.append(score_prompt(reader.model, reader.tokenizer, p, top=top or 0))
+                out.append(score_prompt(reader.model, reader.tokenizer, p, top=top or 0, unit=w.unit))
             return out
 
         scored = await self.runner.run(request.receive, work)

@@ -175,12 +175,12 @@ class RequestRunner:
         self.threads = anyio.CapacityLimiter(self.capacity)
         self.counters = RequestCounters(self.turns)
 
-    def check_within(self, name: str, value: Optional[int], what: str) -> None:
-        """422 when `value` (the request's `what`) exceeds the limit `name` of :class:`ServeLimits`."""
+    def check_within(self, name: str, value: Optional[int], what: str, param: Optional[str] = None) -> None:
+        """422 when `value` (the request's `what`; field `param`) exceeds the limit `name` of :class:`ServeLimits`."""
         limit = getattr(self.limits, name)
         if value is not None and value > limit:
             raise RequestRefused(f"{what}={value} exceeds this server's limit of {limit} ({name}, set by "
-                                 f"`rag serve {ServeLimits.option(name)}`); ask for at most {limit}", 422)
+                                 f"`rag serve {ServeLimits.option(name)}`); ask for at most {limit}", 422, param=param)
 
     def check_generation(self, options: dict, questions: int) -> None:
         """422 naming the limit when generation `options` (the schema's names) for `questions` questions exceed this

@@ -130,3 +130,46 @@ def test_every_unit_of_causal_rag_sequence_work_is_at_most_one_bounded_forward(c
     assert sum(len(u) for u in units) >= rescoring // UNIT_ROWS  # the rescoring pass ran, chunked
     assert max(len(u) for u in units[1:]) == 1 and len(units[0]) <= 2, [len(u) for u in units]
     assert max(max(u) for u in units) <= max(UNIT_ROWS, 8 * 4)  # a chunk, or one beam step over beams x docs rows
+
+
+# ---------------------------------------------------------------------------- 3. long prompts: a token limit, windows
+
+def test_scoring_reads_a_long_prompt_in_windows_that_are_units_with_the_one_pass_log_probs(serve_layout, tiny_gpt2_dir):
+    """Window by window (each continuing the cache of the ones before) gives the one-pass log-probs and top
+    alternatives up to float32 rounding of other batch shapes (the REPLUG scorer tests' 2e-5); each window is one forward of at most
+    `window` + 1 tokens (its logits bound the memory) and a unit boundary lies between two windows."""
+    import rag
+    from rag.serve.scoring import score_prompt
+
+    pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, max_length=96, doc_max_length=24)
+    model, tok = pipe.reader.model, pipe.reader.tokenizer
+    prompt = " ".join(["oxygen was discovered by Priestley and Scheele in the eighteenth century"] * 6)
+    n = len(tok(prompt, add_special_tokens=False)["input_ids"])
+    assert 100 < n < 250
+    one = score_prompt(model, tok, prompt, top=3)
+    fed: list[int] = []
+    handle = model.register_forward_hook(lambda m, a, kw, out: fed.append(int(kw["input_ids"].shape[1])), with_kwargs=True)
+    units: list[int] = []
+    try:
+        windows = score_prompt(model, tok, prompt, top=3, window=16, unit=lambda: units.append(1))
+    finally:
+        handle.remove()
+    assert len(fed) == -(-n // 16) and max(fed) <= 17 and len(units) == len(fed) - 1
+    assert windows["tokens"] == one["tokens"] and windows["text_offset"] == one["text_offset"]
+    assert windows["token_logprobs"] == pytest.approx(one["token_logprobs"], abs=2e-5)
+    for a, b in zip(windows["top_logprobs"], one["top_logprobs"]):
+        assert set(a) == set(b) and [a[k] for k in b] == pytest.approx(list(b.values()), abs=2e-5)
+
+
+def test_prompt_tokens_of_a_scoring_request_are_limited(serve_layout, tiny_gpt2_dir):
+    import rag
+
+    pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, max_length=96, doc_max_length=24)
+    with _server(pipe, limits=ServeLimits(request_timeout=None, max_prompt_tokens=40)) as (url, _):
+        body = {"model": "tiny", "max_tokens": 0, "echo": True, "logprobs": 1}
+        ok = _post(url, "/v1/completions", {**body, "prompt": ["the capital of France is Paris"] * 2})
+        assert ok.status_code == 200, ok.text
+        r = _post(url, "/v1/completions", {**body, "prompt": ["the capital of France is Paris"] * 8})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert "--max-prompt-tokens" in err["message"] and err["param"] == "prompt"
