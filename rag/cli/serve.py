@@ -56,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, metavar="SECONDS",
                    help=f"answer 504 to a request not done after this long, queueing included, and stop its work "
                         f"(default: {d.request_timeout:g}; 0: no limit)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="answer 408 to a client that has not sent its whole request body after this long (default: 30; "
+                        "0: no limit)")
     p.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                    help=f"requests that may wait for a model slot; beyond them: 503 with Retry-After (default: {d.max_queue})")
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
@@ -70,7 +73,7 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     from rag.pipeline.api import load
-    from rag.serve.app import check_admin_token, check_bind, create_app, serve
+    from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
     from rag.serve.limits import ServeLimits
     from rag.utils.errors import ConfigError
 
@@ -105,6 +108,7 @@ def cmd_serve(args) -> int:
         if len(api_key) < 16:
             raise ConfigError(f"{source} is only {len(api_key)} characters; use a random key of at least 16 "
                               "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    check_distinct_secrets(token, api_key, f"${args.admin_token_env}", source)
     if api_key is not None and args.no_auth:
         raise ConfigError(f"--no-auth serves without an API key, but {source} sets one: drop one of them")
     warning = check_bind(args.host, api_key is not None, args.no_auth)  # decided before the model loads, nothing bound
@@ -121,7 +125,7 @@ def cmd_serve(args) -> int:
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
                      max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
-                     api_key=api_key, model_name=name)
+                     api_key=api_key, model_name=name, body_timeout=args.body_timeout or None)
     print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); model id {name!r}; "
           f"http://{args.host}:{args.port}/ (page), /v1 (OpenAI API)", file=sys.stderr)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, allow_unauthenticated=args.no_auth)

@@ -66,11 +66,11 @@ from fastapi import FastAPI
 
 import rag
 from rag.serve.admin import PathRejected, admin_router, real_roots, resolve_kb_path
-from rag.serve.auth import check_admin_token
+from rag.serve.auth import check_admin_token, check_distinct_secrets
 from rag.serve.bodies import MAX_QUESTION_CHARS, GenerateRequest, RetrieveRequest, SwapRequest
 from rag.serve.handlers import add_error_handlers
 from rag.serve.limits import MAX_QUESTIONS, ServeLimits
-from rag.serve.middleware import BodyLimit
+from rag.serve.middleware import ApiKeyGate, BodyLimit
 from rag.serve.model_routes import model_router
 from rag.serve.openai_routes import openai_router
 from rag.serve.page import page_router
@@ -79,12 +79,14 @@ from rag.serve.responses import SafeJSONResponse
 from rag.serve.scheduler import DEFAULT_QUANTUM, ModelTurns
 from rag.serve.state import ServerState
 from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "create_app",
     "check_admin_token",
+    "check_distinct_secrets",
     "check_bind",
     "serve",
     "background_server",
@@ -98,6 +100,9 @@ __all__ = [
     "MAX_QUESTION_CHARS",
 ]
 
+
+DEFAULT_BODY_TIMEOUT = 30.0
+"""Seconds a client may take to send its request body (``rag serve --body-timeout``)."""
 
 # ---------------------------------------------------------------------------- the app
 
@@ -116,6 +121,7 @@ def create_app(
     api_key: Optional[str] = None,
     model_name: str = "rag",
     fairness_quantum: float = DEFAULT_QUANTUM,
+    body_timeout: Optional[float] = DEFAULT_BODY_TIMEOUT,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.api.RagPipeline`).
 
@@ -138,6 +144,7 @@ def create_app(
         api_key: the Bearer key every route but the page needs (None or empty: none needed; printable ASCII without
             spaces, as `admin_token`).
         model_name: the model id of the OpenAI-compatible routes (``GET /v1/models``; requests naming another get 404).
+        body_timeout: seconds a client may take to send its request body (None: no limit); later: 408.
         fairness_quantum: seconds of model time a request may use before a request that has used less goes first
             (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
@@ -150,6 +157,8 @@ def create_app(
         raise ConfigError(f"limits must be a rag.serve.limits.ServeLimits, got {type(limits).__name__}")
     check_admin_token(admin_token)
     check_admin_token(api_key, "api_key")
+    check_distinct_secrets(admin_token, api_key)
+    check_number(body_timeout, "body_timeout (rag serve --body-timeout, seconds)", above=0, allow_none=True, error=ConfigError)
     if nli is not None:
         from rag.retrobust.nli import NLIScorer, validate_threshold
 
@@ -176,7 +185,7 @@ def create_app(
     app.include_router(openai_router(state))
     app.include_router(page_router())
 
-    wrapped = BodyLimit(app, max_body_bytes)
+    wrapped = ApiKeyGate(BodyLimit(app, max_body_bytes, body_timeout), state)  # the key first, then the body
     wrapped.state = app.state  # convenient access for callers holding the wrapped app
     wrapped.fastapi = app
     return wrapped

@@ -15,7 +15,10 @@ from fastapi import HTTPException, Request
 from rag.serve.state import ServerState
 from rag.utils.errors import ConfigError
 
-__all__ = ["check_admin_token", "api_key_check", "admin_check"]
+__all__ = ["check_admin_token", "check_distinct_secrets", "api_key_check", "api_key_matches", "needs_api_key", "admin_check"]
+
+PUBLIC_PREFIXES = ("/static/",)
+"""Routes (besides ``/``) that need no API key: the page's files."""
 
 
 def check_admin_token(token: Optional[str], source: str = "admin_token") -> None:
@@ -29,15 +32,34 @@ def check_admin_token(token: Optional[str], source: str = "admin_token") -> None
                           "non-ASCII tokens can never match a request); use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 
 
+def check_distinct_secrets(admin_token: Optional[str], api_key: Optional[str], admin_source: str = "admin_token",
+                           key_source: str = "api_key") -> None:
+    """Refuse one secret for both roles: every client holding the API key could then swap the knowledge base."""
+    if admin_token and api_key and hmac.compare_digest(admin_token.encode("utf-8"), api_key.encode("utf-8")):
+        raise ConfigError(f"{admin_source} and {key_source} are the same secret: every API client could use the admin "
+                          "routes; give the admin token its own random value")
+
+
+def needs_api_key(path: str) -> bool:
+    """Whether route `path` needs the API key: all but the page (``/``, ``/static/*``) and ``/admin/*`` (its token)."""
+    return not (path == "/" or path.startswith(PUBLIC_PREFIXES) or path.startswith("/admin/"))
+
+
+def api_key_matches(state: ServerState, header: str) -> bool:
+    """Whether the ``Authorization`` header value `header` carries the API key (none configured: always)."""
+    key = state.api_key
+    if not key:
+        return True
+    scheme, _, given = (header or "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode("utf-8", "surrogateescape"), key)
+
+
 def api_key_check(state: ServerState) -> Callable[[Request], None]:
-    """The dependency of every route but the page: 401 unless the request carries the API key (none configured: open)."""
+    """The dependency of every route but the page: 401 unless the request carries the API key (none configured: open).
+    :class:`~rag.serve.middleware.ApiKeyGate` checks the same before the body is read."""
 
     def public(request: Request) -> None:
-        key = state.api_key
-        if not key:
-            return
-        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8"), key):
+        if not api_key_matches(state, request.headers.get("authorization") or ""):
             raise HTTPException(401, "this server needs an API key: send 'Authorization: Bearer <key>'",
                                 headers={"WWW-Authenticate": "Bearer"})
 

@@ -70,6 +70,16 @@ def option_request_field(spec: OptionSpec) -> tuple:
     return Optional[spec.type], Field(None, ge=spec.low, le=spec.high, description=spec.help)
 
 
+_RETRIEVERS = tuple(option_specs()["retrieval"].choices)
+
+
+def _only_false(value: bool) -> bool:
+    if value:
+        raise ValueError("retrieval: true is the default; send false (closed-book: nothing retrieved) or a retriever "
+                         f"({', '.join(_RETRIEVERS)})")
+    return value
+
+
 class _Body(BaseModel):
     # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored;
     # NaN and +-Infinity (which Python's JSON parser accepts) are not numbers a request may carry.
@@ -90,22 +100,31 @@ class _GenerateFields(_Body):
 
     @model_validator(mode="after")
     def _consistent(self):
+        options = {k: v for k, v in self.options().items() if not (k == "retrieval" and v is False)}
         try:  # the schema's own cross-field checks (num_return_sequences <= num_beams, ...)
-            GenerationOptions(**self.options())
+            GenerationOptions(**options)
         except ConfigError as e:
             raise ValueError(str(e)) from None
         return self
 
     def options(self) -> dict:
-        """The generation options the request set (the rest: the model's stored defaults)."""
+        """The generation options the request set (the rest: the model's stored defaults); ``retrieval: false``
+        (closed-book: nothing retrieved) is kept, for the pipeline."""
         return self.model_dump(exclude={"questions", "nli", "nli_threshold"}, exclude_unset=True)
+
+    @property
+    def closed_book(self) -> bool:
+        """``"retrieval": false``: answer the bare questions, nothing retrieved (the closed-book baseline)."""
+        return getattr(self, "retrieval", None) is False
 
 
 GenerateRequest = create_model(
     "GenerateRequest", __base__=_GenerateFields, __module__=__name__,
     __doc__="Body of ``POST /generate``: questions, the generation options of "
             ":class:`~rag.generation.options.GenerationOptions` (unset: the model's defaults), and the NLI back-off.",
-    **{name: option_request_field(spec) for name, spec in option_specs().items()})
+    **{name: option_request_field(spec) for name, spec in option_specs().items() if name != "retrieval"},
+    retrieval=(Optional[Union[Annotated[bool, AfterValidator(_only_false)], Literal[_RETRIEVERS]]],
+               Field(None, description="dense, bm25 or hybrid; false: nothing retrieved, the closed-book answer")))
 
 
 class RetrieveRequest(_Body):

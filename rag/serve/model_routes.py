@@ -44,7 +44,8 @@ def model_router(state: ServerState) -> APIRouter:
     async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
         kw = req.options()  # unset: the model's stored defaults
         runner.check_generation(kw, len(req.questions))
-        kw.update(state.nli_options(req.nli, req.nli_threshold))
+        # closed-book answers read no passages: the server's default NLI back-off does not apply (asking for it: 400)
+        kw.update(state.nli_options(False if req.closed_book and req.nli is None else req.nli, req.nli_threshold))
         answers = await runner.run(request.receive,
                                    lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
         # All answers come from one knowledge-base version (see generate_one_version).

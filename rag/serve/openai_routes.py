@@ -204,7 +204,7 @@ class OpenAIRoutes:
                 return {**head, "object": "chat.completion.chunk",
                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-            return self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
+            return await self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
                                 piece=lambda i, text: chunk(i, {"content": text}), last=lambda i, finish: chunk(i, {}, finish),
                                 usage={**head, "object": "chat.completion.chunk", "choices": []})
         answers = await self.runner.run(request.receive, self._work([question], plan, kw))
@@ -238,7 +238,7 @@ class OpenAIRoutes:
                 return {**head, "object": "text_completion",
                         "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-            return self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
+            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
                                 usage={**head, "object": "text_completion", "choices": []})
         answers = await self.runner.run(request.receive, self._work(prompts, plan, kw))
         per_prompt = len(answers) // len(prompts)
@@ -308,7 +308,7 @@ class OpenAIRoutes:
         return (self.pipeline.kind == "causal" and prompts == 1 and n == 1 and plan.copies == 1
                 and kw.get("num_beams") in (None, 1) and "nli" not in kw)
 
-    def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
+    async def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
         from rag.generation.search import unit_hook
 
         runner = self.runner
@@ -317,24 +317,37 @@ class OpenAIRoutes:
         queue: asyncio.Queue = asyncio.Queue()
         n = req.n or 1
         generate = self._work(prompts, plan, kw)
+        decoding = asyncio.Event()  # set at the first unit boundary inside the model's work: options checked, passages read
+        streamer = None
         if self._token_streaming(plan, kw, len(prompts), n):
             def emit(text: str) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, ("piece", 0, text))
 
             streamer = _TokenText(self.tokenizer, prompts[0], emit)
 
-            def fn(w: RequestWork) -> list:
-                def hook(generated) -> None:
-                    w.unit()
+        def fn(w: RequestWork) -> list:
+            def hook(generated) -> None:
+                if not decoding.is_set():
+                    loop.call_soon_threadsafe(decoding.set)
+                w.unit()
+                if streamer is not None:
                     streamer.update(generated)
 
-                with unit_hook(hook, max_rows=UNIT_ROWS):
-                    return generate(w)
-        else:
-            fn = generate
+            with unit_hook(hook, max_rows=UNIT_ROWS):
+                return generate(w)
+
         task = asyncio.ensure_future(runner.run(request.receive, fn, work=work))
         task.add_done_callback(lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("done", 0, ""))))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # The stream starts (HTTP 200) only once decoding has begun: an option the model refuses, a knowledge base too
+        # small for n_docs, a full queue or the deadline while waiting answer with their 4xx / 5xx status, as unstreamed.
+        started = asyncio.ensure_future(decoding.wait())
+        try:
+            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if task.done() and task.exception() is not None:
+            raise task.exception()
 
         async def events():
             sent: dict[int, str] = {}

@@ -173,3 +173,89 @@ def test_prompt_tokens_of_a_scoring_request_are_limited(serve_layout, tiny_gpt2_
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert "--max-prompt-tokens" in err["message"] and err["param"] == "prompt"
+
+
+# ---------------------------------------------------------------------------- the milder ones
+
+def test_a_404_names_the_route_it_points_to(rag_server):
+    url, _ = rag_server
+    r = httpx.get(f"{url}/v1/models/other", timeout=60)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert "(GET /v1/models)" in message and "<server path>" not in message
+
+
+def test_generate_takes_the_closed_book_option(rag_server):
+    url, _ = rag_server
+    r = _post(url, "/generate", {"questions": [QUESTION], "retrieval": False, "max_new_tokens": 3})
+    assert r.status_code == 200, r.text
+    (answer,) = r.json()["answers"]
+    assert answer["passages"] == [] and answer["answered_with"] == "no_retrieval"
+    r = _post(url, "/generate", {"questions": [QUESTION], "retrieval": True})
+    assert r.status_code == 422 and "retrieval: true is the default" in r.text
+
+
+@pytest.mark.parametrize("rag_options", [{"n_docs": 13}, {"stride": 4}])
+def test_a_streamed_request_the_model_refuses_is_a_4xx_before_the_stream(rag_server, rag_options):
+    """n_docs over the knowledge base's 12 passages, a causal-only option for a RAG model: 400 as unstreamed, never
+    200 followed by an error event."""
+    url, _ = rag_server
+    body = _chat(rag=rag_options)
+    plain = _post(url, "/v1/chat/completions", body)
+    streamed = _post(url, "/v1/chat/completions", {**body, "stream": True})
+    assert plain.status_code == 400, plain.text
+    assert streamed.status_code == 400, streamed.text
+    assert streamed.json()["error"]["message"] == plain.json()["error"]["message"]
+    ok = _post(url, "/v1/chat/completions", {**_chat(), "stream": True})
+    assert ok.status_code == 200 and ok.text.rstrip().endswith("data: [DONE]")
+
+
+def test_a_stalled_request_body_gets_408(serve_layout):
+    import socket
+    from urllib.parse import urlsplit
+
+    import rag
+
+    with _server(rag.load(serve_layout["model"]), body_timeout=0.5) as (url, _):
+        u = urlsplit(url)
+        with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
+            sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                         "Content-Length: 100\r\n\r\n{\"questions\": [".encode())  # then nothing more
+            reply = b""
+            while b"\r\n\r\n" not in reply:
+                chunk = sock.recv(4096)
+                if not chunk:
+                    break
+                reply += chunk
+        assert reply.startswith(b"HTTP/1.1 408"), reply
+        assert _post(url, "/generate", {"questions": [QUESTION], "max_new_tokens": 2}).status_code == 200
+
+
+def test_one_secret_for_api_key_and_admin_token_is_refused(serve_layout, capsys, monkeypatch, tmp_path):
+    import rag
+    from rag.cli import main
+    from rag.utils.errors import ConfigError
+
+    secret = "the-same-secret-for-both-roles-0123"
+    with pytest.raises(ConfigError, match="same secret"):
+        create_app(rag.load(serve_layout["model"]), admin_token=secret, api_key=secret)
+    monkeypatch.setenv("RAG_ADMIN_TOKEN", secret)
+    monkeypatch.setenv("RAG_API_KEY", secret)
+    assert main(["serve", "--model", str(tmp_path / "no-model-here")]) == 2  # refused before loading the model
+    err = capsys.readouterr().err
+    assert "same secret" in err and "RAG_ADMIN_TOKEN" in err and "no-model-here" not in err
+
+
+def test_with_an_api_key_authentication_comes_before_validation(serve_layout):
+    import rag
+
+    key = "test-api-key-0123456789abcdef"
+    with _server(rag.load(serve_layout["model"]), api_key=key) as (url, _):
+        for path in ("/generate", "/retrieve", "/v1/chat/completions", "/v1/completions"):
+            r = _post(url, path, b'{"questions": [')  # malformed JSON, no key
+            assert r.status_code == 401, (path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+            assert ("error" in r.json()) == path.startswith("/v1/")
+            bad = _post(url, path, b'{"questions": [', headers={"authorization": f"Bearer {key}"})
+            assert bad.status_code in (400, 422), (path, bad.text)  # with the key: the validation error
+        assert httpx.get(f"{url}/", timeout=60).status_code == 200  # the page needs no key
