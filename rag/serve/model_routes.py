@@ -15,7 +15,24 @@ from rag.serve.requests import generate_one_version
 from rag.serve.responses import SafeJSONResponse
 from rag.serve.state import ServerState
 
-__all__ = ["model_router", "retrieve_passages"]
+__all__ = ["model_router", "retrieve_passages", "reader_description"]
+
+
+def reader_description(pipeline) -> dict:
+    """What ``/health`` says the server reads with: ``method`` (``rag-sequence`` / ``rag-token`` as the model's stored
+    marginalization, ``in-context-ralm``, ``replug``), ``generator_kind`` (``seq2seq`` / ``causal``) and
+    ``extractive`` (the stored setting of a RAG model); ``reader`` (the option family, kept for older clients)."""
+    reader = pipeline.reader
+    if pipeline.kind == "causal":
+        ensemble = getattr(getattr(reader, "config", None), "ensemble", None)
+        return {"reader": pipeline.kind, "method": "replug" if ensemble else "in-context-ralm", "generator_kind": "causal",
+                "extractive": False}
+    model = reader.model
+    config = model.config
+    stored = dict(getattr(config, "generation", None) or {})
+    return {"reader": pipeline.kind, "method": f"rag-{config.marginalization}",
+            "generator_kind": "causal" if getattr(model, "is_causal", False) else "seq2seq",
+            "extractive": bool(stored.get("extractive", False))}
 
 
 def retrieve_passages(pipeline, questions: list[str], k: int) -> dict:
@@ -37,7 +54,7 @@ def model_router(state: ServerState) -> APIRouter:
     async def health() -> dict:
         kb = slot.current
         return {"status": "ok", "kb_version": kb.served_version, "kb_passages": len(kb), "swaps": slot.swap_count,
-                "history": [h["version"] for h in slot.history], "reader": pipeline.kind, "model": state.model_name,
+                "history": [h["version"] for h in slot.history], **reader_description(pipeline), "model": state.model_name,
                 "nli": state.nli is not None, "admin": bool(state.admin_token), "requests": runner.counters.snapshot()}
 
     @router.post("/generate")
