@@ -50,6 +50,9 @@ def add_parser(sub) -> None:
                    help=f"most new tokens per answer a request may ask for (default: {d.max_new_tokens}); more: 422")
     p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
                    help=f"most questions per request (default: {d.max_batch}); more: 422")
+    p.add_argument("--max-step-rows", type=int, default=d.max_step_rows, metavar="N",
+                   help=f"most rows one decoding step of a request may run, passages x beams (default: {d.max_step_rows}); "
+                        "one step is one unit of model work, so this bounds how long a cheap request waits; more: 422")
     p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, metavar="N",
                    help=f"most prompt tokens one scoring request (/v1/completions with max_tokens 0) may send, all its "
                         f"prompts together (default: {d.max_prompt_tokens}); more: 400")
@@ -81,6 +84,7 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
                          max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
+                         max_step_rows=args.max_step_rows,
                          request_timeout=args.request_timeout or None, max_queue=args.max_queue)
     token = os.environ.get(args.admin_token_env) or None
     if token is None:

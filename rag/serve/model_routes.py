@@ -11,7 +11,7 @@ from fastapi import APIRouter, Depends, Request
 
 from rag.serve.auth import api_key_check
 from rag.serve.bodies import GenerateRequest, RetrieveRequest
-from rag.serve.requests import generate_one_version
+from rag.serve.requests import generate_one_version, step_rows
 from rag.serve.responses import SafeJSONResponse
 from rag.serve.state import ServerState
 
@@ -60,7 +60,7 @@ def model_router(state: ServerState) -> APIRouter:
     @router.post("/generate")
     async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
         kw = req.options()  # unset: the model's stored defaults
-        runner.check_generation(kw, len(req.questions))
+        runner.check_generation(kw, len(req.questions), step_rows(pipeline, kw))
         # closed-book answers read no passages: the server's default NLI back-off does not apply (asking for it: 400)
         kw.update(state.nli_options(False if req.closed_book and req.nli is None else req.nli, req.nli_threshold))
         answers = await runner.run(request.receive,

@@ -38,7 +38,7 @@ from fastapi.responses import StreamingResponse
 
 from rag.serve.auth import api_key_check
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
-from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version
+from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version, step_rows
 from rag.serve.responses import SafeJSONResponse, json_safe
 from rag.serve.state import ServerState
 from rag.utils.errors import RagError
@@ -148,7 +148,7 @@ class OpenAIRoutes:
         check_fields(req)
         self._check_model(req.model)
         plan = plan_generation(req, max_new_tokens)
-        self.runner.check_generation(plan.kw, prompts * plan.copies)
+        self.runner.check_generation(plan.kw, prompts * plan.copies, step_rows(self.pipeline, plan.kw))
         self.runner.check_within("max_beams", req.n, "n")
         return plan, {**plan.kw, **self.nli_options(plan.nli, plan.nli_threshold)}
 

@@ -259,3 +259,46 @@ def test_with_an_api_key_authentication_comes_before_validation(serve_layout):
             bad = _post(url, path, b'{"questions": [', headers={"authorization": f"Bearer {key}"})
             assert bad.status_code in (400, 422), (path, bad.text)  # with the key: the validation error
         assert httpx.get(f"{url}/", timeout=60).status_code == 200  # the page needs no key
+
+
+def test_a_request_whose_decoding_step_is_over_the_row_limit_is_refused(serve_layout):
+    """passages x beams per decoding step (a step is one unit of work) is admitted up to --max-step-rows; unset options
+    count as the model's stored ones (n_docs 3 here)."""
+    import rag
+
+    with _server(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None, max_step_rows=12)) as (url, _):
+        ok = _post(url, "/generate", {"questions": [QUESTION], "num_beams": 4, "max_new_tokens": 2})  # 3 x 4
+        assert ok.status_code == 200, ok.text
+        for body in ({"questions": [QUESTION], "num_beams": 5}, {"questions": [QUESTION], "n_docs": 4, "num_beams": 4}):
+            r = _post(url, "/generate", body)
+            assert r.status_code == 422 and "--max-step-rows" in r.text, r.text
+        r = _post(url, "/v1/chat/completions", _chat(n=5))  # n raises num_beams to 5
+        assert r.status_code == 400 and "--max-step-rows" in r.json()["error"]["message"], r.text
+
+
+def test_a_causal_readers_prompt_prefill_is_cut_into_units(causal_rag_dir):
+    """Inside the server's unit hook the prefill of n_docs prompts runs UNIT_TOKENS tokens' worth of prompts per forward,
+    each forward a unit of its own, with the same answers as one prefill (float32 over other batch shapes: 1e-4 on a
+    score). (Before: the n_docs prompts were one forward, one unit, whatever n_docs the limits admitted.)"""
+    import rag
+    from rag.generation.causal import UNIT_TOKENS
+    from rag.generation.search import unit_hook
+    from rag.serve.requests import UNIT_ROWS
+
+    pipe = rag.load(causal_rag_dir)
+    kw = dict(marginalization="sequence", n_docs=12, num_beams=1, max_new_tokens=2)
+    whole = pipe.generate([QUESTION], **kw)
+    fed: list[list[tuple[int, int]]] = [[]]  # (rows, columns) fed by each forward, per unit
+    handle = pipe.model.generator.register_forward_hook(
+        lambda mod, args, kwargs, out: fed[-1].append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        with unit_hook(lambda _generated: fed.append([]), max_rows=UNIT_ROWS):
+            cut = pipe.generate([QUESTION], **kw)
+    finally:
+        handle.remove()
+    # max_new_tokens 2: every later forward feeds one column (a step, or a rescoring chunk over the cache)
+    prefill = [(i, rows, cols) for i, unit in enumerate(fed) for rows, cols in unit if cols > 1]
+    assert len(prefill) >= 2 and len({i for i, _, _ in prefill}) == len(prefill), fed  # several forwards, one unit each
+    assert sum(rows for _, rows, _ in prefill) == 12 and all(rows * cols <= UNIT_TOKENS for _, rows, cols in prefill)
+    assert [a.text for a in cut] == [a.text for a in whole]
+    assert [a.score for a in cut] == pytest.approx([a.score for a in whole], abs=1e-4)
