@@ -11,6 +11,9 @@ nothing, a check that fails) is a BAD outcome. The script prints one line per ca
 and exits 1 if there is any.
 
     OMP_NUM_THREADS=1 python benchmarks/probe_inputs.py [--out DIR] [--only SUBSTRING]
+
+The HTTP cases of issue #46 (classes surrogate, units, prompt, milder; ``--only serve`` runs them all) drive `rag serve`
+apps on 127.0.0.1 in this process and judge each response's status and message.
 """
 
 from __future__ import annotations
@@ -474,6 +477,148 @@ def swap_back_case(f: dict, w: Path) -> tuple[str, Optional[str]]:
     return "ok", "served the edited passages under the verified version id"
 
 
+# ------------------------------------------------------------------------------------------------ serve cases (#46)
+
+
+def serve_cases(f: dict, w: Path) -> list[tuple[str, str, Callable[[], Optional[str]]]]:
+    """The HTTP classes of issue #46, against `rag serve` apps on 127.0.0.1 (in this process, ephemeral ports): each
+    case is (class, name, run) and run() returns None when the server answered as it should, else what is wrong."""
+    import contextlib
+    import socket
+    from urllib.parse import urlsplit
+
+    import httpx
+
+    from rag.pipeline.api import load
+    from rag.serve.app import ServeLimits, background_server, create_app
+    from rag.utils.errors import ConfigError
+
+    stack = contextlib.ExitStack()
+    SERVERS.append(stack)
+    rag_pipe = load(f["ckpt"])
+    lm_pipe = load(f["gpt2"], knowledge_base=f["kb"], max_length=96, doc_max_length=24)
+    key = "probe-api-key-0123456789abcdef"
+    rag_url = stack.enter_context(background_server(create_app(rag_pipe, model_name="tiny", body_timeout=1.0,
+                                                               limits=ServeLimits(request_timeout=8))))
+    lm_url = stack.enter_context(background_server(create_app(lm_pipe, model_name="tiny", limits=ServeLimits(
+        request_timeout=8, max_prompt_tokens=400))))
+    keyed_url = stack.enter_context(background_server(create_app(load(f["ckpt"]), model_name="tiny", api_key=key)))
+
+    def post(url: str, path: str, body, headers: Optional[dict] = None) -> httpx.Response:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode("ascii")
+        return httpx.post(url + path, content=content, timeout=60,
+                          headers={"content-type": "application/json", **(headers or {})})
+
+    def status(url: str, path: str, body, want: int, needle: str = "", headers: Optional[dict] = None):
+        def run() -> Optional[str]:
+            r = post(url, path, body, headers)
+            if r.status_code != want:
+                return f"HTTP {r.status_code} (want {want}): {r.text[:150]}"
+            return None if needle in r.text else f"does not say {needle!r}: {r.text[:150]}"
+        return run
+
+    bad = "who \udc00 discovered"
+    chat = {"model": "tiny", "max_tokens": 2}
+    out = []
+    for name, messages in [
+        ("string content", [{"role": "user", "content": bad}]),
+        ("a text part", [{"role": "user", "content": [{"type": "text", "text": bad}]}]),
+        ("the second text part", [{"role": "user", "content": [{"type": "text", "text": "ok"}, {"type": "text", "text": bad}]}]),
+        ("a part's type", [{"role": "user", "content": [{"type": bad, "text": "ok"}]}]),
+        ("an earlier message's part", [{"role": "system", "content": [{"type": "text", "text": bad}]},
+                                       {"role": "user", "content": "ok"}]),
+        ("a message's name", [{"role": "user", "content": "ok", "name": bad}]),
+    ]:
+        out.append(("surrogate", f"lone surrogate in {name}", status(rag_url, "/v1/chat/completions",
+                                                                     {**chat, "messages": messages}, 400, "lone surrogate")))
+    out.append(("surrogate", "lone surrogate in an ignored field (user)", status(
+        rag_url, "/v1/chat/completions", {**chat, "user": bad, "messages": [{"role": "user", "content": "ok"}]}, 400,
+        "lone surrogate")))
+    out.append(("surrogate", "lone surrogate in a /generate field name", status(rag_url, "/generate",
+                                                                               {"questions": ["q"], bad: 1}, 422, "lone surrogate")))
+
+    def cheap_beside_heavy(url: str, heavy: dict, path: str = "/generate") -> Callable[[], Optional[str]]:
+        def run() -> Optional[str]:
+            import threading
+
+            got: dict = {}
+            t = threading.Thread(target=lambda: got.update(r=post(url, path, heavy)))
+            t.start()
+            time.sleep(0.3)
+            cheap = post(url, "/retrieve", {"questions": ["gold"], "k": 1})
+            t.join(timeout=120)
+            unit = httpx.get(url + "/health", timeout=60).json()["requests"]["longest_unit_seconds"]
+            if got.get("r") is None or got["r"].status_code != 200:
+                return f"the heavy request itself: {got.get('r') and got['r'].status_code}"
+            if cheap.status_code != 200:
+                return f"cheap /retrieve beside the heavy request: HTTP {cheap.status_code}; longest unit {unit} s"
+            return None if unit < 8 else f"longest unit {unit} s, over the 8 s deadline"
+        return run
+
+    out.append(("units", "cheap /retrieve beside n_docs 2 x 8 beams x 64 tokens (RAG-Sequence thorough)", cheap_beside_heavy(
+        rag_url, {"questions": ["who discovered oxygen and what is its atomic weight?"] * 4, "n_docs": 2, "num_beams": 8,
+                  "max_new_tokens": 64, "marginalization": "sequence", "decoding": "thorough"})))
+    long_prompt = "lead " * 80  # 240 tokens of the tiny BPE, inside the tiny GPT-2's 256
+    score = {"model": "tiny", "max_tokens": 0, "echo": True, "logprobs": 5}
+    out.append(("units", "cheap /retrieve beside scoring a 240-token prompt", cheap_beside_heavy(
+        lm_url, {**score, "prompt": long_prompt}, "/v1/completions")))
+    out.append(("prompt", "16 prompts of 240 tokens to score (--max-prompt-tokens 400)", status(
+        lm_url, "/v1/completions", {**score, "prompt": [long_prompt] * 16}, 400, "--max-prompt-tokens")))
+    out.append(("prompt", "a prompt over the LM's window", status(lm_url, "/v1/completions", {**score, "prompt": "lead " * 300},
+                                                                 400, "reads at most")))
+
+    def route_named() -> Optional[str]:
+        r = httpx.get(rag_url + "/v1/models/other", timeout=60)
+        return None if r.status_code == 404 and "GET /v1/models" in r.text else f"HTTP {r.status_code}: {r.text[:150]}"
+
+    out.append(("milder", "404 names the route /v1/models", route_named))
+    out.append(("milder", "/generate retrieval: false (closed-book)", status(
+        rag_url, "/generate", {"questions": ["who discovered oxygen?"], "retrieval": False, "max_new_tokens": 2}, 200,
+        "no_retrieval")))
+    out.append(("milder", "stream with n_docs over the knowledge base: 4xx before the stream", status(
+        rag_url, "/v1/chat/completions", {**chat, "stream": True, "rag": {"n_docs": 50},
+                                          "messages": [{"role": "user", "content": "ok"}]}, 400)))
+    out.append(("milder", "stream with a causal-only option (stride) for a RAG model", status(
+        rag_url, "/v1/chat/completions", {**chat, "stream": True, "rag": {"stride": 4},
+                                          "messages": [{"role": "user", "content": "ok"}]}, 400)))
+
+    def stalled() -> Optional[str]:
+        u = urlsplit(rag_url)
+        socks = []
+        try:
+            for _ in range(20):
+                s = socket.create_connection((u.hostname, u.port), timeout=30)
+                s.sendall(f"POST /generate HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
+                          "Content-Length: 100\r\n\r\n{".encode())
+                socks.append(s)
+            replies = [s.recv(64) for s in socks]
+        except OSError as e:
+            return f"a stalled body was not answered: {e}"
+        finally:
+            for s in socks:
+                s.close()
+        late = [r for r in replies if not r.startswith(b"HTTP/1.1 408")]
+        return None if not late else f"{len(late)} of 20 stalled bodies not answered 408: {late[0][:60]!r}"
+
+    out.append(("milder", "20 stalled request bodies (--body-timeout 1)", stalled))
+
+    def same_secret() -> Optional[str]:
+        try:
+            create_app(rag_pipe, admin_token=key, api_key=key)
+        except ConfigError as e:
+            return None if "same secret" in str(e) else f"unclear: {e}"
+        return "the same secret was accepted as API key and admin token"
+
+    out.append(("milder", "one secret as API key and admin token", same_secret))
+    for path in ("/generate", "/v1/chat/completions"):
+        out.append(("milder", f"malformed JSON without the key on {path}: 401 first", status(keyed_url, path, b'{"questions": [',
+                                                                                          401)))
+    return out
+
+
+SERVERS: list = []
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=None, help="work folder (default: a temporary one, removed)")
@@ -499,6 +644,19 @@ def main() -> int:
             rows.append(f"{'BAD ' if problem else 'ok  '} {case.klass:<10} {case.name:<58} {case.expect:<6} {r.seconds:6.1f}s  "
                         + (problem if problem else said[0][:150]))
             print(rows[-1], flush=True)
+        classes = ("surrogate", "units", "prompt", "milder")
+        every = not args.only or args.only == "serve"
+        serve = [c for c in serve_cases(fixtures, work) if every or args.only in c[0] or args.only in c[1]] \
+            if every or any(args.only in k for k in classes) else []
+        for klass, name, run in serve:
+            t = time.perf_counter()
+            try:
+                problem = run()
+            except Exception as e:  # noqa: BLE001 - a case that raises is a bad outcome, reported
+                problem = f"raised {type(e).__name__}: {str(e)[:150]}"
+            bad += problem is not None
+            print(f"{'BAD ' if problem else 'ok  '} {klass:<10} {name:<58} {'http':<6} {time.perf_counter() - t:6.1f}s  "
+                  f"{problem or 'as it should'}", flush=True)
         if not args.only or args.only in "swap_back integrity":
             outcome, problem = swap_back_case(fixtures, work)
             bad += problem is not None
@@ -507,6 +665,8 @@ def main() -> int:
     finally:
         for p in HOLDERS:
             p.kill()
+        for stack in SERVERS:
+            stack.close()
         if args.out is None:
             shutil.rmtree(work, ignore_errors=True)
     print(f"\n{bad} bad outcome(s); {time.perf_counter() - t0:.0f} s")

@@ -50,9 +50,18 @@ def add_parser(sub) -> None:
                    help=f"most new tokens per answer a request may ask for (default: {d.max_new_tokens}); more: 422")
     p.add_argument("--max-batch", type=int, default=d.max_batch, metavar="N",
                    help=f"most questions per request (default: {d.max_batch}); more: 422")
+    p.add_argument("--max-step-rows", type=int, default=d.max_step_rows, metavar="N",
+                   help=f"most rows one decoding step of a request may run, passages x beams (default: {d.max_step_rows}); "
+                        "one step is one unit of model work, so this bounds how long a cheap request waits; more: 422")
+    p.add_argument("--max-prompt-tokens", type=int, default=d.max_prompt_tokens, metavar="N",
+                   help=f"most prompt tokens one scoring request (/v1/completions with max_tokens 0) may send, all its "
+                        f"prompts together (default: {d.max_prompt_tokens}); more: 400")
     p.add_argument("--request-timeout", type=float, default=d.request_timeout, metavar="SECONDS",
                    help=f"answer 504 to a request not done after this long, queueing included, and stop its work "
                         f"(default: {d.request_timeout:g}; 0: no limit)")
+    p.add_argument("--body-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="answer 408 to a client that has not sent its whole request body after this long (default: 30; "
+                        "0: no limit)")
     p.add_argument("--max-queue", type=int, default=d.max_queue, metavar="N",
                    help=f"requests that may wait for a model slot; beyond them: 503 with Retry-After (default: {d.max_queue})")
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
@@ -67,14 +76,16 @@ def add_parser(sub) -> None:
 
 def cmd_serve(args) -> int:
     from rag.pipeline.api import load
-    from rag.serve.app import check_admin_token, check_bind, create_app, serve
+    from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
     from rag.serve.limits import ServeLimits
     from rag.utils.errors import ConfigError
 
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
-                         max_batch=args.max_batch, request_timeout=args.request_timeout or None, max_queue=args.max_queue)
+                         max_batch=args.max_batch, max_prompt_tokens=args.max_prompt_tokens,
+                         max_step_rows=args.max_step_rows,
+                         request_timeout=args.request_timeout or None, max_queue=args.max_queue)
     token = os.environ.get(args.admin_token_env) or None
     if token is None:
         print(f"rag serve: ${args.admin_token_env} is not set: admin endpoints (swap) are disabled", file=sys.stderr)
@@ -101,6 +112,7 @@ def cmd_serve(args) -> int:
         if len(api_key) < 16:
             raise ConfigError(f"{source} is only {len(api_key)} characters; use a random key of at least 16 "
                               "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
+    check_distinct_secrets(token, api_key, f"${args.admin_token_env}", source)
     if api_key is not None and args.no_auth:
         raise ConfigError(f"--no-auth serves without an API key, but {source} sets one: drop one of them")
     warning = check_bind(args.host, api_key is not None, args.no_auth)  # decided before the model loads, nothing bound
@@ -117,7 +129,7 @@ def cmd_serve(args) -> int:
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
                      max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
-                     api_key=api_key, model_name=name)
+                     api_key=api_key, model_name=name, body_timeout=args.body_timeout or None)
     print(f"rag serve: knowledge base {pipe.kb_version} ({pipe.knowledge_base.path}); model id {name!r}; "
           f"http://{args.host}:{args.port}/ (page), /v1 (OpenAI API)", file=sys.stderr)
     serve(app, host=args.host, port=args.port, log_level=args.log_level, allow_unauthenticated=args.no_auth)

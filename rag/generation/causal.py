@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import Tensor
 
 from rag.generation.kv_cache import cache_kwarg, output_cache
-from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
+from rag.generation.search import (
+    GenerationConfig,
+    beam_search,
+    config_token_id,
+    greedy_search,
+    resolve_spec,
+    sample,
+    unit_boundary,
+    unit_cap,
+    unit_rows,
+)
 from rag.utils.errors import RagError
 
 __all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
@@ -113,6 +123,10 @@ class PrefixCache:
                 self._bytes -= sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in old)
 
 
+UNIT_TOKENS = 512
+"""Prompt tokens (rows x width) one prefill forward runs inside a serving unit hook: a unit of work of its own."""
+
+
 @dataclass
 class CausalPrompts:
     """`N` left-padded prompts of a causal generator, the causal counterpart of seq2seq's `EncodedContexts`: row
@@ -147,7 +161,12 @@ class CausalPrompts:
         return self.input_ids[:, -1]
 
     def prefill(self, model) -> tuple[object, Tensor]:
-        """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once)."""
+        """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once). Inside a
+        serving unit hook that asks for small units (:func:`~rag.generation.search.unit_rows`), the prompts run
+        :data:`UNIT_TOKENS` tokens' worth of rows at a time, a unit boundary between two chunks."""
+        chunk = len(self) if unit_cap() is None else max(1, UNIT_TOKENS // max(1, self.input_ids.shape[1]))
+        if self._prefilled is None and chunk < len(self):
+            self._prefilled = self._prefill_in_chunks(model, chunk)
         if self._prefilled is None:
             if self.prefix_cache is not None and self.prefix_width and self.share_cache:
                 self._prefilled = self._prefill_after_prefixes(model)
@@ -182,6 +201,25 @@ class CausalPrompts:
         out = model(input_ids=self.input_ids[:, width:], attention_mask=mask, position_ids=prompt_positions(mask)[:, width:],
                     use_cache=True, return_dict=True, **cache_kwarg(model, _dynamic_cache(layers)))
         return output_cache(out), out.logits[:, -1, :].float()
+
+    def _prefill_in_chunks(self, model, chunk: int) -> tuple[object, Tensor]:
+        """:meth:`prefill` of `chunk` prompts at a time (each chunk a unit of work), the caches joined along the rows."""
+        from rag.generation.seq2seq import _dynamic_cache
+
+        parts = []
+        for lo in range(0, len(self), chunk):
+            if lo:
+                unit_boundary()
+            part = replace(self, input_ids=self.input_ids[lo:lo + chunk], attention_mask=self.attention_mask[lo:lo + chunk],
+                           _prefilled=None)
+            cache, logits = part.prefill(model)  # at most `chunk` prompts: one forward
+            layers = getattr(cache, "layers", None)
+            if layers is None:
+                raise RagError(f"the model returned a cache of type {type(cache).__name__} whose rows cannot be joined")
+            parts.append(([(layer.keys, layer.values) for layer in layers], logits))
+        layers = [(torch.cat([kv[i][0] for kv, _ in parts]), torch.cat([kv[i][1] for kv, _ in parts]))
+                  for i in range(len(parts[0][0]))]
+        return _dynamic_cache(layers), torch.cat([logits for _, logits in parts])
 
     def gathered_cache(self, model, rows: Tensor):
         """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""
@@ -330,8 +368,8 @@ def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, cont
     scored tokens; context_index `(C, K)` holds rows of `prompts`. Returns `(C, K, T - 1)`: entry `t` scores
     `sequences[:, t + 1]`, 0 after the first `eos` target when `eos` is given. With `prompts.share_cache` each pair
     starts from a copy of its prompt's prefilled KV cache and the LM runs only on the sequence's tokens; else every pair
-    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32).
-    """
+    runs its whole prompt again. At most `max_rows` pairs per forward (None: 32, or fewer inside a serving unit hook:
+    :func:`~rag.generation.search.unit_rows`); each forward is one unit of work (:func:`~rag.generation.search.unit_boundary`)."""
     n_cand, n_docs = context_index.shape
     if sequences.shape[0] != n_cand or sequences.shape[1] < 2:
         raise RagError(f"sequences {tuple(sequences.shape)} must be (C, T >= 2) with C = {n_cand} rows of context_index")
@@ -345,9 +383,10 @@ def causal_teacher_forced(model, prompts: CausalPrompts, sequences: Tensor, cont
         length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)  # targets up to the first EOS
     lengths = length[cand]
     lengths, order = torch.sort(lengths, descending=True, stable=True)
-    batch = 32 if max_rows is None else max_rows
+    batch = unit_rows(32) if max_rows is None else max_rows
     out = torch.zeros(n_cand * n_docs, width, dtype=torch.float32, device=sequences.device)
     for lo in range(0, rows.shape[0], batch):
+        unit_boundary()  # one chunk is one bounded unit of work
         pick = order[lo:lo + batch]
         n = int(lengths[lo:lo + batch].max())
         seq, ctx = sequences[cand[pick]], rows[pick]

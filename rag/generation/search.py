@@ -41,6 +41,7 @@ __all__ = [
     "unit_hook",
     "unit_boundary",
     "unit_rows",
+    "unit_cap",
 ]
 
 # Score transformers' beam search uses for "impossible" entries. Kept identical (not -inf) because the
@@ -231,6 +232,11 @@ def unit_rows(default: int) -> int:
     asks for smaller units (the results do not depend on it beyond float rounding; only how the work is cut)."""
     cap = getattr(_units, "max_rows", None)
     return default if cap is None else max(1, min(default, cap))
+
+
+def unit_cap() -> Optional[int]:
+    """The rows per chunk this thread's :func:`unit_hook` asks for; None outside one (or when it asks for none)."""
+    return getattr(_units, "max_rows", None)
 
 
 def unit_boundary(generated: Optional[Tensor] = None) -> None:

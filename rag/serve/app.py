@@ -18,6 +18,11 @@ Endpoints (JSON in, JSON out)::
 With an API key (``api_key``; ``rag serve`` requires one on a non-loopback address unless ``--no-auth``), every route
 but the page needs ``Authorization: Bearer <key>`` (401 otherwise; compared in constant time).
 
+Layout: :func:`create_app` validates its arguments into one :class:`~rag.serve.state.ServerState` and mounts a router
+per concern over it: :mod:`rag.serve.auth` (API key, admin token), :mod:`rag.serve.model_routes` (health, generate,
+retrieve), :mod:`rag.serve.openai_routes`, :mod:`rag.serve.admin` (swaps), :mod:`rag.serve.page`;
+:mod:`rag.serve.handlers` turns every error into its response and :mod:`rag.serve.middleware` bounds bodies.
+
 Design:
 
 * **One model per process.** Model calls run in worker threads (``anyio.to_thread``) behind a
@@ -50,37 +55,38 @@ Design:
 from __future__ import annotations
 
 import contextlib
-import functools
-import hmac
-import json
 import logging
 import os
 import socket
 import threading
 import time
-from pathlib import Path
-from typing import Annotated, Iterator, Literal, Optional, Sequence, Union
+from typing import Iterator, Optional, Sequence, Union
 
-from fastapi import Depends, FastAPI, HTTPException, Request
-from fastapi.exceptions import RequestValidationError
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
-from starlette.exceptions import HTTPException as StarletteHTTPException
+from fastapi import FastAPI
 
-from rag.generation.options import GenerationOptions, option_specs
-from rag.serve.limits import MAX_N_DOCS, MAX_QUESTIONS, ServeLimits
-from rag.serve.openai_routes import OpenAIRoutes, openai_error
-from rag.serve.openai_schema import option_request_field
-from rag.serve.page import add_page_routes
-from rag.serve.requests import RequestRunner, generate_one_version
-from rag.serve.responses import SafeJSONResponse, redact_paths, validation_errors
+import rag
+from rag.serve.admin import PathRejected, admin_router, real_roots, resolve_kb_path
+from rag.serve.auth import check_admin_token, check_distinct_secrets
+from rag.serve.bodies import MAX_QUESTION_CHARS, GenerateRequest, RetrieveRequest, SwapRequest
+from rag.serve.handlers import add_error_handlers
+from rag.serve.limits import MAX_QUESTIONS, ServeLimits
+from rag.serve.middleware import ApiKeyGate, BodyLimit
+from rag.serve.model_routes import model_router
+from rag.serve.openai_routes import openai_router
+from rag.serve.page import page_router
+from rag.serve.requests import RequestRunner
+from rag.serve.responses import SafeJSONResponse
 from rag.serve.scheduler import DEFAULT_QUANTUM, ModelTurns
-from rag.utils.errors import ConfigError, RagError
+from rag.serve.state import ServerState
+from rag.utils.errors import ConfigError
+from rag.utils.validate import check_number
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "create_app",
     "check_admin_token",
+    "check_distinct_secrets",
     "check_bind",
     "serve",
     "background_server",
@@ -94,190 +100,9 @@ __all__ = [
     "MAX_QUESTION_CHARS",
 ]
 
-MAX_QUESTION_CHARS = 4096
-"""Longest question accepted (characters; the tokenizer truncates further)."""
-MAX_PATH_CHARS = 4096
 
-
-def _unicode(s: str) -> str:
-    """Refuse strings that are not valid Unicode text: JSON's ``\\ud800`` escapes decode to lone
-    surrogates, which no tokenizer, file system or UTF-8 response can take."""
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"contains a lone surrogate at character {e.start}; send valid Unicode text") from None
-    return s
-
-
-Question = Annotated[str, StringConstraints(min_length=1, max_length=MAX_QUESTION_CHARS, strip_whitespace=False),
-                     AfterValidator(_unicode)]
-
-
-# ---------------------------------------------------------------------------- request bodies
-
-
-class _Body(BaseModel):
-    # strict: "3" is not 3 and 1 is not true; unknown fields are an error, not silently ignored;
-    # NaN and +-Infinity (which Python's JSON parser accepts) are not numbers a request may carry.
-    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
-
-
-class _GenerateFields(_Body):
-    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    nli: Optional[bool] = None
-    """The RetRobust NLI back-off (needs a server started with ``rag serve --nli``); default: on when it was."""
-    nli_threshold: Optional[float] = Field(None, ge=0.0, le=1.0)
-    """Entailment probability the back-off needs (default: the server's, 0.5 unless set)."""
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        try:  # the schema's own cross-field checks (num_return_sequences <= num_beams, ...)
-            GenerationOptions(**self.options())
-        except ConfigError as e:
-            raise ValueError(str(e)) from None
-        return self
-
-    def options(self) -> dict:
-        """The generation options the request set (the rest: the model's stored defaults)."""
-        return self.model_dump(exclude={"questions", "nli", "nli_threshold"}, exclude_unset=True)
-
-
-GenerateRequest = create_model(
-    "GenerateRequest", __base__=_GenerateFields, __module__=__name__,
-    __doc__="Body of ``POST /generate``: questions, the generation options of "
-            ":class:`~rag.generation.options.GenerationOptions` (unset: the model's defaults), and the NLI back-off.",
-    **{name: option_request_field(spec) for name, spec in option_specs().items()})
-
-
-class RetrieveRequest(_Body):
-    """Body of ``POST /retrieve``."""
-
-    questions: list[Question] = Field(min_length=1, max_length=MAX_QUESTIONS)
-    k: int = Field(5, ge=1, le=MAX_N_DOCS)
-
-
-class SwapRequest(_Body):
-    """Body of ``POST /admin/swap``: a knowledge-base directory inside a configured root."""
-
-    path: Annotated[str, StringConstraints(min_length=1, max_length=MAX_PATH_CHARS), AfterValidator(_unicode)]
-    allow_encoder_change: bool = False
-    allow_metric_change: bool = False
-    verify: Literal["full"] = "full"
-    """Always "full": a swapped-in knowledge base is served under its version id only after every file's
-    SHA-256 matched (``"size"`` is refused with 422; size-only checks stay a local choice of
-    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` / ``KnowledgeBase.open``)."""
-
-
-class SwapBackRequest(_Body):
-    """Body of ``POST /admin/swap_back`` (may be omitted); re-opened knowledge bases are verified fully."""
-
-    verify: Literal["full"] = "full"
-
-
-# ---------------------------------------------------------------------------- paths
-
-
-class PathRejected(RagError):
-    """A knowledge-base path the server will not open; `status` is the HTTP status to answer."""
-
-    def __init__(self, message: str, status: int = 403):
-        super().__init__(message)
-        self.status = status
-
-
-def _real_roots(roots: Sequence[Union[str, os.PathLike]]) -> list[Path]:
-    out = []
-    for r in roots:
-        real = Path(os.path.realpath(os.fspath(r)))
-        if not real.is_dir():
-            raise ConfigError(f"--kb-root {r}: not a directory; create it or give an existing knowledge-base root")
-        out.append(real)
-    return out
-
-
-def resolve_kb_path(raw: str, roots: Sequence[Path]) -> Path:
-    """The real path of `raw` if it lies inside one of the (already real) `roots`.
-
-    Relative paths are taken relative to the first root. Symlinks and ``..`` are resolved
-    *before* the containment check, so neither can leave a root.
-
-    Raises:
-        PathRejected: 403 no roots / outside every root, 400 unusable string, 404 no such directory.
-    """
-    if not roots:
-        raise PathRejected("knowledge-base swaps are disabled: the server was started without --kb-root", 403)
-    if "\x00" in raw:
-        raise PathRejected("path contains a NUL byte", 400)
-    p = Path(raw)
-    if not p.is_absolute():
-        p = roots[0] / p
-    real = Path(os.path.realpath(p))
-    if not any(real == root or real.is_relative_to(root) for root in roots):
-        raise PathRejected(f"{raw!r} is outside the configured knowledge-base roots", 403)
-    if not real.is_dir():
-        raise PathRejected(f"{raw!r}: no such knowledge-base directory under the configured roots", 404)
-    return real
-
-
-# ---------------------------------------------------------------------------- helpers
-
-
-def _retrieve(pipeline, questions: list[str], k: int) -> dict:
-    """Top-k passages with scores and priors, plus the one knowledge-base version they came from
-    (:meth:`rag.pipeline.api.RagPipeline.retrieve`: one call reads the knowledge base once)."""
-    hits = pipeline.retrieve(questions, k=k)
-    versions = {h.kb_version for h in hits}
-    if len(versions) != 1:  # cannot happen: one retrieval call reads one knowledge base
-        raise RuntimeError(f"one retrieval call returned passages from several knowledge bases: {sorted(versions)}")
-    return {"kb_version": hits[0].kb_version, "results": [[p.__dict__ for p in h.passages] for h in hits]}
-
-
-class _BodyLimit:
-    """ASGI middleware: answer 413 to request bodies over `limit` bytes (declared or streamed)."""
-
-    def __init__(self, app, limit: int):
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
-        path = scope.get("path", "")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await self._reject(send, path)
-        chunks, size = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            size += len(body)
-            if size > self.limit:
-                return await self._reject(send, path)
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        replay = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
-        sent = False
-
-        async def replay_receive():
-            nonlocal sent
-            if not sent:
-                sent = True
-                return replay
-            return await receive()
-
-        return await self.app(scope, replay_receive, send)
-
-    async def _reject(self, send, path: str = ""):
-        message = "request body too large (limit %d bytes, --max-body-bytes)" % self.limit
-        body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}}
-                          if path.startswith("/v1/") else {"detail": message}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
-
+DEFAULT_BODY_TIMEOUT = 30.0
+"""Seconds a client may take to send its request body (``rag serve --body-timeout``)."""
 
 # ---------------------------------------------------------------------------- the app
 
@@ -296,6 +121,7 @@ def create_app(
     api_key: Optional[str] = None,
     model_name: str = "rag",
     fairness_quantum: float = DEFAULT_QUANTUM,
+    body_timeout: Optional[float] = DEFAULT_BODY_TIMEOUT,
 ):
     """A FastAPI application serving `pipeline` (a :class:`rag.pipeline.api.RagPipeline`).
 
@@ -318,12 +144,11 @@ def create_app(
         api_key: the Bearer key every route but the page needs (None or empty: none needed; printable ASCII without
             spaces, as `admin_token`).
         model_name: the model id of the OpenAI-compatible routes (``GET /v1/models``; requests naming another get 404).
+        body_timeout: seconds a client may take to send its request body (None: no limit); later: 408.
         fairness_quantum: seconds of model time a request may use before a request that has used less goes first
             (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
-    import anyio
-
-    from rag.knowledge.hotswap import KnowledgeBaseSlot
+    from rag.knowledge.hotswap import KnowledgeBaseSlot  # torch and the index: only once a model is served
 
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
@@ -332,6 +157,8 @@ def create_app(
         raise ConfigError(f"limits must be a rag.serve.limits.ServeLimits, got {type(limits).__name__}")
     check_admin_token(admin_token)
     check_admin_token(api_key, "api_key")
+    check_distinct_secrets(admin_token, api_key)
+    check_number(body_timeout, "body_timeout (rag serve --body-timeout, seconds)", above=0, allow_none=True, error=ConfigError)
     if nli is not None:
         from rag.retrobust.nli import NLIScorer, validate_threshold
 
@@ -339,157 +166,29 @@ def create_app(
             raise ConfigError(f"nli must be a rag.retrobust.nli.NLIScorer (load it once with NLIScorer.from_pretrained), got "
                               f"{type(nli).__name__}")
         nli_threshold = validate_threshold(nli_threshold)
-    roots = _real_roots(kb_roots)
+    roots = real_roots(kb_roots)
     slot = slot if slot is not None else KnowledgeBaseSlot.for_model(pipeline)
-    token = (admin_token or "").encode("ascii")
-    key = (api_key or "").encode("ascii")
     runner = RequestRunner(limits, max_concurrency, turns=ModelTurns(max_concurrency, quantum=fairness_quantum))
-    swap_limiter = anyio.CapacityLimiter(1)
-
-    import rag
+    state = ServerState(pipeline=pipeline, slot=slot, roots=roots, limits=limits, runner=runner,
+                        admin_token=(admin_token or "").encode("ascii"), api_key=(api_key or "").encode("ascii"),
+                        nli=nli, nli_threshold=nli_threshold, model_name=model_name)
 
     app = FastAPI(title="rag", version=rag.__version__, docs_url=None, redoc_url=None, openapi_url=None,
                   default_response_class=SafeJSONResponse)
     app.state.pipeline = pipeline
     app.state.slot = slot
     app.state.limits = limits
-    app.state.api_key = bool(key)  # whether one is needed (the key itself stays in this closure)
+    app.state.api_key = bool(state.api_key)  # whether one is needed (the key itself stays in the server state)
+    add_error_handlers(app, state)
+    app.include_router(model_router(state))
+    app.include_router(admin_router(state))
+    app.include_router(openai_router(state))
+    app.include_router(page_router())
 
-    def server_paths() -> list[str]:
-        """The knowledge bases' directories (which may be relative) and the roots, as given and resolved;
-        :func:`_redact` also removes any other absolute path."""
-        paths = [getattr(slot.current, "path", None)] + [h.get("path") for h in slot.history]
-        out = [os.fspath(r) for r in roots]
-        for p in paths:
-            if isinstance(p, (str, os.PathLike)):
-                out += [os.fspath(p), os.path.realpath(p), os.path.abspath(p)]
-        return out
-
-    def message_for(request: Request, message: str) -> str:
-        return message if request.url.path.startswith("/admin/") else redact_paths(message, server_paths())
-
-    def error(request: Request, detail, status: int, headers=None, param=None):
-        """``{"detail": ...}``, or OpenAI's error object on the OpenAI-compatible routes."""
-        if request.url.path.startswith("/v1/"):
-            return openai_error(detail if isinstance(detail, str) else "; ".join(
-                f"{'.'.join(map(str, e['loc'][1:] or e['loc']))}: {e['msg']}" for e in detail), status, param=param, headers=headers)
-        return SafeJSONResponse({"detail": detail}, status_code=status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError):
-        errors = validation_errors(exc)
-        loc = errors[0]["loc"][1:] if errors else []
-        return error(request, errors, 422, param=".".join(map(str, loc)) or None)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException):
-        return error(request, message_for(request, str(exc.detail)), exc.status_code, getattr(exc, "headers", None))
-
-    @app.exception_handler(RagError)
-    async def _rag_error(request: Request, exc: RagError):
-        return error(request, message_for(request, str(exc)), getattr(exc, "status", 400), getattr(exc, "headers", None),
-                     getattr(exc, "param", None))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):  # a bug, not the client's fault; the worker lives on
-        logger.exception("unhandled error on %s %s", request.method, request.url.path)
-        return error(request, f"internal error ({type(exc).__name__}); see the server log", 500)
-
-    def public(request: Request) -> None:
-        """The API key of every route but the page (none configured: open)."""
-        if not key:
-            return
-        scheme, _, given = (request.headers.get("authorization") or "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode("utf-8"), key):
-            raise HTTPException(401, "this server needs an API key: send 'Authorization: Bearer <key>'",
-                                headers={"WWW-Authenticate": "Bearer"})
-
-    def nli_options(requested: Optional[bool], threshold: Optional[float]) -> dict:
-        """The RetRobust back-off options of a request: on when asked, or by default when the server has an NLI model."""
-        if not (requested if requested is not None else nli is not None):
-            return {}
-        if nli is None:
-            raise RagError("this server has no NLI model for the back-off: start it with `rag serve --nli [MODEL]`, "
-                           "or drop \"nli\" from the request")
-        return {"nli": nli, "nli_threshold": nli_threshold if threshold is None else threshold}
-
-    def admin(request: Request) -> None:
-        if not token:
-            raise HTTPException(403, "admin endpoints are disabled: start the server with an admin token (--admin-token-env)")
-        header = request.headers.get("authorization")
-        if not header:
-            raise HTTPException(401, "missing 'Authorization: Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not given.strip():
-            raise HTTPException(401, "the Authorization header must be 'Bearer <token>'", headers={"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(given.strip().encode("utf-8"), token):
-            raise HTTPException(403, "invalid admin token")
-
-    guarded = [Depends(public)]
-
-    @app.get("/health", dependencies=guarded)
-    async def health() -> dict:
-        kb = slot.current
-        return {"status": "ok", "kb_version": kb.served_version, "kb_passages": len(kb), "swaps": slot.swap_count,
-                "history": [h["version"] for h in slot.history], "reader": pipeline.kind, "model": model_name,
-                "nli": nli is not None, "admin": bool(token), "requests": runner.counters.snapshot()}
-
-    @app.post("/generate", dependencies=guarded)
-    async def generate(req: GenerateRequest, request: Request) -> SafeJSONResponse:
-        kw = req.options()  # unset: the model's stored defaults
-        runner.check_generation(kw, len(req.questions))
-        kw.update(nli_options(req.nli, req.nli_threshold))
-        answers = await runner.run(request.receive,
-                                   lambda work: generate_one_version(pipeline, req.questions, kw, work, runner.counters))
-        # All answers come from one knowledge-base version (see generate_one_version).
-        return SafeJSONResponse({"kb_version": answers[0].kb_version if answers else slot.version,
-                                 "answers": [a.to_dict() for a in answers]})
-
-    @app.post("/retrieve", dependencies=guarded)
-    async def retrieve(req: RetrieveRequest, request: Request) -> SafeJSONResponse:
-        runner.check_within("max_batch", len(req.questions), "len(questions)")
-        runner.check_within("max_n_docs", req.k, "k")
-        return SafeJSONResponse(await runner.run(request.receive, lambda work: _retrieve(pipeline, req.questions, req.k)))
-
-    @app.post("/admin/swap", dependencies=[Depends(admin)])
-    async def swap(req: SwapRequest) -> dict:
-        path = resolve_kb_path(req.path, roots)
-        res = await anyio.to_thread.run_sync(
-            functools.partial(slot.swap, path, allow_encoder_change=req.allow_encoder_change,
-                              allow_metric_change=req.allow_metric_change, verify="full"),
-            limiter=swap_limiter,
-        )
-        logger.warning("knowledge base swapped: %s -> %s (%s)", res.old_version, res.new_version, res.path)
-        return res.to_dict()
-
-    @app.post("/admin/swap_back", dependencies=[Depends(admin)])
-    async def swap_back(req: Optional[SwapBackRequest] = None) -> dict:
-        res = await anyio.to_thread.run_sync(functools.partial(slot.swap_back, verify="full"), limiter=swap_limiter)
-        logger.warning("knowledge base swapped back: %s -> %s", res.old_version, res.new_version)
-        return res.to_dict()
-
-    v1 = OpenAIRoutes(pipeline, runner, model_name=model_name, nli_options=nli_options)
-    app.get("/v1/models", dependencies=guarded)(v1.models)
-    app.get("/v1/models/{model_id}", dependencies=guarded)(v1.model)
-    app.post("/v1/chat/completions", dependencies=guarded)(v1.chat)
-    app.post("/v1/completions", dependencies=guarded)(v1.completions)
-    add_page_routes(app)
-
-    wrapped = _BodyLimit(app, max_body_bytes)
+    wrapped = ApiKeyGate(BodyLimit(app, max_body_bytes, body_timeout), state)  # the key first, then the body
     wrapped.state = app.state  # convenient access for callers holding the wrapped app
     wrapped.fastapi = app
     return wrapped
-
-
-def check_admin_token(token: Optional[str], source: str = "admin_token") -> None:
-    """Refuse an admin token that no request could match: one with whitespace at either end (a
-    whitespace-only token included: the header's token is stripped) or with characters other than
-    printable ASCII (HTTP headers cannot carry them reliably). None or "" disables admin."""
-    if not token:
-        return
-    if token != token.strip() or not all(33 <= ord(c) <= 126 for c in token):
-        raise ConfigError(f"{source}: the admin token must be printable ASCII without spaces (whitespace-only, padded or "
-                          "non-ASCII tokens can never match a request); use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
 
 
 # ---------------------------------------------------------------------------- running it

@@ -13,7 +13,7 @@ from rag.generation.options import option_specs
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
 
-__all__ = ["ServeLimits", "MAX_QUESTIONS", "MAX_N_DOCS", "MAX_BEAMS", "MAX_NEW_TOKENS"]
+__all__ = ["ServeLimits", "MAX_QUESTIONS", "MAX_N_DOCS", "MAX_BEAMS", "MAX_NEW_TOKENS", "MAX_PROMPT_TOKENS"]
 
 MAX_QUESTIONS = 64
 """Most questions per request the request schema accepts (the ceiling of ``max_batch``)."""
@@ -24,7 +24,10 @@ MAX_BEAMS = int(option_specs()["num_beams"].high)
 MAX_NEW_TOKENS = int(option_specs()["max_new_tokens"].high)
 """Most new tokens the request schema accepts (the ceiling of ``max_new_tokens``)."""
 
-_CEILINGS = {"max_n_docs": MAX_N_DOCS, "max_beams": MAX_BEAMS, "max_new_tokens": MAX_NEW_TOKENS, "max_batch": MAX_QUESTIONS}
+MAX_PROMPT_TOKENS = 1 << 20
+"""The ceiling of ``max_prompt_tokens``."""
+
+_CEILINGS = {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_step_rows": MAX_N_DOCS * MAX_BEAMS, "max_n_docs": MAX_N_DOCS, "max_beams": MAX_BEAMS, "max_new_tokens": MAX_NEW_TOKENS, "max_batch": MAX_QUESTIONS}
 
 
 @dataclass(frozen=True)
@@ -42,6 +45,11 @@ class ServeLimits:
         max_beams: most beams (``num_beams``; ``num_return_sequences`` cannot exceed it either).
         max_new_tokens: most generated tokens per answer.
         max_batch: most questions per request.
+        max_step_rows: most rows one decoding step of a request may run: passages x beams (n_docs x num_beams for
+            RAG, ensemble x num_beams for a causal reader; unset options count as the model's stored ones). A step is
+            one unit of work, so this bounds how long a cheap request waits beside any admitted one; more: 422.
+        max_prompt_tokens: most prompt tokens one scoring request (``/v1/completions`` with ``max_tokens: 0``) may send,
+            all its prompts together; more: 400 naming it. Each prompt is scored in windows, one unit of work each.
         request_timeout: seconds a request may take, waiting included; None: no limit.
         max_queue: requests that may wait for a model slot beyond the ``max_concurrency`` running.
         retry_after: the ``Retry-After`` seconds of a 503.
@@ -51,6 +59,8 @@ class ServeLimits:
     max_beams: int = 8
     max_new_tokens: int = 64
     max_batch: int = 16
+    max_prompt_tokens: int = 4096
+    max_step_rows: int = 32
     request_timeout: Optional[float] = 60.0
     max_queue: int = 16
     retry_after: int = 1

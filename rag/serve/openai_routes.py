@@ -33,17 +33,19 @@ import time
 import uuid
 from typing import Callable, Optional, Sequence, Union
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from rag.serve.auth import api_key_check
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
-from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version
+from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version, step_rows
 from rag.serve.responses import SafeJSONResponse, json_safe
+from rag.serve.state import ServerState
 from rag.utils.errors import RagError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["OpenAIRoutes", "openai_error", "ERROR_TYPES"]
+__all__ = ["OpenAIRoutes", "openai_router", "openai_error", "ERROR_TYPES"]
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
                413: "invalid_request_error", 422: "invalid_request_error", 499: "client_disconnected",
@@ -146,7 +148,7 @@ class OpenAIRoutes:
         check_fields(req)
         self._check_model(req.model)
         plan = plan_generation(req, max_new_tokens)
-        self.runner.check_generation(plan.kw, prompts * plan.copies)
+        self.runner.check_generation(plan.kw, prompts * plan.copies, step_rows(self.pipeline, plan.kw))
         self.runner.check_within("max_beams", req.n, "n")
         return plan, {**plan.kw, **self.nli_options(plan.nli, plan.nli_threshold)}
 
@@ -202,7 +204,7 @@ class OpenAIRoutes:
                 return {**head, "object": "chat.completion.chunk",
                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-            return self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
+            return await self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
                                 piece=lambda i, text: chunk(i, {"content": text}), last=lambda i, finish: chunk(i, {}, finish),
                                 usage={**head, "object": "chat.completion.chunk", "choices": []})
         answers = await self.runner.run(request.receive, self._work([question], plan, kw))
@@ -236,7 +238,7 @@ class OpenAIRoutes:
                 return {**head, "object": "text_completion",
                         "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-            return self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
+            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
                                 usage={**head, "object": "text_completion", "choices": []})
         answers = await self.runner.run(request.receive, self._work(prompts, plan, kw))
         per_prompt = len(answers) // len(prompts)
@@ -256,7 +258,7 @@ class OpenAIRoutes:
         return list(prompt)
 
     async def _score(self, req: CompletionRequest, request: Request, prompts: list) -> SafeJSONResponse:
-        from rag.serve.scoring import score_prompt
+        from rag.serve.scoring import prepare_prompt, score_prompt
 
         check_fields(req)
         self._check_model(req.model)
@@ -272,10 +274,14 @@ class OpenAIRoutes:
         top = req.logprobs
 
         def work(w: RequestWork) -> list[dict]:
+            w.unit()
+            prepared = [prepare_prompt(reader.model, reader.tokenizer, p) for p in prompts]
+            self.runner.check_within("max_prompt_tokens", sum(len(p.ids) for p in prepared), "prompt tokens",
+                                     param="prompt")
             out = []
-            for p in prompts:
+            for p in prepared:
                 w.unit()
-                out.append(score_prompt(reader.model, reader.tokenizer, p, top=top or 0))
+                out.append(score_prompt(reader.model, reader.tokenizer, p, top=top or 0, unit=w.unit))
             return out
 
         scored = await self.runner.run(request.receive, work)
@@ -302,7 +308,7 @@ class OpenAIRoutes:
         return (self.pipeline.kind == "causal" and prompts == 1 and n == 1 and plan.copies == 1
                 and kw.get("num_beams") in (None, 1) and "nli" not in kw)
 
-    def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
+    async def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
         from rag.generation.search import unit_hook
 
         runner = self.runner
@@ -311,24 +317,37 @@ class OpenAIRoutes:
         queue: asyncio.Queue = asyncio.Queue()
         n = req.n or 1
         generate = self._work(prompts, plan, kw)
+        decoding = asyncio.Event()  # set at the first unit boundary inside the model's work: options checked, passages read
+        streamer = None
         if self._token_streaming(plan, kw, len(prompts), n):
             def emit(text: str) -> None:
                 loop.call_soon_threadsafe(queue.put_nowait, ("piece", 0, text))
 
             streamer = _TokenText(self.tokenizer, prompts[0], emit)
 
-            def fn(w: RequestWork) -> list:
-                def hook(generated) -> None:
-                    w.unit()
+        def fn(w: RequestWork) -> list:
+            def hook(generated) -> None:
+                if not decoding.is_set():
+                    loop.call_soon_threadsafe(decoding.set)
+                w.unit()
+                if streamer is not None:
                     streamer.update(generated)
 
-                with unit_hook(hook, max_rows=UNIT_ROWS):
-                    return generate(w)
-        else:
-            fn = generate
+            with unit_hook(hook, max_rows=UNIT_ROWS):
+                return generate(w)
+
         task = asyncio.ensure_future(runner.run(request.receive, fn, work=work))
         task.add_done_callback(lambda t: (t.cancelled() or t.exception(), queue.put_nowait(("done", 0, ""))))
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        # The stream starts (HTTP 200) only once decoding has begun: an option the model refuses, a knowledge base too
+        # small for n_docs, a full queue or the deadline while waiting answer with their 4xx / 5xx status, as unstreamed.
+        started = asyncio.ensure_future(decoding.wait())
+        try:
+            await asyncio.wait({task, started}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            started.cancel()
+        if task.done() and task.exception() is not None:
+            raise task.exception()
 
         async def events():
             sent: dict[int, str] = {}
@@ -374,3 +393,14 @@ class OpenAIRoutes:
 
         return StreamingResponse(events(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def openai_router(state: ServerState) -> APIRouter:
+    """``/v1/models``, ``/v1/models/{model_id}``, ``/v1/chat/completions`` and ``/v1/completions`` behind the API key."""
+    v1 = OpenAIRoutes(state.pipeline, state.runner, model_name=state.model_name, nli_options=state.nli_options)
+    router = APIRouter(dependencies=[Depends(api_key_check(state))])
+    router.get("/v1/models")(v1.models)
+    router.get("/v1/models/{model_id}")(v1.model)
+    router.post("/v1/chat/completions")(v1.chat)
+    router.post("/v1/completions")(v1.completions)
+    return router

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, create_model, model_validator
 
-from rag.generation.options import GenerationOptions, OptionSpec, option_specs
+from rag.generation.options import GenerationOptions, option_specs
+from rag.serve.bodies import check_text_tree, option_request_field, valid_unicode
 from rag.serve.requests import RequestRefused
 from rag.utils.errors import ConfigError
 
@@ -58,16 +59,8 @@ NEUTRAL: dict[str, tuple] = {
 """OpenAI fields this server cannot honour, with the values that ask for nothing (accepted); any other value: 400."""
 
 
-def _unicode(s: str) -> str:
-    try:
-        s.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"contains a lone surrogate at character {e.start}; send valid Unicode text") from None
-    return s
-
-
-Text = Annotated[str, AfterValidator(_unicode)]
-ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(_unicode)]
+Text = Annotated[str, AfterValidator(valid_unicode)]
+ModelName = Annotated[str, StringConstraints(min_length=1, max_length=256), AfterValidator(valid_unicode)]
 
 
 class _OpenAIBody(BaseModel):
@@ -75,15 +68,10 @@ class _OpenAIBody(BaseModel):
     # the server reads is typed (strict: "3" is not 3), finite, valid Unicode.
     model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
-
-def option_request_field(spec: OptionSpec) -> tuple:
-    """A request field from the generation-options schema (for /generate and the OpenAI routes alike): unset (None)
-    means the model's stored default."""
-    if spec.choices:
-        strs = tuple(c for c in spec.choices if isinstance(c, str))
-        typ = Literal[strs] if len(strs) == len(spec.choices) else Union[bool, Literal[strs]]
-        return Optional[typ], Field(None, description=spec.help)
-    return Optional[spec.type], Field(None, ge=spec.low, le=spec.high, description=spec.help)
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:  # every string of every content form, extra fields included
+        return check_text_tree(data)
 
 
 class _RagFields(BaseModel):
@@ -178,7 +166,7 @@ def question_of(req: ChatRequest) -> str:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
                 raise RequestRefused(f"messages[-1].content[{i}] is not a text part; this server reads text only", 400,
                                      param="messages")
-            parts.append(_unicode(part["text"]))
+            parts.append(valid_unicode(part["text"]))
         content = "\n".join(parts)
     if not content or not content.strip():
         raise RequestRefused("messages[-1], the user's message, is empty; send the question as its content", 400, param="messages")

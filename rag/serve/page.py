@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from importlib import resources
 
-from fastapi import FastAPI
+from fastapi import APIRouter
 from fastapi.responses import Response
 
-__all__ = ["add_page_routes", "PAGE_FILES", "CSP"]
+__all__ = ["page_router", "PAGE_FILES", "CSP"]
 
 CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "object-src 'none'; base-uri 'none'; frame-ancestors 'none'; form-action 'self'")
@@ -35,19 +35,23 @@ def _read(name: str) -> bytes:
     return resources.files("rag.serve").joinpath("static", name).read_bytes()
 
 
-def add_page_routes(app: FastAPI) -> None:
-    """``GET /`` (the page) and ``GET /static/{name}`` for the names of :data:`PAGE_FILES`; read once, here."""
+def page_router() -> APIRouter:
+    """``GET /`` (the page) and ``GET /static/{name}`` for the names of :data:`PAGE_FILES` (read once, here); no key
+    needed: the page sends the API key typed into it with its requests."""
+    router = APIRouter()
     files = {name: _read(name) for name in PAGE_FILES}
 
     def send(name: str) -> Response:
         return Response(files[name], media_type=PAGE_FILES[name], headers=_HEADERS)
 
-    @app.get("/", include_in_schema=False)
+    @router.get("/", include_in_schema=False)
     async def page() -> Response:
         return send("index.html")
 
-    @app.get("/static/{name}", include_in_schema=False)
+    @router.get("/static/{name}", include_in_schema=False)
     async def static(name: str) -> Response:
         if name not in files or name == "index.html":
             return Response(b"not found", status_code=404, media_type="text/plain", headers=_HEADERS)
         return send(name)
+
+    return router

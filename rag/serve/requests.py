@@ -25,7 +25,8 @@ from rag.serve.limits import ServeLimits
 from rag.serve.scheduler import ModelTurns
 from rag.utils.errors import RagError
 
-__all__ = ["RequestRefused", "RequestWork", "RequestCounters", "RequestRunner", "generate_one_version", "UNIT_ROWS"]
+__all__ = ["RequestRefused", "RequestWork", "RequestCounters", "RequestRunner", "generate_one_version", "UNIT_ROWS",
+           "step_rows"]
 
 
 class RequestRefused(RagError):
@@ -133,6 +134,23 @@ UNIT_ROWS = 16
 allows): small enough that one chunk of the heaviest request the default limits admit takes about as long as one of
 its decoding steps, so a cheap request never waits long for a unit to end."""
 
+def step_rows(pipeline, options: dict) -> int:
+    """Rows one decoding step of a generation with `options` runs on `pipeline`'s model: passages x beams (RAG: n_docs
+    x num_beams; a causal reader: ensemble x num_beams; closed-book: num_beams); unset options count as stored."""
+    reader = pipeline.reader
+    if pipeline.kind == "causal":
+        config = getattr(reader, "config", None)
+        docs = options.get("ensemble") or getattr(config, "ensemble", None) or 1
+        beams = options.get("num_beams") or getattr(config, "num_beams", None) or 1
+    else:
+        config = reader.model.config
+        docs = options.get("n_docs") or config.n_docs
+        beams = options.get("num_beams") or dict(config.generation or {}).get("num_beams") or 1
+    if options.get("retrieval") is False:
+        docs = 1
+    return int(docs) * int(beams)
+
+
 MAX_RESTARTS = 3
 """How often a request starts over because the knowledge base was swapped between its questions."""
 
@@ -175,16 +193,22 @@ class RequestRunner:
         self.threads = anyio.CapacityLimiter(self.capacity)
         self.counters = RequestCounters(self.turns)
 
-    def check_within(self, name: str, value: Optional[int], what: str) -> None:
-        """422 when `value` (the request's `what`) exceeds the limit `name` of :class:`ServeLimits`."""
+    def check_within(self, name: str, value: Optional[int], what: str, param: Optional[str] = None) -> None:
+        """422 when `value` (the request's `what`; field `param`) exceeds the limit `name` of :class:`ServeLimits`."""
         limit = getattr(self.limits, name)
         if value is not None and value > limit:
             raise RequestRefused(f"{what}={value} exceeds this server's limit of {limit} ({name}, set by "
-                                 f"`rag serve {ServeLimits.option(name)}`); ask for at most {limit}", 422)
+                                 f"`rag serve {ServeLimits.option(name)}`); ask for at most {limit}", 422, param=param)
 
-    def check_generation(self, options: dict, questions: int) -> None:
+    def check_generation(self, options: dict, questions: int, rows: Optional[int] = None) -> None:
         """422 naming the limit when generation `options` (the schema's names) for `questions` questions exceed this
-        server's limits: every route that generates checks the same ones."""
+        server's limits: every route that generates checks the same ones. `rows`: the rows of one decoding step
+        (:func:`step_rows`), checked against ``max_step_rows``."""
+        if rows is not None and rows > self.limits.max_step_rows:
+            limit = self.limits.max_step_rows
+            raise RequestRefused(f"one decoding step would run {rows} rows (passages x beams), over this server's limit of "
+                                 f"{limit} (max_step_rows, set by `rag serve --max-step-rows`): ask for fewer passages "
+                                 "(n_docs, ensemble) or beams", 422)
         self.check_within("max_batch", questions, "len(questions)")
         self.check_within("max_n_docs", options.get("n_docs"), "n_docs")
         self.check_within("max_n_docs", options.get("ensemble"), "ensemble")

@@ -11,7 +11,11 @@ from fastapi.responses import JSONResponse
 
 from rag.utils.io import json_safe  # the one JSON sanitiser (also the CLI's --json output)
 
-__all__ = ["SafeJSONResponse", "json_safe", "redact_paths", "validation_errors"]
+__all__ = ["SafeJSONResponse", "json_safe", "redact_paths", "validation_errors", "ROUTE_NAMES"]
+
+ROUTE_NAMES = frozenset({"/generate", "/retrieve", "/health", "/admin/swap", "/admin/swap_back", "/v1/models",
+                         "/v1/chat/completions", "/v1/completions", "/static"})
+"""The server's own routes: messages name them (``GET /v1/models``), and path redaction leaves them as they are."""
 
 
 class SafeJSONResponse(JSONResponse):
@@ -28,10 +32,11 @@ _ABS_PATH = re.compile(r"(?<![\w.~/-])/(?:[^\s'\"`,;:()\[\]{}<>]+)")
 
 def redact_paths(message: str, known: Sequence[str]) -> str:
     """`message` without server paths: each of `known` (e.g. the knowledge base's directory, as
-    given and resolved; relative ones too) and any other absolute path becomes ``<server path>``."""
-    for k in sorted({k for k in known if k and len(k) > 1}, key=len, reverse=True):
+    given and resolved; relative ones too) and any other absolute path becomes ``<server path>``; the server's route
+    names (:data:`ROUTE_NAMES`) stay."""
+    for k in sorted({k for k in known if k and len(k) > 1 and k not in ROUTE_NAMES}, key=len, reverse=True):
         message = message.replace(k, "<server path>")
-    return _ABS_PATH.sub("<server path>", message)
+    return _ABS_PATH.sub(lambda m: m.group(0) if m.group(0).rstrip(".") in ROUTE_NAMES else "<server path>", message)
 
 
 def validation_errors(exc: RequestValidationError) -> list[dict]:

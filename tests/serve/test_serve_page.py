@@ -95,10 +95,14 @@ def _answer(url: str, question: str, **options) -> dict:
 
 
 def _ask(page, question: str) -> None:
+    """Ask as `_answer` does: RAG-Token (for the heatmap), 16 to MIN_TOKENS new tokens, chosen in the page's options
+    (as it loads, the page sets none: the model's stored settings apply)."""
     if page.locator("#min-new-tokens").input_value() != MIN_TOKENS:
         if not page.locator("#min-new-tokens").is_visible():
             page.click("#options summary")
         page.fill("#min-new-tokens", MIN_TOKENS)
+        page.fill("#max-new-tokens", "16")
+        page.select_option("#marginalization", "token")
     page.fill("#question", question)
     # Cleared first: two answers can print the same status ("answered in 0.42 s"), so waiting for a change could hang.
     page.evaluate("() => { document.getElementById('ask-status').textContent = ''; }")
@@ -209,6 +213,27 @@ def test_page_with_an_api_key(page, serve_layout):
         assert page.locator("#ask-status").text_content().startswith("answered")
 
 
+def test_the_page_leaves_the_model_settings_to_the_model_and_names_its_method(page, served, serve_layout):
+    """As it loads, the page sends a question alone ({"questions": [...]}: the stored RAG-Sequence settings of the
+    model apply, as POST /generate with no option answers) and its header names what /health reports."""
+    url, _ = served
+    question = QUESTIONS[0]
+    want = httpx.post(f"{url}/generate", json={"questions": [question]}, timeout=120).json()["answers"][0]
+    health = httpx.get(f"{url}/health", timeout=60).json()
+    assert (health["method"], health["generator_kind"], health["reader"]) == ("rag-sequence", "seq2seq", "seq2seq")
+    sent: list = []
+    page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/generate") else None)
+    page.goto(url)
+    page.wait_for_function("() => document.getElementById('model-info').textContent.includes('RAG-Sequence')")
+    assert "seq2seq generator" in page.locator("#model-info").text_content()
+    page.fill("#question", question)
+    page.click("#ask")
+    page.wait_for_function("() => document.getElementById('ask-status').textContent.startsWith('answered')")
+    assert sent == [{"questions": [question]}]
+    assert page.locator("#answer").text_content() == (want["text"] or "(empty answer)")
+    assert page.errors == []
+
+
 def test_page_headers_forbid_inline_and_foreign_content(site):
     url, _ = site
     for path, kind in (("/", "text/html"), ("/static/app.js", "text/javascript"), ("/static/style.css", "text/css")):
@@ -242,6 +267,8 @@ def test_demo_model_page(page, tmp_path):
         page.wait_for_function("v => document.getElementById('kb-version').textContent === v", arg=pipe.kb_version)
         page.click("#options summary")
         page.fill("#n-docs", "5")
+        page.select_option("#marginalization", "token")
+        page.fill("#max-new-tokens", "16")
         page.fill("#question", question)
         page.click("#ask")
         page.wait_for_function("() => document.getElementById('ask-status').textContent.startsWith('answered')")

@@ -167,3 +167,93 @@ def test_exported_decoding_settings_apply_on_every_path(beam_run, monkeypatch, c
     seen.clear()
     assert main(["generate", "--model", model_dir, "--num-beams", "2", QUESTIONS[0]]) == 0
     assert seen[0].num_beams == 2 and seen[0].length_penalty == 2.0
+
+
+def _page_defaults() -> dict:
+    """``{id: value}`` of the web page's form fields as it loads (an input's value attribute, a select's selected
+    option), read from rag/serve/static/index.html."""
+    from html.parser import HTMLParser
+    from importlib import resources
+
+    html = resources.files("rag.serve").joinpath("static", "index.html").read_text()
+    values: dict = {}
+
+    class Fields(HTMLParser):
+        select = None
+
+        def handle_starttag(self, tag, attrs):
+            a = dict(attrs)
+            if tag == "input" and "id" in a:
+                values[a["id"]] = a.get("value") or ""
+            elif tag == "select":
+                self.select = a["id"]
+            elif tag == "option" and self.select and (self.select not in values or "selected" in a):
+                values[self.select] = a.get("value") or ""
+
+        def handle_endtag(self, tag):
+            if tag == "select":
+                self.select = None
+
+    Fields().feed(html)
+    return values
+
+
+def _page_request(question: str, defaults: dict):
+    """The body the page's own request builder (``request`` in rag/serve/static/app.js) sends for `question` with the
+    form as it loads, run with node over a stub document; None without node."""
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    node = shutil.which("node")
+    if node is None:
+        return None
+    script = resources.files("rag.serve").joinpath("static", "app.js")
+    harness = ("const values = JSON.parse(process.argv[1]);"
+               "const element = (id) => ({ value: values[id] === undefined ? '' : values[id], addEventListener() {},"
+               "  classList: { toggle() {}, add() {}, remove() {} } });"
+               "global.window = global; global.document = { getElementById: element, addEventListener() {},"
+               "  body: { classList: { toggle() {} } } };"
+               f"require({json.dumps(str(script))});"
+               f"process.stdout.write(JSON.stringify(window.ragPageRequest({json.dumps(question)})));")
+    out = subprocess.run([node, "-e", harness, json.dumps(defaults)], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout)
+
+
+def test_what_the_page_sends_leaves_the_stored_decoding_settings_in_force(beam_run, monkeypatch):
+    """The web page is a fourth path: as it loads, its form sets no generation option (no marginalization, no token
+    count), and the body its request builder sends for a question is {"questions": [...]} alone, which POST /generate
+    answers with the model's stored settings (num_beams 4, length_penalty 2, max_new_tokens 4) and its scored answers.
+    (Chromium drives the page itself in tests/serve/test_serve_page.py.)"""
+    import httpx
+
+    import rag
+    from rag.generation.search import GenerationConfig
+    from rag.pipeline import readers
+    from rag.serve.app import ServeLimits, background_server, create_app
+
+    defaults = _page_defaults()
+    options = {"n-docs", "marginalization", "ensemble", "max-new-tokens", "min-new-tokens", "num-beams"}
+    assert options <= set(defaults)
+    assert {k: v for k, v in defaults.items() if k in options and v} == {}  # the form as it loads sets nothing
+    question = beam_run["predictions"][0]["question"]
+    body = _page_request(question, defaults)
+    if body is not None:
+        assert body == {"questions": [question]}
+    else:  # no node: the body the builder sends when every field is empty
+        body = {"questions": [question]}
+    seen: list[GenerationConfig] = []
+    original = readers.RagReader._generation_config
+
+    def spy(self, *a, **kw):
+        config = original(self, *a, **kw)
+        seen.append(config)
+        return config
+
+    monkeypatch.setattr(readers.RagReader, "_generation_config", spy)
+    app = create_app(rag.load(str(beam_run["exported"])), limits=ServeLimits(request_timeout=None))
+    with background_server(app) as url:
+        resp = httpx.post(f"{url}/generate", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert [a["text"] for a in resp.json()["answers"]] == [beam_run["predictions"][0]["answer"]]
+    assert seen and all((c.num_beams, c.length_penalty, c.max_new_tokens) == (4, 2.0, 4) for c in seen)

@@ -39,6 +39,15 @@
 
   const apiKey = () => $("api-key").value.trim();
 
+  // What /health says the server reads with: its method and its generator's kind (older servers: only "reader").
+  const METHODS = { "rag-sequence": "RAG-Sequence", "rag-token": "RAG-Token", "in-context-ralm": "In-Context RALM",
+                    "replug": "REPLUG" };
+  function describe(h) {
+    if (!h.method) return h.reader === "causal" ? "causal LM (In-Context RALM / REPLUG)" : "RAG";
+    const method = METHODS[h.method] || h.method;
+    return method + (h.extractive ? " (extractive)" : "") + " · " + (h.generator_kind || "?") + " generator";
+  }
+
   // ---------------------------------------------------------------- the knowledge-base version, kept current
   async function refreshHealth() {
     try {
@@ -46,7 +55,7 @@
       $("kb-version").textContent = h.kb_version;
       $("kb-passages").textContent = "(" + h.kb_passages + " passages, " + h.swaps + " swaps)";
       $("kb-history").textContent = (h.history || []).join(" → ") || "none";
-      $("model-info").textContent = (h.model || "") + " · " + (h.reader === "causal" ? "causal LM (In-Context RALM / REPLUG)" : "RAG (seq2seq)");
+      $("model-info").textContent = (h.model || "") + " · " + describe(h);
       if (reader !== h.reader) {
         reader = h.reader;
         document.body.classList.toggle("causal", reader === "causal");
@@ -62,6 +71,12 @@
     return v === "" ? undefined : Number(v);
   }
 
+  function choice(id) {
+    const v = $(id).value;
+    return v === "" ? undefined : v;
+  }
+
+  // The body of POST /generate: only the options filled in; every other one is left to the model's stored settings.
   function request(question) {
     const body = { questions: [question], max_new_tokens: number("max-new-tokens"), min_new_tokens: number("min-new-tokens"),
                    num_beams: number("num-beams") };
@@ -69,11 +84,12 @@
       body.ensemble = number("ensemble");
     } else {
       body.n_docs = number("n-docs");
-      body.marginalization = $("marginalization").value;
+      body.marginalization = choice("marginalization");
     }
     Object.keys(body).forEach((k) => body[k] === undefined && delete body[k]);
     return body;
   }
+  window.ragPageRequest = request; // for the page tests: the body a question would be sent with
 
   function bar(kind, value) {
     const row = el("div", "bar-row");
