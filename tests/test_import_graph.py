@@ -20,9 +20,10 @@ def _is_type_checking(test: ast.expr) -> bool:
         isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str], *, lazy: bool) -> set[str]:
+def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str], *, lazy: bool,
+             type_level: bool = False) -> set[str]:
     """Modules of the package that `name` imports: at module level (also inside module-level if/try/with),
-    plus with `lazy` those imported inside functions and classes; never under ``if TYPE_CHECKING``."""
+    plus with `lazy` those imported inside functions and classes; under ``if TYPE_CHECKING`` only with `type_level`."""
     out: set[str] = set()
 
     def add(node) -> None:
@@ -42,7 +43,7 @@ def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str], *
         for node in stmts:
             add(node)
             if isinstance(node, ast.If):
-                if not _is_type_checking(node.test):
+                if type_level or not _is_type_checking(node.test):
                     visit(node.body)
                 visit(node.orelse)
             elif isinstance(node, ast.Try):
@@ -63,12 +64,13 @@ def _imports(tree: ast.Module, name: str, is_package: bool, modules: set[str], *
     return {m for m in out if m in modules and m != name}
 
 
-def import_graph(*, lazy: bool = False) -> dict[str, set[str]]:
-    """``{module: modules of the package it imports}``; `lazy` also counts imports inside functions and classes."""
+def import_graph(*, lazy: bool = False, type_level: bool = False) -> dict[str, set[str]]:
+    """``{module: modules of the package it imports}``; `lazy` also counts imports inside functions and classes,
+    `type_level` those under ``if TYPE_CHECKING``."""
     files = {_module_name(p): p for p in ROOT.rglob("*.py")}
     modules = set(files) - {"rag"}  # every module imports its package; `rag/__init__` imports nothing eagerly
-    return {name: _imports(ast.parse(p.read_text(encoding="utf-8")), name, p.name == "__init__.py", modules, lazy=lazy)
-            for name, p in files.items()}
+    return {name: _imports(ast.parse(p.read_text(encoding="utf-8")), name, p.name == "__init__.py", modules, lazy=lazy,
+                           type_level=type_level) for name, p in files.items()}
 
 
 def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:

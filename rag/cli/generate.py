@@ -104,9 +104,9 @@ def cmd_generate(args) -> int:
         nli = resolve_nli(args.nli)
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
-        from rag.generators.load import checkpoint_generator_kind
+        from rag.generators.load import is_causal_lm_checkpoint
 
-        if checkpoint_generator_kind(args.model) != "causal":
+        if not is_causal_lm_checkpoint(args.model):
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
     pipe = load(args.model, knowledge_base=args.kb, **settings)

@@ -1,4 +1,5 @@
-"""What the Python API returns: answers with provenance (``Answer``, ``PassageProvenance``) and retrievals (``Retrieval``).
+"""What the Python API returns: answers with provenance (``Answer``, ``PassageProvenance``, ``SegmentProvenance``) and
+retrievals (``Retrieval``).
 
 Every answer names the knowledge-base version that answered and the passages it read, with their prior
 p(z|x) and posterior p(z|x,y) (RAG) or the generated-token span each passage was in context for (In-Context
@@ -8,15 +9,30 @@ RALM ``segments``); the readers of :mod:`rag.pipeline.readers` build them, :mod:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from rag.utils.errors import RagError
 from rag.utils.validate import check_positive_int
 
-if TYPE_CHECKING:  # pragma: no cover
-    from rag.models.ralm.generate import SegmentProvenance
+
+@dataclass
+class SegmentProvenance:
+    """The document in context while generated tokens ``[start, end)`` were produced (In-Context RALM provenance)."""
+
+    start: int
+    """First generated token of the segment (0-based, counting the answer's generated tokens)."""
+    end: int
+    """One past its last generated token."""
+    passage_id: str
+    title: str
+    score: float
+    """Retrieval score of the passage for `query` (BM25 score or q · d)."""
+    kb_version: str
+    """Version of the knowledge base the passage came from."""
+    query: str
+    """The retrieval query: the last ``ℓ`` tokens of prompt + generated text before the segment."""
 
 
 @dataclass
@@ -53,7 +69,7 @@ class Answer:
     token_ids: Optional[list[int]] = None
     """The generated ids as transformers' ``generate`` returns them: the decoder start token first, through the
     first EOS (padding dropped), for token-for-token comparisons."""
-    segments: Optional[list["SegmentProvenance"]] = None
+    segments: Optional[list[SegmentProvenance]] = None
     """In-Context RALM only: per stride segment, the generated-token span ``[start, end)`` (indices into `tokens`) and
     the passage in context for it (id, title, retrieval score, query, knowledge-base version). `passages` then lists
     each passage read once (prior 1: one document per segment; no posterior)."""

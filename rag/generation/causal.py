@@ -24,6 +24,7 @@ from torch import Tensor
 from rag.generation.kv_cache import cache_kwarg, output_cache
 from rag.generation.search import (
     GenerationConfig,
+    SearchSpec,
     beam_search,
     config_token_id,
     greedy_search,
@@ -159,6 +160,36 @@ class CausalPrompts:
     def last_tokens(self) -> Tensor:
         """`(N,)` every prompt's last token: the start token of its search."""
         return self.input_ids[:, -1]
+
+    # The contexts protocol the RAG decoders read (rag.generation.decoding.DecodingContexts).
+    @property
+    def device(self) -> torch.device:
+        return self.input_ids.device
+
+    def search_spec(self, config: GenerationConfig, generator) -> SearchSpec:
+        """The search spec of a continuation: one start token, the last prompt token (lengths count only it, so
+        `max_length` = 1 + the generated tokens, as for a seq2seq generator); the pad id defaults to EOS."""
+        eos = config_token_id(config, generator, "eos_token_id", True)
+        return resolve_spec(config, generator, prompt_len=1, pad_fallback=eos)
+
+    def start_tokens(self, config: GenerationConfig, generator, rows: Tensor) -> Tensor:
+        """`(len(rows), 1)` start tokens of the searches of prompts `rows`: their last tokens."""
+        return self.last_tokens[rows][:, None]
+
+    def check_shared_start(self, start: Tensor, n_docs: int) -> None:
+        """RagError unless the `n_docs` prompts of each question end with its start token `start` `(batch, 1)`."""
+        if not bool((self.last_tokens.view(start.shape[0], n_docs) == start).all()):
+            raise RagError("RAG-Token decoding of a causal generator needs the K prompts of a question to end with the same "
+                           "token (build them with rag.generation.prompts.tokenize_prompts)")
+
+    def decoder(self, generator, context_of_row: Tensor, keep_cross_kv: bool = False) -> "CausalLMDecoder":
+        """A search `Decoder` whose row `i` continues prompt `context_of_row[i]` from a copy of its KV cache."""
+        return CausalLMDecoder(generator, prompts=self, prompt_of_row=context_of_row)
+
+    def teacher_forced(self, generator, sequences: Tensor, context_index: Tensor, max_rows: int | None = None,
+                       cross_kv=None, eos: int | None = None) -> Tensor:
+        """`log p(y_t | prompt, y_<t)` `(C, K, T - 1)` after these prompts (:func:`causal_teacher_forced`)."""
+        return causal_teacher_forced(generator, self, sequences, context_index, max_rows=max_rows, eos=eos)
 
     def prefill(self, model) -> tuple[object, Tensor]:
         """The KV cache of every prompt and the next-token logits `(N, vocab)` float32 after it (computed once). Inside a

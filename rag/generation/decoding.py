@@ -25,24 +25,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 from torch import Tensor
 
-from rag.generation.causal import CausalLMDecoder, CausalPrompts, causal_teacher_forced
+from rag.generation.causal import CausalPrompts
 from rag.generation.marginalize import doc_log_prior, token_marginal_logprobs
 from rag.generation.search import (
     Decoder,
     GenerationConfig,
     SearchSpec,
     beam_search,
-    config_token_id,
     greedy_search,
-    resolve_spec,
     sample,
 )
-from rag.generation.seq2seq import EncodedContexts, encode_contexts, seq2seq_decoder, teacher_forced
+from rag.generation.seq2seq import EncodedContexts, encode_contexts
 from rag.generation.spans import PassageSpans
 from rag.utils.errors import ConfigError, RagError
 
@@ -54,6 +52,7 @@ __all__ = [
     "TokenMarginalDecoder",
     "encode_contexts",
     "CausalPrompts",
+    "DecodingContexts",
     "token_marginal_search",
     "rag_token_generate",
     "generate_per_document",
@@ -95,9 +94,36 @@ class DocumentHypotheses:
     log_likelihood: Tensor
 
 
+class DecodingContexts(Protocol):
+    """What the decoders read, row `b * n_docs + k` being question `b` with its `k`-th passage: a seq2seq generator's
+    encoded contexts (`EncodedContexts`) or a causal generator's prompts (`CausalPrompts`). Each kind says how its
+    searches start and builds the `Decoder` rows and the teacher-forced rescoring over it, so the decoders below are
+    written once for every generator (`rag.generators` makes these contexts)."""
 
-Contexts = EncodedContexts | CausalPrompts
-"""What the decoders read: a seq2seq generator's encoded contexts, or a causal generator's prompts (row `b * n_docs + k`)."""
+    def __len__(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def search_spec(self, config: GenerationConfig, generator) -> SearchSpec:
+        """The resolved spec of a search from one start token (`max_length` = 1 + the generated tokens)."""
+
+    def start_tokens(self, config: GenerationConfig, generator, rows: Tensor) -> Tensor:
+        """`(len(rows), 1)` start tokens of the searches of contexts `rows`."""
+
+    def check_shared_start(self, start: Tensor, n_docs: int) -> None:
+        """Raise unless the `n_docs` contexts of each question start from its token `start` `(batch, 1)` (RAG-Token)."""
+
+    def decoder(self, generator, context_of_row: Tensor, keep_cross_kv: bool = False) -> Decoder:
+        """A `Decoder` whose row `i` reads context `context_of_row[i]`; `keep_cross_kv`: keep what rescoring reuses."""
+
+    def teacher_forced(self, generator, sequences: Tensor, context_index: Tensor, max_rows: int | None = None,
+                       cross_kv=None, eos: int | None = None) -> Tensor:
+        """`log p(y_t | x, z, y_<t)` `(C, K, T - 1)` of sequences `(C, T)` under contexts `context_index` `(C, K)`."""
+
+
+Contexts = DecodingContexts
+"""What the decoders read (kept name): any `DecodingContexts`."""
 
 
 def _check_contexts(contexts: Contexts, doc_scores: Tensor, name: str = "contexts") -> tuple[int, int]:
@@ -136,40 +162,13 @@ class TokenMarginalDecoder:
         self.inner.reorder((rows[:, None] * self.n_docs + self.docs).reshape(-1))
 
 
-def _seq2seq_spec(config: GenerationConfig, generator) -> tuple[SearchSpec, int]:
-    """The resolved search spec for a seq2seq generator (one decoder start token) and that token's id."""
-    if config.do_sample:
-        raise ConfigError("GenerationConfig.do_sample: RAG-Token / RAG-Sequence decoding does not sample; "
-                          "use do_sample=False (greedy or beam search)")
-    return resolve_spec(config, generator, prompt_len=1), config_token_id(config, generator, "decoder_start_token_id", True)
-
-
 def _spec(config: GenerationConfig, generator, contexts: Contexts) -> SearchSpec:
     """The search spec for RAG decoding: one start token, the decoder start token (seq2seq) or the last prompt token
     (causal: lengths count only it, so `max_length` = 1 + the generated tokens for both kinds)."""
-    if not isinstance(contexts, CausalPrompts):
-        return _seq2seq_spec(config, generator)[0]
     if config.do_sample:
         raise ConfigError("GenerationConfig.do_sample: RAG-Token / RAG-Sequence decoding does not sample; "
                           "use do_sample=False (greedy or beam search)")
-    eos = config_token_id(config, generator, "eos_token_id", True)
-    return resolve_spec(config, generator, prompt_len=1, pad_fallback=eos)
-
-
-def _start_tokens(config: GenerationConfig, generator, contexts: Contexts, rows: Tensor) -> Tensor:
-    """`(len(rows), 1)` start tokens of the searches of contexts `rows`."""
-    if isinstance(contexts, CausalPrompts):
-        return contexts.last_tokens[rows][:, None]
-    start = config_token_id(config, generator, "decoder_start_token_id", True)
-    return _start(start, rows.shape[0], rows.device)
-
-
-def _row_decoder(generator, contexts: Contexts, context_of_row: Tensor, keep_cross_kv: bool = False):
-    """A `Decoder` whose row `i` reads context `context_of_row[i]` (seq2seq: attends to its encoding; causal: continues
-    its prompt from a copy of the prompt's KV cache)."""
-    if isinstance(contexts, CausalPrompts):
-        return CausalLMDecoder(generator, prompts=contexts, prompt_of_row=context_of_row)
-    return seq2seq_decoder(generator, contexts, context_of_row, keep_cross_kv=keep_cross_kv)
+    return contexts.search_spec(config, generator)
 
 
 @torch.no_grad()
@@ -178,19 +177,7 @@ def teacher_forced_logprobs(generator, contexts: Contexts, sequences: Tensor, co
     """`log p(y_t | x, z, y_<t)` `(C, K, T - 1)` of sequences `(C, T)` (starting with the start token) under each of
     their contexts `context_index` `(C, K)`, reusing the encoder states / prompt KV caches
     (`rag.generation.seq2seq.teacher_forced_logprobs`, `rag.generation.causal.causal_teacher_forced`)."""
-    if isinstance(contexts, CausalPrompts):
-        return causal_teacher_forced(generator, contexts, sequences, context_index, max_rows=batch_size)
-    return teacher_forced(generator, contexts, sequences, context_index, batch_size, cross_kv=None)
-
-
-def _teacher_forced(generator, contexts: Contexts, sequences: Tensor, context_index: Tensor, max_rows, cross_kv, eos):
-    if isinstance(contexts, CausalPrompts):
-        return causal_teacher_forced(generator, contexts, sequences, context_index, max_rows=max_rows, eos=eos)
-    return teacher_forced(generator, contexts, sequences, context_index, max_rows, cross_kv=cross_kv, eos=eos)
-
-
-def _start(token: int, rows: int, device) -> Tensor:
-    return torch.full((rows, 1), token, dtype=torch.long, device=device)
+    return contexts.teacher_forced(generator, sequences, context_index, max_rows=batch_size)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,14 +236,12 @@ def rag_token_generate(generator, contexts: Contexts, doc_scores: Tensor,
     device = doc_scores.device
     docs = torch.arange(n_docs, device=device)
     first = torch.arange(batch, device=device) * n_docs
-    start = _start_tokens(config, generator, contexts, first)
-    if isinstance(contexts, CausalPrompts) and not bool((contexts.last_tokens.view(batch, n_docs) == start).all()):
-        raise RagError("RAG-Token decoding of a causal generator needs the K prompts of a question to end with the same token "
-                       "(build them with rag.generation.prompts.tokenize_prompts)")
+    start = contexts.start_tokens(config, generator, first)
+    contexts.check_shared_start(start, n_docs)
     # Decoder rows are (question, beam, doc): row -> context question * n_docs + doc.
     context_of_row = (first[:, None, None] + docs).expand(batch, beams, n_docs)
     log_prior = doc_log_prior(doc_scores.float())  # (batch, n_docs)
-    seqs, scores, loglik = token_marginal_search(_row_decoder(generator, contexts, context_of_row.reshape(-1)), start,
+    seqs, scores, loglik = token_marginal_search(contexts.decoder(generator, context_of_row.reshape(-1)), start,
                                                  log_prior, spec)
     return GenerationOutput(sequences=seqs, scores=scores, log_likelihood=loglik)
 
@@ -285,8 +270,8 @@ def _per_document(generator, contexts: Contexts, config: GenerationConfig, keep_
     if spans is not None:
         spec = replace(spec, allowed=spans.constraint([(i,) for i in range(items) for _ in range(beams)], spec.eos))
     rows = torch.arange(items, device=doc_device(contexts))
-    start = _start_tokens(config, generator, contexts, rows)
-    decoder = _row_decoder(generator, contexts, rows.repeat_interleave(beams), keep_cross_kv=keep_cross_kv)
+    start = contexts.start_tokens(config, generator, rows)
+    decoder = contexts.decoder(generator, rows.repeat_interleave(beams), keep_cross_kv=keep_cross_kv)
     cross_kv = lambda: getattr(decoder, "cross_kv", None)  # noqa: E731  (set by the first step)
     if beams == 1:
         seqs, loglik = greedy_search(decoder, start, spec)
@@ -298,7 +283,7 @@ def _per_document(generator, contexts: Contexts, config: GenerationConfig, keep_
 
 
 def doc_device(contexts: Contexts) -> torch.device:
-    return contexts.input_ids.device if isinstance(contexts, CausalPrompts) else contexts.last_hidden_state.device
+    return contexts.device
 
 
 def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, question: Tensor, spec: SearchSpec,
@@ -427,8 +412,8 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
 
     if decoding == "thorough":
         docs = torch.arange(n_docs, device=device)
-        token_lp = _teacher_forced(generator, contexts, cands, question[:, None] * n_docs + docs,
-                                   rescore_batch_size, cross_kv, spec.eos)
+        token_lp = contexts.teacher_forced(generator, cands, question[:, None] * n_docs + docs, rescore_batch_size,
+                                           cross_kv, spec.eos)
         terms = _per_doc_terms(token_lp, cands[:, 1:], cand_prior, question, spec, convention)
     else:
         own = torch.full((len(cand_q), n_docs), -math.inf, dtype=torch.float32, device=device)

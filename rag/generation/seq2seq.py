@@ -32,7 +32,7 @@ from torch import Tensor
 
 from rag.generation.bart import BartStepDecoder, is_bart, rescore_packed
 from rag.generation.kv_cache import cache_kwarg, output_cache
-from rag.generation.search import unit_boundary, unit_rows
+from rag.generation.search import SearchSpec, config_token_id, resolve_spec, unit_boundary, unit_rows
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = [
@@ -58,6 +58,32 @@ class EncodedContexts:
 
     def __len__(self) -> int:
         return self.last_hidden_state.shape[0]
+
+    # The contexts protocol the RAG decoders read (rag.generation.decoding.DecodingContexts).
+    @property
+    def device(self) -> torch.device:
+        return self.last_hidden_state.device
+
+    def search_spec(self, config, generator) -> SearchSpec:
+        """The search spec of a per-context search: one start token, the decoder start token."""
+        return resolve_spec(config, generator, prompt_len=1)
+
+    def start_tokens(self, config, generator, rows: Tensor) -> Tensor:
+        """`(len(rows), 1)` start tokens of the searches of contexts `rows`: the decoder start token."""
+        start = config_token_id(config, generator, "decoder_start_token_id", True)
+        return torch.full((rows.shape[0], 1), start, dtype=torch.long, device=rows.device)
+
+    def check_shared_start(self, start: Tensor, n_docs: int) -> None:
+        """Every context starts from the decoder start token: the K contexts of a question always share it."""
+
+    def decoder(self, generator, context_of_row: Tensor, keep_cross_kv: bool = False):
+        """A search `Decoder` whose row `i` attends to context `context_of_row[i]` (:func:`seq2seq_decoder`)."""
+        return seq2seq_decoder(generator, self, context_of_row, keep_cross_kv=keep_cross_kv)
+
+    def teacher_forced(self, generator, sequences: Tensor, context_index: Tensor, max_rows: int | None = None,
+                       cross_kv: list[tuple[Tensor, Tensor]] | None = None, eos: int | None = None) -> Tensor:
+        """`log p(y_t | x, z, y_<t)` `(C, K, T - 1)` on these encoder states (:func:`teacher_forced`)."""
+        return teacher_forced(generator, self, sequences, context_index, max_rows, cross_kv=cross_kv, eos=eos)
 
 
 

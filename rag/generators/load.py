@@ -13,10 +13,14 @@ import os
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
+from rag.generators.base import Generator
+from rag.generators.causal import CausalGenerator
+from rag.generators.seq2seq import Seq2SeqGenerator
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json, readable_model_files
 
-__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind"]
+__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind",
+           "as_generator", "is_causal_lm_checkpoint", "is_seq2seq_checkpoint"]
 
 GeneratorKind = Literal["seq2seq", "causal"]
 GENERATOR_KINDS: tuple[str, ...] = ("seq2seq", "causal")
@@ -28,6 +32,14 @@ def generator_kind(model_or_config: Any) -> GeneratorKind:
     """``"seq2seq"`` for an encoder-decoder model or config, else ``"causal"``."""
     cfg = getattr(model_or_config, "config", model_or_config)
     return "seq2seq" if getattr(cfg, "is_encoder_decoder", False) else "causal"
+
+
+_FAMILIES = {"seq2seq": Seq2SeqGenerator, "causal": CausalGenerator}
+
+
+def as_generator(model: Any, tokenizer: Any) -> Generator:
+    """`model` and its `tokenizer` as the :class:`~rag.generators.base.Generator` of its family (seq2seq or causal)."""
+    return _FAMILIES[generator_kind(model)](model, tokenizer)
 
 
 def check_generator_kind(model: Any, expected: GeneratorKind, where: str) -> None:
@@ -81,6 +93,16 @@ def checkpoint_generator_kind(path: Union[str, os.PathLike]) -> Optional[Generat
         return generator_kind(AutoConfig.from_pretrained(name))
     except (OSError, ValueError) as e:
         raise ConfigError(f"cannot read the model config in {name!r}: {e}; pass a directory written by save_pretrained") from e
+
+
+def is_causal_lm_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether `path` is a plain causal LM checkpoint or a demo LM alias (what In-Context RALM and REPLUG read)."""
+    return checkpoint_generator_kind(path) == "causal"
+
+
+def is_seq2seq_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether `path` is a plain seq2seq generator checkpoint (BART, T5, warm-start), not a RAG model around one."""
+    return checkpoint_generator_kind(path) == "seq2seq"
 
 
 def _one_line(error: BaseException) -> str:

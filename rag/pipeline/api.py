@@ -45,6 +45,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from rag.models.rag.model import RagModel
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
+from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
 from rag.utils.devices import without_cudnn_attention
 
@@ -65,8 +66,20 @@ class RagPipeline:
         self._nli_cache = None  # (name, NLIScorer) of the last NLI model loaded by name
 
     @property
+    def method(self) -> str:
+        """The reader's method: ``"rag"`` (RAG-Sequence / RAG-Token, REPLUG's ensemble) or ``"ralm"`` (In-Context RALM,
+        REPLUG over a causal LM)."""
+        return self.reader.method
+
+    @property
+    def generator_kind(self) -> str:
+        """The reader's generator family: ``"seq2seq"`` or ``"causal"``."""
+        return self.reader.generator.kind
+
+    @property
     def kind(self) -> str:
-        """The reader's generator kind: ``"seq2seq"`` or ``"causal"``."""
+        """The family of options the reader takes (:data:`READER_OPTIONS`): ``"seq2seq"`` (a RAG model's, whatever its
+        generator) or ``"causal"`` (In-Context RALM's); see :attr:`method` and :attr:`generator_kind`."""
         return self.reader.kind
 
     @property
@@ -236,12 +249,9 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
                 raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
             model = load_hf_rag(path, knowledge_base, **config_overrides)
             return RagPipeline(model.to(device) if device else model)
-    from rag.generators.load import checkpoint_generator_kind
-
-    kind = checkpoint_generator_kind(path_or_name)
-    if kind == "causal":
+    if is_causal_lm_checkpoint(path_or_name):  # a plain causal LM reads with In-Context RALM
         return RagPipeline(RalmReader.load(path_or_name, knowledge_base, device=device, **config_overrides))
-    if kind == "seq2seq":
+    if is_seq2seq_checkpoint(path_or_name):
         raise ConfigError(f"{name}: is a seq2seq generator (such as BART or T5), not a RAG checkpoint; --model / rag.load take a "
                           "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). Build a RAG model "
                           "around it (`rag fit --model.generator DIR`, or RagModel.from_components) and save that")

@@ -1,13 +1,15 @@
-"""The readers a pipeline holds: ``RagReader`` (a seq2seq RagModel) and ``RalmReader`` (a causal LM with In-Context RALM).
+"""The readers a pipeline holds, one per method: ``RagReader`` (a RagModel, RAG-Sequence / RAG-Token over a seq2seq or
+causal generator, REPLUG's ensemble as RAG-Token) and ``RalmReader`` (a causal LM with In-Context RALM, or REPLUG).
 
-Both satisfy the :class:`Reader` protocol (``kind``, ``model``, ``retriever``, ``kb_version``, ``retrieve``,
-``generate``), so :class:`~rag.pipeline.api.RagPipeline`, ``rag serve`` and hot swap take either; options only
-one kind takes are listed in :data:`READER_OPTIONS` and refused for the other, naming the flag.
+Both satisfy the :class:`Reader` protocol (``method``, ``generator``, ``model``, ``retriever``, ``kb_version``,
+``retrieve``, ``generate``), so :class:`~rag.pipeline.api.RagPipeline`, ``rag serve`` and hot swap take either; options
+only one method takes are listed in :data:`READER_OPTIONS` and refused for the other, naming the flag.
 """
 
 from __future__ import annotations
 
 import os
+from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
@@ -23,6 +25,8 @@ if TYPE_CHECKING:  # pragma: no cover
 from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
 from rag.generation.options import reader_options, retrieval_options
+from rag.generators.base import Generator
+from rag.generators.load import as_generator
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
 from rag.models.ralm.generate import continuation_answer
 from rag.models.replug.ensemble import replug_answers
@@ -32,15 +36,23 @@ from rag.models.replug.ensemble import replug_answers
 class Reader(Protocol):
     """What a :class:`RagPipeline` holds: a generator with its retrieval, answering with provenance.
 
-    ``kind``: the generator kind (``"seq2seq"`` | ``"causal"``, :mod:`rag.generators.load`); options of the other kind
-    (:data:`READER_OPTIONS`) are refused by the pipeline, naming them. ``retriever``: what a
-    :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps (``knowledge_base``, ``set_knowledge_base``). ``model``:
-    the underlying model. ``retrieve`` / ``generate`` take checked lists of strings; every result of one call comes
-    from one knowledge-base version, named in its ``kb_version``.
+    ``method``: ``"rag"`` (Lewis et al. 2020) | ``"ralm"`` (In-Context RALM, Ram et al. 2023). ``generator``: its LM as
+    a :class:`~rag.generators.base.Generator` (``tokenizer``, ``eos_token_id``, ``kind`` seq2seq | causal).
+    ``kind``: the family of options the reader takes, ``"seq2seq"`` (RAG's) | ``"causal"`` (In-Context RALM's), the
+    keys of :data:`READER_OPTIONS`; options of the other family are refused by the pipeline, naming them.
+    ``continues_prompts``: whether the reader continues raw text token by token (scores a prompt, streams tokens).
+    ``retriever``: what a :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps (``knowledge_base``,
+    ``set_knowledge_base``). ``model``: the underlying model. ``retrieve`` / ``generate`` take checked lists of
+    strings; every result of one call comes from one knowledge-base version, named in its ``kb_version``.
     """
 
+    method: str
     kind: str
+    continues_prompts: bool
     model: Any
+
+    @property
+    def generator(self) -> Generator: ...
 
     @property
     def retriever(self) -> Any: ...
@@ -81,17 +93,29 @@ READS = {"seq2seq": "a RAG model (RAG-Sequence / RAG-Token over n_docs passages,
 
 class RagReader:
     """The RAG reader: a :class:`~rag.models.rag.model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020) with a
-    seq2seq or a causal generator; its ``kind`` names the family of options it takes (RAG's), not its generator.
+    seq2seq or a causal generator; its ``kind`` names the family of options it takes (RAG's), not its generator
+    (``generator_kind``).
 
     Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
     reference once (inside retrieval) and builds every answer (or retrieval) from that one
     version, which it names in ``kb_version``.
     """
 
+    method = "rag"
     kind = "seq2seq"
+    continues_prompts = False
 
     def __init__(self, model: "RagModel"):
         self.model = model.eval()
+
+    @property
+    def generator(self) -> Generator:
+        """The RAG model's generator (seq2seq or causal) as a :class:`~rag.generators.base.Generator`."""
+        return self.model.lm
+
+    @property
+    def generator_kind(self) -> str:
+        return self.generator.kind
 
     @property
     def retriever(self):
@@ -255,7 +279,9 @@ class RalmReader:
         reranker: optional §6 reranker choosing among ``config.k`` retrieved documents.
     """
 
+    method = "ralm"
     kind = "causal"
+    continues_prompts = True
 
     def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
                  config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
@@ -270,6 +296,15 @@ class RalmReader:
         self.config = config or RalmConfig()
         self._retriever = KnowledgeBaseRetrievers(kb, retrieval)
         InContextRALM(model, tokenizer, self._retriever, self.config, reranker)  # checks the settings now, not per call
+
+    @cached_property
+    def generator(self) -> Generator:
+        """The causal LM and its tokenizer as a :class:`~rag.generators.base.Generator`."""
+        return as_generator(self.model, self.tokenizer)
+
+    @property
+    def generator_kind(self) -> str:
+        return self.generator.kind
 
     @property
     def retriever(self):

@@ -115,8 +115,7 @@ class OpenAIRoutes:
     # ------------------------------------------------------------------ helpers
     @property
     def tokenizer(self):
-        reader = self.pipeline.reader
-        return reader.tokenizer if self.pipeline.kind == "causal" else reader.model.generator_tokenizer
+        return self.pipeline.reader.generator.tokenizer
 
     def _check_model(self, name: str) -> None:
         if name != self.model_name:
@@ -157,9 +156,7 @@ class OpenAIRoutes:
         """The generator's end-of-sequence id as decoding uses it: its generation config, its config, its tokenizer."""
         from rag.generation.search import GenerationConfig, config_token_id
 
-        reader = self.pipeline.reader
-        model = reader.model if self.pipeline.kind == "causal" else reader.model.generator
-        eos = config_token_id(GenerationConfig(), model, "eos_token_id", False)
+        eos = config_token_id(GenerationConfig(), self.pipeline.reader.generator.model, "eos_token_id", False)
         return self.tokenizer.eos_token_id if eos is None else eos
 
     def _finish_reason(self, answer) -> str:
@@ -262,7 +259,7 @@ class OpenAIRoutes:
 
         check_fields(req)
         self._check_model(req.model)
-        if self.pipeline.kind != "causal":
+        if not self.pipeline.reader.continues_prompts:
             raise RequestRefused("max_tokens=0 scores the prompt's tokens, which needs a causal LM; this server reads with a "
                                  "seq2seq RAG model: ask for at least 1 token", 400, param="max_tokens")
         if req.stream:
@@ -305,7 +302,7 @@ class OpenAIRoutes:
     def _token_streaming(self, plan: Plan, kw: dict, prompts: int, n: int) -> bool:
         """Whether the answer can be streamed token by token: one causal answer, greedy or sampled, no NLI back-off
         (which picks between two answers only once both are done)."""
-        return (self.pipeline.kind == "causal" and prompts == 1 and n == 1 and plan.copies == 1
+        return (self.pipeline.reader.continues_prompts and prompts == 1 and n == 1 and plan.copies == 1
                 and kw.get("num_beams") in (None, 1) and "nli" not in kw)
 
     async def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):

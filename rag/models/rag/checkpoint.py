@@ -22,7 +22,9 @@ import dataclasses
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, Union
+from typing import Literal, TypeVar, Union
+
+from torch import nn
 
 from rag.demo.kb import KNOWLEDGE_BASE_NAMES, resolve_knowledge_base
 from rag.generators.lora import ADAPTER_FILES, base_identity, base_model_of, is_adapter, load_adapter
@@ -33,8 +35,8 @@ from rag.utils.files import read_json
 from rag.utils.hub import resolve_recorded_name
 from rag.utils.io import atomic_directory, atomic_write_json
 
-if TYPE_CHECKING:  # pragma: no cover
-    from rag.models.rag.model import RagModel
+_Model = TypeVar("_Model", bound=nn.Module)
+"""A RagModel (or a subclass): written and rebuilt here by what it holds, not by importing its module, which imports this."""
 
 logger = logging.getLogger(__name__)
 
@@ -111,7 +113,7 @@ def check_knowledge_base_version(root: Path, kb, kb_ref: dict) -> None:
         logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
 
 
-def save_rag_model(model: "RagModel", path: Union[str, os.PathLike], overwrite: bool = False, *,
+def save_rag_model(model: nn.Module, path: Union[str, os.PathLike], overwrite: bool = False, *,
                    reference_query_encoder: bool = False) -> None:
     """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
     <rag.models.rag.model.RagModel.save_pretrained>` for the options and errors)."""
@@ -241,7 +243,7 @@ def _sort_adapter_modules(config_file: Path) -> None:
         atomic_write_json(config_file, config)
 
 
-def save_model_directory(model: "RagModel", directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
+def save_model_directory(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
     """Write a trained :class:`~rag.models.rag.model.RagModel` as a model directory, its query encoder referenced by name
     when its weights are still those the name loads (else copied)."""
     from rag.utils.io import check_output_dir
@@ -282,14 +284,14 @@ def referenced_query_encoder(qenc) -> dict:
 
 
 def load_rag_model(
-    cls: type["RagModel"],
+    cls: type[_Model],
     path: Union[str, os.PathLike],
     knowledge_base=None,
     *,
     verify: Literal["full", "size", "none"] = "full",
     allow_encoder_change: bool = False,
     **config_overrides,
-) -> "RagModel":
+) -> _Model:
     """Load a checkpoint directory as a `cls` (a RagModel class); see :meth:`RagModel.from_pretrained
     <rag.models.rag.model.RagModel.from_pretrained>` for the options and errors. Returned in eval mode."""
     from rag.generators.load import load_generator

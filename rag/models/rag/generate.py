@@ -25,6 +25,7 @@ from rag.generation.decoding import (
     rag_token_generate,
 )
 from rag.generation.spans import PassageSpans, TokenTexts
+from rag.generators import seq2seq
 from rag.utils.errors import ConfigError
 
 __all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book", "no_retrieval_contexts", "unmasked_contexts"]
@@ -56,18 +57,7 @@ def no_retrieval_contexts(model, inputs) -> list:
     RAG's marginal over K identical contexts with a uniform prior is the generator's own ``p(y | x)``: decoding these
     rows is the generator on the bare question, in the batch shape the RAG decoders take.
     """
-    from rag.generation.contexts import Context
-
-    fmt = model.context_format
-    sep = fmt.doc_sep.replace("  ", " ")
-    strings = list(inputs.context_strings)
-    k = inputs.doc_scores.shape[1]
-    out = []
-    for b in range(inputs.doc_scores.shape[0]):
-        c = strings[b * k]
-        question = c.question_part.removeprefix(sep) if isinstance(c, Context) else str(c)
-        out.extend([Context(fmt.prefix + question, len(fmt.prefix))] * k)
-    return out
+    return seq2seq.no_retrieval_contexts(model.context_format, inputs)
 
 
 def _split_rows(out: GenerationOutput, n: int) -> tuple[GenerationOutput, GenerationOutput]:
@@ -80,23 +70,16 @@ def _split_rows(out: GenerationOutput, n: int) -> tuple[GenerationOutput, Genera
 
 
 def decoding_config(model, config: GenerationConfig) -> GenerationConfig:
-    """`config` with a causal generator's EOS set to its tokenizer's (the token every trained answer ends with)."""
-    if getattr(model, "is_causal", False) and config.eos_token_id is None:
-        from dataclasses import replace
-
-        return replace(config, eos_token_id=int(model.generator_tokenizer.eos_token_id))
-    return config
+    """`config` with what the model's generator needs (a causal generator's EOS: its tokenizer's, which every trained
+    answer ends with)."""
+    return model.lm.decoding_config(config)
 
 
 def decoding_contexts(model, ids: Tensor, mask: Tensor, share_cache: bool = True, prefix_width: int = 0):
     """What decoding reads for context rows ``(N, L)``: encoder states (seq2seq, encoder run once) or the prompts whose
     KV caches every decoder row copies (causal; the first `prefix_width` columns are question-independent prefixes whose
-    caches the model keeps across calls)."""
-    if getattr(model, "is_causal", False):
-        from rag.models.rag.causal import decoding_prompts
-
-        return decoding_prompts(model, ids, mask, share_cache, prefix_width)
-    return encode_contexts(model.generator, ids, mask)
+    caches the generator keeps across calls)."""
+    return model.lm.decoder(ids, mask, share_cache, prefix_width)
 
 
 @torch.no_grad()
@@ -104,21 +87,11 @@ def generate_closed_book(model, questions: Sequence[str], config: GenerationConf
     """The generator's answers to the bare questions (the model's prefix + question, no passage, nothing retrieved): the
     closed-book baseline of Lewis et al. 2020, Table 1. One context per question with prior 1, so RAG-Token decoding
     over it is the generator's own beam / greedy search on ``p(y | x)``."""
-    from rag.generation.contexts import Context, tokenize_contexts
-
     device = next(model.generator.parameters()).device
-    if getattr(model, "is_causal", False):
-        from rag.models.rag.causal import causal_prompts
-
-        ids, mask, _, _, _ = causal_prompts(model, list(questions), None)
-        contexts = decoding_contexts(model, ids.to(device), mask.to(device))
-        return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device),
-                                  decoding_config(model, config))
-    fmt = model.context_format
-    enc = tokenize_contexts(model.generator_tokenizer, [Context(fmt.prefix + q, len(fmt.prefix)) for q in questions],
-                            model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
-    contexts = encode_contexts(model.generator, enc["input_ids"].to(device), enc["attention_mask"].to(device))
-    return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device), config)
+    ids, mask, _, _, _ = model.lm.contexts(list(questions), None, model.config)
+    contexts = decoding_contexts(model, ids.to(device), mask.to(device))
+    return rag_token_generate(model.generator, contexts, torch.zeros(len(questions), 1, device=device),
+                              decoding_config(model, config))
 
 
 @torch.no_grad()
@@ -147,22 +120,8 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     config = decoding_config(model, config)
     ids, mask, doc_scores = inputs.context_input_ids, inputs.context_attention_mask, inputs.doc_scores
     width = inputs.prefix_width
-    if with_no_retrieval and getattr(model, "is_causal", False):
-        from rag.generation.prompts import left_pad
-        from rag.models.rag.causal import causal_prompts
-
-        k = doc_scores.shape[1]
-        bare, bare_mask, _, _, _ = causal_prompts(model, list(questions), None)
-        rows = [r[m.bool()].tolist() for r, m in zip(ids, mask)] + [r[m.bool()].tolist() for r, m in zip(bare, bare_mask)
-                                                                    for _ in range(k)]
-        ids, mask = (t.to(doc_scores.device) for t in left_pad(rows, model.pad_token_id))
-        doc_scores, width = torch.cat([doc_scores, torch.zeros_like(doc_scores)]), 0
-    elif with_no_retrieval:
-        from rag.generation.contexts import tokenize_contexts
-
-        enc = tokenize_contexts(model.generator_tokenizer, list(inputs.context_strings) + no_retrieval_contexts(model, inputs),
-                                model.config.max_context_length, truncation=model.config.effective_truncation, padding="longest")
-        ids, mask = enc["input_ids"].to(ids.device), enc["attention_mask"].to(mask.device)
+    if with_no_retrieval:  # K rows per question without a passage after the retrieval rows, uniform prior
+        ids, mask, width = model.lm.with_bare_rows(list(questions), inputs, model.config)
         doc_scores = torch.cat([doc_scores, torch.zeros_like(doc_scores)])
     contexts = decoding_contexts(model, ids, mask, share_cache, width)
     spans = None
@@ -178,11 +137,10 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
         search = None
         if not model.config.mask_padded_contexts:  # transformers' per-passage search (set by the hf_compat import)
             search = unmasked_contexts(generator, model.generator_tokenizer, ids, mask, model.config.max_context_length)
-        # transformers' get_nll drops the prior of a candidate whose second target is the pad id: a causal reader
-        # (pad = EOS) would lose it on every one-token answer, so Eq. 1 is taken literally there (no parity to keep)
-        convention = "paper" if getattr(model, "is_causal", False) else "transformers"
+        # the generator's convention: transformers' get_nll (seq2seq parity) or Eq. 1 literally (a causal reader, whose
+        # pad is EOS, would lose the prior of every one-token answer under get_nll)
         out = rag_sequence_generate(generator, contexts, model.retrieval_logits(doc_scores), config, decoding=decoding,
-                                    search_contexts=search, spans=spans, convention=convention)
+                                    search_contexts=search, spans=spans, convention=model.lm.sequence_convention)
     bare = None
     if with_no_retrieval:
         out, bare = _split_rows(out, len(questions) * config.num_return_sequences)
@@ -190,11 +148,8 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
 
 
 def token_texts(model) -> TokenTexts:
-    """The generator tokenizer's :class:`TokenTexts`, built on first use and kept on `model` (extractive decoding)."""
-    cached = model.__dict__.get("_token_texts")
-    if cached is None or cached.tokenizer is not model.generator_tokenizer:
-        cached = model.__dict__["_token_texts"] = TokenTexts(model.generator_tokenizer)
-    return cached
+    """The generator tokenizer's :class:`TokenTexts`, built on first use and kept by its generator (extractive decoding)."""
+    return model.lm.token_texts()
 
 
 @torch.no_grad()

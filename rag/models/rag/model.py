@@ -58,14 +58,14 @@ import torch
 from torch import nn
 
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
-from rag.generators.load import generator_kind, load_generator
+from rag.generators.base import Generator
+from rag.generators.load import as_generator, load_generator
 from rag.knowledge.scoring import RetrievalScorer
 from rag.knowledge.types import Retrieved, Retriever
 from rag.models.rag.batch import RagInputs, RagOutput
 from rag.models.rag.checkpoint import CHECKPOINT_CONFIG, CHECKPOINT_FORMAT, load_rag_model, open_knowledge_base, save_rag_model
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.errors import ConfigError, RagError
-from rag.utils.truncation import note_cut_prompts
 from rag.utils.validate import check_positive_int, check_strings
 
 _LOG_TAU_MIN, _LOG_TAU_MAX = math.log(0.01), math.log(100.0)  # a learned retrieval temperature stays in [0.01, 100]
@@ -89,12 +89,13 @@ def _device_of(module: nn.Module) -> torch.device:
 
 
 class RagModel(nn.Module):
-    """Query encoder + seq2seq generator + retriever; ``forward`` returns the marginal NLL (§2.4).
+    """Query encoder + generator (seq2seq or causal) + retriever; ``forward`` returns the marginal NLL (§2.4).
 
     Args:
         question_encoder: a :class:`~rag.knowledge.encoders.TextEncoder` (DPR question encoder,
             MiniLM, ...) whose output dimension matches the knowledge base.
-        generator: any ``AutoModelForSeq2SeqLM`` (BART, T5, ...).
+        generator: a transformers seq2seq (BART, T5, ...) or causal (GPT-2, Llama, ...) LM; :attr:`lm` is it as a
+            :class:`~rag.generators.base.Generator`.
         generator_tokenizer: its tokenizer.
         retriever: a :class:`~rag.knowledge.retriever.DenseRetriever`, a
             :class:`~rag.knowledge.bm25.BM25Retriever`, or a ``KnowledgeBase`` (wrapped in the
@@ -123,13 +124,14 @@ class RagModel(nn.Module):
             raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got {type(question_encoder).__name__}")
         if not isinstance(generator, nn.Module):
             raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got {type(generator).__name__}")
-        self.generator_kind = generator_kind(generator)
-        if self.generator_kind == "causal" and config.hf_compat:
+        lm = as_generator(generator, generator_tokenizer)
+        if config.hf_compat and not lm.transformers_rag:
             raise ConfigError("RagModelConfig.hf_compat reproduces transformers' RAG, whose generator is seq2seq; a causal "
                               "generator has no transformers counterpart: set hf_compat: false")
         self.question_encoder = question_encoder
         self.generator = generator
         self.generator_tokenizer = generator_tokenizer
+        self.__dict__["_lm"] = lm
         self._check_generator_tokens()
         self.scoring = RetrievalScorer(question_encoder, retriever, config, doc_encoder)
         if self.query_encoder_frozen:
@@ -200,19 +202,35 @@ class RagModel(nn.Module):
     def _check_generator_tokens(self) -> None:
         if getattr(self.generator_tokenizer, "pad_token_id", None) is None:
             raise ConfigError("the generator tokenizer has no pad token; set one (tokenizer.pad_token = ...) and save it again")
-        if self.is_causal:
-            if getattr(self.generator_tokenizer, "eos_token_id", None) is None:
-                raise ConfigError("the causal generator's tokenizer has no EOS token, which ends every answer; set "
-                                  "tokenizer.eos_token and save it again")
-            return
-        if self.decoder_start_token_id is None:
-            raise ConfigError("the generator config has no decoder_start_token_id; set generator.config.decoder_start_token_id")
+        self.lm.check_tokens()
 
     # ------------------------------------------------------------------ properties
     @property
+    def lm(self) -> Generator:
+        """The generator as a type (:class:`~rag.generators.base.Generator`, seq2seq or causal) over ``generator`` and
+        ``generator_tokenizer``: how contexts are built, decoded and scored. It owns the caches computed with the
+        current weights; replacing ``generator`` (e.g. with its LoRA-wrapped self) gives a new one of the same family."""
+        lm = self.__dict__["_lm"]
+        if lm.model is not self.generator or lm.tokenizer is not self.generator_tokenizer:
+            texts = lm._token_texts if lm.tokenizer is self.generator_tokenizer else None
+            lm = self.__dict__["_lm"] = type(lm)(self.generator, self.generator_tokenizer)
+            lm._token_texts = texts
+        return lm
+
+    @property
+    def generator_kind(self) -> str:
+        """The generator's family, ``"seq2seq"`` or ``"causal"`` (recorded in checkpoints)."""
+        return self.lm.kind
+
+    @property
     def is_causal(self) -> bool:
         """True for a decoder-only generator: p(y | x, z) is the LM's likelihood of the answer after a prompt of z and x."""
-        return self.generator_kind == "causal"
+        return self.lm.decoder_only
+
+    @property
+    def _prefix_cache(self):
+        """The causal generator's kept passage KV caches (None before first use, and for a seq2seq generator)."""
+        return self.lm.prefix_cache
 
     @property
     def query_encoder_frozen(self) -> bool:
@@ -226,14 +244,8 @@ class RagModel(nn.Module):
 
     @property
     def decoder_start_token_id(self) -> Optional[int]:
-        if self.is_causal:  # a causal generator starts from its prompt's last token
-            return None
-        gcfg = self.generator.config
-        start = getattr(gcfg, "decoder_start_token_id", None)
-        if start is None:
-            gen_cfg = getattr(self.generator, "generation_config", None)
-            start = getattr(gen_cfg, "decoder_start_token_id", None)
-        return start
+        """The seq2seq decoder's start token (None for a causal generator: it starts from its prompt's last token)."""
+        return self.lm.decoder_start_token_id
 
     @property
     def pad_token_id(self) -> int:
@@ -257,8 +269,8 @@ class RagModel(nn.Module):
             self.question_encoder.eval()
         if getattr(self, "doc_encoder", None) is not None and not self.config.train_doc_encoder:
             self.doc_encoder.eval()
-        if mode and getattr(self, "_prefix_cache", None) is not None:  # cached passage KV caches are of the old weights
-            self._prefix_cache.clear()
+        if mode:  # what the generator cached (passage KV caches) is of the old weights
+            self.lm.clear_caches()
         return self
 
     def parameter_groups(self) -> dict[str, list[nn.Parameter]]:
@@ -330,13 +342,18 @@ class RagModel(nn.Module):
         """
         from rag.generation.contexts import build_contexts
 
-        questions = list(questions)
-        if self.config.hf_compat:
-            if question_input_ids is None:
-                question_input_ids = self._tokenize_questions(questions)["input_ids"]
-            # Same strings as contexts.question_round_trip, without tokenizing a second time.
-            questions = self.question_encoder.tokenizer.batch_decode(question_input_ids.tolist(), skip_special_tokens=True)
+        questions = self._questions_as_read(list(questions), question_input_ids)
         return build_contexts(questions, self.reading_passages(questions, retrieved.passages), self.context_format)
+
+    def _questions_as_read(self, questions: list[str], question_input_ids: Optional[torch.Tensor]) -> list[str]:
+        """The questions as the generator reads them: as written, or under ``hf_compat`` their round trip through the
+        question tokenizer (transformers' ``RagRetriever``), from the query-encoder ids ``(B, Lq)`` when given."""
+        if not self.config.hf_compat:
+            return questions
+        if question_input_ids is None:
+            question_input_ids = self._tokenize_questions(questions)["input_ids"]
+        # Same strings as contexts.question_round_trip, without tokenizing a second time.
+        return self.question_encoder.tokenizer.batch_decode(question_input_ids.tolist(), skip_special_tokens=True)
 
     def reading_passages(self, questions: Sequence[str], passages: Sequence[Sequence]) -> Sequence[Sequence]:
         """The passages as the generator reads them: B lists of K, unchanged, or each focused on its question
@@ -357,11 +374,7 @@ class RagModel(nn.Module):
     @property
     def context_format(self):
         """How this model joins a passage and a question (:class:`~rag.generation.contexts.ContextFormat`)."""
-        from rag.generation.contexts import ContextFormat
-
-        # transformers reads the prefix from the generator's config (T5 task prefixes), not RagConfig.
-        prefix = getattr(self.generator.config, "prefix", None) or ""
-        return ContextFormat(title_sep=self.config.title_sep, doc_sep=self.config.doc_sep, prefix=prefix)
+        return self.lm.context_format(self.config)
 
     def prepare_inputs(self, questions: Sequence[str], n_docs: Optional[int] = None, *,
                        retrieval: Optional[str] = None) -> RagInputs:
@@ -377,24 +390,10 @@ class RagModel(nn.Module):
         retrieved, doc_scores = self.scoring.score(questions, k, question_inputs=q_inputs, device=_device_of(self.generator),
                                                    retrieval=retrieval)
         device = _device_of(self.generator)
-        if self.is_causal:  # left-padded prompts "passage, question, answer header" (rag.generation.prompts)
-            from rag.models.rag.causal import causal_prompts
-
-            ids, mask, n_truncated, strings, width = causal_prompts(self, questions, self.reading_passages(questions, retrieved.passages))
-            return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
-        strings = self.context_strings(questions, retrieved, None if q_inputs is None else q_inputs["input_ids"])
-        ids, mask, n_truncated = self._tokenize_contexts(strings)
-        note_cut_prompts(n_truncated, len(strings), self.config.max_context_length)  # counted where a command asks
-        return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings)
-
-    def _tokenize_contexts(self, strings) -> tuple[torch.Tensor, torch.Tensor, int]:
-        from rag.generation.contexts import tokenize_contexts
-
-        enc = tokenize_contexts(
-            self.generator_tokenizer, strings, self.config.max_context_length,
-            truncation=self.config.effective_truncation, padding="longest",
-        )
-        return enc["input_ids"], enc["attention_mask"], int(enc["truncated"].sum())
+        asked = self._questions_as_read(questions, None if q_inputs is None else q_inputs["input_ids"])
+        ids, mask, n_truncated, strings, width = self.lm.contexts(asked, self.reading_passages(asked, retrieved.passages),
+                                                                  self.config)
+        return RagInputs(ids.to(device), mask.to(device), doc_scores.to(device), retrieved, n_truncated, strings, width)
 
     # ------------------------------------------------------------------ checkpoints
     def save_pretrained(self, path: Union[str, os.PathLike], overwrite: bool = False, *,
@@ -454,16 +453,9 @@ class RagModel(nn.Module):
         special tokens as the tokenizer adds them: ``<s> … </s>`` for BART, ``… </s>`` for T5) and
         their mask ``(B, T)`` bool. Every one of these tokens is scored (see :func:`marginalize.shift_right`)."""
         targets = check_strings(targets, "targets")
-        if self.is_causal:  # the answer's tokens and EOS, scored after the prompt
-            from rag.models.rag.causal import causal_targets
-
-            ids, mask = causal_targets(self, targets)
-            return ids.to(_device_of(self.generator)), mask.to(_device_of(self.generator))
-        enc = self.generator_tokenizer(
-            targets, padding=True, truncation=True, max_length=self.config.max_target_length, return_tensors="pt"
-        )
+        ids, mask = self.lm.targets(targets, self.config)  # a causal generator: the answer's tokens and EOS
         device = _device_of(self.generator)
-        return enc["input_ids"].to(device), enc["attention_mask"].to(device).bool()
+        return ids.to(device), mask.to(device)
 
     def training_targets(self, targets: Sequence[str]) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
         """``(decoder_input_ids, labels, label_mask)`` that :meth:`forward` decodes and scores for target strings.
@@ -521,17 +513,7 @@ class RagModel(nn.Module):
         device = _device_of(self.generator)
         if passages is not None:
             passages = [docs[0] for docs in self.reading_passages(questions, [[p] for p in passages])]
-        if self.is_causal:
-            from rag.models.rag.causal import causal_prompts
-
-            ids, mask, n_truncated, strings, _ = causal_prompts(self, questions, None if passages is None else [[p] for p in passages])
-        else:
-            fmt = self.context_format
-            if passages is None:
-                strings = [fmt.prefix + q for q in questions]
-            else:
-                strings = [fmt.context(p.title, p.text, q) for q, p in zip(questions, passages)]
-            ids, mask, n_truncated = self._tokenize_contexts(strings)
+        ids, mask, n_truncated, strings, _ = self.lm.loss_contexts(questions, passages, self.config)
         scores = torch.zeros(len(questions), 1, device=device)
         inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
         decoder_inputs, labels, label_mask = self.training_targets(targets)
@@ -551,31 +533,8 @@ class RagModel(nn.Module):
         equal one call over all rows up to float noise. ``max_buckets=1``: one call (trimmed to the
         longest context).
         """
-        from rag.generation.buckets import length_buckets, run_in_buckets, take_bucket
-        from rag.generation.marginalize import shift_right
-
-        b, t = labels.shape
-        k = inputs.doc_scores.shape[1]
-        ids, mask = inputs.context_input_ids, inputs.context_attention_mask
-        if self.is_causal:  # prompt ∘ answer, one pass over the B·K rows (rag.models.rag.causal)
-            from rag.models.rag.causal import causal_logits
-
-            return causal_logits(self.generator, ids, mask, labels, k)
-        if decoder_input_ids is None:
-            decoder_input_ids = shift_right(labels, int(self.decoder_start_token_id), self.pad_token_id)  # (B, T)
-
-        def run(bucket) -> torch.Tensor:  # (n, T, V) for the bucket's rows
-            out = self.generator(
-                input_ids=take_bucket(ids, bucket),
-                attention_mask=take_bucket(mask, bucket),
-                decoder_input_ids=decoder_input_ids[bucket.rows // k],  # row b*K + k decodes target b
-                use_cache=False,
-                return_dict=True,
-            )
-            return out.logits
-
-        logits = run_in_buckets(run, length_buckets(mask, max_buckets=max_buckets))  # (B·K, T, V)
-        return logits.view(b, k, t, -1)
+        return self.lm.teacher_forced(inputs.context_input_ids, inputs.context_attention_mask, labels,
+                                      inputs.doc_scores.shape[1], decoder_input_ids=decoder_input_ids, max_buckets=max_buckets)
 
     def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, doc_scores: torch.Tensor) -> torch.Tensor:
         """The configured RAG loss from generator logits ``(B, K, T, V)``, targets ``labels`` ``(B, T)``

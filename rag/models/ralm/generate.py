@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from rag.generation.answers import Answer, PassageProvenance, through_eos
+from rag.generation.answers import Answer, PassageProvenance, SegmentProvenance, through_eos
 from rag.generation.causal import CausalLMDecoder
 from rag.generation.search import GenerationConfig, beam_search, config_token_id, greedy_search, resolve_spec, sample
 from rag.knowledge.passages import Passage
@@ -34,24 +34,6 @@ from rag.models.ralm.model import InContextRALM, window_start
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = ["SegmentProvenance", "Continuation", "RetrievingDecoder", "ralm_generate"]
-
-
-@dataclass
-class SegmentProvenance:
-    """The document in context while generated tokens ``[start, end)`` were produced (In-Context RALM provenance)."""
-
-    start: int
-    """First generated token of the segment (0-based, counting the answer's generated tokens)."""
-    end: int
-    """One past its last generated token."""
-    passage_id: str
-    title: str
-    score: float
-    """Retrieval score of the passage for `query` (BM25 score or q · d)."""
-    kb_version: str
-    """Version of the knowledge base the passage came from."""
-    query: str
-    """The retrieval query: the last ``ℓ`` tokens of prompt + generated text before the segment."""
 
 
 @dataclass
