@@ -32,14 +32,13 @@ import torch
 from tqdm.auto import tqdm
 
 import rag
+from rag.demo.kb import resolve_knowledge_base
 from rag.eval.benchmarks import EvalExample, read_eval_set
 from rag.eval.metrics import exact_match, has_answer, token_f1
 from rag.eval.ranking import parse_ks, query_metrics, r_precision, trec_order
 from rag.eval.report import markdown, write_report
 from rag.generation.answers import retrievals
-from rag.knowledge.bm25 import BM25Retriever
-from rag.knowledge.knowledge_base import KnowledgeBase
-from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.pipeline.api import RagPipeline, load
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.io import atomic_write_json, to_json
@@ -122,14 +121,12 @@ class _System:
     @classmethod
     def open(cls, model, knowledge_base, *, verify: str, device, options: dict) -> "_System":
         if model is None:
-            kb = knowledge_base if isinstance(knowledge_base, KnowledgeBase) else KnowledgeBase.open(knowledge_base, verify=verify)
+            kb = resolve_knowledge_base(knowledge_base, verify=verify)
             kind = options.pop("retrieval", None) or "dense"
             if options:
                 raise ConfigError(f"a retriever alone generates nothing: drop the generation options {sorted(options)} "
                                   "or give --model")
-            if kind not in ("dense", "bm25"):
-                raise ConfigError(f"--retrieval {kind}: a knowledge base alone retrieves with 'dense' or 'bm25'")
-            retriever = BM25Retriever.from_knowledge_base(kb) if kind == "bm25" else DenseRetriever(kb, default_query_encoder(kb))
+            retriever = retriever_for_kind(kind, kb)
             return cls(f"retriever:{kind}", None, retriever, kb, {"retrieval": kind})
         pipe = model if isinstance(model, RagPipeline) else load(model, knowledge_base=knowledge_base, device=device)
         name = os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(pipe.reader).__name__
