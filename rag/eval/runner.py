@@ -126,7 +126,7 @@ class _System:
             if options:
                 raise ConfigError(f"a retriever alone generates nothing: drop the generation options {sorted(options)} "
                                   "or give --model")
-            retriever = retriever_for_kind(kind, kb)
+            retriever = retriever_for_kind(kind, kb, build_missing=True)  # BM25 in memory where the KB has none
             return cls(f"retriever:{kind}", None, retriever, kb, {"retrieval": kind})
         pipe = model if isinstance(model, RagPipeline) else load(model, knowledge_base=knowledge_base, device=device)
         name = os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(pipe.reader).__name__

@@ -66,6 +66,12 @@ class Reader(Protocol):
 
     def generate_without_retrieval(self, questions: Sequence[str], **options) -> list[Answer]: ...
 
+    def description(self) -> dict:
+        """``method`` (as a server names it), ``generator_kind``, ``extractive``."""
+
+    def step_rows(self, options: dict) -> int:
+        """Rows (passages x beams) one decoding step with `options` runs: what a server bounds."""
+
 
 READER_OPTIONS = {kind: reader_options(kind) for kind in ("seq2seq", "causal")}
 """Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
@@ -116,6 +122,21 @@ class RagReader:
     @property
     def generator_kind(self) -> str:
         return self.generator.kind
+
+    def description(self) -> dict:
+        """What a server says it reads with: ``method`` (``rag-sequence`` / ``rag-token``: the stored marginalization),
+        ``generator_kind`` and ``extractive`` (the stored setting)."""
+        config = self.model.config
+        stored = dict(config.generation or {})
+        return {"method": f"rag-{config.marginalization}", "generator_kind": self.generator_kind,
+                "extractive": bool(stored.get("extractive", False))}
+
+    def step_rows(self, options: dict) -> int:
+        """Rows one decoding step with `options` runs: n_docs x num_beams (closed-book: num_beams); unset = stored."""
+        config = self.model.config
+        docs = 1 if options.get("retrieval") is False else (options.get("n_docs") or config.n_docs)
+        beams = options.get("num_beams") or dict(config.generation or {}).get("num_beams") or 1
+        return int(docs) * int(beams)
 
     @property
     def retriever(self):
@@ -305,6 +326,18 @@ class RalmReader:
     @property
     def generator_kind(self) -> str:
         return self.generator.kind
+
+    def description(self) -> dict:
+        """What a server says it reads with: ``method`` (``replug`` with an ensemble, else ``in-context-ralm``),
+        ``generator_kind``, ``extractive`` (never)."""
+        method = "replug" if self.config.ensemble else "in-context-ralm"
+        return {"method": method, "generator_kind": self.generator_kind, "extractive": False}
+
+    def step_rows(self, options: dict) -> int:
+        """Rows one decoding step with `options` runs: ensemble x num_beams (closed-book: num_beams); unset = stored."""
+        docs = 1 if options.get("retrieval") is False else (options.get("ensemble") or self.config.ensemble or 1)
+        beams = options.get("num_beams") or getattr(self.config, "num_beams", None) or 1
+        return int(docs) * int(beams)
 
     @property
     def retriever(self):

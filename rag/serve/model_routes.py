@@ -22,17 +22,7 @@ def reader_description(pipeline) -> dict:
     """What ``/health`` says the server reads with: ``method`` (``rag-sequence`` / ``rag-token`` as the model's stored
     marginalization, ``in-context-ralm``, ``replug``), ``generator_kind`` (``seq2seq`` / ``causal``) and
     ``extractive`` (the stored setting of a RAG model); ``reader`` (the option family, kept for older clients)."""
-    reader = pipeline.reader
-    if pipeline.kind == "causal":
-        ensemble = getattr(getattr(reader, "config", None), "ensemble", None)
-        return {"reader": pipeline.kind, "method": "replug" if ensemble else "in-context-ralm", "generator_kind": "causal",
-                "extractive": False}
-    model = reader.model
-    config = model.config
-    stored = dict(getattr(config, "generation", None) or {})
-    return {"reader": pipeline.kind, "method": f"rag-{config.marginalization}",
-            "generator_kind": "causal" if getattr(model, "is_causal", False) else "seq2seq",
-            "extractive": bool(stored.get("extractive", False))}
+    return {"reader": pipeline.kind, **pipeline.reader.description()}
 
 
 def retrieve_passages(pipeline, questions: list[str], k: int) -> dict:

@@ -137,18 +137,7 @@ its decoding steps, so a cheap request never waits long for a unit to end."""
 def step_rows(pipeline, options: dict) -> int:
     """Rows one decoding step of a generation with `options` runs on `pipeline`'s model: passages x beams (RAG: n_docs
     x num_beams; a causal reader: ensemble x num_beams; closed-book: num_beams); unset options count as stored."""
-    reader = pipeline.reader
-    if pipeline.kind == "causal":
-        config = getattr(reader, "config", None)
-        docs = options.get("ensemble") or getattr(config, "ensemble", None) or 1
-        beams = options.get("num_beams") or getattr(config, "num_beams", None) or 1
-    else:
-        config = reader.model.config
-        docs = options.get("n_docs") or config.n_docs
-        beams = options.get("num_beams") or dict(config.generation or {}).get("num_beams") or 1
-    if options.get("retrieval") is False:
-        docs = 1
-    return int(docs) * int(beams)
+    return pipeline.reader.step_rows(options)
 
 
 MAX_RESTARTS = 3
