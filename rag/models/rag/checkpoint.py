@@ -376,9 +376,9 @@ def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None 
     if missing:
         raise IntegrityError(f"{cfg_file}: the referenced query encoder lacks field(s) {missing}; save the model again")
     name = entry["name"]
-    if not (isinstance(name, str) and os.path.isdir(resolve_name_or_path(name))):  # a bundled alias loads as named
-        name = resolve_recorded_name(name, "question_encoder.name", cfg_file)
     try:
+        if not (isinstance(name, str) and os.path.isdir(resolve_name_or_path(name))):  # a bundled alias loads as named
+            name = resolve_recorded_name(name, "question_encoder.name", cfg_file)
         qenc = TextEncoder(name, pooling=entry["pooling"], normalize=entry["normalize"], max_length=entry["max_length"])
     except RagError as e:
         raise ConfigError(
