@@ -145,7 +145,7 @@ def main() -> None:
     overrides = {"data.batch_size": args.batch_size, "model.rag.rerank_candidates": args.rerank or None}
     if args.encoders == "tiny-dpr":
         q_dir, kb_dir = tiny_dpr_knowledge_base(ROOT / ".cache" / "refresh_bench")
-        cfg["model"]["init_args"].update(question_encoder=q_dir, knowledge_base=kb_dir, build_knowledge_base_from=None)
+        cfg["model"]["init_args"].update(question_encoder=q_dir, knowledge_base=kb_dir, build_knowledge_base=None)
         overrides.update({"model.question_encoder": "tiny DPR (d_model 128, 2 layers)", "model.knowledge_base": kb_dir})
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         yaml.safe_dump(cfg, f)

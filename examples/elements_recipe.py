@@ -285,7 +285,8 @@ def evaluate(model: RagModel, system: str, examples, cfg: DemoConfig, bs: int = 
             answers = _generate_alone(model, inputs, gcfg, cfg.max_context_length)
             tops = [None] * len(qs) if gold is None else [p.title for p in gold]
         else:
-            answers, retrieved, _ = generate_answers(model, qs, num_beams=1, max_new_tokens=cfg.max_new_tokens)
+            answers, retrieved, _ = generate_answers(model, qs, num_beams=1, max_new_tokens=cfg.max_new_tokens,
+                                                        sequence_decoding="fast")
             deep, _ = model.retrieve(qs, n_docs=max(RECALL_AT))
             recall.update(deep.passages, golds)
             tops = [ps[0].title for ps in retrieved.passages]

@@ -90,7 +90,7 @@ def overrides(args: argparse.Namespace, reader: str = "seq2seq", run: Optional[P
                 "--trainer.logger", json.dumps({"class_path": "pytorch_lightning.loggers.CSVLogger",
                                                 "init_args": {"save_dir": str(run / "out"), "name": "logs"}})]
     if args.kb is not None:
-        out += ["--model.knowledge_base", str(args.kb.resolve()), "--model.build_knowledge_base_from", "null"]
+        out += ["--model.knowledge_base", str(args.kb.resolve()), "--model.build_knowledge_base", "null"]
     for split in ("train", "val", "test"):
         value = getattr(args, split)
         if value is not None:

@@ -175,7 +175,7 @@ def train_lsr(args, out: Path, kb_path: Path) -> dict:
                  "--trainer.default_root_dir", str(run), "--trainer.logger.init_args.save_dir", str(run),
                  "--trainer.max_epochs", str(args.lsr_epochs)]
     if args.lsr_lr is not None:
-        overrides += ["--model.init_args.query_encoder_lr", str(args.lsr_lr)]
+        overrides += ["--model.init_args.optimizer.lr", str(args.lsr_lr)]
     if args.lsr_seed is not None:
         overrides += ["--seed_everything", str(args.lsr_seed)]
     if args.lsr_beta is not None:

@@ -72,8 +72,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def make_reader(lm: str, kb, args, selfask: bool) -> CausalReaderModule:
-    module = CausalReaderModule(lm=lm, knowledge_base=str(kb.path), doc_max_length=args.doc_max_length, learning_rate=args.lr,
-                                warmup_ratio=0.1, selfask="demo" if selfask else None, selfask_batch=args.selfask_batch,
+    module = CausalReaderModule(lm=lm, knowledge_base=str(kb.path), doc_max_length=args.doc_max_length,
+                                optimizer={"lr": args.lr, "warmup_ratio": 0.1}, selfask="demo" if selfask else None, selfask_batch=args.selfask_batch,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     module.configure_model()
     return module
@@ -99,10 +99,10 @@ def ensure_reader(name: str, kb, args) -> tuple[CausalReaderModule, dict]:
                          enable_model_summary=False)
     t0 = time.process_time()
     trainer.fit(module, datamodule=data)
-    kinds = data._datasets["train"].context_kinds
+    kinds = data.train_pairs.context_kinds
     record = {"steps": trainer.global_step, "cpu_seconds": round(time.process_time() - t0, 1),
               "final_loss": round(float(trainer.callback_metrics.get("train/loss", float("nan"))), 4),
-              "train_pairs": len(data._datasets["train"]), "selfask_examples": len(module._chains),
+              "train_pairs": len(data.train_pairs), "selfask_examples": len(module._chains),
               "context_kinds": None if kinds is None else {k: kinds.count(k) for k in ("top1", "low", "random")}}
     module.export(path)
     atomic_write_json(path / "training.json", record)

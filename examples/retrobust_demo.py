@@ -132,9 +132,9 @@ def train_reader(name: str, kb, args) -> tuple[object, dict]:
                 steps += 1
                 losses.append(float(loss.detach()))
     model.eval()
-    kinds = data._datasets["train"].context_kinds
+    kinds = data.train_pairs.context_kinds
     record = {"steps": steps, "cpu_seconds": round(time.process_time() - t0, 1), "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
-              "train_pairs": len(data._datasets["train"]), "selfask_examples": len(chains),
+              "train_pairs": len(data.train_pairs), "selfask_examples": len(chains),
               "context_kinds": None if kinds is None else {k: kinds.count(k) for k in ("top1", "low", "random")}}
     logger.info("%s: %s", name, record)
     return model, record

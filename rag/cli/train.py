@@ -49,9 +49,10 @@ DEFAULT_MODEL = "rag.training.modules.RagModule"
 DEFAULT_DATA = "rag.training.data.QADataModule"
 
 
-EVALUATION_OPTIONS = ("num_beams", "max_new_tokens", "length_penalty", "sequence_decoding", "recall_at", "predictions_file")
-"""Model arguments that say how to evaluate, not what was trained: on ``rag validate|test|predict --ckpt_path`` the
-command's values (its config and flags, else the defaults) replace those the checkpoint recorded."""
+EVALUATION_OPTIONS = ("decoding", "evaluation")
+"""Model argument groups that say how to evaluate, not what was trained (RagModule's ``model.decoding`` and
+``model.evaluation``): on ``rag validate|test|predict --ckpt_path`` the command's values (its config and flags, else the
+defaults) replace those the checkpoint recorded."""
 
 
 _SPLITS_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
@@ -74,18 +75,20 @@ def _check_data_files(data, subcommand: str) -> None:
                                   "demo:train|dev|test")
 
 
-def _cli_class():
-    """LightningCLI whose model and data default to RagModule and QADataModule, so that `rag fit --print_config` and
-    `rag fit --help` show their options (a config's `class_path` still chooses any other module)."""
+def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA):
+    """LightningCLI whose model and data default to `model_class` and `data_class` (the classes the command line
+    chooses, else RagModule and QADataModule), so that `rag fit --print_config` and `rag fit --help` show their options.
+    The default is the chosen class itself: a default of another class would lend the chosen one its defaults for the
+    arguments both name (RagModule's ``optimizer`` fields to NLIModule's ``optimizer``)."""
     from pytorch_lightning.cli import LightningCLI
 
     class RagCLI(LightningCLI):
         def add_arguments_to_parser(self, parser) -> None:
-            parser.set_defaults({"model": {"class_path": DEFAULT_MODEL}, "data": {"class_path": DEFAULT_DATA}})
+            parser.set_defaults({"model": {"class_path": model_class}, "data": {"class_path": data_class}})
 
         def _parse_ckpt_path(self) -> None:
             """Lightning replaces the model's arguments with those the checkpoint recorded, including how it evaluated
-            (``--model.num_beams 4`` on ``rag test --ckpt_path ...`` was silently ignored). The model stays the
+            (``--model.decoding.num_beams 4`` on ``rag test --ckpt_path ...`` was silently ignored). The model stays the
             checkpoint's; how to evaluate (:data:`EVALUATION_OPTIONS`) is the command's: its config files and flags, else
             the module's defaults."""
             sub = self.config.get("subcommand")
@@ -136,18 +139,22 @@ def _cli_class():
                 raise ConfigError(f"trainer options: {e}") from e
 
         def _choose_ddp_strategy(self) -> None:
-            """``--trainer.strategy ddp`` becomes ``ddp_find_unused_parameters_true`` for a model whose steps leave some
-            trainable parameters without a gradient on some steps (its ``ddp_find_unused_parameters``); otherwise
-            plain DDP, which is faster and catches a parameter that is never used."""
+            """``--trainer.strategy ddp`` for a model whose training phases train different parameters (its
+            ``training_phases``) becomes ``ddp_find_unused_parameters_true`` (:func:`rag.training.distributed.ddp_strategy`);
+            otherwise plain DDP, which is faster and catches a parameter that is never used."""
             import logging
+
+            from rag.training.distributed import ddp_strategy
 
             config = self.config_init[self.subcommand] if self.subcommand else self.config_init
             trainer = config.get("trainer")
-            if trainer is None or trainer.get("strategy") != "ddp" or not getattr(self.model, "ddp_find_unused_parameters", False):
+            if trainer is None:
                 return
-            trainer["strategy"] = "ddp_find_unused_parameters_true"
-            logging.getLogger(__name__).info("strategy ddp: %s trains some parameters only on some steps; DDP searches for "
-                                             "unused parameters (ddp_find_unused_parameters_true)", type(self.model).__name__)
+            chosen = ddp_strategy(trainer.get("strategy"), getattr(self.model, "training_phases", None))
+            if chosen != trainer.get("strategy"):
+                trainer["strategy"] = chosen
+                logging.getLogger(__name__).info("strategy ddp: %s trains some parameters only on some steps; DDP searches "
+                                                 "for unused parameters (%s)", type(self.model).__name__, chosen)
 
     return RagCLI
 
@@ -161,11 +168,13 @@ def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
     """
     from jsonargparse import set_parsing_settings
 
-    check_cli_yaml(sys.argv[1:] if args is None else args)
+    argv = sys.argv[1:] if args is None else list(args)
+    check_cli_yaml(argv)  # bounded YAML (aliases, depth, size) before any config file is parsed
+    check_renamed_options(argv)
     pl, _ = _imports()
     # Option help from the dataclass fields' own docstrings (RagModelConfig, ContextMixing, ...), not only from Args:.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    return _cli_class()(
+    return _cli_class(_class_in(argv, "model"), _class_in(argv, "data"))(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,
@@ -206,19 +215,52 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
         release_run_dirs()  # the run's folder is free for the next run of this process
 
 
+def _read_config(path: str) -> Optional[dict]:
+    """The mapping a ``--config`` file holds, or None when it cannot be read as one (LightningCLI reports that itself)."""
+    import yaml
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            loaded = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def _config_paths(argv: Sequence[str]) -> list[str]:
+    """The ``--config FILE`` / ``--config=FILE`` files of a command line, in order."""
+    paths = [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"]
+    return paths + [a.partition("=")[2] for a in argv if a.startswith("--config=")]
+
+
+def check_renamed_options(argv: Sequence[str]) -> None:
+    """Refuse an option an earlier release had and a group now holds (``model.generator_lr`` is ``model.optimizer.lr``):
+    one :class:`~rag.utils.errors.ConfigError` naming the new key, for a ``--config`` file's ``model`` section or a
+    ``--model.KEY`` flag (:data:`rag.training.settings.RENAMED`)."""
+    from rag.training.settings import check_renamed
+
+    model_class = _class_in(argv, "model")
+    for path in _config_paths(argv):
+        section = (_read_config(path) or {}).get("model")
+        if isinstance(section, dict):
+            init = section.get("init_args") if "class_path" in section else section
+            if isinstance(init, dict):
+                check_renamed(str(section.get("class_path", model_class)), init, path)
+    for i, a in enumerate(argv):
+        if a.startswith("--model.") and not a.startswith("--model.help"):
+            key, eq, value = a[len("--model."):].partition("=")
+            key = key.removeprefix("init_args.")
+            if "." not in key:  # a field inside a group (--model.optimizer.lr) is no old option
+                check_renamed(model_class, {key: value if eq else (argv[i + 1] if i + 1 < len(argv) else None)}, "the command line")
+
+
 def _class_in(argv: Sequence[str], key: str) -> str:
     """The class the command line chooses for `key` (``model`` / ``data``): ``--key X``, else the last ``--config``'s
     ``class_path``, else the default."""
-    import yaml
-
     chosen = DEFAULT_MODEL if key == "model" else DEFAULT_DATA
     for i, a in enumerate(argv[:-1]):
         if a == "--config":
-            try:
-                with open(argv[i + 1], encoding="utf-8") as f:
-                    section = (yaml.safe_load(f) or {}).get(key)
-            except (OSError, yaml.YAMLError):
-                continue  # LightningCLI reports an unreadable config itself
+            section = (_read_config(argv[i + 1]) or {}).get(key)
             if isinstance(section, dict) and isinstance(section.get("class_path"), str):
                 chosen = section["class_path"]
         elif a == f"--{key}" and not argv[i + 1].startswith("-"):

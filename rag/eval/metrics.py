@@ -207,4 +207,4 @@ class RougeL(ROUGEScore):
 
 
 GENERATION_METRICS = {"bleu1": Bleu1, "rougeL": RougeL}
-"""Metrics a training module can add to EM and F1 by name (``model.generation_metrics: [bleu1, rougeL]``)."""
+"""Metrics a training module can add to EM and F1 by name (``model.evaluation.generation_metrics: [bleu1, rougeL]``)."""

@@ -141,3 +141,9 @@ def _check(name: str, spec: OptionSpec, value: Any) -> Union[int, float, str, bo
     if spec.type is bool:
         return check_bool(value, what, error=ConfigError)
     return check_number(value, what, integer=spec.type is int, low=spec.low, high=spec.high, error=ConfigError)
+
+
+FALLBACK_DEFAULTS: dict[str, Any] = {"num_beams": 1, "max_new_tokens": 32, "length_penalty": 1.0, "no_repeat_ngram_size": 2,
+                                     "decoding": "thorough"}
+"""What an option resolves to when neither the call nor the model's stored settings set it (``no_repeat_ngram_size``:
+for a model trained here; an imported transformers checkpoint stores its own)."""

@@ -27,7 +27,8 @@ import torch
 from rag.eval.metrics import ExactMatch, TokenF1
 from rag.knowledge.passages import Passage
 from rag.models.ralm.model import CausalScorer, window_ids, window_start
-from rag.training.schedules import step_schedule
+from rag.training.data import batch_contexts
+from rag.training.settings import Optimizer, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number, check_positive_int
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["DEFAULT_PROMPT", "reading_windows", "prompt_windows", "answer_nll", "CausalReaderModule"]
 
 DEFAULT_PROMPT = "Question: {question}\nAnswer:"
+_DEFAULT_OPTIMIZER = Optimizer(lr=2e-5, weight_decay=0.0, warmup_ratio=0.05)
 
 
 def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Sequence[str],
@@ -118,7 +120,8 @@ class CausalReaderModule(pl.LightningModule):
         prompt: the prompt template, with ``{question}``; generate with the same prompt.
         doc_max_length: passage tokens read (as ``RalmConfig.doc_max_length``).
         max_length: the window in tokens (None: min(the LM's positions, 1024)).
-        learning_rate, weight_decay, warmup_ratio: AdamW, linear warm-up over that share of the steps, then linear decay.
+        optimizer: AdamW over every LM weight and its schedule (:class:`~rag.training.settings.Optimizer`; default
+            linear warm-up over 5% of the steps, then linear decay).
         selfask: Self-Ask chains added to every step: ``demo`` (the bundled two-hop Elements decompositions, training
             split) or a JSONL file of ``{"question", "answers", "follow_ups": [{"question", "answer"}]}``.
         selfask_batch: chain examples per step.
@@ -129,7 +132,7 @@ class CausalReaderModule(pl.LightningModule):
 
     def __init__(self, lm: str = "tiny:gpt2", knowledge_base: str = "demo", retrieval: Optional[str] = "dense",
                  prompt: str = DEFAULT_PROMPT, doc_max_length: int = 128, max_length: Optional[int] = None,
-                 learning_rate: float = 2e-5, weight_decay: float = 0.0, warmup_ratio: float = 0.05,
+                 optimizer: Optimizer = _DEFAULT_OPTIMIZER,
                  selfask: Optional[str] = None, selfask_batch: int = 4, max_new_tokens: int = 16,
                  export_dir: Optional[str] = None, seed: int = 0):
         super().__init__()
@@ -137,9 +140,9 @@ class CausalReaderModule(pl.LightningModule):
             raise ConfigError(f"model.prompt={prompt!r} must contain {{question}} (e.g. {DEFAULT_PROMPT!r})")
         for name, v in (("doc_max_length", doc_max_length), ("selfask_batch", selfask_batch), ("max_new_tokens", max_new_tokens)):
             check_positive_int(v, f"model.{name}", error=ConfigError)
-        check_number(learning_rate, "model.learning_rate", above=0, error=ConfigError)
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ConfigError(f"model.warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        optimizer = settings_dict(optimizer, Optimizer, "optimizer")  # a plain dict in the hyperparameters
+        self.optimizer_settings = Optimizer(**optimizer)
+        check_number(self.optimizer_settings.lr, "model.optimizer.lr", above=0, error=ConfigError)
         if retrieval not in (None, "dense", "bm25"):
             raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the knowledge base has it)")
         self.save_hyperparameters()
@@ -232,7 +235,7 @@ class CausalReaderModule(pl.LightningModule):
     def training_step(self, batch: dict, batch_idx: int) -> torch.Tensor:
         self._require()
         prompts, answers = self.prompts(batch["questions"]), list(batch["targets"])
-        passages = list(batch["contexts"]) if "contexts" in batch else [None] * len(prompts)
+        passages = batch_contexts(batch) or [None] * len(prompts)  # RetRobust context mixing, else no passage
         if self._chains:  # Self-Ask step writing: the chain so far is the prompt, the next line the answer
             for chain, line in self._rng.sample(self._chains, min(self.hparams.selfask_batch, len(self._chains))):
                 prompts.append(chain.rstrip("\n"))
@@ -313,9 +316,7 @@ class CausalReaderModule(pl.LightningModule):
     # ------------------------------------------------------------------ optimisation and export
     def configure_optimizers(self) -> dict:
         self._require()
-        h = self.hparams
-        opt = torch.optim.AdamW([p for p in self.lm.parameters() if p.requires_grad], lr=h.learning_rate, weight_decay=h.weight_decay)
-        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
+        return self.optimizer_settings.build(self, [p for p in self.lm.parameters() if p.requires_grad])
 
     def on_train_end(self) -> None:
         if self.hparams.export_dir and self.trainer.is_global_zero:

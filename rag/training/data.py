@@ -79,6 +79,13 @@ def collate_qa(items: list[dict]) -> dict:
     return batch
 
 
+def batch_contexts(batch: dict) -> Optional[list]:
+    """The passage RetRobust context mixing gave each pair of a training batch (``data.context_mixing``: the reader reads
+    it alone, nothing is retrieved), or None when the batch has none."""
+    contexts = batch.get("contexts")
+    return None if contexts is None else list(contexts)
+
+
 class QADataModule(pl.LightningDataModule):
     """Question-answer pairs for RAG fine-tuning and evaluation.
 
@@ -151,6 +158,12 @@ class QADataModule(pl.LightningDataModule):
         self.shuffle = shuffle
         self.context_mixing = context_mixing
         self._datasets: dict[str, Dataset] = {}
+
+    @property
+    def train_pairs(self) -> Optional[QAPairsDataset]:
+        """The training pairs once ``setup("fit")`` has read them (``pairs``: (question, answer); ``passage_ids`` when the
+        data names each answer's passage), else None."""
+        return self._datasets.get("train")
 
     def _read(self, split: str) -> list[QAExample]:
         src = self.sources[split]

@@ -12,14 +12,14 @@ to step when they differ.
 from __future__ import annotations
 
 import hashlib
-from typing import Optional
+from typing import Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
 
 from rag.utils.errors import KnowledgeBaseError
 
-__all__ = ["version_code", "check_same_knowledge_base", "knowledge_base_of"]
+__all__ = ["version_code", "check_same_knowledge_base", "knowledge_base_of", "ddp_strategy"]
 
 
 def version_code(version: Optional[str]) -> int:
@@ -56,3 +56,14 @@ def check_same_knowledge_base(trainer: pl.Trainer, kb, step: Optional[int] = Non
         "because their gradients would come from different indexes. Give every rank the same knowledge_base directory "
         "(a shared filesystem or identical copies); if an IndexRefresh swap failed on some rank, its log names the cause"
     )
+
+
+def ddp_strategy(strategy: Optional[str], phases: Optional[Sequence[frozenset]]) -> Optional[str]:
+    """The DDP strategy for a module whose training runs in `phases` (the parameter groups each phase trains, in order:
+    a module's ``training_phases``). ``ddp`` becomes ``ddp_find_unused_parameters_true`` when the phases train different
+    groups, so that some steps leave trainable parameters without a gradient (e.g. the reader's pre-training trains the
+    generator alone, then the query encoder joins); otherwise plain DDP, which is faster and catches a parameter that is
+    never used. Any other `strategy` is returned as given."""
+    if strategy != "ddp" or not phases or len(set(phases)) <= 1:
+        return strategy
+    return "ddp_find_unused_parameters_true"

@@ -1,6 +1,6 @@
 """Build a knowledge base on demand: ``ensure_knowledge_base(path, source, encoder)`` builds it once, then reuses it.
 
-Training configs (``model.build_knowledge_base_from``) and examples use it so that a first run builds its
+Training configs (``model.build_knowledge_base``) and examples use it so that a first run builds its
 knowledge base from a corpus (or the bundled demo corpus) and later runs open the same directory.
 """
 

@@ -19,6 +19,7 @@ from typing import Optional, Union
 
 import torch
 
+from rag.training.settings import upgrade_arguments
 from rag.utils.errors import ConfigError
 
 __all__ = ["export_checkpoint"]
@@ -72,7 +73,8 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
 
         if knowledge_base is not None:
             args["knowledge_base"] = os.fspath(knowledge_base)
-        args["build_knowledge_base_from"] = None  # export reads the knowledge base the run used; it never builds one
+        args = upgrade_arguments(class_path, args)  # a checkpoint of an earlier release: its flat options, grouped
+        args["build_knowledge_base"] = None  # export reads the knowledge base the run used; it never builds one
         kb = Path(args["knowledge_base"])
         if not (kb / "manifest.json").is_file():
             raise ConfigError(f"{src}: the run's knowledge base {kb} is not here (paths in a checkpoint are relative to where "
@@ -84,6 +86,7 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
     if class_path == CAUSAL_READER:
         from rag.training.causal_reader import CausalReaderModule
 
+        args = upgrade_arguments(class_path, args)
         if knowledge_base is not None:
             args["knowledge_base"] = os.fspath(knowledge_base)
         module = CausalReaderModule(**args)

@@ -18,7 +18,7 @@ import torch
 import torchmetrics
 
 from rag.retrobust.nli import encode_nli_pairs
-from rag.training.schedules import step_schedule
+from rag.training.settings import Optimizer, settings_dict
 from rag.training.snli import LABELS
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
@@ -27,20 +27,22 @@ from rag.utils.io import atomic_directory
 __all__ = ["NLIModule", "EXPORT_INFO"]
 
 EXPORT_INFO = "rag_nli_training.json"
+_DEFAULT_OPTIMIZER = Optimizer(lr=8e-5, weight_decay=0.01, warmup_ratio=0.1)
 
 
 class NLIModule(pl.LightningModule):
     """Fine-tune `encoder` (``"minilm"``, a directory or hub id) as a 3-way NLI cross-encoder.
 
-    `export_dir`: where the model and tokenizer are written (``save_pretrained``) at the end of fit, replacing
-    what was there; None writes nothing (call :meth:`export` yourself).
+    `optimizer`: AdamW and its schedule (:class:`~rag.training.settings.Optimizer`; weight decay spares biases and
+    LayerNorm weights). `export_dir`: where the model and tokenizer are written (``save_pretrained``) at the end of fit,
+    replacing what was there; None writes nothing (call :meth:`export` yourself).
     """
 
-    def __init__(self, encoder: str = "minilm", learning_rate: float = 8e-5, weight_decay: float = 0.01,
-                 warmup_ratio: float = 0.1, max_length: int = 128, export_dir: Optional[str] = None):
+    def __init__(self, encoder: str = "minilm", optimizer: Optimizer = _DEFAULT_OPTIMIZER, max_length: int = 128,
+                 export_dir: Optional[str] = None):
         super().__init__()
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ConfigError(f"model.warmup_ratio must be in [0, 1), got {warmup_ratio}")
+        optimizer = settings_dict(optimizer, Optimizer, "optimizer")  # a plain dict in the hyperparameters
+        self.optimizer_settings = Optimizer(**optimizer)
         if max_length < 8:
             raise ConfigError(f"model.max_length must be >= 8 tokens, got {max_length}")
         self.save_hyperparameters()
@@ -95,9 +97,8 @@ class NLIModule(pl.LightningModule):
         decay, no_decay = [], []
         for name, p in self.model.named_parameters():
             (no_decay if p.ndim < 2 or "LayerNorm" in name else decay).append(p)
-        opt = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                 {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.learning_rate)
-        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=self.hparams.warmup_ratio)}
+        o = self.optimizer_settings
+        return o.build(self, [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}])
 
     def on_fit_start(self) -> None:
         self._fit_started = time.process_time()

@@ -64,7 +64,7 @@ class ReadingPracticeSettings:
     pretrain_batch: int = 16
     """Practice examples per pre-training step."""
     pretrain_lr: float = 1.0e-3
-    """Generator learning rate during pre-training (then ``model.generator_lr`` and its schedule take over)."""
+    """Generator learning rate during pre-training (then ``model.optimizer.lr`` and its schedule take over)."""
     seed: int = 0
 
     def __post_init__(self) -> None:

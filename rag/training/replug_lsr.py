@@ -32,7 +32,7 @@ from rag.demo.kb import resolve_knowledge_base
 from rag.models.ralm.model import doc_text
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, document_logprobs
 from rag.models.replug.lsr import lsr_loss
-from rag.training.schedules import step_schedule
+from rag.training.settings import KnowledgeBaseBuild, RetrieverOptimizer, as_settings, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number, check_positive_int
@@ -104,6 +104,9 @@ def lm_scores(lm: LMScorer, passages: Sequence[Sequence], inputs: Sequence[str],
     return torch.tensor([float(lp.sum()) for lp in lps], dtype=torch.float32).view(b, k)
 
 
+_DEFAULT_OPTIMIZER = RetrieverOptimizer()
+
+
 class ReplugLSRModule(pl.LightningModule):
     """REPLUG LSR (§4): the query encoder (and optionally the document encoder) trained by KL(P_R ‖ Q_LM), the LM frozen.
 
@@ -118,8 +121,8 @@ class ReplugLSRModule(pl.LightningModule):
         cache_lm_scores: memoise LM scores by (LM, document, input, continuation).
         question_encoder: query encoder to train (``minilm``, a directory), None: the knowledge base's.
         knowledge_base: knowledge-base directory.
-        build_knowledge_base_from: build `knowledge_base` first from this corpus when missing (``demo`` or a path).
-        knowledge_base_index: FAISS spec of that build.
+        build_knowledge_base: build `knowledge_base` first when missing (:class:`~rag.training.settings.KnowledgeBaseBuild`:
+            ``corpus`` ``demo`` or a path, ``encoder`` default the question encoder, ``index`` its FAISS spec).
         k: documents retrieved per input (paper: 20).
         retrieval_temperature: γ, temperature of P_R (paper: 0.1); the same setting as REPLUG's and RAG's.
         gamma: deprecated alias of `retrieval_temperature` (warns).
@@ -127,20 +130,18 @@ class ReplugLSRModule(pl.LightningModule):
         train_doc_encoder: re-embed the retrieved documents with gradients (pair with IndexRefresh).
         document_encoder: the document encoder to train (default: the knowledge base's).
         max_question_length: query-encoder tokens per input.
-        query_encoder_lr: learning rate (paper: 2e-5).
-        doc_encoder_lr: learning rate of the document encoder.
-        weight_decay: AdamW weight decay.
-        warmup_ratio: share of steps of linear warm-up (paper: 0.1), then linear decay.
+        optimizer: AdamW and its schedule (:class:`~rag.training.settings.RetrieverOptimizer`: ``lr`` the query
+            encoder's, paper 2e-5; ``doc_encoder_lr``; warm-up over ``warmup_ratio`` of the steps, paper 0.1, then linear
+            decay).
         export_dir: where the trained query encoder is written at the end of ``fit`` (``TextEncoder.save_pretrained``).
     """
 
     def __init__(self, lm: str = TINY_GPT2, lm_endpoint: Optional[str] = None, lm_endpoint_model: Optional[str] = None,
                  lm_timeout: float = 30.0, lm_max_retries: int = 3, lm_batch_size: int = 16, cache_lm_scores: bool = True,
-                 question_encoder: Optional[str] = "minilm", knowledge_base: str = "kb", build_knowledge_base_from: Optional[str] = None,
-                 knowledge_base_index: str = "flat", k: int = 20, retrieval_temperature: float = 0.1, beta: float = 0.1,
+                 question_encoder: Optional[str] = "minilm", knowledge_base: str = "kb",
+                 build_knowledge_base: Optional[KnowledgeBaseBuild] = None, k: int = 20, retrieval_temperature: float = 0.1, beta: float = 0.1,
                  train_doc_encoder: bool = False, document_encoder: Optional[str] = None, max_question_length: int = 64,
-                 query_encoder_lr: float = 2e-5, doc_encoder_lr: float = 1e-5, weight_decay: float = 0.0, warmup_ratio: float = 0.1,
-                 export_dir: Optional[str] = None, gamma: Optional[float] = None):
+                 optimizer: RetrieverOptimizer = _DEFAULT_OPTIMIZER, export_dir: Optional[str] = None, gamma: Optional[float] = None):
         super().__init__()
         if gamma is not None:
             warnings.warn("model.gamma is deprecated: it is now model.retrieval_temperature (one name for RAG, REPLUG and LSR)",
@@ -149,10 +150,10 @@ class ReplugLSRModule(pl.LightningModule):
         check_positive_int(k, "model.k (documents retrieved per input)", error=ConfigError)
         for name, v in (("retrieval_temperature", retrieval_temperature), ("beta", beta)):
             check_number(v, f"model.{name} (a softmax temperature, §4.1-4.2; the paper uses 0.1)", above=0, error=ConfigError)
-        for name, v in (("query_encoder_lr", query_encoder_lr), ("doc_encoder_lr", doc_encoder_lr)):
-            check_number(v, f"model.{name}", low=0, error=ConfigError)
-        if not 0.0 <= warmup_ratio < 1.0:
-            raise ConfigError(f"model.warmup_ratio={warmup_ratio!r} must be in [0, 1)")
+        optimizer = settings_dict(optimizer, RetrieverOptimizer, "optimizer")  # plain dicts in the hyperparameters
+        build_knowledge_base = settings_dict(build_knowledge_base, KnowledgeBaseBuild, "build_knowledge_base")
+        self.optimizer_settings = RetrieverOptimizer(**optimizer)
+        self.build_settings = as_settings(build_knowledge_base, KnowledgeBaseBuild, "build_knowledge_base")
         if lm_endpoint is not None and not lm_endpoint_model:
             raise ConfigError("model.lm_endpoint needs model.lm_endpoint_model (the model name the endpoint serves)")
         self.save_hyperparameters()
@@ -165,14 +166,15 @@ class ReplugLSRModule(pl.LightningModule):
         self._ensure_kb()
 
     def _ensure_kb(self) -> str:
-        h = self.hparams
-        if h.build_knowledge_base_from is not None:
+        h, build = self.hparams, self.build_settings
+        if build is not None:
             from rag.training.ensure_kb import ensure_knowledge_base
 
-            if h.question_encoder is None:
-                raise ConfigError("model.build_knowledge_base_from needs model.question_encoder (the encoder that embeds the passages)")
-            ensure_knowledge_base(h.knowledge_base, h.build_knowledge_base_from, h.question_encoder, index=h.knowledge_base_index,
-                                  show_progress=False)
+            encoder = build.encoder or h.question_encoder
+            if encoder is None:
+                raise ConfigError("model.build_knowledge_base needs model.build_knowledge_base.encoder or model.question_encoder "
+                                  "(the encoder that embeds the passages)")
+            ensure_knowledge_base(h.knowledge_base, build.corpus, encoder, index=build.index, show_progress=False)
         return h.knowledge_base
 
     def configure_model(self) -> None:
@@ -257,16 +259,15 @@ class ReplugLSRModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ optimisation
     def configure_optimizers(self) -> dict:
-        h = self.hparams
+        h, o = self.hparams, self.optimizer_settings
         if self.model is None:
             self.configure_model()
-        groups = [{"params": [p for p in self.model.question_encoder.parameters() if p.requires_grad], "lr": h.query_encoder_lr,
+        groups = [{"params": [p for p in self.model.question_encoder.parameters() if p.requires_grad], "lr": o.lr,
                    "name": "query_encoder"}]
         if h.train_doc_encoder and self.model.doc_encoder is not None:
-            groups.append({"params": [p for p in self.model.doc_encoder.parameters() if p.requires_grad], "lr": h.doc_encoder_lr,
+            groups.append({"params": [p for p in self.model.doc_encoder.parameters() if p.requires_grad], "lr": o.doc_encoder_lr,
                            "name": "doc_encoder"})
-        opt = torch.optim.AdamW(groups, weight_decay=h.weight_decay)
-        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
+        return o.build(self, groups)
 
     def on_train_end(self) -> None:
         if self.hparams.export_dir and self.trainer.is_global_zero:

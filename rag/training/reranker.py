@@ -41,7 +41,7 @@ from rag.models.ralm.model import (
     window_ids,
 )
 from rag.models.ralm.rerank import PredictiveReranker
-from rag.training.schedules import step_schedule
+from rag.training.settings import RerankerOptimizer, decay_split, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
 from rag.utils.io import atomic_write_json, cache_dir
@@ -303,6 +303,9 @@ def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "ma
     raise ConfigError(f"model.loss={kind!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
 
 
+_DEFAULT_OPTIMIZER = RerankerOptimizer()
+
+
 class PredictiveRerankerModule(pl.LightningModule):
     """Trains :class:`~rag.models.ralm.rerank.PredictiveReranker` (§6.2) on :class:`RerankerDataModule` examples.
 
@@ -314,26 +317,24 @@ class PredictiveRerankerModule(pl.LightningModule):
         temperature: ``τ`` of the soft labels.
         rank_prior: 0 (the paper's reranker), or ``data.k`` to score a residual on the retriever's order (a bias per
             rank, the head starting at zero, so the untrained reranker keeps the retriever's first document).
-        rank_prior_lr: peak learning rate of the per-rank biases: k numbers that must move by nats, where the encoder's
-            ``lr`` would move them by hundredths.
-        lr: peak learning rate (warm-up then linear decay).
-        weight_decay: AdamW weight decay.
-        warmup_ratio: share of the steps spent warming up.
+        optimizer: AdamW and its schedule (:class:`~rag.training.settings.RerankerOptimizer`: ``lr`` the encoder's peak
+            learning rate, warm-up then linear decay; ``rank_prior_lr`` the per-rank biases': k numbers that must move by
+            nats, where the encoder's ``lr`` would move them by hundredths).
         export_dir: where the trained reranker is written at the end of ``fit`` (None: only checkpoints).
         export_weights: ``best``: the weights of the epoch with the lowest validation loss (the last epoch's when
             nothing is validated); ``last``: the last epoch's.
     """
 
     def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
-                 temperature: float = 1.0, rank_prior: int = 0, rank_prior_lr: float = 1e-2, lr: float = 2e-5, weight_decay: float = 0.01, warmup_ratio: float = 0.1,
+                 temperature: float = 1.0, rank_prior: int = 0, optimizer: RerankerOptimizer = _DEFAULT_OPTIMIZER,
                  export_dir: Optional[str] = None, export_weights: Literal["best", "last"] = "best"):
         super().__init__()
         from torchmetrics import MeanMetric
 
         if loss not in ("marginal", "soft_label"):
             raise ConfigError(f"model.loss={loss!r}; choose 'marginal' (Eq. 9) or 'soft_label'")
-        if not (isinstance(rank_prior_lr, (int, float)) and rank_prior_lr > 0):
-            raise ConfigError(f"model.rank_prior_lr={rank_prior_lr!r}; give a learning rate > 0")
+        optimizer = settings_dict(optimizer, RerankerOptimizer, "optimizer")  # a plain dict in the hyperparameters
+        self.optimizer_settings = RerankerOptimizer(**optimizer)
         if export_weights not in ("best", "last"):
             raise ConfigError(f"model.export_weights={export_weights!r}; choose 'best' (lowest validation loss) or 'last'")
         self.save_hyperparameters()
@@ -388,15 +389,12 @@ class PredictiveRerankerModule(pl.LightningModule):
         self._step(batch, "val")
 
     def configure_optimizers(self) -> dict:
-        h = self.hparams
+        o = self.optimizer_settings
         prior = self.reranker.rank_bias
-        params = [p for p in self.parameters() if p.requires_grad and p is not prior]
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": h.weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        groups = decay_split([p for p in self.parameters() if p.requires_grad and p is not prior], o.weight_decay)
         if prior is not None:
-            groups.append({"params": [prior], "weight_decay": 0.0, "lr": h.rank_prior_lr})
-        opt = torch.optim.AdamW(groups, lr=h.lr)
-        return {"optimizer": opt, "lr_scheduler": step_schedule(opt, self.trainer, warmup_ratio=h.warmup_ratio)}
+            groups.append({"params": [prior], "weight_decay": 0.0, "lr": o.rank_prior_lr})
+        return o.build(self, groups)
 
     def on_train_end(self) -> None:
         if self.best is not None:  # every rank kept the same epoch (the loss is synced): the module ends on its weights

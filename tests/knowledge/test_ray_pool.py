@@ -135,9 +135,9 @@ def test_rag_module_retrieves_through_the_actors_while_training(local_ray, tiny_
 
     module = RagModule(generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
                        rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
-                       query_encoder_lr=1e-3, recall_at=[1], retrieval_actors=2)
+                       optimizer={"query_encoder_lr": 1e-3}, evaluation={"recall_at": [1]}, retrieval_actors={"count": 2})
     module.configure_model()
-    kb, pool = module.model.knowledge_base, module._search_pool
+    kb, pool = module.model.knowledge_base, module.search_actors.pool
     assert pool is not None and len(pool) == 2 and kb._pool is pool
     served = []
     search = pool.search
@@ -152,5 +152,5 @@ def test_rag_module_retrieves_through_the_actors_while_training(local_ray, tiny_
     trainer.fit(module, datamodule=QADataModule(train="demo:train", val="demo:dev", batch_size=2))
     assert len(served) >= 3  # the check above and both training steps' retrieval
     assert any(not torch.equal(a, b) for a, b in zip(before, module.model.question_encoder.parameters()))
-    assert module._search_pool is None and kb._pool is None  # teardown stopped the actors
+    assert module.search_actors.pool is None and kb._pool is None  # teardown stopped the actors
 

@@ -85,7 +85,8 @@ def test_training_lowers_the_loss_on_a_toy_task(tiny_bert_dir, tmp_path):
 
     pl.seed_everything(0)
     train = _toy(64, 0)
-    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, lr=3e-3, warmup_ratio=0.0, export_dir=str(tmp_path / "rr"))
+    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, optimizer={"lr": 3e-3, "warmup_ratio": 0.0},
+                                      export_dir=str(tmp_path / "rr"))
     before = _mean_loss(module, train)
     module.train()
     pl.Trainer(max_epochs=4, default_root_dir=str(tmp_path), **QUIET).fit(
@@ -166,8 +167,8 @@ def test_rank_biases_learn_the_retrievers_prior_at_their_own_rate(tiny_bert_dir,
     moved = {}
     for prior_lr in (1e-2, 1e-6):
         pl.seed_everything(0)
-        module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, rank_prior=3, rank_prior_lr=prior_lr,
-                                          lr=1e-6, warmup_ratio=0.0)
+        module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, rank_prior=3,
+                                          optimizer={"rank_prior_lr": prior_lr, "lr": 1e-6, "warmup_ratio": 0.0})
         pl.Trainer(max_epochs=2, default_root_dir=str(tmp_path), **QUIET).fit(
             module, DataLoader(examples, batch_size=8, shuffle=True, collate_fn=collate))
         moved[prior_lr] = module.reranker.rank_bias.detach().clone()
@@ -175,7 +176,7 @@ def test_rank_biases_learn_the_retrievers_prior_at_their_own_rate(tiny_bert_dir,
     assert fast.argmax().item() == 0 and (fast[0] - fast[1:]).min().item() > 0.05, fast
     assert slow.abs().max().item() < 1e-3, slow
     with pytest.raises(ConfigError, match="rank_prior_lr"):
-        PredictiveRerankerModule(encoder=tiny_bert_dir, rank_prior=3, rank_prior_lr=0)
+        PredictiveRerankerModule(encoder=tiny_bert_dir, rank_prior=3, optimizer={"rank_prior_lr": 0})
 
 
 @pytest.mark.parametrize("export_weights", ["best", "last"])
@@ -197,7 +198,7 @@ def test_export_takes_the_epoch_with_the_lowest_validation_loss(tiny_bert_dir, t
 
     pl.seed_everything(0)
     val = [RerankExample(e.prefix, e.docs, [-7.0 if x == -1.0 else -1.0 for x in e.lm_loglik]) for e in _toy(16, 3)]
-    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, lr=3e-3, warmup_ratio=0.0,
+    module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=32, optimizer={"lr": 3e-3, "warmup_ratio": 0.0},
                                       export_dir=str(tmp_path / "rr"), export_weights=export_weights)
     snaps = Snapshots()
     pl.Trainer(max_epochs=3, default_root_dir=str(tmp_path), callbacks=[snaps], **QUIET).fit(

@@ -14,7 +14,8 @@ def make_module(tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
         args = dict(
             generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
             rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
-            query_encoder_lr=1e-3, generator_lr=2e-3, max_new_tokens=3, recall_at=[1, 3],
+            optimizer={"query_encoder_lr": 1e-3, "lr": 2e-3}, decoding={"max_new_tokens": 3, "sequence_decoding": "fast"},
+            evaluation={"recall_at": [1, 3]},
         )
         args.update(kw)
         return RagModule(**args)

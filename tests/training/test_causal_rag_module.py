@@ -32,7 +32,8 @@ def causal_config(gpt2_dir: str, kb: str, root: Path, **model_overrides) -> dict
     """lightning_configs/cpu_causal_reader.yaml sized for a tiny random GPT-2 (its LoRA targets and layers)."""
     cfg = yaml.safe_load((REPO / "lightning_configs" / "cpu_causal_reader.yaml").read_text())
     init = cfg["model"]["init_args"]
-    init.update(generator=gpt2_dir, knowledge_base=kb, question_encoder=None, export_dir=str(root / "model"), max_new_tokens=3)
+    init.update(generator=gpt2_dir, knowledge_base=kb, question_encoder=None, export_dir=str(root / "model"))
+    init["decoding"].update(max_new_tokens=3)
     init["generator_lora"].update(target_modules=["c_attn"], layers=[1])
     init["rag"].update(max_context_length=64)
     init.update(model_overrides)

@@ -209,8 +209,8 @@ def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
 @pytest.mark.parametrize("kw, option", [
     ({"prompt": "no placeholder"}, "model.prompt"),
     ({"doc_max_length": 0}, "model.doc_max_length"),
-    ({"learning_rate": 0}, "model.learning_rate"),
-    ({"warmup_ratio": 1.0}, "model.warmup_ratio"),
+    ({"optimizer": {"lr": 0}}, "model.optimizer.lr"),
+    ({"optimizer": {"warmup_ratio": 1.0}}, "model.optimizer.warmup_ratio"),
     ({"retrieval": "sparse"}, "model.retrieval"),
 ])
 def test_bad_options_name_the_option(kw, option):

@@ -42,10 +42,10 @@ def test_config_parses_and_instantiates(path, tmp_path, monkeypatch):
     assert cli.model.rag_config.marginalization == init["rag"].get("marginalization", "sequence")
     if path.name.startswith("tiny_cpu"):  # needs no hub: random tiny generator, bundled MiniLM, demo data
         assert init["generator"].startswith("tiny:") and init["question_encoder"] == "minilm"
-        assert init["build_knowledge_base_from"] == "demo"
+        assert init["build_knowledge_base"]["corpus"] == "demo"
         assert cfg["data"]["init_args"]["train"].startswith("demo:")
     elif path.name == "cpu_reader.yaml":  # needs no hub: warm-started MiniLM generator, reading practice, a CPU budget
-        assert init["generator"] == "warm:minilm" and cli.model.warm_spec.pointer
+        assert init["generator"] == "warm:minilm" and cli.model.components.warm_start.pointer
         assert cli.model.practice_settings.source == "corpus" and cli.model.hparams.cache_encoder
         budget = [c for c in cli.trainer.callbacks if type(c).__name__ == "CpuBudget"]
         assert len(budget) == 1 and 0 < budget[0].minutes <= 20
@@ -104,6 +104,33 @@ def test_unknown_key_is_named(tmp_path, capsys, where, key):
     err = capsys.readouterr().err
     message = err.rsplit("error:", 1)[-1]  # the error itself, after the usage text
     assert key in message and ("not accepted" in message or "does not accept" in message), message
+
+
+@pytest.mark.parametrize("config, old, value, new", [
+    ("tiny_cpu.yaml", "generator_lr", 1e-3, "model.optimizer.lr"),
+    ("tiny_cpu.yaml", "num_beams", 2, "model.decoding.num_beams"),
+    ("tiny_cpu.yaml", "recall_at", [1], "model.evaluation.recall_at"),
+    ("tiny_cpu.yaml", "build_knowledge_base_from", "demo", "model.build_knowledge_base.corpus"),
+    ("tiny_cpu.yaml", "retrieval_actors", 2, "model.retrieval_actors.count"),
+    ("replug_lsr_tiny.yaml", "query_encoder_lr", 1e-4, "model.optimizer.lr"),
+    ("retrobust_reader_tiny.yaml", "learning_rate", 1e-4, "model.optimizer.lr"),
+    ("nli_tiny.yaml", "warmup_ratio", 0.1, "model.optimizer.warmup_ratio"),
+    ("ralm_reranker_tiny.yaml", "rank_prior_lr", 0.1, "model.optimizer.rank_prior_lr"),
+])
+def test_an_old_key_is_refused_naming_the_new_one(tmp_path, capsys, config, old, value, new):
+    """An option of an earlier release (flat, now in an argument group), in a config file or as a flag: `rag fit` exits 2
+    with one line naming the new key."""
+    from rag.cli import main
+
+    cfg = yaml.safe_load((CONFIG_DIR / config).read_text())
+    cfg["model"]["init_args"][old] = value
+    assert main(["fit", "--config", _write(tmp_path, cfg)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.{old} is now {new}" in err[0], err
+    flag = ["--model.init_args." + old if config != "tiny_cpu.yaml" else "--model." + old, str(value)]
+    assert main(["fit", "--config", str(CONFIG_DIR / config), *flag]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.{old} is now {new}" in err[0] and "the command line" in err[0], err
 
 
 def test_print_config_without_a_config_shows_the_default_modules(tmp_path, monkeypatch, capsys):
@@ -172,7 +199,7 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_di
         "model": {"class_path": "RagModule", "init_args": {  # short class names resolve too
             "generator": tiny_bart_dir, "question_encoder": tiny_dpr_question_dir, "knowledge_base": tiny_kb_dir,
             "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8},
-            "max_new_tokens": 3, "recall_at": [1, 2]}},
+            "decoding": {"max_new_tokens": 3}, "evaluation": {"recall_at": [1, 2]}}},
         "data": {"class_path": "QADataModule", "init_args": {
             "train": "demo:train", "val": "demo:dev", "test": "demo:test", "batch_size": 4, "max_eval_examples": 4}},
     }
@@ -204,8 +231,17 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_di
     from rag.training.modules import RagModule
 
     seen = []
-    inner = RagModule._generate
-    monkeypatch.setattr(RagModule, "_generate", lambda self, q: (seen.append(dict(self.hparams)), inner(self, q))[1])
-    assert main(["test", "--config", path, "--ckpt_path", str(last), "--model.num_beams", "2",
-                 "--model.init_args.length_penalty", "1.5"]) == 0
+    inner = RagModule._answer
+    monkeypatch.setattr(RagModule, "_answer", lambda self, q: (seen.append(self.decoding.resolved()), inner(self, q))[1])
+    assert main(["test", "--config", path, "--ckpt_path", str(last), "--model.decoding.num_beams", "2",
+                 "--model.init_args.decoding.length_penalty", "1.5"]) == 0
     assert seen and all(h["num_beams"] == 2 and h["length_penalty"] == 1.5 and h["max_new_tokens"] == 3 for h in seen)
+
+
+def test_a_config_of_another_module_keeps_that_modules_defaults(tmp_path):
+    """The CLI's default model (RagModule) lends nothing to the module a config chooses: NLIModule's optimizer defaults
+    (weight decay 0.01) stay its own where the config sets no optimizer."""
+    cfg = yaml.safe_load((CONFIG_DIR / "nli_tiny.yaml").read_text())
+    del cfg["model"]["init_args"]["optimizer"]
+    cli = make_cli(["--config", _write(tmp_path, cfg)], run=False)
+    assert cli.model.optimizer_settings.weight_decay == 0.01 and cli.model.optimizer_settings.lr == 8e-5

@@ -79,7 +79,7 @@ def test_datamodule_batches_hold_mixed_contexts_and_train_step_reads_them(tiny_k
     kb = ensure_demo_kb(show_progress=False)
     data = make_data(context_mixing=ContextMixing(knowledge_base="demo", top_k=6, seed=0), batch_size=8)
     data.setup("fit")
-    ds = data._datasets["train"]
+    ds = data.train_pairs
     kinds = Counter(ds.context_kinds)
     assert set(kinds) == {"top1", "low", "random"} and all(v > len(ds) / 5 for v in kinds.values()), kinds
     titles = {p.title for p in kb.all_passages()}

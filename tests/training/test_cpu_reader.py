@@ -65,7 +65,7 @@ def test_pretraining_steps_train_the_generator_alone_then_rag_takes_over(make_mo
     """reading_practice.pretrain_steps: the first steps read practice alone at pretrain_lr (nothing retrieved: the query
     encoder stays put, its learning rate 0); then the RAG loss and the configured learning rates take over."""
     module = make_module(reading_practice={"per_step": 2, "pool": 20, "pretrain_steps": 2, "pretrain_batch": 3,
-                                           "pretrain_lr": 5e-3}, schedule="constant")
+                                           "pretrain_lr": 5e-3}, optimizer={"query_encoder_lr": 1e-3, "lr": 2e-3, "schedule": "constant"})
     seen = []
 
     class Watch(pl.Callback):
@@ -100,8 +100,9 @@ def test_warm_generator_from_yaml_trains_with_cached_encoder_and_practice(tiny_k
         return RagModule(generator="warm:minilm", question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
                          warm_start={"decoder_layers": 1, "pointer": True},
                          rag={"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16},
-                         reading_practice={"per_step": 2, "pool": 20}, max_new_tokens=3, num_beams=2, length_penalty=1.5,
-                         recall_at=[1],
+                         reading_practice={"per_step": 2, "pool": 20},
+                         decoding={"max_new_tokens": 3, "num_beams": 2, "length_penalty": 1.5, "sequence_decoding": "fast"},
+                         evaluation={"recall_at": [1]},
                          export_dir=str(tmp_path / "model"))
 
     module = make()

@@ -18,7 +18,7 @@ PER_RANK_BATCH = 4
 
 
 def _config(tmp_path: Path, name: str, *, batch_size: int, generator: str, question_encoder: str, kb: str,
-            rag: dict | None = None, callbacks: list | None = None, **model) -> Path:
+            rag: dict | None = None, callbacks: list | None = None, doc_encoder_lr: float = 1e-5, **model) -> Path:
     cfg = {
         "seed_everything": 1234,
         "trainer": {
@@ -34,7 +34,9 @@ def _config(tmp_path: Path, name: str, *, batch_size: int, generator: str, quest
             "rag": {"n_docs": 2, "max_context_length": 48, "max_target_length": 8, "max_question_length": 16, **(rag or {})},
             # adam_epsilon 1: AdamW's update becomes ~ lr × gradient, so gradients are compared, not amplified float noise
             # (with eps 1e-8 an element whose gradient is ~0 moves by ±lr with the sign of its rounding error)
-            "query_encoder_lr": 0.1, "generator_lr": 0.1, "adam_epsilon": 1.0, "warmup_steps": 0, "schedule": "constant", "max_new_tokens": 3,
+            "optimizer": {"query_encoder_lr": 0.1, "lr": 0.1, "adam_epsilon": 1.0, "warmup_steps": 0, "schedule": "constant",
+                          "doc_encoder_lr": doc_encoder_lr},
+            "decoding": {"max_new_tokens": 3, "sequence_decoding": "fast"},
             **model,
         }},
         "data": {"class_path": "rag.training.data.QADataModule", "init_args": {

@@ -26,10 +26,10 @@ CONFIGS = REPO / "lightning_configs"
 STEPS = 3
 
 _PAPER = ["--model.generator", "tiny:bart", "--model.question_encoder", "minilm", "--model.knowledge_base", ".cache/demo_kb",
-          "--model.build_knowledge_base_from", "demo", "--model.knowledge_base_index", "flat", "--trainer.precision", "32-true",
+          "--model.build_knowledge_base.corpus", "demo", "--model.build_knowledge_base.index", "flat", "--trainer.precision", "32-true",
           "--trainer.accumulate_grad_batches", "1", "--data.num_workers", "0", "--data.train", "demo:train", "--data.val",
           "demo:dev", "--data.test", "demo:test", "--data.batch_size", "4", "--data.eval_batch_size", "8",
-          "--data.max_eval_examples", "8", "--model.rag.max_context_length", "64", "--model.num_beams", "1"]
+          "--data.max_eval_examples", "8", "--model.rag.max_context_length", "64", "--model.decoding.num_beams", "1"]
 SHRUNK = {
     # the paper's setups with the tiny BART and MiniLM over the demo knowledge base (no hub, no GPU, no Wikipedia)
     "rag_sequence_bart.yaml": _PAPER,
@@ -41,7 +41,7 @@ SHRUNK = {
     "ralm_reranker_smollm2.yaml": ["--data.lm", "tiny:gpt2", "--data.texts", "demo", "--data.knowledge_base", "demo",
                                    "--data.stride", "4", "--data.max_length", "128", "--data.doc_max_length", "64"],
     "replug_lsr_smollm2.yaml": ["--model.lm", "tiny:gpt2", "--model.knowledge_base", ".cache/demo_kb",
-                                "--model.build_knowledge_base_from", "demo", "--model.k", "4", "--data.train", "demo:train",
+                                "--model.build_knowledge_base.corpus", "demo", "--model.k", "4", "--data.train", "demo:train",
                                 "--data.val", "demo:dev", "--data.max_eval_examples", "8"],
     "retrobust_reader_smollm2.yaml": ["--model.lm", "tiny:gpt2", "--trainer.accelerator", "cpu"],
     # the causal CPU recipe (SmolLM2 with LoRA on layers 16-29) with a tiny random GPT-2, LoRA on its two layers

@@ -39,7 +39,7 @@ def run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> 
     """A 2-step `rag fit` on the tiny models with a frozen query encoder, a checkpoint and an export at the end."""
     root = tmp_path_factory.mktemp("export_run")
     path = _fit(root, (tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir), seed=7, steps=2,
-                module={"max_new_tokens": 3, "recall_at": [1, 2]}, data={"test": "demo:test", "predict": "demo:test"})
+                module={"decoding": {"max_new_tokens": 3, "sequence_decoding": "fast"}, "evaluation": {"recall_at": [1, 2]}}, data={"test": "demo:test", "predict": "demo:test"})
     return {"root": root, "config": path, "ckpt": root / "ckpt" / "last.ckpt", "exported": root / "exported"}
 
 
@@ -118,8 +118,9 @@ def beam_run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir
 
     root = tmp_path_factory.mktemp("beam_run")
     path = _fit(root, (tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir), seed=3, steps=1,
-                module={"num_beams": 4, "length_penalty": 2.0, "max_new_tokens": 4, "recall_at": [1],
-                        "predictions_file": str(root / "predictions.jsonl")}, data={"predict": "demo:test"})
+                module={"decoding": {"num_beams": 4, "length_penalty": 2.0, "max_new_tokens": 4, "sequence_decoding": "fast"},
+                        "evaluation": {"recall_at": [1], "predictions_file": str(root / "predictions.jsonl")}},
+                data={"predict": "demo:test"})
     # `rag predict` decodes as `rag test` scores (RagModule.decoding_defaults)
     assert main(["predict", "--config", path, "--ckpt_path", str(root / "ckpt" / "last.ckpt")]) == 0
     predictions = [json.loads(line) for line in (root / "predictions.jsonl").read_text().splitlines()]
@@ -257,3 +258,32 @@ def test_what_the_page_sends_leaves_the_stored_decoding_settings_in_force(beam_r
     assert resp.status_code == 200, resp.text
     assert [a["text"] for a in resp.json()["answers"]] == [beam_run["predictions"][0]["answer"]]
     assert seen and all((c.num_beams, c.length_penalty, c.max_new_tokens) == (4, 2.0, 4) for c in seen)
+
+
+def test_a_checkpoint_of_an_earlier_release_exports_the_same_model(run, tmp_path, capsys):
+    """`rag export` of a checkpoint whose hyperparameters are the flat options of an earlier release (generator_lr,
+    max_new_tokens, recall_at, ...): they are read into today's groups, and the export answers as the current one."""
+    import torch
+
+    from rag.cli import main
+    from rag.training.settings import RENAMED
+
+    ckpt = torch.load(run["ckpt"], map_location="cpu", weights_only=True)
+    hp = dict(ckpt["hyper_parameters"])
+    flat = {}
+    for old, new in RENAMED["RagModule"].items():
+        group, name = new.split(".")
+        if isinstance(hp.get(group), dict) and name in hp[group]:
+            flat[old] = hp[group][name]
+    for group in ("optimizer", "decoding", "evaluation"):
+        hp.pop(group)
+    hp["retrieval_actors"] = hp.pop("retrieval_actors")["count"]
+    ckpt["hyper_parameters"] = {**hp, **flat, "build_knowledge_base_from": None}
+    assert "max_new_tokens" in flat and "recall_at" in flat and "generator_lr" in flat
+    old = tmp_path / "old.ckpt"
+    torch.save(ckpt, old)
+    assert main(["export", str(old), str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    stored = json.loads((tmp_path / "out" / "rag_config.json").read_text())["config"]["generation"]
+    assert stored == json.loads((run["exported"] / "rag_config.json").read_text())["config"]["generation"]
+    assert _answers(tmp_path / "out") == _answers(run["exported"])

@@ -34,8 +34,8 @@ def test_constructor_validates_without_building(make_module):
         make_module(rag={"n_docs": 0})
     with pytest.raises(ConfigError, match=r"model.rag: unknown field\(s\) \['ndocs'\]"):
         make_module(rag={"ndocs": 3})
-    with pytest.raises(ConfigError, match="warmup_steps or model.warmup_ratio"):
-        make_module(warmup_steps=3, warmup_ratio=0.1)
+    with pytest.raises(ConfigError, match="warmup_steps or model.optimizer.warmup_ratio"):
+        make_module(optimizer={"warmup_steps": 3, "warmup_ratio": 0.1})
     with pytest.raises(ConfigError, match="tiny:bart"):
         make_module(generator="tiny:gpt")
 
@@ -62,7 +62,7 @@ def test_fast_dev_run_trains_both_components_and_reports_metrics(make_module, ma
 
 def test_optimizer_groups_and_schedule(make_module, make_data, trainer_kw):
     # 6 batches with gradient accumulation 2 = 3 optimizer steps; warm-up = round(0.5 * 3) = 2 steps
-    module = make_module(query_encoder_lr=1e-4, generator_lr=5e-4, warmup_ratio=0.5, weight_decay=0.01)
+    module = make_module(optimizer={"query_encoder_lr": 1e-4, "lr": 5e-4, "warmup_ratio": 0.5, "weight_decay": 0.01})
     trainer = pl.Trainer(max_epochs=1, limit_train_batches=6, accumulate_grad_batches=2, limit_val_batches=0, **trainer_kw)
     trainer.fit(module, datamodule=make_data())
     assert trainer.global_step == 3 and trainer.estimated_stepping_batches == 3
@@ -165,7 +165,7 @@ def test_bf16_mixed_precision_and_clipping(make_module, make_data, trainer_kw):
 def test_closed_book_trains_only_the_generator_on_bare_questions(make_module, make_data, trainer_kw, monkeypatch):
     """model.closed_book: the loss is RagModel.generator_loss(questions, targets) (no passage), nothing is ever retrieved,
     the query encoder keeps its weights, and validation reports EM/F1 without recall."""
-    module = make_module(closed_book=True, query_encoder_lr=1e-3)
+    module = make_module(closed_book=True)
     module.configure_model()
     groups = module.model.parameter_groups()
     q_before, g_before = _snapshot(groups["query_encoder"]), _snapshot(groups["generator"])
@@ -200,21 +200,53 @@ def test_closed_book_refuses_mixed_contexts(make_module):
 def test_generation_metrics_are_logged_in_validation(make_module, make_data, trainer_kw):
     from rag.utils.errors import ConfigError
 
-    module = make_module(generation_metrics=["bleu1", "rougeL"])
+    module = make_module(evaluation={"generation_metrics": ["bleu1", "rougeL"], "recall_at": [1, 3]})
     trainer = pl.Trainer(max_steps=1, limit_val_batches=1, val_check_interval=1, **trainer_kw)
     trainer.fit(module, datamodule=make_data())
     m = trainer.callback_metrics
     assert {"val/bleu1", "val/rougeL", "val/em", "val/f1"} <= set(m)
     assert 0.0 <= float(m["val/bleu1"]) <= 1.0 and 0.0 <= float(m["val/rougeL"]) <= 1.0
-    with pytest.raises(ConfigError, match="model.generation_metrics.*bleu4"):
-        make_module(generation_metrics=["bleu4"])
+    with pytest.raises(ConfigError, match="model.evaluation.generation_metrics.*bleu4"):
+        make_module(evaluation={"generation_metrics": ["bleu4"]})
 
 
 def test_rag_module_actor_options_are_checked():
     from rag.training.modules import RagModule
     from rag.utils.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.retrieval_actors"):
-        RagModule(retrieval_actors=-1)
-    with pytest.raises(ConfigError, match="set model.retrieval_actors too"):
-        RagModule(ray_address="head:6379")
+    with pytest.raises(ConfigError, match="model.retrieval_actors.count"):
+        RagModule(retrieval_actors={"count": -1})
+    with pytest.raises(ConfigError, match="set model.retrieval_actors.count too"):
+        RagModule(retrieval_actors={"ray_address": "head:6379"})
+
+
+@pytest.mark.parametrize("settings, phases, strategy", [
+    ({}, [{"generator", "query_encoder"}], "ddp"),
+    ({"reading_practice": {"pretrain_steps": 2}}, [{"generator"}, {"generator", "query_encoder"}],
+     "ddp_find_unused_parameters_true"),
+    ({"reading_practice": {"pretrain_steps": 2}, "closed_book": True}, [{"generator"}, {"generator"}], "ddp"),
+    ({"reading_practice": {"pretrain_steps": 2}, "rag": {"freeze_query_encoder": True}}, [{"generator"}, {"generator"}], "ddp"),
+    ({"reading_practice": {"pretrain_steps": 2}, "rag": {"freeze_query_encoder": True, "learn_retrieval_temperature": True}},
+     [{"generator"}, {"generator", "retrieval_temperature"}], "ddp_find_unused_parameters_true"),
+])
+def test_training_phases_choose_the_ddp_strategy(settings, phases, strategy):
+    """The module says which parameter groups each phase of its run trains; the DDP strategy follows from that outside
+    it (rag.training.distributed.ddp_strategy): unused-parameter search only when the phases differ."""
+    from rag.training.distributed import ddp_strategy
+    from rag.training.modules import RagModule
+
+    module = RagModule(**settings)
+    assert module.training_phases == [frozenset(p) for p in phases]
+    assert ddp_strategy("ddp", module.training_phases) == strategy
+    assert ddp_strategy("fsdp", module.training_phases) == "fsdp" and ddp_strategy(None, module.training_phases) is None
+
+
+def test_decoding_left_unset_takes_the_generation_options_defaults(make_module):
+    """model.decoding fields left null resolve from the one table of generation defaults, not constants of training."""
+    from rag.generation.options import FALLBACK_DEFAULTS
+
+    resolved = make_module(decoding={}).decoding.resolved()
+    assert resolved == {"num_beams": FALLBACK_DEFAULTS["num_beams"], "max_new_tokens": FALLBACK_DEFAULTS["max_new_tokens"],
+                        "length_penalty": FALLBACK_DEFAULTS["length_penalty"], "sequence_decoding": FALLBACK_DEFAULTS["decoding"]}
+    assert make_module(decoding={"num_beams": 3}).decoding_defaults() == {
+        "num_beams": 3, "max_new_tokens": FALLBACK_DEFAULTS["max_new_tokens"], "length_penalty": 1.0}

@@ -41,7 +41,7 @@ def test_nli_module_rejects_bad_options():
     from rag.utils.errors import ConfigError
 
     with pytest.raises(ConfigError, match="warmup_ratio"):
-        NLIModule(warmup_ratio=1.5)
+        NLIModule(optimizer={"warmup_ratio": 1.5})
     with pytest.raises(ConfigError, match="export"):
         NLIModule().export("/nonexistent/never-written")
 

@@ -113,6 +113,7 @@ def test_question_form_round_trip():
 def test_rag_module_builds_the_pool_from_the_training_pairs(make_module, make_data, trainer_kw, tmp_path, monkeypatch):
     """fit hands the datamodule's training pairs to the practice pool (the Elements demo has no entry-shaped form, so
     the pool is the corpus practice; what is checked is that the pairs arrive)."""
+    import rag.training.modules as modules
     import rag.training.reading_practice as rp
 
     seen = {}
@@ -122,7 +123,7 @@ def test_rag_module_builds_the_pool_from_the_training_pairs(make_module, make_da
         seen["pairs"] = list(pairs)
         return real(settings, kb, tokenizer, pairs=pairs)
 
-    monkeypatch.setattr(rp, "practice_pool", spy)
+    monkeypatch.setattr(modules, "practice_pool", spy)  # the name RagModule calls
     module = make_module(reading_practice={"source": "questions", "per_step": 1, "pool": 10})
     data = make_data()
     pl.Trainer(max_steps=1, limit_val_batches=0, **trainer_kw).fit(module, datamodule=data)

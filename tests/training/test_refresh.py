@@ -235,7 +235,8 @@ def test_build_refreshed_kb_reencodes_with_the_snapshot(tmp_path, tiny_kb_dir, t
 def _train(make_module, make_data, trainer_kw, refresh, *, steps, callbacks=(), lr=0.05):
     module = make_module(rag={"n_docs": 2, "max_context_length": 32, "max_target_length": 6, "max_question_length": 16,
                               "train_doc_encoder": True},
-                         doc_encoder_lr=lr, generate_on_validation=False)
+                         optimizer={"query_encoder_lr": 1e-3, "lr": 2e-3, "doc_encoder_lr": lr},
+                         evaluation={"recall_at": [1, 3], "generate_on_validation": False})
     trainer = pl.Trainer(fast_dev_run=steps, callbacks=[*callbacks, refresh], **trainer_kw)
     trainer.fit(module, datamodule=make_data())
     return module, trainer

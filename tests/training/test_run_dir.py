@@ -47,8 +47,9 @@ def test_no_shipped_config_fixes_an_output_path(path):
     for cb in trainer.get("callbacks") or []:
         for key in ("dirpath", "output_dir"):
             outputs.append((f"{cb['class_path']}.{key}", cb.get("init_args", {}).get(key)))
-    for key in ("export_dir", "predictions_file"):
-        outputs.append((f"model.{key}", cfg["model"]["init_args"].get(key)))
+    init = cfg["model"]["init_args"]
+    for key, value in (("export_dir", init.get("export_dir")), ("evaluation.predictions_file", (init.get("evaluation") or {}).get("predictions_file"))):
+        outputs.append((f"model.{key}", value))
     for what, value in outputs:
         assert value is None or value.startswith(RUN_DIR), f"{path.name}: {what} = {value!r} is fixed"
     for key, value in _strings(cfg):
