@@ -193,7 +193,7 @@ def test_a_training_run_whose_prompts_are_cut_says_so_before_the_first_step(tmp_
 
     module = RagModule(generator=tiny_bart_dir, question_encoder=tiny_dpr_question_dir, knowledge_base=tiny_kb_dir,
                        rag={"n_docs": 2, "max_context_length": 24, "max_target_length": 8, "max_question_length": 16},
-                       max_new_tokens=3)
+                       decoding={"max_new_tokens": 3})
     data = QADataModule(train="demo:train", val="demo:dev", batch_size=4, eval_batch_size=4, max_eval_examples=4)
     trainer = pl.Trainer(fast_dev_run=True, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=str(tmp_path), num_sanity_val_steps=0)
