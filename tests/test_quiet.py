@@ -49,7 +49,9 @@ def test_index_build_draws_rags_bars_and_no_librarys(tmp_path, capsys, corpus, t
 
 def test_with_verbose_the_librarys_bars_are_shown(tmp_path, capsys, corpus, tiny_bert_dir):
     err = build(capsys, corpus, tiny_bert_dir, tmp_path / "kb", "-v")
-    assert "BM25S" in err and "Saving the dataset" in err, err
+    # bm25s' own bar (bm25s draws it; rag only passes show_progress). Not datasets' "Saving the dataset": whether that
+    # one draws also depends on huggingface_hub's process-wide progress-bar switch, which other code may have set.
+    assert "Split strings" in err, err
 
 
 def test_settings_are_restored_after_a_command(tmp_path, capsys, corpus, tiny_bert_dir):
