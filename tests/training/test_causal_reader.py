@@ -81,8 +81,8 @@ def test_training_steps_lower_the_loss_and_touch_only_the_lm(gpt2_dir, tiny_kb_d
     moves."""
     import pytorch_lightning as pl
 
-    module = CausalReaderModule(lm=gpt2_dir, knowledge_base=tiny_kb_dir, doc_max_length=24, learning_rate=3e-3,
-                                warmup_ratio=0.0)
+    module = CausalReaderModule(lm=gpt2_dir, knowledge_base=tiny_kb_dir, doc_max_length=24,
+                                optimizer={"lr": 3e-3, "warmup_ratio": 0.0})
     module.configure_model()
     frozen = dict(module.lm.named_parameters())["transformer.wpe.weight"]  # positions (the token embeddings are the head)
     frozen.requires_grad_(False)
