@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
-from rag.generation.options import reader_options, retrieval_options
+from rag.generation.options import FALLBACK_DEFAULTS, reader_options, retrieval_options
 from rag.generators.base import Generator
 from rag.generators.load import as_generator
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
@@ -76,7 +76,7 @@ class Reader(Protocol):
 READER_OPTIONS = {kind: reader_options(kind) for kind in ("seq2seq", "causal")}
 """Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
 
-DEFAULT_NO_REPEAT_NGRAM = 2
+DEFAULT_NO_REPEAT_NGRAM = FALLBACK_DEFAULTS["no_repeat_ngram_size"]
 """RAG answers never repeat a bigram unless asked to (``no_repeat_ngram_size=0``): a small or briefly trained generator
 otherwise loops ("tasks tasks tasks tasks"); short factoid answers have no legitimate repeated bigram."""
 
@@ -248,7 +248,7 @@ class RagReader:
             stored.pop("max_length", None)
             stored.pop("max_new_tokens", None)
         explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
-        defaults = {"num_beams": 1, "max_new_tokens": 32}
+        defaults = {k: FALLBACK_DEFAULTS[k] for k in ("num_beams", "max_new_tokens")}
         if not self.model.config.hf_compat:  # an imported transformers checkpoint decodes exactly as transformers does
             defaults["no_repeat_ngram_size"] = DEFAULT_NO_REPEAT_NGRAM
         generation_kw = {**defaults, **stored, **explicit, **generation_kw}
@@ -410,8 +410,8 @@ class RalmReader:
         from rag.models.ralm.model import InContextRALM
 
         questions = check_strings(questions, "questions")
-        config = GenerationConfig(max_new_tokens=32 if max_new_tokens is None else max_new_tokens,
-                                  num_beams=1 if num_beams is None else num_beams,
+        config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+                                  num_beams=FALLBACK_DEFAULTS["num_beams"] if num_beams is None else num_beams,
                                   num_return_sequences=num_return_sequences, **generation_kw)
         check_number(seed, "seed (--seed)", integer=True, low=0, allow_none=True, error=ConfigError)
         given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
