@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from rag.knowledge.passages import Passage
+from rag.serve.app import background_server, create_app
 
 TOKEN = "s3cret-admin-token-for-serve-tests"
 API_KEY = "test-api-key-0123456789abcdef"
@@ -59,3 +62,12 @@ class GatedKB:
             if not self.release.wait(timeout=120):
                 raise RuntimeError("test gate never released")
         return self._kb.get_passages(rows)
+
+
+@contextlib.contextmanager
+def serving(pipe, **kw):
+    """`pipe` served on 127.0.0.1 (``model_name`` "tiny" unless given): yields ``(url, app)``."""
+    kw.setdefault("model_name", "tiny")
+    app = create_app(pipe, **kw)
+    with background_server(app) as url:
+        yield url, app

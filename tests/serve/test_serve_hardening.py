@@ -4,31 +4,24 @@ closed-book option, options checked before a stream starts, stalled bodies, one 
 
 from __future__ import annotations
 
-import contextlib
 import json
 
 import httpx
 import pytest
+from serve_support import serving
 
-from rag.serve.app import ServeLimits, background_server, create_app
+from rag.serve.app import ServeLimits, create_app
 
 QUESTION = "what is the atomic number of iron?"
 BAD = "who \udc00 discovered"  # a lone surrogate: json.dumps writes it as the escape \udc00
 
-
-@contextlib.contextmanager
-def _server(pipe, **kw):
-    kw.setdefault("model_name", "tiny")
-    app = create_app(pipe, **kw)
-    with background_server(app) as url:
-        yield url, app
 
 
 @pytest.fixture(scope="module")
 def rag_server(serve_layout):
     import rag
 
-    with _server(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as served:
+    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as served:
         yield served
 
 
@@ -38,7 +31,7 @@ def causal_server(serve_layout, tiny_gpt2_dir):
 
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=4, query_length=8, max_length=96,
                     doc_max_length=24)
-    with _server(pipe, limits=ServeLimits(request_timeout=None)) as served:
+    with serving(pipe, limits=ServeLimits(request_timeout=None)) as served:
         yield served
 
 
@@ -165,7 +158,7 @@ def test_prompt_tokens_of_a_scoring_request_are_limited(serve_layout, tiny_gpt2_
     import rag
 
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, max_length=96, doc_max_length=24)
-    with _server(pipe, limits=ServeLimits(request_timeout=None, max_prompt_tokens=40)) as (url, _):
+    with serving(pipe, limits=ServeLimits(request_timeout=None, max_prompt_tokens=40)) as (url, _):
         body = {"model": "tiny", "max_tokens": 0, "echo": True, "logprobs": 1}
         ok = _post(url, "/v1/completions", {**body, "prompt": ["the capital of France is Paris"] * 2})
         assert ok.status_code == 200, ok.text
@@ -216,7 +209,7 @@ def test_a_stalled_request_body_gets_408(serve_layout):
 
     import rag
 
-    with _server(rag.load(serve_layout["model"]), body_timeout=0.5) as (url, _):
+    with serving(rag.load(serve_layout["model"]), body_timeout=0.5) as (url, _):
         u = urlsplit(url)
         with socket.create_connection((u.hostname, u.port), timeout=60) as sock:
             sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {u.netloc}\r\nContent-Type: application/json\r\n"
@@ -250,7 +243,7 @@ def test_with_an_api_key_authentication_comes_before_validation(serve_layout):
     import rag
 
     key = "test-api-key-0123456789abcdef"
-    with _server(rag.load(serve_layout["model"]), api_key=key) as (url, _):
+    with serving(rag.load(serve_layout["model"]), api_key=key) as (url, _):
         for path in ("/generate", "/retrieve", "/v1/chat/completions", "/v1/completions"):
             r = _post(url, path, b'{"questions": [')  # malformed JSON, no key
             assert r.status_code == 401, (path, r.text)
@@ -266,7 +259,7 @@ def test_a_request_whose_decoding_step_is_over_the_row_limit_is_refused(serve_la
     count as the model's stored ones (n_docs 3 here)."""
     import rag
 
-    with _server(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None, max_step_rows=12)) as (url, _):
+    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None, max_step_rows=12)) as (url, _):
         ok = _post(url, "/generate", {"questions": [QUESTION], "num_beams": 4, "max_new_tokens": 2})  # 3 x 4
         assert ok.status_code == 200, ok.text
         for body in ({"questions": [QUESTION], "num_beams": 5}, {"questions": [QUESTION], "n_docs": 4, "num_beams": 4}):

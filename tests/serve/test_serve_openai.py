@@ -6,32 +6,23 @@ streaming client that disconnects frees its slot.
 
 from __future__ import annotations
 
-import contextlib
-
 import httpx
 import openai
 import pytest
-from serve_support import GatedKB, until
+from serve_support import GatedKB, serving, until
 
-from rag.serve.app import ServeLimits, background_server, create_app
+from rag.serve.app import ServeLimits
 
 QUESTION = "what is the atomic number of iron?"
 PROMPT = "The capital of France is"
 
-
-@contextlib.contextmanager
-def _server(pipe, **kw):
-    kw.setdefault("model_name", "tiny")
-    app = create_app(pipe, **kw)
-    with background_server(app) as url:
-        yield url, app
 
 
 @pytest.fixture(scope="module")
 def rag_server(serve_layout):
     import rag
 
-    with _server(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as (url, app):
+    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as (url, app):
         yield url, app
 
 
@@ -41,7 +32,7 @@ def causal_server(serve_layout, tiny_gpt2_dir):
 
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=4, query_length=8, max_length=96,
                     doc_max_length=24)
-    with _server(pipe, limits=ServeLimits(request_timeout=None)) as (url, app):
+    with serving(pipe, limits=ServeLimits(request_timeout=None)) as (url, app):
         yield url, app
 
 
@@ -245,7 +236,7 @@ def test_completion_prompt_bounds(causal_server):
 def test_body_size_limit_is_an_openai_error(serve_layout):
     import rag
 
-    with _server(rag.load(serve_layout["model"]), max_body_bytes=4096) as (url, _):
+    with serving(rag.load(serve_layout["model"]), max_body_bytes=4096) as (url, _):
         with pytest.raises(openai.APIStatusError) as e:
             _client(url).chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x" * 5000}])
         assert e.value.status_code == 413 and "--max-body-bytes" in e.value.response.json()["error"]["message"]
@@ -262,7 +253,7 @@ def test_streaming_client_that_disconnects_frees_its_slot(serve_layout, tiny_gpt
 
     pipe = rag.load(tiny_gpt2_dir, knowledge_base=serve_layout["kbs"]["kb_a"].path, stride=8, query_length=8, max_length=96,
                     doc_max_length=24)
-    with _server(pipe, max_concurrency=1, limits=ServeLimits(request_timeout=None, max_queue=0)) as (url, app):
+    with serving(pipe, max_concurrency=1, limits=ServeLimits(request_timeout=None, max_queue=0)) as (url, app):
         gate = GatedKB(app.state.slot.current, parks=lambda n: n >= 2)
         app.state.slot.swap(gate)
         health = lambda: httpx.get(f"{url}/health", timeout=30).json()["requests"]  # noqa: E731
@@ -291,7 +282,7 @@ def test_openai_routes_share_the_queue_and_the_deadline(serve_layout):
 
     import rag
 
-    with _server(rag.load(serve_layout["model"]), max_concurrency=1, limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
+    with serving(rag.load(serve_layout["model"]), max_concurrency=1, limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
         gate = GatedKB(app.state.slot.current, parks=lambda n: n == 1)
         app.state.slot.swap(gate)
         client = _client(url)
