@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import warnings
 
-from rag.generation.options import GenerationOptions, option_specs
+from rag.generation.options import FALLBACK_DEFAULTS, GenerationOptions, option_specs
 
 
 def add_retrieval_temperature(p: argparse.ArgumentParser, help: str, *, deprecated_alias: bool = True) -> None:
@@ -16,7 +16,7 @@ def add_retrieval_temperature(p: argparse.ArgumentParser, help: str, *, deprecat
         p.add_argument("--temperature", dest="deprecated_temperature", type=float, default=None, help=argparse.SUPPRESS)
 
 
-def retrieval_temperature(args, default: float = 1.0) -> float:
+def retrieval_temperature(args, default: float = FALLBACK_DEFAULTS["retrieval_temperature"]) -> float:
     """The value of ``--retrieval-temperature`` (or of the deprecated ``--temperature``, with a warning), else `default`."""
     old = getattr(args, "deprecated_temperature", None)
     if old is not None:

@@ -20,13 +20,13 @@ import contextlib
 import math
 import threading
 from dataclasses import dataclass
-from typing import Callable, Iterator, Literal, Optional, Protocol, runtime_checkable
+from typing import Callable, Iterator, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from rag.generation.options import GenerationConfig
 from rag.utils.errors import ConfigError
-from rag.utils.validate import check_bool, check_choice, check_number
 
 __all__ = [
     "Decoder",
@@ -64,86 +64,6 @@ class Decoder(Protocol):
     def reorder(self, rows: Tensor) -> None:
         """Make row `i` continue from row `rows[i]` (beam search; `rows` `(rows,)` int64)."""
         ...
-
-
-@dataclass(frozen=True)
-class GenerationConfig:
-    """Typed decoding options. Lengths follow transformers: `max_length`/`min_length` count the start tokens
-    (the decoder start token of a seq2seq model, the prompt of a causal LM).
-
-    Token ids left as `None` are read from `generator.generation_config`, then `generator.config`.
-    """
-
-    max_new_tokens: int = 20
-    """Most tokens generated after the start tokens (used when `max_length` is None)."""
-    max_length: int | None = None
-    """Total output length including the start tokens (transformers' `max_length`); overrides `max_new_tokens`."""
-    min_length: int = 0
-    """EOS is banned while the output (start tokens included) is shorter than this (transformers' `min_length`)."""
-    min_new_tokens: int = 0
-    """EOS is banned until this many tokens were generated after the start tokens."""
-    num_beams: int = 1
-    """Beam width; 1 means greedy search (or sampling with `do_sample`)."""
-    num_return_sequences: int = 1
-    """Sequences returned per question (RAG-Token: at most `num_beams`; RAG-Sequence: best of all candidates)."""
-    length_penalty: float = 1.0
-    """Finished beams are ranked by `sum_logprob / generated_len ** length_penalty` (0 = no normalisation)."""
-    early_stopping: bool | Literal["never"] = False
-    """True: stop a question once `num_beams` beams finished; False: stop when a running beam cannot beat the
-    worst finished one at its current length (transformers' heuristic); "never": canonical beam search bound."""
-    no_repeat_ngram_size: int = 0
-    """If > 0, no n-gram of this size (over all tokens, start tokens included) occurs twice."""
-    forced_bos_token_id: int | None = None
-    """Token forced as the first generated token (BART checkpoints use 0). A forced token scores log 1 = 0."""
-    forced_eos_token_id: int | None = None
-    """Token forced as the last token when `max_length` is reached (BART checkpoints use 2)."""
-    decoder_start_token_id: int | None = None
-    """Seq2seq only: first decoder input (BART: `</s>`=2, T5: pad=0); from the generator's config when None."""
-    eos_token_id: int | None = None
-    """End-of-sequence token; from the generator's config when None."""
-    pad_token_id: int | None = None
-    """Fills sequences after EOS; from the generator's config when None."""
-    bos_token_id: int | None = None
-    """Only used by the transformers-compatible RAG-Sequence scoring (skips a leading BOS); from the config when None."""
-    do_sample: bool = False
-    """Sample the next token (`num_beams=1` only; `sample` with a seeded `torch.Generator`) instead of the argmax."""
-    temperature: float = 1.0
-    """Sampling: scores are divided by this before top-k / top-p."""
-    top_k: int = 0
-    """Sampling: keep only the `top_k` most likely tokens (0 = all)."""
-    top_p: float = 1.0
-    """Sampling: keep the smallest set of most likely tokens whose probability reaches `top_p` (1 = all)."""
-    extractive: bool = False
-    """RAG decoding: every answer is a word-aligned span of the passages read (:mod:`rag.generation.spans`); no effect
-    where no passage is read (closed book)."""
-
-    def __post_init__(self) -> None:
-        def field(name: str) -> str:
-            return f"GenerationConfig.{name}"
-
-        for name in ("num_beams", "num_return_sequences", "max_new_tokens"):
-            check_number(getattr(self, name), field(name), integer=True, low=1, error=ConfigError)
-        check_number(self.max_length, field("max_length") + " (it counts the start tokens)", integer=True, low=2,
-                     allow_none=True, error=ConfigError)
-        for name in ("min_length", "min_new_tokens", "no_repeat_ngram_size", "top_k"):  # top_k 0 = off
-            check_number(getattr(self, name), field(name), integer=True, low=0, error=ConfigError)
-        check_choice(self.early_stopping, field("early_stopping"), (True, False, "never"), error=ConfigError)
-        check_number(self.length_penalty, field("length_penalty"), error=ConfigError)
-        check_bool(self.do_sample, field("do_sample"), error=ConfigError)
-        check_bool(self.extractive, field("extractive"), error=ConfigError)
-        if self.do_sample and self.num_beams > 1:
-            raise ConfigError(f"GenerationConfig.do_sample: sampling needs num_beams=1, got num_beams={self.num_beams!r}")
-        check_number(self.temperature, field("temperature"), above=0, error=ConfigError)
-        check_number(self.top_p, field("top_p") + " (1 = off)", above=0, high=1, error=ConfigError)
-
-    @property
-    def total_max_length(self) -> int:
-        """Output length limit including a single decoder start token."""
-        return self.length_limit(1)
-
-    def length_limit(self, prompt_len: int) -> int:
-        """Output length limit including `prompt_len` start tokens."""
-        return self.max_length if self.max_length is not None else prompt_len + self.max_new_tokens
 
 
 @dataclass(frozen=True)

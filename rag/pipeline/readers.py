@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
-from rag.generation.options import FALLBACK_DEFAULTS, reader_options, retrieval_options
+from rag.generation.options import FALLBACK_DEFAULTS, reader_options, resolve_generation, retrieval_options
 from rag.generators.base import Generator
 from rag.generators.load import as_generator
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
@@ -75,10 +75,6 @@ class Reader(Protocol):
 
 READER_OPTIONS = {kind: reader_options(kind) for kind in ("seq2seq", "causal")}
 """Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
-
-DEFAULT_NO_REPEAT_NGRAM = FALLBACK_DEFAULTS["no_repeat_ngram_size"]
-"""RAG answers never repeat a bigram unless asked to (``no_repeat_ngram_size=0``): a small or briefly trained generator
-otherwise loops ("tasks tasks tasks tasks"); short factoid answers have no legitimate repeated bigram."""
 
 RETRIEVAL_OPTIONS = retrieval_options()
 """Options that say how to retrieve or mix passages: a generation without retrieval refuses them."""
@@ -135,7 +131,7 @@ class RagReader:
         """Rows one decoding step with `options` runs: n_docs x num_beams (closed-book: num_beams); unset = stored."""
         config = self.model.config
         docs = 1 if options.get("retrieval") is False else (options.get("n_docs") or config.n_docs)
-        beams = options.get("num_beams") or dict(config.generation or {}).get("num_beams") or 1
+        beams = options.get("num_beams") or dict(config.generation or {}).get("num_beams") or FALLBACK_DEFAULTS["num_beams"]
         return int(docs) * int(beams)
 
     @property
@@ -180,7 +176,7 @@ class RagReader:
         n_docs: Optional[int] = None,
         num_beams: Optional[int] = None,
         marginalization: Optional[Literal["sequence", "token"]] = None,
-        decoding: Literal["thorough", "fast"] = "thorough",
+        decoding: Optional[Literal["thorough", "fast"]] = None,
         max_new_tokens: Optional[int] = None,
         num_return_sequences: int = 1,
         ensemble: Optional[int] = None,
@@ -196,7 +192,7 @@ class RagReader:
             :class:`~rag.generation.decoding.GenerationConfig` (min_length, length_penalty,
             no_repeat_ngram_size, early_stopping, ...). Options left unset take the model's stored defaults
             (``model.config.generation``, e.g. an imported transformers checkpoint's ``num_beams``, ``max_length``,
-            ``forced_bos_token_id``), then num_beams=1, max_new_tokens=32; an explicit ``max_new_tokens`` or
+            ``forced_bos_token_id``), then the generation options' table; an explicit ``max_new_tokens`` or
             ``max_length`` replaces a stored ``max_length``.
 
         ensemble: REPLUG's ensemble of K documents with a frozen seq2seq generator *is* RAG-Token decoding over K passages
@@ -240,22 +236,14 @@ class RagReader:
         return [replace(a, answered_with="no_retrieval") for a in closed_book_answers(self.model, questions, out, num_return_sequences, self.kb_version)]
 
     def _generation_config(self, num_beams, max_new_tokens, num_return_sequences: int, generation_kw: dict):
-        """The generation config of a call: explicit options, then the model's stored defaults, then greedy / 32 tokens."""
-        from rag.generation.decoding import GenerationConfig
+        """The generation config of a call: explicit options, then the model's stored defaults, then the table's
+        (:func:`~rag.generation.options.resolve_generation`)."""
+        config = self.model.config
+        return resolve_generation({"num_beams": num_beams, "max_new_tokens": max_new_tokens,
+                                   "num_return_sequences": num_return_sequences, **generation_kw},
+                                  config.generation, trained=not config.hf_compat)
 
-        stored = dict(self.model.config.generation or {})
-        if max_new_tokens is not None or "max_length" in generation_kw:  # the caller's length replaces the stored one
-            stored.pop("max_length", None)
-            stored.pop("max_new_tokens", None)
-        explicit = {k: v for k, v in (("num_beams", num_beams), ("max_new_tokens", max_new_tokens)) if v is not None}
-        defaults = {k: FALLBACK_DEFAULTS[k] for k in ("num_beams", "max_new_tokens")}
-        if not self.model.config.hf_compat:  # an imported transformers checkpoint decodes exactly as transformers does
-            defaults["no_repeat_ngram_size"] = DEFAULT_NO_REPEAT_NGRAM
-        generation_kw = {**defaults, **stored, **explicit, **generation_kw}
-        check_positive_int(generation_kw["num_beams"], "num_beams")
-        return GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
-
-    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
+    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding=None,
                   max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None,
                   retrieval=None, **generation_kw):
         from rag.models.rag.generate import generate_for_questions
@@ -405,14 +393,12 @@ class RalmReader:
                   only_no_retrieval: bool = False, **generation_kw) -> list[Answer]:
         from dataclasses import replace
 
-        from rag.generation.search import GenerationConfig
         from rag.models.ralm.generate import ralm_generate
         from rag.models.ralm.model import InContextRALM
 
         questions = check_strings(questions, "questions")
-        config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
-                                  num_beams=FALLBACK_DEFAULTS["num_beams"] if num_beams is None else num_beams,
-                                  num_return_sequences=num_return_sequences, **generation_kw)
+        config = resolve_generation({"max_new_tokens": max_new_tokens, "num_beams": num_beams,
+                                     "num_return_sequences": num_return_sequences, **generation_kw}, trained=False)
         check_number(seed, "seed (--seed)", integer=True, low=0, allow_none=True, error=ConfigError)
         given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
         cfg = replace(self.config, **{name: v for name, v in given.items() if v is not None})

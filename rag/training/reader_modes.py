@@ -13,9 +13,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from rag.generation.decoding import GenerationConfig
 from rag.generation.detokenize import decode_answer
-from rag.generation.options import FALLBACK_DEFAULTS
+from rag.generation.options import GenerationConfig, resolve_generation
 from rag.models.rag.config import RagModelConfig
 from rag.models.rag.generate import generate_closed_book, generate_for_questions
 from rag.utils.errors import ConfigError
@@ -23,23 +22,15 @@ from rag.utils.errors import ConfigError
 __all__ = ["Retrieving", "ClosedBook", "generate_answers", "generation_config"]
 
 
-def _no_repeat(model) -> int:
-    """The model's stored setting, else the generation options' default, except for imported transformers checkpoints
-    (which decode without one)."""
-    stored = (model.config.generation or {}).get("no_repeat_ngram_size")
-    if stored is not None:
-        return int(stored)
-    return 0 if model.config.hf_compat else FALLBACK_DEFAULTS["no_repeat_ngram_size"]
-
-
 def generation_config(model, *, num_beams: Optional[int] = None, max_new_tokens: Optional[int] = None,
                       length_penalty: Optional[float] = None) -> GenerationConfig:
-    """The search settings of `model`'s answers: those given, else the generation options' defaults."""
-    def pick(name: str, value):
-        return FALLBACK_DEFAULTS[name] if value is None else value
-
-    return GenerationConfig(num_beams=pick("num_beams", num_beams), max_new_tokens=pick("max_new_tokens", max_new_tokens),
-                            length_penalty=float(pick("length_penalty", length_penalty)), no_repeat_ngram_size=_no_repeat(model))
+    """The search settings of `model`'s answers: those given, else the generation options' defaults
+    (:func:`~rag.generation.options.resolve_generation`); of the model's stored settings only its
+    ``no_repeat_ngram_size`` applies (a run decodes with its own ``model.decoding``)."""
+    stored = {k: v for k, v in (model.config.generation or {}).items() if k == "no_repeat_ngram_size"}
+    given = {"num_beams": num_beams, "max_new_tokens": max_new_tokens,
+             "length_penalty": None if length_penalty is None else float(length_penalty)}
+    return resolve_generation(given, stored, trained=not model.config.hf_compat)
 
 
 def _texts(model, sequences: torch.Tensor) -> list[str]:
@@ -55,8 +46,7 @@ def generate_answers(model, questions: Sequence[str], *, num_beams: Optional[int
     ``thorough`` rescoring, §2.5). An option left None takes the generation options' default.
     """
     cfg = generation_config(model, num_beams=num_beams, max_new_tokens=max_new_tokens, length_penalty=length_penalty)
-    found = generate_for_questions(model, questions, cfg,
-                                   decoding=FALLBACK_DEFAULTS["decoding"] if sequence_decoding is None else sequence_decoding)
+    found = generate_for_questions(model, questions, cfg, decoding=sequence_decoding)
     return _texts(model, found.output.sequences), found.inputs.retrieved, found.inputs.n_truncated
 
 

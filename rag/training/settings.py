@@ -16,7 +16,7 @@ from typing import Any, Literal, Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
-from rag.generation.options import FALLBACK_DEFAULTS
+from rag.generation.options import FALLBACK_DEFAULTS, check_option
 from rag.training.schedules import SCHEDULES, step_schedule
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
@@ -129,6 +129,10 @@ def decay_split(params: Sequence[torch.nn.Parameter], weight_decay: float, **gro
             {"params": plain, "weight_decay": 0.0, **group}]
 
 
+_OPTION = {"sequence_decoding": "decoding"}
+"""A ``model.decoding`` field named otherwise than its generation option."""
+
+
 @dataclass
 class Decoding:
     """How validation, test and predict decode, and the decoding settings an export stores (``model.decoding``).
@@ -150,18 +154,16 @@ class Decoding:
     sequence_decoding: Optional[Literal["fast", "thorough"]] = None
 
     def __post_init__(self) -> None:
-        for name, low in (("num_beams", 1), ("max_new_tokens", 1)):
-            if getattr(self, name) is not None:
-                check_number(getattr(self, name), f"model.decoding.{name}", integer=True, low=low, error=ConfigError)
-        if self.sequence_decoding not in (None, "fast", "thorough"):
-            raise ConfigError(f"model.decoding.sequence_decoding={self.sequence_decoding!r}; choose fast or thorough")
+        for f in dataclasses.fields(self):  # each by its generation option's range (the one check of a value)
+            if getattr(self, f.name) is not None:
+                check_option(_OPTION.get(f.name, f.name), getattr(self, f.name), f"model.decoding.{f.name}", per_call=False)
 
     def resolved(self) -> dict:
         """Every field with its value: the one set, else the generation options' default."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            out[f.name] = FALLBACK_DEFAULTS["decoding" if f.name == "sequence_decoding" else f.name] if value is None else value
+            out[f.name] = FALLBACK_DEFAULTS[_OPTION.get(f.name, f.name)] if value is None else value
         out["length_penalty"] = float(out["length_penalty"])
         return out
 

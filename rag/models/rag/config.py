@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from rag.generation.options import FALLBACK_DEFAULTS, GenerationConfig
 from rag.generation.prompts import DEFAULT_CLOSED_BOOK_TEMPLATE, DEFAULT_PROMPT_TEMPLATE, PromptFormat
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_bool, check_number, check_positive_int, is_number
@@ -69,7 +70,7 @@ class RagModelConfig:
     transformers' ``RagSequenceForGeneration.generate`` (the importer sets it): its search runs on contexts padded
     to ``max_context_length`` with no attention mask, so encoder and cross-attention attend to the pad tokens;
     rescoring stays masked, as there. RAG-Token decoding always masks (transformers does too)."""
-    retrieval_temperature: float = 1.0
+    retrieval_temperature: float = FALLBACK_DEFAULTS["retrieval_temperature"]
     """τ > 0 dividing the retrieval scores before the document prior, p(z|x) = softmax(s(z, x) / τ), in both
     marginalizations (training loss) and in decoding. 1 is the paper's plain softmax. With L2-normalised encoders
     (all-MiniLM-L6-v2) scores lie in [-1, 1], so the prior over K passages stays nearly flat unless τ is small
@@ -99,9 +100,9 @@ class RagModelConfig:
     """Stale-index re-ranking: search this many candidates (>= n_docs) in the index, re-embed them with the
     current document encoder and keep the n_docs best by fresh score. None: no re-ranking. Dense retrieval only."""
     generation: Optional[dict] = None
-    """Decoding defaults stored with the model (GenerationConfig field -> value, e.g. ``num_beams``, ``max_length``,
-    ``no_repeat_ngram_size``, ``forced_bos_token_id``; the transformers importer carries those of the checkpoint):
-    :meth:`RagPipeline.generate <rag.pipeline.api.RagPipeline.generate>` uses them where the caller passes no value."""
+    """Decoding settings stored with the model (GenerationConfig field -> value, e.g. ``num_beams``, ``max_length``,
+    ``no_repeat_ngram_size``, ``forced_bos_token_id``; the transformers importer carries those of the checkpoint): every
+    path resolves a call's options over them (:func:`~rag.generation.options.resolve_generation`)."""
 
     def __post_init__(self) -> None:
         def positive_int(name: str) -> None:
@@ -200,8 +201,6 @@ def check_overrides(overrides: dict) -> dict:
 
 def check_generation_settings(settings, where: str) -> dict:
     """`settings` unchanged if it maps GenerationConfig field names to values, else ConfigError naming the bad keys."""
-    from rag.generation.decoding import GenerationConfig
-
     if not isinstance(settings, dict):
         raise ConfigError(f"{where} must be an object of decoding options, got {type(settings).__name__}")
     known = {f.name for f in dataclasses.fields(GenerationConfig)}

@@ -24,6 +24,7 @@ from rag.generation.decoding import (
     rag_sequence_generate,
     rag_token_generate,
 )
+from rag.generation.options import FALLBACK_DEFAULTS
 from rag.generation.spans import PassageSpans, TokenTexts
 from rag.generators import seq2seq
 from rag.utils.errors import ConfigError
@@ -97,14 +98,14 @@ def generate_closed_book(model, questions: Sequence[str], config: GenerationConf
 @torch.no_grad()
 def generate_for_questions(model, questions: Sequence[str], config: GenerationConfig, *, n_docs: Optional[int] = None,
                            marginalization: Optional[Literal["sequence", "token"]] = None,
-                           decoding: Literal["thorough", "fast"] = "thorough",
+                           decoding: Optional[Literal["thorough", "fast"]] = None,
                            with_no_retrieval: bool = False, share_cache: bool = True,
                            retrieval: Optional[str] = None) -> RagGeneration:
     """Decode answers to `questions` with a `RagModel`-like `model` (`prepare_inputs`, `generator`, `config`).
 
     marginalization: "token" (RAG-Token: greedy / beam over the marginal transition) or "sequence"
-    (RAG-Sequence: per-passage search, then `decoding` = "thorough" or "fast" rescoring, Lewis et al. 2020 §2.5);
-    None: the model's own. n_docs: passages per question (None: the model's). With
+    (RAG-Sequence: per-passage search, then `decoding` = "thorough" or "fast" rescoring, Lewis et al. 2020 §2.5;
+    None: the generation options' default); None: the model's own. n_docs: passages per question (None: the model's). With
     ``model.config.mask_padded_contexts`` False, RAG-Sequence's per-passage search runs on `unmasked_contexts`
     (transformers' behaviour); rescoring and the returned `contexts` stay masked. with_no_retrieval: also decode every
     question without retrieval (:func:`no_retrieval_contexts`, uniform prior) in the same batch: ``2B`` rows, one call.
@@ -113,6 +114,7 @@ def generate_for_questions(model, questions: Sequence[str], config: GenerationCo
     ``hybrid`` for this call (None: the model's configured retrieval).
     """
     marg = marginalization or model.config.marginalization
+    decoding = FALLBACK_DEFAULTS["decoding"] if decoding is None else decoding
     if marg not in ("sequence", "token"):
         raise ConfigError(f"marginalization={marg!r}; choose 'sequence' or 'token'")
     inputs = model.prepare_inputs(list(questions), n_docs=n_docs, **({"retrieval": retrieval} if retrieval else {}))
