@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rag.generation.options import option_specs
 from rag.utils.errors import RagError
 from rag.utils.io import to_json
 from rag.utils.truncation import counting_cut_prompts
@@ -30,10 +31,11 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--limit", type=int, default=None, help="only the first N questions of each set")
     p.add_argument("--n-docs", type=int, default=None, help="passages per question (default: the model's)")
-    p.add_argument("--num-beams", type=int, default=1)
-    p.add_argument("--marginalization", choices=["sequence", "token"], default=None, help="default: the model's")
-    p.add_argument("--decoding", choices=["thorough", "fast"], default="thorough")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    specs = option_specs()  # the generation options' help and choices; unset: the model's stored setting
+    p.add_argument("--num-beams", type=int, default=None, help=specs["num_beams"].help)
+    p.add_argument("--marginalization", choices=specs["marginalization"].choices, default=None, help="default: the model's")
+    p.add_argument("--decoding", choices=specs["decoding"].choices, default=None, help=specs["decoding"].help)
+    p.add_argument("--max-new-tokens", type=int, default=None, help=specs["max_new_tokens"].help)
     p.add_argument("--allow-encoder-change", action="store_true",
                    help="accept knowledge bases embedded by another document encoder than the model's")
     p.add_argument("--verify", default="full", choices=["full", "size"], help="checksum verification when opening each --kb")
