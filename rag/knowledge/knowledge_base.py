@@ -21,36 +21,30 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import sys
-import threading
-import time
+from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
 
-from rag.knowledge import pagecache
 from rag.knowledge.build import CHUNK_ROWS, build_from_encoder, write_from_embeddings
-from rag.knowledge.index import IndexSpec, read_index, search_index, write_index
+from rag.knowledge.directory import read_directory
+from rag.knowledge.gpu import to_gpu
+from rag.knowledge.index import IndexSpec, search_index, write_index
+from rag.knowledge.lifetime import Lifetime
 from rag.knowledge.manifest import (
-    BM25_DIR,
-    EMBEDDINGS,
-    INDEX,
-    MANIFEST,
     PASSAGES,
     Manifest,
     check_arrow_files,
-    check_finite,
     check_version,
     verify_kb_files,
 )
-from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK
+from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK, MappedPages
 from rag.knowledge.passages import Passage
 from rag.utils.checksums import Verify
-from rag.utils.errors import ConfigError, CorpusError, IntegrityError, KnowledgeBaseError, RagError
-from rag.utils.files import read_json
-from rag.utils.validate import check_choice, check_number, check_positive_int
+from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
+from rag.utils.validate import check_choice, check_number
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.encoders import TextEncoder
@@ -75,9 +69,10 @@ class KnowledgeBase:
         self._gpu = None  # a faiss GPU copy of the index (use_gpu), searched instead of it
         self._pool = None  # Ray actors serving this version's search (use_search_pool), asked instead of the index
         self._spec = IndexSpec.from_dict(manifest.index)
-        self._use = threading.Condition(threading.Lock())  # guards _in_use / _closed
-        self._in_use = 0
-        self._closed = False
+        self.lifetime = Lifetime(f"{path}: knowledge base {manifest.version}")
+        """The reference-counted lifetime: reads hold it, :meth:`close` waits for them."""
+        self.pages = MappedPages(path, self, attrgetter("_embeddings", "_passages", "_index"), self.lifetime)
+        """The page-cache part: its memory-mapped files' pages released, prewarmed, listed."""
         self.verified: Verify = "full"
         """How its files were checked when opened: "full" (every SHA-256), "size" or "none" (see :meth:`open`)."""
 
@@ -123,159 +118,71 @@ class KnowledgeBase:
         with self.in_use():
             return self._bm25
 
-    # ------------------------------------------------------------------ lifetime
+    # ------------------------------------------------------------------ lifetime (rag.knowledge.lifetime)
     @property
     def closed(self) -> bool:
         """True once :meth:`close` has freed the index and mappings (reads then raise)."""
-        return self._closed
+        return self.lifetime.closed
 
     @property
     def in_flight(self) -> int:
         """Number of reads (and :meth:`in_use` blocks) running on this knowledge base now."""
-        return self._in_use
+        return self.lifetime.in_flight
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator["KnowledgeBase"]:
-        """Keep this knowledge base open for the block: :meth:`close` waits until it ends.
-
-        Every read method holds it for its own duration; a caller combining several reads
-        (search, then passages and embeddings of the hits) can hold it around all of them.
-        Nests. Raises KnowledgeBaseError if the knowledge base is already closed.
-        """
-        with self._use:
-            if self._closed:
-                raise KnowledgeBaseError(
-                    f"{self.path}: knowledge base {self.version} was closed (swapped out and released); "
-                    "read from the one serving now, or open the directory again"
-                )
-            self._in_use += 1
-        try:
+        """Keep this knowledge base open for the block: :meth:`close` waits until it ends. Every read holds it for its
+        own duration; a caller combining several reads (search, then the hits' passages) holds it around all of them.
+        Nests. Raises KnowledgeBaseError if the knowledge base is already closed."""
+        with self.lifetime.hold():
             yield self
-        finally:
-            with self._use:
-                self._in_use -= 1
-                if self._in_use == 0:
-                    self._use.notify_all()
-
-    def mapped_addresses(self) -> list[int]:
-        """An address inside each large read-only file mapping this knowledge base owns: the
-        memory-mapped embeddings, the passages' Arrow columns and the codes of a memory-mapped
-        flat / HNSW / HNSW-SQ8 index (empty once closed, or for in-memory copies)."""
-        return pagecache.mapped_addresses(self._embeddings, self._passages, self._index)
-
-    def release_pages(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
-        """Drop this process's resident pages of the knowledge base's read-only file mappings
-        (``madvise(MADV_DONTNEED)``, `chunk` bytes per call, sleeping `pause` s between calls).
-
-        Non-destructive: the data stays in the page cache and a read running meanwhile faults
-        it back in and gets the same results. Done before freeing, it leaves faiss's destructor
-        (which holds the GIL) almost nothing to unmap; the madvise calls themselves release the
-        GIL. Returns the bytes advised (0 off Linux, when closed, or when nothing is mapped).
-        """
-        if not sys.platform.startswith("linux"):
-            return 0
-        with self._use:
-            if self._closed:
-                return 0
-            self._in_use += 1  # keeps the mappings alive while we advise them
-        try:
-            addresses = self.mapped_addresses()
-            if not addresses:
-                return 0
-            return pagecache.madvise_dontneed(addresses, chunk, pause)
-        finally:
-            with self._use:
-                self._in_use -= 1
-                if self._in_use == 0:
-                    self._use.notify_all()
-
-    def mapped_files(self) -> dict[str, int]:
-        """The files of this knowledge base that this process serves from through memory maps, with
-        their mapped bytes: ``{path: bytes}`` (Linux; empty elsewhere, when closed, or for in-memory
-        copies). With the default ``mmap=True``: the FAISS index, ``embeddings.npy`` and the passages'
-        Arrow files — the pages a request reads (graph and vectors, the rows of its hits)."""
-        if not sys.platform.startswith("linux"):
-            return {}
-        out: dict[str, int] = {}
-        for name, start, end in self._own_mappings():
-            out[name] = out.get(name, 0) + (end - start)
-        return out
-
-    def _own_mappings(self) -> list[tuple[str, int, int]]:
-        """(path, start, end) of this object's read-only mappings of files in its directory. Where a file
-        is mapped more than once (another KnowledgeBase open on the same directory, e.g. the previous
-        object kept for swap_back), only the mappings holding this object's data count; a file none of
-        whose mappings can be attributed (an index type :meth:`mapped_addresses` does not know) counts
-        with all of them, provided this object maps anything at all (an in-memory copy maps nothing,
-        and must not claim another object's mappings)."""
-        if self._closed:
-            return []
-        return pagecache.own_mappings(self.path, self.mapped_addresses() + pagecache.arrow_addresses(self._passages))
-
-    def prewarm(self, *, chunk: int = PREWARM_CHUNK, pause: float = PREWARM_PAUSE) -> int:
-        """Make every page a request can touch resident and mapped before requests use this knowledge base.
-
-        Requests read the memory-mapped files (:meth:`mapped_files`) at random: an HNSW search visits
-        graph nodes and vectors all over the index, then the rows of its hits in the embeddings and
-        passages. A page that is not in memory costs a request a disk read (a fresh or just-evicted
-        version: hundreds of ms to seconds per request). This walks each mapping in `chunk`-byte steps
-        with ``madvise(MADV_POPULATE_READ)`` (a ctypes call, which releases the GIL), so the pages are
-        read into the page cache if needed and mapped into this process, and later requests take no
-        page fault at all. A step with pages missing from the page cache first asks for all of them at
-        once (``MADV_WILLNEED``): populating alone faults them in a page at a time (measured: 130 MB in
-        43 s vs 0.3 s). Gently: after a step that found all its pages cached it sleeps `pause`
-        seconds; after one that read from the disk (``mincore`` said some pages were missing) it leaves
-        the disk idle as long as the read took, so that page faults of the knowledge base serving
-        meanwhile are not queued behind it. Off the request path (:class:`~rag.knowledge.hotswap.KnowledgeBaseSlot`
-        calls it between verification and the swap).
-
-        Returns the bytes prewarmed (0 off Linux, when closed, or when nothing is mapped). Where
-        MADV_POPULATE_READ is unavailable (Linux < 5.14) every page is touched instead.
-
-        Raises:
-            KnowledgeBaseError: closed meanwhile (the caller decides whether that matters; the slot
-                logs prewarm failures and swaps anyway).
-        """
-        check_positive_int(chunk, "prewarm chunk (bytes)")
-        check_number(pause, "prewarm pause (seconds)", low=0)
-        if not sys.platform.startswith("linux"):
-            return 0
-        with self.in_use():  # keeps the mappings alive while we read them; raises if closed
-            regions = [(start, end) for _, start, end in self._own_mappings()]
-            return pagecache.populate(regions, int(chunk), float(pause)) if regions else 0
 
     def close(self, *, timeout: Optional[float] = None, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> bool:
         """Free the index, embeddings, passages and BM25 index once no read is running.
 
-        Waits up to `timeout` seconds (None: forever) for a moment when no read or :meth:`in_use`
-        block is running, then refuses new ones (KnowledgeBaseError naming the version) and frees.
-        Mapped pages are released first (as :meth:`release_pages`) so that freeing stalls no
-        other thread. Returns False, closing nothing, if reads were still running at the timeout.
-        Idempotent. Never call it inside an :meth:`in_use` block of the same knowledge base.
+        Waits up to `timeout` seconds (None: forever) for a moment when no read or :meth:`in_use` block is running,
+        then refuses new ones (KnowledgeBaseError naming the version) and frees. Mapped pages are released first (as
+        :meth:`release_pages`) so that freeing stalls no other thread. Returns False, closing nothing, if reads were
+        still running at the timeout. Idempotent. Never call it inside an :meth:`in_use` block of the same knowledge base.
         """
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._use:
-            while self._in_use:
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    return False
-                self._use.wait(left)
-            if self._closed:
-                return True
-            self._closed = True  # from here on no read can start, and none is running
-        if sys.platform.startswith("linux"):
-            addresses = self.mapped_addresses()
-            if addresses:
-                pagecache.madvise_dontneed(addresses, chunk, pause)
-        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None  # freed here (unless a caller kept, e.g., the embeddings array)
-        logger.debug("closed knowledge base %s (%s)", self.path, self.version)
+        closed = self.lifetime.close(timeout)
+        if closed is False:
+            return False
+        if closed:
+            self.pages.drop(chunk=chunk, pause=pause)
+            self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None  # freed here (unless a caller kept, e.g., the embeddings array)
+            logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
+
+    # ------------------------------------------------------------------ page cache (rag.knowledge.pagecache)
+    def mapped_addresses(self) -> list[int]:
+        """:meth:`MappedPages.addresses <rag.knowledge.pagecache.MappedPages.addresses>`."""
+        return self.pages.addresses()
+
+    def release_pages(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
+        """Drop this process's resident pages of the read-only file mappings (:meth:`MappedPages.release
+        <rag.knowledge.pagecache.MappedPages.release>`); returns the bytes advised."""
+        return self.pages.release(chunk=chunk, pause=pause)
+
+    def mapped_files(self) -> dict[str, int]:
+        """``{path: mapped bytes}`` of the files served through memory maps (:meth:`MappedPages.files
+        <rag.knowledge.pagecache.MappedPages.files>`)."""
+        return self.pages.files()
+
+    def _own_mappings(self) -> list[tuple[str, int, int]]:
+        return self.pages.own_mappings()
+
+    def prewarm(self, *, chunk: int = PREWARM_CHUNK, pause: float = PREWARM_PAUSE) -> int:
+        """Make every page a request can touch resident and mapped before requests use this knowledge base
+        (:meth:`MappedPages.prewarm <rag.knowledge.pagecache.MappedPages.prewarm>`; off the request path: the hot-swap
+        slot calls it between verification and the swap); returns the bytes prewarmed."""
+        return self.pages.prewarm(chunk=chunk, pause=pause)
 
     def __len__(self) -> int:
         return self.manifest.count
 
     def __repr__(self) -> str:
-        closed = ", closed" if self._closed else ""
+        closed = ", closed" if self.closed else ""
         return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind}{closed})"
 
     # ------------------------------------------------------------------ building
@@ -424,47 +331,11 @@ class KnowledgeBase:
         process at this lower priority (see :func:`rag.utils.checksums.sha256_files`), e.g. while the same
         process serves requests from another knowledge base.
         """
-        import datasets
-
         path = Path(path)
-        if path.exists() and not path.is_dir():
-            raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index build --out` wrote")
-        if not path.is_dir():
-            raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
-        mpath = path / MANIFEST
-        if not mpath.is_file():
-            raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
-        manifest = Manifest.from_dict(read_json(mpath, fix="the file is damaged — rebuild the knowledge base"), mpath)
-        verify_kb_files(path, manifest, verify, hash_nice=hash_nice)
-        check_arrow_files(path / PASSAGES)
-        try:
-            passages = datasets.load_from_disk(str(path / PASSAGES), keep_in_memory=not mmap)
-        except Exception as e:  # datasets raises several types for damaged dirs
-            raise IntegrityError(f"{path / PASSAGES}: cannot be read ({e}); rebuild the knowledge base") from e
-        try:
-            embeddings = np.load(path / EMBEDDINGS, mmap_mode="r" if mmap else None, allow_pickle=False)
-        except (ValueError, OSError, EOFError) as e:
-            raise IntegrityError(f"{path / EMBEDDINGS}: cannot be read ({e}); rebuild the knowledge base") from e
-        index = read_index(path / INDEX, mmap=mmap)
-        n = manifest.count
-        if len(passages) != n or embeddings.shape != (n, manifest.dim) or index.ntotal != n or index.d < manifest.dim:
-            raise IntegrityError(
-                f"{path}: sizes disagree (manifest count={n}, dim={manifest.dim}; passages={len(passages)}, "
-                f"embeddings={tuple(embeddings.shape)}, index ntotal={index.ntotal}); rebuild the knowledge base"
-            )
-        if verify != "none":
-            check_finite(embeddings, path / EMBEDDINGS)
-        if verify == "full":  # the id is recomputed from the verified content, never read from the manifest
-            check_version(path, manifest, passages)
-        bm25 = None
-        if (path / BM25_DIR).is_dir():
-            from rag.knowledge.bm25 import BM25Index
-
-            bm25 = BM25Index.load(path / BM25_DIR)
+        manifest, passages, embeddings, index, bm25 = read_directory(path, verify, mmap=mmap, hash_nice=hash_nice)
         kb = cls(path, manifest, passages, embeddings, index, bm25)
         kb.verified = verify
         return kb
-
 
     def recheck(self, verify: Verify = "full", *, hash_nice: Optional[int] = None) -> None:
         """Check this open knowledge base's files against its manifest again, as :meth:`open` did (`verify`: "full"
@@ -523,8 +394,6 @@ class KnowledgeBase:
         """Search on GPUs from now on (:func:`rag.knowledge.gpu.to_gpu`: ``devices`` "all", an id or a list; ``shard``
         the vectors over them instead of replicating; ``fp16`` storage). True when it did; False, with a warning, when
         search stays on the CPU (faiss without GPU support, no CUDA device, or an HNSW index)."""
-        from rag.knowledge.gpu import to_gpu
-
         with self.in_use():
             self._gpu = to_gpu(self._index, self._spec, devices, shard=shard, fp16=fp16)
         return self._gpu is not None

@@ -1,23 +1,31 @@
 """Page-cache control of a process's read-only file mappings: release resident pages (``MADV_DONTNEED``),
 prewarm them (``MADV_POPULATE_READ``), and list the mappings of a directory's files (Linux ``/proc/self/maps``).
 
-:class:`~rag.knowledge.knowledge_base.KnowledgeBase` uses these so that a swapped-out version frees without
-stalling the threads serving requests, and a new version's pages are resident before its first request.
-Everything here only ever saves time: off Linux the callers do nothing.
+:class:`MappedPages` is a knowledge base's page-cache part (:class:`~rag.knowledge.knowledge_base.KnowledgeBase`
+composes one): a swapped-out version frees without stalling the threads serving requests, and a new version's pages
+are resident before its first request. Everything here only ever saves time: off Linux it does nothing.
 """
 
 from __future__ import annotations
 
+import bisect
+import ctypes
 import logging
 import os
+import sys
 import time
+import weakref
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 
+from rag.knowledge.lifetime import Lifetime
+from rag.utils.validate import check_number, check_positive_int
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["RELEASE_CHUNK", "PREWARM_CHUNK", "PREWARM_PAUSE", "mapped_addresses", "arrow_addresses", "own_mappings",
+__all__ = ["MappedPages", "RELEASE_CHUNK", "PREWARM_CHUNK", "PREWARM_PAUSE", "mapped_addresses", "arrow_addresses", "own_mappings",
            "madvise_dontneed", "file_mappings", "populate"]
 
 _MADV_DONTNEED = 4
@@ -79,8 +87,6 @@ def own_mappings(root: Path, owned: list[int]) -> list[tuple[str, int, int]]:
     file none of whose mappings can be attributed (an index type :func:`mapped_addresses` does not know)
     counts with all of them, provided anything is owned at all (an in-memory copy maps nothing, and must
     not claim another object's mappings)."""
-    import bisect
-
     owned = sorted(owned)
     maps = file_mappings(root)
     mine = []
@@ -100,8 +106,6 @@ def madvise_dontneed(addresses: list[int], chunk: int, pause: float) -> int:
     alive. Failures are logged and ignored: this only ever saves time."""
     advised = 0
     try:
-        import ctypes
-
         regions = []
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as f:
             for line in f:
@@ -145,8 +149,6 @@ def file_mappings(root: Path) -> list[tuple[str, int, int]]:
 
 
 def _libc():
-    import ctypes
-
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
     libc.madvise.restype = ctypes.c_int
@@ -157,8 +159,6 @@ def _libc():
 
 def _touch(start: int, n: int, page: int) -> None:
     """Read one byte of every page of [start, start + n) (the fallback without MADV_POPULATE_READ)."""
-    import ctypes
-
     view = np.ctypeslib.as_array((ctypes.c_ubyte * n).from_address(start))
     int(view[::page].max())
 
@@ -166,8 +166,6 @@ def _touch(start: int, n: int, page: int) -> None:
 def populate(regions: list[tuple[int, int]], chunk: int, pause: float) -> int:
     """Fault in and map every page of `regions` (page-aligned mappings the caller keeps alive), `chunk`
     bytes per call, pausing after each step (see :meth:`KnowledgeBase.prewarm`); returns the bytes done."""
-    import ctypes
-
     libc = _libc()
     page = os.sysconf("SC_PAGE_SIZE")
     chunk = max(page, chunk // page * page)
@@ -197,3 +195,83 @@ def populate(regions: list[tuple[int, int]], chunk: int, pause: float) -> int:
             elif pause:
                 time.sleep(pause)
     return done
+
+
+_LINUX = sys.platform.startswith("linux")
+
+
+class MappedPages:
+    """The page-cache part of the knowledge base `owner` in directory `root`: ``data(owner)`` gives its
+    ``(embeddings, passages, index)`` (None each once freed), `lifetime` keeps them alive while their pages are advised
+    or read. It refers to `owner` weakly, so the knowledge base is freed as soon as nothing else holds it."""
+
+    def __init__(self, root: Path, owner: object, data: Callable[[object], tuple], lifetime: Lifetime) -> None:
+        self.root, self._owner, self._get, self._lifetime = root, weakref.ref(owner), data, lifetime
+
+    def _data(self) -> tuple:
+        owner = self._owner()
+        return (None, None, None) if owner is None else self._get(owner)
+
+    def addresses(self) -> list[int]:
+        """An address inside each large read-only file mapping the knowledge base owns: the memory-mapped embeddings,
+        the passages' Arrow columns and the codes of a memory-mapped flat / HNSW / HNSW-SQ8 index (empty once closed,
+        or for in-memory copies)."""
+        return mapped_addresses(*self._data())
+
+    def release(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
+        """Drop this process's resident pages of the read-only file mappings (``madvise(MADV_DONTNEED)``, `chunk` bytes
+        per call, sleeping `pause` s between calls). Non-destructive: the data stays in the page cache and a read running
+        meanwhile faults it back in and gets the same results. Done before freeing, it leaves faiss's destructor (which
+        holds the GIL) almost nothing to unmap; the madvise calls themselves release the GIL. Returns the bytes advised
+        (0 off Linux, when closed, or when nothing is mapped)."""
+        if not _LINUX:
+            return 0
+        with self._lifetime.hold_if_open() as held:
+            return self.drop(chunk=chunk, pause=pause) if held else 0
+
+    def drop(self, *, chunk: int = RELEASE_CHUNK, pause: float = 0.0) -> int:
+        """:meth:`release` for a caller that keeps the mappings alive itself (closing: no read can run)."""
+        addresses = self.addresses() if _LINUX else []
+        return madvise_dontneed(addresses, chunk, pause) if addresses else 0
+
+    def files(self) -> dict[str, int]:
+        """The files this process serves the knowledge base from through memory maps, with their mapped bytes:
+        ``{path: bytes}`` (Linux; empty elsewhere, when closed, or for in-memory copies). With ``mmap=True``: the FAISS
+        index, ``embeddings.npy`` and the passages' Arrow files — the pages a request reads."""
+        if not _LINUX:
+            return {}
+        out: dict[str, int] = {}
+        for name, start, end in self.own_mappings():
+            out[name] = out.get(name, 0) + (end - start)
+        return out
+
+    def own_mappings(self) -> list[tuple[str, int, int]]:
+        """(path, start, end) of the knowledge base's read-only mappings of files in `root` (:func:`own_mappings`:
+        where a file is mapped more than once, e.g. another object open on the same directory kept for swap_back, only
+        the mappings holding this object's data count)."""
+        if self._lifetime.closed:
+            return []
+        passages = self._data()[1]
+        return own_mappings(self.root, self.addresses() + arrow_addresses(passages))
+
+    def prewarm(self, *, chunk: int = PREWARM_CHUNK, pause: float = PREWARM_PAUSE) -> int:
+        """Make every page a request can touch resident and mapped before requests use the knowledge base.
+
+        Requests read the memory-mapped files at random (an HNSW search visits graph nodes and vectors all over the
+        index, then the rows of its hits); a page not in memory costs a request a disk read. This walks each mapping in
+        `chunk`-byte steps with ``madvise(MADV_POPULATE_READ)`` (releasing the GIL), first asking for a step's missing
+        pages at once (``MADV_WILLNEED``); after a step that found its pages cached it sleeps `pause` seconds, after one
+        that read from the disk it leaves the disk idle as long as the read took, so the version serving meanwhile is
+        not queued behind it. Without MADV_POPULATE_READ (Linux < 5.14) every page is touched instead. Returns the
+        bytes prewarmed (0 off Linux or when nothing is mapped).
+
+        Raises:
+            KnowledgeBaseError: closed meanwhile (the hot-swap slot logs it and swaps anyway).
+        """
+        check_positive_int(chunk, "prewarm chunk (bytes)")
+        check_number(pause, "prewarm pause (seconds)", low=0)
+        if not _LINUX:
+            return 0
+        with self._lifetime.hold():  # keeps the mappings alive while we read them; raises if closed
+            regions = [(start, end) for _, start, end in self.own_mappings()]
+            return populate(regions, int(chunk), float(pause)) if regions else 0
