@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generators.causal import doc_text
+from rag.generators.load import as_generator, check_generator_kind
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 from rag.knowledge.retriever_kinds import retriever_for_kind
@@ -239,59 +241,60 @@ def open_retriever(kind: str, kb_path):
     return retriever_for_kind(kind, resolve_knowledge_base(kb_path))
 
 
-def doc_text(p: Passage) -> str:
-    """The text of a passage as the LM reads it: title, newline, text (as the authors' code)."""
-    return f"{p.title}\n{p.text}" if p.title else p.text
-
-
 # ---------------------------------------------------------------------------- the LM side
 
 
 class CausalScorer:
-    """A frozen causal LM + tokenizer that scores windows in right-padded batches, computing logits only at the scored
-    positions."""
+    """In-Context RALM's scoring over a causal :class:`~rag.generators.causal.CausalGenerator` (its LM, tokenizer, pad
+    and the ``doc ∘ [ctx] ∘ text`` layout it tokenizes): windows scored in right-padded batches, logits computed only at
+    the scored positions.
 
-    def __init__(self, model, tokenizer, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
-        from rag.generators.load import check_generator_kind
+    `lm`: the generator, or a causal LM with its `tokenizer` (wrapped in one).
+    """
 
-        check_generator_kind(model, "causal", "In-Context RALM (--model / --rerank-model)")
-        self.model, self.tokenizer = model.eval(), tokenizer
-        ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if ctx is None or pad is None:
-            raise ConfigError("the LM's tokenizer has neither a pad/BOS nor an EOS token; set tokenizer.eos_token (or pad_token) "
-                              "and save it again")
-        self.ctx_id, self.pad_id = int(ctx), int(pad)
-        cfg = model.config
+    def __init__(self, lm, tokenizer=None, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
+        check_generator_kind(lm.model if tokenizer is None else lm, "causal", "In-Context RALM (--model / --rerank-model)")
+        generator = lm if tokenizer is None else as_generator(lm, tokenizer)
+        generator.check_layout_tokens()
+        self.generator = generator
+        generator.model.eval()
+        cfg = generator.model.config
         positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         self.max_length = int(max_length) if max_length is not None else min(int(positions), DEFAULT_MAX_LENGTH)
         if self.max_length > positions:
             raise ConfigError(f"--max-length {self.max_length} exceeds the LM's {positions} positions; lower it")
         self.doc_max_length, self.batch_size = int(doc_max_length), int(batch_size)
-        self._doc_cache: dict[tuple[str, str, str], list[int]] = {}
+
+    @property
+    def model(self):
+        return self.generator.model
+
+    @property
+    def tokenizer(self):
+        return self.generator.tokenizer
+
+    @property
+    def ctx_id(self) -> int:
+        return self.generator.context_token_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.generator.padding_id
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def stream(self, text: str) -> list[int]:
-        """``[ctx] + tokens(text)``: the text tokenized once, without special tokens."""
-        return [self.ctx_id] + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """``[ctx] + tokens(text)``: the text tokenized once, without special tokens (the generator's layout)."""
+        return self.generator.stream(text)
 
     def doc_tokens(self, passages: Iterable[Passage]) -> list[list[int]]:
-        """Token ids of each passage (:func:`doc_text`, cut to ``doc_max_length``), tokenized once and cached."""
-        passages = list(passages)
-        keys = [(p.id, p.title, p.text) for p in passages]
-        new = list({k: p for k, p in zip(keys, passages) if k not in self._doc_cache}.items())
-        if new:
-            enc = self.tokenizer([doc_text(p) for _, p in new], add_special_tokens=False, truncation=True,
-                                 max_length=self.doc_max_length)["input_ids"]
-            for (key, _), ids in zip(new, enc):
-                self._doc_cache[key] = list(ids)
-        return [self._doc_cache[k] for k in keys]
+        """Token ids of each passage (:func:`doc_text`, cut to ``doc_max_length``), tokenized once by the generator."""
+        return self.generator.document_ids(passages, self.doc_max_length)
 
     def clear_cache(self) -> None:
-        self._doc_cache.clear()
+        self.generator.clear_documents()
 
     def _split_head(self):
         """``(base, head)`` when ``head(base(x).last_hidden_state)`` reproduces the model's logits (checked once on a short
