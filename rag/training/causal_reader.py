@@ -9,8 +9,9 @@ step. Validation generates with the same layout: greedy answers with the top-1 r
 ``val/f1``) and without a passage (``val/em_no_retrieval``, ``val/f1_no_retrieval``), one batch for both.
 
 The loss is the mean negative log-likelihood of the answer tokens and EOS (:func:`answer_nll`); the LM head runs
-only at those positions. ``export_dir`` writes the trained LM (``save_pretrained``) at the end of ``fit``: ``rag
-generate --model DIR --kb KB`` and ``rag.load(DIR, knowledge_base=KB)`` read it.
+only at those positions. ``export_dir`` writes the trained reader (the LM and its In-Context RALM settings,
+:mod:`rag.pipeline.exports`) at the end of ``fit``: ``rag generate --model DIR --kb KB`` and ``rag.load(DIR,
+knowledge_base=KB)`` read it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import pytorch_lightning as pl
 import torch
 
 from rag.eval.metrics import ExactMatch, TokenF1
+from rag.generators.load import as_generator
 from rag.knowledge.passages import Passage
-from rag.models.ralm.model import CausalScorer, window_ids, window_start
+from rag.models.ralm.model import CausalScorer, RalmConfig, window_ids, window_start
+from rag.pipeline.exports import export_causal_reader
 from rag.training.data import batch_contexts
 from rag.training.settings import Optimizer, settings_dict
 from rag.utils.devices import without_cudnn_attention
@@ -148,6 +151,7 @@ class CausalReaderModule(pl.LightningModule):
         self.save_hyperparameters()
         self.lm = None  # built in configure_model()
         self.tokenizer = None
+        self.generator = None
         self.scorer: Optional[CausalScorer] = None
         self._kb = None
         self._ralm_reader = None
@@ -176,8 +180,9 @@ class CausalReaderModule(pl.LightningModule):
 
             path = ensure_tiny_gpt2([p.text for p in self._knowledge_base().all_passages()])
         lm, self.tokenizer, _ = load_generator(path, kind="causal")
-        self.lm = lm.train(self.training)
-        self.scorer = CausalScorer(self.lm, self.tokenizer, max_length=h.max_length, doc_max_length=h.doc_max_length)
+        self.lm = lm
+        self.generator = as_generator(lm, self.tokenizer)  # the causal Generator In-Context RALM and RAG read with
+        self.scorer = CausalScorer(self.generator, max_length=h.max_length, doc_max_length=h.doc_max_length)
         self.lm.train(self.training)  # CausalScorer puts its model in eval mode
         if h.selfask is not None:
             self._chains = self._load_chains(h.selfask)
@@ -268,15 +273,18 @@ class CausalReaderModule(pl.LightningModule):
         texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         return [first_line(t) for t in texts]
 
+    def _reading_config(self) -> RalmConfig:
+        """How validation reads, and how the export is read: one retrieval per answer (stride = max_new_tokens)."""
+        h = self.hparams
+        return RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
+
     def _reader(self):
         """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
         if self._ralm_reader is None:
-            from rag.models.ralm.model import RalmConfig
             from rag.pipeline.readers import RalmReader
 
             h = self.hparams
-            cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
-            self._ralm_reader = RalmReader(self.lm, self.tokenizer, self._knowledge_base(), cfg, retrieval=h.retrieval)
+            self._ralm_reader = RalmReader(self.generator, None, self._knowledge_base(), self._reading_config(), retrieval=h.retrieval)
         return self._ralm_reader
 
     def _eval_step(self, batch: dict, stage: str) -> None:
@@ -323,13 +331,10 @@ class CausalReaderModule(pl.LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, directory: str | os.PathLike, *, overwrite: bool = True) -> Path:
-        """Write the trained LM and tokenizer (``save_pretrained``), atomically; with `overwrite` only a directory that
-        holds a saved model (``config.json``) is replaced."""
-        from rag.utils.io import atomic_directory
-
-        with atomic_directory(directory, overwrite=overwrite, replaces=lambda p: (p / "config.json").is_file(),
-                              kind="causal reader") as tmp:
-            self.lm.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
+        """Write the trained reader as a reader export (:func:`rag.pipeline.exports.export_reader`: the LM, its
+        tokenizer and the In-Context RALM settings it was validated with), atomically; with `overwrite` only a
+        directory that holds a saved model (``config.json``) is replaced."""
+        out = export_causal_reader(self._require().generator, self._reading_config(), self.hparams.retrieval, directory,
+                                   overwrite=overwrite)
         logger.info("trained reader written to %s", directory)
-        return Path(directory)
+        return out
