@@ -87,28 +87,13 @@ def prompt_windows(scorer: CausalScorer, prompts: Sequence[str], passages: Optio
 
 
 def answer_nll(scorer: CausalScorer, windows: Sequence[tuple[list[int], int]]) -> torch.Tensor:
-    """``(B,)`` summed negative log-likelihood of each window's last ``n`` tokens, with gradients into the LM.
-
-    Windows are right-padded (a causal LM never attends to later positions, so position ids stay 0..len-1 and the pads
-    change nothing); the LM head runs only at the scored positions (:meth:`CausalScorer.target_logprobs`)."""
-    dev = scorer.device
-    width = max(len(w) for w, _ in windows)
-    ids = torch.full((len(windows), width), scorer.pad_id, dtype=torch.long)
-    rows, cols = [], []
+    """``(B,)`` summed negative log-likelihood of each window's last ``n`` tokens, with gradients into the LM: one pass of
+    the scoring In-Context RALM evaluates with (:meth:`CausalScorer.positions_logprobs`)."""
     for r, (w, n) in enumerate(windows):
         if not 1 <= n < len(w):
             raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one token before it")
-        ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
-        rows += [r] * n
-        cols += range(len(w) - n, len(w))
-    ids = ids.to(dev)
-    r_t, c_t = torch.as_tensor(rows, device=dev), torch.as_tensor(cols, device=dev)
-    if scorer.head_split is not None:
-        states = scorer.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
-    else:
-        states = scorer.model(input_ids=ids).logits[r_t, c_t - 1]
-    lp = scorer.target_logprobs(states, ids[r_t, c_t])
-    return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, r_t, lp)
+    lp, rows = scorer.positions_logprobs([w for w, _ in windows], [range(len(w) - n, len(w)) for w, n in windows])
+    return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
 
 class CausalReaderModule(pl.LightningModule):

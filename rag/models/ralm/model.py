@@ -332,43 +332,51 @@ class CausalScorer:
         """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them: ``(n_scored[i],)`` each."""
         return self.score_positions(windows, [range(len(w) - m, len(w)) for w, m in zip(windows, n_scored)], progress=progress)
 
+    def positions_logprobs(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One right-padded pass over `windows` (gradients flow when enabled): log p(window[t] | window[:t]) at each ``t``
+        of ``positions[i]`` (every ``t >= 1``), concatenated ``(rows,)`` float32, and each row's window index ``(rows,)``.
+
+        A causal LM never attends to later positions, so the pads cannot change a real position's output, and position
+        ids stay 0..len-1 (no attention mask needed). The LM head runs only at the scored positions."""
+        dev = self.device
+        width = max(len(w) for w in windows)
+        ids = torch.full((len(windows), width), self.pad_id, dtype=torch.long)
+        rows, cols = [], []
+        for r, (w, pos) in enumerate(zip(windows, positions)):
+            pos = list(pos)
+            if pos and (min(pos) < 1 or max(pos) >= len(w)):
+                raise RagError(f"window {r}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
+            ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
+            rows += [r] * len(pos)
+            cols += pos
+        ids = ids.to(dev)
+        r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
+        if self.head_split is not None:
+            states = self.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
+        else:
+            states = self.model(input_ids=ids).logits[r_t, c_t - 1]
+        return self.target_logprobs(states, ids[r_t, c_t]), r_t
+
     @torch.no_grad()
     def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
         """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]`` (every ``t >= 1``): a float64 array per window.
 
-        Windows are sorted by length and run ``batch_size`` at a time, right-padded: a causal LM never attends to later
-        positions, so the pads cannot change a real position's output, and positions ids stay 0..len-1 (no attention
-        mask needed). The LM head runs only at the scored positions, ``HEAD_ROWS`` rows at a time.
+        Windows are sorted by length and run ``batch_size`` at a time (:meth:`positions_logprobs`), the LM head
+        ``HEAD_ROWS`` rows at a time.
         """
         order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
         out: list[Optional[np.ndarray]] = [None] * len(windows)
-        dev = self.device
         for lo in range(0, len(order), self.batch_size):
             idx = order[lo:lo + self.batch_size]
-            width = max(len(windows[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            rows, cols = [], []
-            for r, i in enumerate(idx):
-                w, pos = windows[i], list(positions[i])
-                if pos and (min(pos) < 1 or max(pos) >= len(w)):
-                    raise RagError(f"window {i}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
-                ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
-                rows += [r] * len(pos)
-                cols += pos
-            ids = ids.to(dev)
-            r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
-            if self.head_split is not None:
-                states = self.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
-            else:
-                states = self.model(input_ids=ids).logits[r_t, c_t - 1]
-            lp = self.target_logprobs(states, ids[r_t, c_t]).double().cpu().numpy()
+            lp, _ = self.positions_logprobs([windows[i] for i in idx], [positions[i] for i in idx])
+            lp = lp.double().cpu().numpy()
             at = 0
             for i in idx:
                 n = len(positions[i])
                 out[i] = lp[at:at + n]
                 at += n
             if progress is not None:
-                progress.update(len(rows))
+                progress.update(sum(len(positions[i]) for i in idx))
         return out  # type: ignore[return-value]
 
 
