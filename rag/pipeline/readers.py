@@ -29,7 +29,7 @@ from rag.generators.load import as_generator, check_generator_kind
 from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
 from rag.models.ralm.generate import continuation_answer
-from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig
+from rag.models.ralm.model import InContextRALM, RalmConfig
 from rag.models.replug.ensemble import ensemble_over_rag, replug_answers
 
 
@@ -315,9 +315,7 @@ class RalmReader:
 
     def _ralm(self, retriever, config: "RalmConfig", reranker) -> InContextRALM:
         """In-Context RALM over this reader's generator (its LM, tokenizer and document layout)."""
-        scorer = CausalScorer(self.generator, max_length=config.max_length, doc_max_length=config.doc_max_length,
-                              batch_size=config.batch_size)
-        return InContextRALM(None, None, retriever, config, reranker, scorer=scorer)
+        return InContextRALM(self.generator, None, retriever, config, reranker)
 
     @property
     def generator_kind(self) -> str:

@@ -401,6 +401,7 @@ class InContextRALM:
     scoring its last ``window_step`` tokens, so every token is predicted from at least max_length − window_step (by
     default more than half the window) preceding tokens, or all of them near the start, and the LM reads about
     max_length / window_step (by default 2) times the text's tokens. `reranker` (§6) chooses among the top ``config.k``.
+    `model`: a causal LM with its `tokenizer`, or a :class:`~rag.generators.causal.CausalGenerator` (`tokenizer` None).
     `scorer`: a :class:`CausalScorer` to use instead of one over `model` (e.g. a black-box LM behind an OpenAI-compatible
     endpoint, :class:`~rag.models.replug.lm_scorer.RemoteCausalScorer`, which scores whole windows: ``scorer.whole_windows``).
     """
