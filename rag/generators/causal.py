@@ -10,13 +10,18 @@ The LM head runs only at those T positions (``logits_to_keep``). Prompts are lai
 header + passage, then the rest (:func:`~rag.generation.prompts.segmented_pad`), so decoding takes the first segment's
 KV cache from this generator's :class:`~rag.generation.causal.PrefixCache`, which it owns and clears when the weights
 may change (:meth:`CausalGenerator.clear_caches`).
+
+In-Context RALM's layout (Ram et al. 2023) reads the same LM and tokenizer: ``doc ∘ [ctx] ∘ text``, the text tokenized
+once into a stream behind a context token (BOS, else EOS: the text's first token is scored too) and each document
+(:func:`doc_text`, cut to a length) tokenized once per generator (:meth:`CausalGenerator.stream`,
+:meth:`CausalGenerator.document_ids`).
 """
 
 from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -29,7 +34,7 @@ from rag.generators.base import GeneratorBase, GeneratorInputs
 from rag.utils.errors import ConfigError
 from rag.utils.truncation import note_cut_prompts
 
-__all__ = ["CausalGenerator", "causal_logits", "PREFIX_CACHE_BYTES"]
+__all__ = ["CausalGenerator", "causal_logits", "doc_text", "PREFIX_CACHE_BYTES"]
 
 PREFIX_CACHE_BYTES = 1 << 30
 """How much memory a generator's :class:`PrefixCache` of passage KV caches may hold."""
@@ -37,6 +42,11 @@ PREFIX_CACHE_BYTES = 1 << 30
 
 class _Probe:
     title, text = "t", "p"
+
+
+def doc_text(p) -> str:
+    """The text of a passage as In-Context RALM reads it before a text: title, newline, text (as the authors' code)."""
+    return f"{p.title}\n{p.text}" if p.title else p.text
 
 
 def causal_logits(generator, prompt_ids: Tensor, prompt_mask: Tensor, labels: Tensor, n_docs: int) -> Tensor:
@@ -75,6 +85,7 @@ class CausalGenerator(GeneratorBase):
         super().__init__(model, tokenizer)
         self._prefix_cache: Optional[PrefixCache] = None
         self._answer_prefix: Optional[tuple] = None  # (prompt format, the text before an answer)
+        self._documents: dict[tuple, list[int]] = {}  # (passage id, title, text, max length) -> document ids
 
     def check_tokens(self) -> None:
         if getattr(self.tokenizer, "eos_token_id", None) is None:
@@ -157,3 +168,42 @@ class CausalGenerator(GeneratorBase):
     def clear_caches(self) -> None:
         if self._prefix_cache is not None:
             self._prefix_cache.clear()
+
+    # ------------------------------------------------------------------ the doc ∘ [ctx] ∘ text layout
+    def check_layout_tokens(self) -> None:
+        """ConfigError unless the tokenizer has a context token (BOS or EOS) and a pad (pad or EOS)."""
+        tok = self.tokenizer
+        if (tok.bos_token_id is None and tok.eos_token_id is None) or (tok.pad_token_id is None and tok.eos_token_id is None):
+            raise ConfigError("the LM's tokenizer has neither a pad/BOS nor an EOS token; set tokenizer.eos_token (or "
+                              "pad_token) and save it again")
+
+    @property
+    def context_token_id(self) -> int:
+        """The token before a text (BOS, else EOS)."""
+        tok = self.tokenizer
+        return int(tok.bos_token_id if tok.bos_token_id is not None else tok.eos_token_id)
+
+    @property
+    def padding_id(self) -> int:
+        """The id right- or left-padded rows are filled with (pad, else EOS)."""
+        return self._pad_id
+
+    def stream(self, text: str) -> list[int]:
+        """``[ctx] + tokens(text)``: the text tokenized once, without special tokens."""
+        return [self.context_token_id] + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def document_ids(self, passages: Iterable, max_length: int) -> list[list[int]]:
+        """Token ids of each passage (:func:`doc_text`, cut to `max_length` tokens), tokenized once and kept until
+        :meth:`clear_documents`."""
+        passages = list(passages)
+        keys = [(p.id, p.title, p.text, int(max_length)) for p in passages]
+        new = list({k: p for k, p in zip(keys, passages) if k not in self._documents}.items())
+        if new:
+            enc = self.tokenizer([doc_text(p) for _, p in new], add_special_tokens=False, truncation=True,
+                                 max_length=int(max_length))["input_ids"]
+            for (key, _), ids in zip(new, enc):
+                self._documents[key] = list(ids)
+        return [self._documents[k] for k in keys]
+
+    def clear_documents(self) -> None:
+        self._documents.clear()

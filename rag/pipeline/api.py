@@ -42,10 +42,13 @@ from rag.utils.io import process_umask
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.rag.model import RagModel
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
 from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
+from rag.models.rag.checkpoint import is_hf_rag_checkpoint, is_lightning_checkpoint
+from rag.models.rag.hf_compat import load_hf_rag
+from rag.models.rag.model import RagModel
+from rag.pipeline.exports import is_reader_export, load_reader
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
 from rag.utils.devices import without_cudnn_attention
 
@@ -74,13 +77,7 @@ class RagPipeline:
     @property
     def generator_kind(self) -> str:
         """The reader's generator family: ``"seq2seq"`` or ``"causal"``."""
-        return self.reader.generator.kind
-
-    @property
-    def kind(self) -> str:
-        """The family of options the reader takes (:data:`READER_OPTIONS`): ``"seq2seq"`` (a RAG model's, whatever its
-        generator) or ``"causal"`` (In-Context RALM's); see :attr:`method` and :attr:`generator_kind`."""
-        return self.reader.kind
+        return self.reader.generator_kind
 
     @property
     def model(self):
@@ -102,16 +99,16 @@ class RagPipeline:
 
     def _check_options(self, options: dict) -> None:
         """Validate the schema's options (:class:`~rag.generation.options.GenerationOptions`) and refuse those of the
-        other reader kind, naming the flag."""
+        other method, naming the flag."""
         specs = option_specs()
         GenerationOptions(**{n: v for n, v in options.items() if n in specs and v is not None})
-        for kind, names in READER_OPTIONS.items():
-            if kind == self.reader.kind:
+        for method, names in READER_OPTIONS.items():
+            if method == self.method:
                 continue
             for name, flag in names.items():
                 if options.get(name) is not None:
-                    raise ConfigError(f"{name}= ({flag}) applies to {READS[kind]}, but this pipeline reads with "
-                                      f"{READS[self.reader.kind]}; drop {flag}, or load a {kind} model")
+                    raise ConfigError(f"{name}= ({flag}) applies to {READS[method]}, but this pipeline reads with "
+                                      f"{READS[self.method]}; drop {flag}, or load {READS[method].split(' (')[0]}")
 
     @without_cudnn_attention
     def retrieve(self, questions: Sequence[str], k: int = 5, **options) -> list[Retrieval]:
@@ -212,22 +209,77 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
     return path
 
 
+def _refuse_lightning_checkpoint(path, knowledge_base, device, overrides) -> RagPipeline:
+    raise ConfigError(f"{path}: is a Lightning checkpoint of `rag fit`, not a model directory; export it first: "
+                      f"rag export {path} DIR, then --model DIR (rag.load(DIR))")
+
+
+def _load_export(path, knowledge_base, device, overrides) -> RagPipeline:
+    return RagPipeline(load_reader(path, knowledge_base, device=device, **overrides))
+
+
+def _is_hf_rag(path) -> bool:
+    return Path(path).is_dir() and not (Path(path) / "rag_config.json").is_file() and is_hf_rag_checkpoint(path)
+
+
+def _load_hf_rag(path, knowledge_base, device, overrides) -> RagPipeline:
+    if knowledge_base is None:
+        raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
+    model = load_hf_rag(path, knowledge_base, **overrides)
+    return RagPipeline(model.to(device) if device else model)
+
+
+def _load_causal_lm(path, knowledge_base, device, overrides) -> RagPipeline:
+    return RagPipeline(RalmReader.load(path, knowledge_base, device=device, **overrides))
+
+
+def _refuse_seq2seq(path, knowledge_base, device, overrides) -> RagPipeline:
+    raise ConfigError(f"{path}: is a seq2seq generator (such as BART or T5), not a RAG checkpoint; --model / rag.load take a "
+                      "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). Build a RAG model "
+                      "around it (`rag fit --model.generator DIR`, or RagModel.from_components) and save that")
+
+
+def _is_missing_path(path) -> bool:
+    name = os.fspath(path)
+    return not Path(path).exists() and (os.sep in name or name.startswith("."))
+
+
+def _refuse_missing(path, knowledge_base, device, overrides) -> RagPipeline:
+    raise RagError(f"{os.fspath(path)}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")
+
+
+def _load_rag_model(path, knowledge_base, device, overrides) -> RagPipeline:
+    model = RagModel.from_pretrained(path, knowledge_base=knowledge_base, **overrides)
+    return RagPipeline(model.to(device) if device is not None else model)
+
+
+LOADERS = (
+    (is_lightning_checkpoint, _refuse_lightning_checkpoint),
+    (is_reader_export, _load_export),  # reader.json: RAG (seq2seq or causal), In-Context RALM, REPLUG
+    (_is_hf_rag, _load_hf_rag),  # a transformers RAG checkpoint, imported with exact transformers behaviour
+    (is_causal_lm_checkpoint, _load_causal_lm),  # a plain causal LM or demo LM name: In-Context RALM
+    (is_seq2seq_checkpoint, _refuse_seq2seq),
+    (_is_missing_path, _refuse_missing),
+    (lambda path: True, _load_rag_model),  # a RagModel directory (before reader.json) or a hub id
+)
+"""``rag.load``'s (probe, loader) pairs, tried in order: the first probe that holds for the path loads it."""
+
+
 def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
-    """Load a RAG model, or a causal LM with In-Context RALM, as a :class:`RagPipeline`.
+    """Load a model directory (any reader's export, :mod:`rag.pipeline.exports`), a causal LM with In-Context RALM, or
+    a transformers RAG checkpoint as a :class:`RagPipeline` (:data:`LOADERS`).
 
-    `path_or_name`: a checkpoint directory written by `RagModel.save_pretrained`, a transformers
-    RAG checkpoint directory (imported with exact transformers behaviour), a hub id where a hub
-    is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use; "demo-causal" and
-    "demo-seq2seq" name one of the two bundled models);
-    or a causal LM directory (``save_pretrained``) or demo LM name (``"smollm2"``), read with
-    :class:`RalmReader` over `knowledge_base` (required). `knowledge_base` overrides the knowledge base
-    the checkpoint references. `config_overrides` replace :class:`~rag.models.rag.config.RagModelConfig`
-    fields (e.g. ``n_docs=2``) for every kind of RAG checkpoint, or are :class:`~rag.models.ralm.model.RalmConfig`
-    fields and ``retrieval`` for a causal LM; unknown names raise ConfigError with the valid list.
+    `path_or_name`: a model directory (``rag export``, :func:`~rag.pipeline.exports.export_reader`,
+    ``RagModel.save_pretrained``), a transformers RAG checkpoint directory (imported with exact transformers behaviour),
+    a hub id where a hub is reachable, or "demo" for the bundled demo model (its knowledge base is built on first use;
+    "demo-causal" and "demo-seq2seq" name one of the two bundled models); or a causal LM directory (``save_pretrained``)
+    or demo LM name (``"smollm2"``), read with :class:`RalmReader` over `knowledge_base` (required). `knowledge_base`
+    overrides the knowledge base the checkpoint references. `config_overrides` replace
+    :class:`~rag.models.rag.config.RagModelConfig` fields (e.g. ``n_docs=2``) of a RAG model, or are
+    :class:`~rag.models.ralm.model.RalmConfig` fields and ``retrieval`` for a causal LM; unknown names raise ConfigError
+    with the valid list.
     """
-    from rag.models.rag.model import RagModel
-
     name = str(path_or_name)
     if name in DEMO_NAMES:
         from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
@@ -235,29 +287,5 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
         path_or_name = demo_checkpoint_dir(*([DEMO_NAMES[name]] if DEMO_NAMES[name] else []))
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()
-    path = Path(path_or_name)
-    from rag.models.rag.checkpoint import is_lightning_checkpoint
-
-    if is_lightning_checkpoint(path):
-        raise ConfigError(f"{path}: is a Lightning checkpoint of `rag fit`, not a model directory; export it first: "
-                          f"rag export {path} DIR, then --model DIR (rag.load(DIR))")
-    if path.is_dir() and not (path / "rag_config.json").is_file():
-        from rag.models.rag.hf_compat import is_hf_rag_checkpoint, load_hf_rag
-
-        if is_hf_rag_checkpoint(path):
-            if knowledge_base is None:
-                raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
-            model = load_hf_rag(path, knowledge_base, **config_overrides)
-            return RagPipeline(model.to(device) if device else model)
-    if is_causal_lm_checkpoint(path_or_name):  # a plain causal LM reads with In-Context RALM
-        return RagPipeline(RalmReader.load(path_or_name, knowledge_base, device=device, **config_overrides))
-    if is_seq2seq_checkpoint(path_or_name):
-        raise ConfigError(f"{name}: is a seq2seq generator (such as BART or T5), not a RAG checkpoint; --model / rag.load take a "
-                          "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). Build a RAG model "
-                          "around it (`rag fit --model.generator DIR`, or RagModel.from_components) and save that")
-    if not path.exists() and (os.sep in name or name.startswith(".")):
-        raise RagError(f"{name}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")
-    model = RagModel.from_pretrained(path_or_name, knowledge_base=knowledge_base, **config_overrides)
-    if device is not None:
-        model = model.to(device)
-    return RagPipeline(model)
+    loader = next(loader for probe, loader in LOADERS if probe(path_or_name))
+    return loader(path_or_name, knowledge_base, device, config_overrides)

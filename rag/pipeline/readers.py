@@ -9,7 +9,6 @@ only one method takes are listed in :data:`READER_OPTIONS` and refused for the o
 from __future__ import annotations
 
 import os
-from functools import cached_property
 from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Union, runtime_checkable
 
 import torch
@@ -20,26 +19,28 @@ from rag.utils.validate import check_number, check_positive_int, check_strings
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.models.rag.model import RagModel
-    from rag.models.ralm.model import DocumentScorer, RalmConfig
+    from rag.models.ralm.model import DocumentScorer
 
 from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
 from rag.generation.options import FALLBACK_DEFAULTS, reader_options, resolve_generation, retrieval_options
 from rag.generators.base import Generator
-from rag.generators.load import as_generator
+from rag.generators.load import as_generator, check_generator_kind
+from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
 from rag.models.rag.generate import answers_with_provenance, closed_book_answers
 from rag.models.ralm.generate import continuation_answer
-from rag.models.replug.ensemble import replug_answers
+from rag.models.ralm.model import InContextRALM, RalmConfig
+from rag.models.replug.ensemble import ensemble_over_rag, replug_answers
 
 
 @runtime_checkable
 class Reader(Protocol):
     """What a :class:`RagPipeline` holds: a generator with its retrieval, answering with provenance.
 
-    ``method``: ``"rag"`` (Lewis et al. 2020) | ``"ralm"`` (In-Context RALM, Ram et al. 2023). ``generator``: its LM as
-    a :class:`~rag.generators.base.Generator` (``tokenizer``, ``eos_token_id``, ``kind`` seq2seq | causal).
-    ``kind``: the family of options the reader takes, ``"seq2seq"`` (RAG's) | ``"causal"`` (In-Context RALM's), the
-    keys of :data:`READER_OPTIONS`; options of the other family are refused by the pipeline, naming them.
+    ``method``: ``"rag"`` (Lewis et al. 2020) | ``"ralm"`` (In-Context RALM and REPLUG, Ram et al. 2023, Shi et al.
+    2023), the keys of :data:`READER_OPTIONS`: options of the other method are refused by the pipeline, naming them.
+    ``generator``: its LM as a :class:`~rag.generators.base.Generator` (``tokenizer``, ``eos_token_id``);
+    ``generator_kind``: its family, ``"seq2seq"`` | ``"causal"``.
     ``continues_prompts``: whether the reader continues raw text token by token (scores a prompt, streams tokens).
     ``retriever``: what a :class:`~rag.knowledge.hotswap.KnowledgeBaseSlot` swaps (``knowledge_base``,
     ``set_knowledge_base``). ``model``: the underlying model. ``retrieve`` / ``generate`` take checked lists of
@@ -47,12 +48,14 @@ class Reader(Protocol):
     """
 
     method: str
-    kind: str
     continues_prompts: bool
     model: Any
 
     @property
     def generator(self) -> Generator: ...
+
+    @property
+    def generator_kind(self) -> str: ...
 
     @property
     def retriever(self) -> Any: ...
@@ -67,14 +70,18 @@ class Reader(Protocol):
     def generate_without_retrieval(self, questions: Sequence[str], **options) -> list[Answer]: ...
 
     def description(self) -> dict:
-        """``method`` (as a server names it), ``generator_kind``, ``extractive``."""
+        """``method`` (as a server names it), ``generator_kind``, ``extractive``, and ``reader`` (the name older
+        servers gave the reader's options, :data:`OPTIONS_NAMES`)."""
 
     def step_rows(self, options: dict) -> int:
         """Rows (passages x beams) one decoding step with `options` runs: what a server bounds."""
 
 
-READER_OPTIONS = {kind: reader_options(kind) for kind in ("seq2seq", "causal")}
-"""Options only one kind of reader takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
+OPTIONS_NAMES = {"rag": "seq2seq", "ralm": "causal"}
+"""Per method, the name its options have in the schema (``OptionSpec.reader``) and in ``/health``'s ``reader`` field."""
+
+READER_OPTIONS = {method: reader_options(name) for method, name in OPTIONS_NAMES.items()}
+"""Per method, the options only it takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
 
 RETRIEVAL_OPTIONS = retrieval_options()
 """Options that say how to retrieve or mix passages: a generation without retrieval refuses them."""
@@ -89,14 +96,13 @@ def _refuse_retrieval_options(options: dict) -> None:
         options.pop(name, None)
 
 
-READS = {"seq2seq": "a RAG model (RAG-Sequence / RAG-Token over n_docs passages, seq2seq or causal generator)",
-          "causal": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
+READS = {"rag": "a RAG model (RAG-Sequence / RAG-Token over n_docs passages, seq2seq or causal generator)",
+         "ralm": "a causal LM with In-Context RALM (a document re-retrieved every --stride tokens)"}
 
 
 class RagReader:
     """The RAG reader: a :class:`~rag.models.rag.model.RagModel` (RAG-Sequence / RAG-Token, Lewis et al. 2020) with a
-    seq2seq or a causal generator; its ``kind`` names the family of options it takes (RAG's), not its generator
-    (``generator_kind``).
+    seq2seq or a causal generator (``generator_kind``).
 
     Thread-safe with respect to knowledge-base swaps: a call reads the knowledge-base
     reference once (inside retrieval) and builds every answer (or retrieval) from that one
@@ -104,7 +110,6 @@ class RagReader:
     """
 
     method = "rag"
-    kind = "seq2seq"
     continues_prompts = False
 
     def __init__(self, model: "RagModel"):
@@ -125,7 +130,7 @@ class RagReader:
         config = self.model.config
         stored = dict(config.generation or {})
         return {"method": f"rag-{config.marginalization}", "generator_kind": self.generator_kind,
-                "extractive": bool(stored.get("extractive", False))}
+                "extractive": bool(stored.get("extractive", False)), "reader": OPTIONS_NAMES[self.method]}
 
     def step_rows(self, options: dict) -> int:
         """Rows one decoding step with `options` runs: n_docs x num_beams (closed-book: num_beams); unset = stored."""
@@ -253,23 +258,12 @@ class RagReader:
             raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
                               "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
         if ensemble is not None:
-            n_docs, marginalization = _ensemble_as_rag_token(ensemble, n_docs, marginalization)
+            n_docs, marginalization = ensemble_over_rag(ensemble, n_docs, marginalization)
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
         config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
         found = generate_for_questions(self.model, questions, config, n_docs=k, marginalization=marginalization,
                                        decoding=decoding, with_no_retrieval=with_no_retrieval, retrieval=retrieval)
         return questions, found
-
-def _ensemble_as_rag_token(ensemble, n_docs: Optional[int], marginalization: Optional[str]) -> tuple[int, str]:
-    """A REPLUG ``ensemble=K`` for a seq2seq RAG model: RAG-Token over K passages, ``(n_docs, "token")``."""
-    check_positive_int(ensemble, "ensemble (--ensemble, documents mixed per step)", error=ConfigError)
-    if marginalization == "sequence":
-        raise ConfigError("ensemble= (--ensemble, REPLUG) with a RAG model is RAG-Token decoding over K passages; it cannot be "
-                          "combined with marginalization='sequence' (--marginalization sequence): drop one of them")
-    if n_docs is not None and n_docs != ensemble:
-        raise ConfigError(f"ensemble={ensemble} (--ensemble) with a RAG model means n_docs={ensemble} with RAG-Token decoding; "
-                          f"it contradicts n_docs={n_docs} (--n-docs): pass only one of them")
-    return ensemble, "token"
 
 
 class RalmReader:
@@ -289,27 +283,27 @@ class RalmReader:
     """
 
     method = "ralm"
-    kind = "causal"
     continues_prompts = True
 
     def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
                  config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
                  reranker: Optional["DocumentScorer"] = None):
-        from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
-        from rag.models.ralm.model import InContextRALM, RalmConfig
-
         if knowledge_base is None:
             raise ConfigError("a causal LM carries no knowledge base: pass knowledge_base=<directory> (--kb DIR)")
         kb = resolve_knowledge_base(knowledge_base)
-        self.model, self.tokenizer, self.reranker = model.eval(), tokenizer, reranker
+        if tokenizer is None:  # a CausalGenerator: the one a causal RAG model or a training module holds
+            self.generator: Generator = model
+        else:
+            check_generator_kind(model, "causal", "In-Context RALM (--model)")
+            self.generator = as_generator(model, tokenizer)
+        self.model, self.tokenizer, self.reranker = self.generator.model.eval(), self.generator.tokenizer, reranker
         self.config = config or RalmConfig()
         self._retriever = KnowledgeBaseRetrievers(kb, retrieval)
-        InContextRALM(model, tokenizer, self._retriever, self.config, reranker)  # checks the settings now, not per call
+        self._ralm(self._retriever, self.config, reranker)  # checks the settings now, not per call
 
-    @cached_property
-    def generator(self) -> Generator:
-        """The causal LM and its tokenizer as a :class:`~rag.generators.base.Generator`."""
-        return as_generator(self.model, self.tokenizer)
+    def _ralm(self, retriever, config: "RalmConfig", reranker) -> InContextRALM:
+        """In-Context RALM over this reader's generator (its LM, tokenizer and document layout)."""
+        return InContextRALM(self.generator, None, retriever, config, reranker)
 
     @property
     def generator_kind(self) -> str:
@@ -319,7 +313,8 @@ class RalmReader:
         """What a server says it reads with: ``method`` (``replug`` with an ensemble, else ``in-context-ralm``),
         ``generator_kind``, ``extractive`` (never)."""
         method = "replug" if self.config.ensemble else "in-context-ralm"
-        return {"method": method, "generator_kind": self.generator_kind, "extractive": False}
+        return {"method": method, "generator_kind": self.generator_kind, "extractive": False,
+                "reader": OPTIONS_NAMES[self.method]}
 
     def step_rows(self, options: dict) -> int:
         """Rows one decoding step with `options` runs: ensemble x num_beams (closed-book: num_beams); unset = stored."""
@@ -394,7 +389,6 @@ class RalmReader:
         from dataclasses import replace
 
         from rag.models.ralm.generate import ralm_generate
-        from rag.models.ralm.model import InContextRALM
 
         questions = check_strings(questions, "questions")
         config = resolve_generation({"max_new_tokens": max_new_tokens, "num_beams": num_beams,
@@ -409,7 +403,7 @@ class RalmReader:
             if self.reranker is not None:
                 raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader has a reranker "
                                   "choosing one document: drop the reranker or the ensemble")
-        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, None if cfg.ensemble else self.reranker)
+        ralm = self._ralm(served.retriever(retrieval), cfg, None if cfg.ensemble else self.reranker)
         rng = None
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
@@ -436,7 +430,6 @@ class RalmReader:
         from dataclasses import fields
 
         from rag.generators.load import load_generator
-        from rag.models.ralm.model import RalmConfig
 
         known = {f.name for f in fields(RalmConfig)}
         unknown = sorted(set(config_overrides) - known)

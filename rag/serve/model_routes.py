@@ -22,7 +22,7 @@ def reader_description(pipeline) -> dict:
     """What ``/health`` says the server reads with: ``method`` (``rag-sequence`` / ``rag-token`` as the model's stored
     marginalization, ``in-context-ralm``, ``replug``), ``generator_kind`` (``seq2seq`` / ``causal``) and
     ``extractive`` (the stored setting of a RAG model); ``reader`` (the option family, kept for older clients)."""
-    return {"reader": pipeline.kind, **pipeline.reader.description()}
+    return pipeline.reader.description()
 
 
 def retrieve_passages(pipeline, questions: list[str], k: int) -> dict:

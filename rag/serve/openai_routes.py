@@ -127,7 +127,8 @@ class OpenAIRoutes:
 
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "rag",
-                "rag": {"reader": self.pipeline.kind, "kb_version": self.pipeline.kb_version}}
+                "rag": {"method": self.pipeline.method, "generator_kind": self.pipeline.generator_kind,
+                        "kb_version": self.pipeline.kb_version}}
 
     def model(self, model_id: str) -> dict:
         self._check_model(model_id)

@@ -9,8 +9,9 @@ step. Validation generates with the same layout: greedy answers with the top-1 r
 ``val/f1``) and without a passage (``val/em_no_retrieval``, ``val/f1_no_retrieval``), one batch for both.
 
 The loss is the mean negative log-likelihood of the answer tokens and EOS (:func:`answer_nll`); the LM head runs
-only at those positions. ``export_dir`` writes the trained LM (``save_pretrained``) at the end of ``fit``: ``rag
-generate --model DIR --kb KB`` and ``rag.load(DIR, knowledge_base=KB)`` read it.
+only at those positions. ``export_dir`` writes the trained reader (the LM and its In-Context RALM settings,
+:mod:`rag.pipeline.exports`) at the end of ``fit``: ``rag generate --model DIR --kb KB`` and ``rag.load(DIR,
+knowledge_base=KB)`` read it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ import pytorch_lightning as pl
 import torch
 
 from rag.eval.metrics import ExactMatch, TokenF1
+from rag.generators.load import as_generator
 from rag.knowledge.passages import Passage
-from rag.models.ralm.model import CausalScorer, window_ids, window_start
+from rag.models.ralm.model import CausalScorer, RalmConfig, window_ids, window_start
+from rag.pipeline.exports import export_causal_reader
 from rag.training.data import batch_contexts
 from rag.training.settings import Optimizer, settings_dict
 from rag.utils.devices import without_cudnn_attention
@@ -84,28 +87,13 @@ def prompt_windows(scorer: CausalScorer, prompts: Sequence[str], passages: Optio
 
 
 def answer_nll(scorer: CausalScorer, windows: Sequence[tuple[list[int], int]]) -> torch.Tensor:
-    """``(B,)`` summed negative log-likelihood of each window's last ``n`` tokens, with gradients into the LM.
-
-    Windows are right-padded (a causal LM never attends to later positions, so position ids stay 0..len-1 and the pads
-    change nothing); the LM head runs only at the scored positions (:meth:`CausalScorer.target_logprobs`)."""
-    dev = scorer.device
-    width = max(len(w) for w, _ in windows)
-    ids = torch.full((len(windows), width), scorer.pad_id, dtype=torch.long)
-    rows, cols = [], []
+    """``(B,)`` summed negative log-likelihood of each window's last ``n`` tokens, with gradients into the LM: one pass of
+    the scoring In-Context RALM evaluates with (:meth:`CausalScorer.positions_logprobs`)."""
     for r, (w, n) in enumerate(windows):
         if not 1 <= n < len(w):
             raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one token before it")
-        ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
-        rows += [r] * n
-        cols += range(len(w) - n, len(w))
-    ids = ids.to(dev)
-    r_t, c_t = torch.as_tensor(rows, device=dev), torch.as_tensor(cols, device=dev)
-    if scorer.head_split is not None:
-        states = scorer.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
-    else:
-        states = scorer.model(input_ids=ids).logits[r_t, c_t - 1]
-    lp = scorer.target_logprobs(states, ids[r_t, c_t])
-    return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, r_t, lp)
+    lp, rows = scorer.positions_logprobs([w for w, _ in windows], [range(len(w) - n, len(w)) for w, n in windows])
+    return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
 
 class CausalReaderModule(pl.LightningModule):
@@ -148,6 +136,7 @@ class CausalReaderModule(pl.LightningModule):
         self.save_hyperparameters()
         self.lm = None  # built in configure_model()
         self.tokenizer = None
+        self.generator = None
         self.scorer: Optional[CausalScorer] = None
         self._kb = None
         self._ralm_reader = None
@@ -176,8 +165,9 @@ class CausalReaderModule(pl.LightningModule):
 
             path = ensure_tiny_gpt2([p.text for p in self._knowledge_base().all_passages()])
         lm, self.tokenizer, _ = load_generator(path, kind="causal")
-        self.lm = lm.train(self.training)
-        self.scorer = CausalScorer(self.lm, self.tokenizer, max_length=h.max_length, doc_max_length=h.doc_max_length)
+        self.lm = lm
+        self.generator = as_generator(lm, self.tokenizer)  # the causal Generator In-Context RALM and RAG read with
+        self.scorer = CausalScorer(self.generator, max_length=h.max_length, doc_max_length=h.doc_max_length)
         self.lm.train(self.training)  # CausalScorer puts its model in eval mode
         if h.selfask is not None:
             self._chains = self._load_chains(h.selfask)
@@ -268,15 +258,18 @@ class CausalReaderModule(pl.LightningModule):
         texts = self.tokenizer.batch_decode(out[:, width:], skip_special_tokens=True)
         return [first_line(t) for t in texts]
 
+    def _reading_config(self) -> RalmConfig:
+        """How validation reads, and how the export is read: one retrieval per answer (stride = max_new_tokens)."""
+        h = self.hparams
+        return RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
+
     def _reader(self):
         """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
         if self._ralm_reader is None:
-            from rag.models.ralm.model import RalmConfig
             from rag.pipeline.readers import RalmReader
 
             h = self.hparams
-            cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
-            self._ralm_reader = RalmReader(self.lm, self.tokenizer, self._knowledge_base(), cfg, retrieval=h.retrieval)
+            self._ralm_reader = RalmReader(self.generator, None, self._knowledge_base(), self._reading_config(), retrieval=h.retrieval)
         return self._ralm_reader
 
     def _eval_step(self, batch: dict, stage: str) -> None:
@@ -323,13 +316,10 @@ class CausalReaderModule(pl.LightningModule):
             self.export(self.hparams.export_dir)
 
     def export(self, directory: str | os.PathLike, *, overwrite: bool = True) -> Path:
-        """Write the trained LM and tokenizer (``save_pretrained``), atomically; with `overwrite` only a directory that
-        holds a saved model (``config.json``) is replaced."""
-        from rag.utils.io import atomic_directory
-
-        with atomic_directory(directory, overwrite=overwrite, replaces=lambda p: (p / "config.json").is_file(),
-                              kind="causal reader") as tmp:
-            self.lm.save_pretrained(tmp)
-            self.tokenizer.save_pretrained(tmp)
+        """Write the trained reader as a reader export (:func:`rag.pipeline.exports.export_reader`: the LM, its
+        tokenizer and the In-Context RALM settings it was validated with), atomically; with `overwrite` only a
+        directory that holds a saved model (``config.json``) is replaced."""
+        out = export_causal_reader(self._require().generator, self._reading_config(), self.hparams.retrieval, directory,
+                                   overwrite=overwrite)
         logger.info("trained reader written to %s", directory)
-        return Path(directory)
+        return out

@@ -4,8 +4,10 @@ model directory that ``rag generate --model DIR`` and ``rag.load(DIR)`` read.
 * :class:`~rag.training.modules.RagModule` -> a :meth:`RagModel.save_pretrained <rag.models.rag.model.RagModel.save_pretrained>`
   directory; a query encoder that training left unchanged (e.g. the bundled MiniLM of a RAG-Frozen run) is referenced by
   name and weights fingerprint instead of copied.
-* :class:`~rag.training.causal_reader.CausalReaderModule` -> the fine-tuned LM's ``save_pretrained`` directory
-  (``rag generate --model DIR --kb KB``).
+* :class:`~rag.training.causal_reader.CausalReaderModule` -> the fine-tuned LM's ``save_pretrained`` directory with
+  its In-Context RALM settings (``rag generate --model DIR --kb KB``).
+
+Both are reader exports (:mod:`rag.pipeline.exports`: ``reader.json`` names the method), read by one loader.
 
 Checkpoints are read with ``torch.load(weights_only=True)``: tensors and plain containers only, never pickled code. An
 existing non-empty target is refused unless it holds an earlier export of the same kind and ``overwrite`` is set.

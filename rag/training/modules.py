@@ -30,8 +30,8 @@ from rag.eval.metrics import GENERATION_METRICS, ExactMatch, RetrievalRecall, To
 from rag.generators.lora import LoraSettings
 from rag.generators.tiny_generator import TinyGenerator, WarmStartGenerator, check_tiny_name
 from rag.generators.warm_start import cache_encoder_outputs, is_warm_start
-from rag.models.rag.checkpoint import save_model_directory
 from rag.models.rag.config import RagModelConfig
+from rag.pipeline.exports import write_rag_export
 from rag.training.artifacts import RagComponents, SearchActors
 from rag.training.data import batch_contexts
 from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
@@ -484,13 +484,13 @@ class RagModule(pl.LightningModule):
         return {"num_beams": d["num_beams"], "max_new_tokens": d["max_new_tokens"], "length_penalty": d["length_penalty"]}
 
     def export(self, directory: str | os.PathLike, *, overwrite: bool = False) -> Path:
-        """Write the model to `directory` (:func:`rag.models.rag.checkpoint.save_model_directory`) with
+        """Write the model to `directory` as a reader export (:func:`rag.pipeline.exports.write_rag_export`) with
         :meth:`decoding_defaults` as its stored decoding defaults; returns the directory."""
         model = self._require_model()
         stored = model.config.generation
         model.config = dataclasses.replace(model.config, generation={**(stored or {}), **self.decoding_defaults()})
         try:
-            return save_model_directory(model, directory, overwrite=overwrite)
+            return write_rag_export(model, directory, overwrite=overwrite)
         finally:
             model.config = dataclasses.replace(model.config, generation=stored)
 

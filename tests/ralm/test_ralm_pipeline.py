@@ -61,7 +61,7 @@ def test_load_recognises_a_causal_lm_and_generates_with_provenance(pipe, kbs, lm
     from rag.models.ralm.generate import ralm_generate
     from rag.models.ralm.model import InContextRALM, RalmConfig
 
-    assert isinstance(pipe, RagPipeline) and isinstance(pipe.reader, RalmReader) and pipe.kind == "causal"
+    assert isinstance(pipe, RagPipeline) and isinstance(pipe.reader, RalmReader) and (pipe.method, pipe.generator_kind) == ("ralm", "causal")
     assert checkpoint_generator_kind("smollm2") == "causal"  # the demo LM alias (not converted here)
     answers = pipe.generate(PROMPTS, max_new_tokens=9, min_new_tokens=9)
     kb = kbs["A"]
@@ -107,7 +107,7 @@ def test_wrong_kind_is_a_clear_error(pipe, kbs, tiny_bart_dir, tiny_dpr_question
     with pytest.raises(ConfigError, match=r"n_docs= \(--n-docs\)"):
         pipe.generate(PROMPTS, n_docs=2)
     seq2seq = RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kbs["A"], n_docs=2))
-    assert seq2seq.kind == "seq2seq"
+    assert (seq2seq.method, seq2seq.generator_kind) == ("rag", "seq2seq")
     with pytest.raises(ConfigError, match=r"stride= \(--stride\).*causal LM"):
         seq2seq.generate(["what is argon?"], stride=4)
     # a RAG model takes another retriever for a call too (dense | bm25 | hybrid); an unknown one names the choices

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generators.causal import doc_text
+from rag.generators.load import as_generator, check_generator_kind
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 from rag.knowledge.retriever_kinds import retriever_for_kind
@@ -239,59 +241,60 @@ def open_retriever(kind: str, kb_path):
     return retriever_for_kind(kind, resolve_knowledge_base(kb_path))
 
 
-def doc_text(p: Passage) -> str:
-    """The text of a passage as the LM reads it: title, newline, text (as the authors' code)."""
-    return f"{p.title}\n{p.text}" if p.title else p.text
-
-
 # ---------------------------------------------------------------------------- the LM side
 
 
 class CausalScorer:
-    """A frozen causal LM + tokenizer that scores windows in right-padded batches, computing logits only at the scored
-    positions."""
+    """In-Context RALM's scoring over a causal :class:`~rag.generators.causal.CausalGenerator` (its LM, tokenizer, pad
+    and the ``doc ∘ [ctx] ∘ text`` layout it tokenizes): windows scored in right-padded batches, logits computed only at
+    the scored positions.
 
-    def __init__(self, model, tokenizer, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
-        from rag.generators.load import check_generator_kind
+    `lm`: the generator, or a causal LM with its `tokenizer` (wrapped in one).
+    """
 
-        check_generator_kind(model, "causal", "In-Context RALM (--model / --rerank-model)")
-        self.model, self.tokenizer = model.eval(), tokenizer
-        ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if ctx is None or pad is None:
-            raise ConfigError("the LM's tokenizer has neither a pad/BOS nor an EOS token; set tokenizer.eos_token (or pad_token) "
-                              "and save it again")
-        self.ctx_id, self.pad_id = int(ctx), int(pad)
-        cfg = model.config
+    def __init__(self, lm, tokenizer=None, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
+        check_generator_kind(lm.model if tokenizer is None else lm, "causal", "In-Context RALM (--model / --rerank-model)")
+        generator = lm if tokenizer is None else as_generator(lm, tokenizer)
+        generator.check_layout_tokens()
+        self.generator = generator
+        generator.model.eval()
+        cfg = generator.model.config
         positions = getattr(cfg, "n_positions", None) or getattr(cfg, "max_position_embeddings", None) or DEFAULT_MAX_LENGTH
         self.max_length = int(max_length) if max_length is not None else min(int(positions), DEFAULT_MAX_LENGTH)
         if self.max_length > positions:
             raise ConfigError(f"--max-length {self.max_length} exceeds the LM's {positions} positions; lower it")
         self.doc_max_length, self.batch_size = int(doc_max_length), int(batch_size)
-        self._doc_cache: dict[tuple[str, str, str], list[int]] = {}
+
+    @property
+    def model(self):
+        return self.generator.model
+
+    @property
+    def tokenizer(self):
+        return self.generator.tokenizer
+
+    @property
+    def ctx_id(self) -> int:
+        return self.generator.context_token_id
+
+    @property
+    def pad_id(self) -> int:
+        return self.generator.padding_id
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
     def stream(self, text: str) -> list[int]:
-        """``[ctx] + tokens(text)``: the text tokenized once, without special tokens."""
-        return [self.ctx_id] + list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        """``[ctx] + tokens(text)``: the text tokenized once, without special tokens (the generator's layout)."""
+        return self.generator.stream(text)
 
     def doc_tokens(self, passages: Iterable[Passage]) -> list[list[int]]:
-        """Token ids of each passage (:func:`doc_text`, cut to ``doc_max_length``), tokenized once and cached."""
-        passages = list(passages)
-        keys = [(p.id, p.title, p.text) for p in passages]
-        new = list({k: p for k, p in zip(keys, passages) if k not in self._doc_cache}.items())
-        if new:
-            enc = self.tokenizer([doc_text(p) for _, p in new], add_special_tokens=False, truncation=True,
-                                 max_length=self.doc_max_length)["input_ids"]
-            for (key, _), ids in zip(new, enc):
-                self._doc_cache[key] = list(ids)
-        return [self._doc_cache[k] for k in keys]
+        """Token ids of each passage (:func:`doc_text`, cut to ``doc_max_length``), tokenized once by the generator."""
+        return self.generator.document_ids(passages, self.doc_max_length)
 
     def clear_cache(self) -> None:
-        self._doc_cache.clear()
+        self.generator.clear_documents()
 
     def _split_head(self):
         """``(base, head)`` when ``head(base(x).last_hidden_state)`` reproduces the model's logits (checked once on a short
@@ -329,43 +332,51 @@ class CausalScorer:
         """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them: ``(n_scored[i],)`` each."""
         return self.score_positions(windows, [range(len(w) - m, len(w)) for w, m in zip(windows, n_scored)], progress=progress)
 
+    def positions_logprobs(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One right-padded pass over `windows` (gradients flow when enabled): log p(window[t] | window[:t]) at each ``t``
+        of ``positions[i]`` (every ``t >= 1``), concatenated ``(rows,)`` float32, and each row's window index ``(rows,)``.
+
+        A causal LM never attends to later positions, so the pads cannot change a real position's output, and position
+        ids stay 0..len-1 (no attention mask needed). The LM head runs only at the scored positions."""
+        dev = self.device
+        width = max(len(w) for w in windows)
+        ids = torch.full((len(windows), width), self.pad_id, dtype=torch.long)
+        rows, cols = [], []
+        for r, (w, pos) in enumerate(zip(windows, positions)):
+            pos = list(pos)
+            if pos and (min(pos) < 1 or max(pos) >= len(w)):
+                raise RagError(f"window {r}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
+            ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
+            rows += [r] * len(pos)
+            cols += pos
+        ids = ids.to(dev)
+        r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
+        if self.head_split is not None:
+            states = self.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
+        else:
+            states = self.model(input_ids=ids).logits[r_t, c_t - 1]
+        return self.target_logprobs(states, ids[r_t, c_t]), r_t
+
     @torch.no_grad()
     def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
         """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]`` (every ``t >= 1``): a float64 array per window.
 
-        Windows are sorted by length and run ``batch_size`` at a time, right-padded: a causal LM never attends to later
-        positions, so the pads cannot change a real position's output, and positions ids stay 0..len-1 (no attention
-        mask needed). The LM head runs only at the scored positions, ``HEAD_ROWS`` rows at a time.
+        Windows are sorted by length and run ``batch_size`` at a time (:meth:`positions_logprobs`), the LM head
+        ``HEAD_ROWS`` rows at a time.
         """
         order = sorted(range(len(windows)), key=lambda i: len(windows[i]))
         out: list[Optional[np.ndarray]] = [None] * len(windows)
-        dev = self.device
         for lo in range(0, len(order), self.batch_size):
             idx = order[lo:lo + self.batch_size]
-            width = max(len(windows[i]) for i in idx)
-            ids = torch.full((len(idx), width), self.pad_id, dtype=torch.long)
-            rows, cols = [], []
-            for r, i in enumerate(idx):
-                w, pos = windows[i], list(positions[i])
-                if pos and (min(pos) < 1 or max(pos) >= len(w)):
-                    raise RagError(f"window {i}: scored positions must lie in [1, {len(w)}), got {min(pos)}..{max(pos)}")
-                ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
-                rows += [r] * len(pos)
-                cols += pos
-            ids = ids.to(dev)
-            r_t, c_t = torch.as_tensor(rows, dtype=torch.long, device=dev), torch.as_tensor(cols, dtype=torch.long, device=dev)
-            if self.head_split is not None:
-                states = self.head_split[0](input_ids=ids).last_hidden_state[r_t, c_t - 1]
-            else:
-                states = self.model(input_ids=ids).logits[r_t, c_t - 1]
-            lp = self.target_logprobs(states, ids[r_t, c_t]).double().cpu().numpy()
+            lp, _ = self.positions_logprobs([windows[i] for i in idx], [positions[i] for i in idx])
+            lp = lp.double().cpu().numpy()
             at = 0
             for i in idx:
                 n = len(positions[i])
                 out[i] = lp[at:at + n]
                 at += n
             if progress is not None:
-                progress.update(len(rows))
+                progress.update(sum(len(positions[i]) for i in idx))
         return out  # type: ignore[return-value]
 
 
@@ -390,6 +401,7 @@ class InContextRALM:
     scoring its last ``window_step`` tokens, so every token is predicted from at least max_length − window_step (by
     default more than half the window) preceding tokens, or all of them near the start, and the LM reads about
     max_length / window_step (by default 2) times the text's tokens. `reranker` (§6) chooses among the top ``config.k``.
+    `model`: a causal LM with its `tokenizer`, or a :class:`~rag.generators.causal.CausalGenerator` (`tokenizer` None).
     `scorer`: a :class:`CausalScorer` to use instead of one over `model` (e.g. a black-box LM behind an OpenAI-compatible
     endpoint, :class:`~rag.models.replug.lm_scorer.RemoteCausalScorer`, which scores whole windows: ``scorer.whole_windows``).
     """

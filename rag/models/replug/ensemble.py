@@ -12,8 +12,9 @@ scoring RAG-Sequence's); this module only lays out the k inputs:
   :class:`~rag.generation.decoding.TokenMarginalDecoder` over one :class:`~rag.generation.causal.CausalLMDecoder` row (one
   KV cache) per (input, document), greedy / beam search / sampling.
 
-Seq2seq generators: RAG-Token decoding with the generator frozen is the same ensemble — ``rag_token_generate(generator,
-encode_contexts(...), doc_scores / retrieval_temperature, config)`` (:mod:`rag.generation.decoding`), i.e. a RAG-Token pipeline.
+REPLUG is reached one way, the ``ensemble=K`` option, and decoded one way, :func:`~rag.generation.decoding.token_marginal_search`
+(RAG-Token's search): over a causal LM's ``doc ∘ [ctx] ∘ prompt`` windows (:func:`replug_answers`, In-Context RALM's
+reader), or over a RAG model's K passages with its generator frozen (:func:`ensemble_over_rag`: RAG-Token, n_docs = K).
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from rag.models.ralm.generate import check_new_token_lengths, continuation_text
 from rag.models.ralm.model import window_start
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.validate import check_positive_int
 
-__all__ = ["replug_weights", "replug_score_options", "replug_generate", "replug_search"]
+__all__ = ["replug_weights", "replug_score_options", "replug_generate", "replug_search", "replug_answers", "ensemble_over_rag"]
 
 
 def _check_docs(documents: Sequence[Sequence[str]], batch: int) -> int:
@@ -206,3 +208,16 @@ def replug_answers(ralm, prompts: list[str], config, rng, kb_version: str) -> li
         answers.append(Answer(prompts[i], continuation_text(tok, streams[i], gen), float(scores[row]), kb_version, passages,
                               tokens=tok.convert_ids_to_tokens(gen)))
     return answers
+
+
+def ensemble_over_rag(ensemble, n_docs: Optional[int], marginalization: Optional[str]) -> tuple[int, str]:
+    """REPLUG's ``ensemble=K`` for a RAG model: RAG-Token over K passages, ``(n_docs, "token")`` — the next-token
+    distributions mixed with the retrieval prior at every step is RAG-Token's marginal (Eq. 2) with a frozen generator."""
+    check_positive_int(ensemble, "ensemble (--ensemble, documents mixed per step)", error=ConfigError)
+    if marginalization == "sequence":
+        raise ConfigError("ensemble= (--ensemble, REPLUG) with a RAG model is RAG-Token decoding over K passages; it cannot be "
+                          "combined with marginalization='sequence' (--marginalization sequence): drop one of them")
+    if n_docs is not None and n_docs != ensemble:
+        raise ConfigError(f"ensemble={ensemble} (--ensemble) with a RAG model means n_docs={ensemble} with RAG-Token decoding; "
+                          f"it contradicts n_docs={n_docs} (--n-docs): pass only one of them")
+    return ensemble, "token"

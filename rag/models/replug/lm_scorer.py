@@ -28,6 +28,7 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from rag.generators.causal import CausalGenerator
 from rag.models.ralm.model import DEFAULT_MAX_LENGTH, CausalScorer
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, check_positive_int
@@ -308,16 +309,13 @@ class RemoteCausalScorer(CausalScorer):
 
     def __init__(self, tokenizer, lm: "CompletionsLMScorer", *, positions: int, max_length: Optional[int] = None,
                  doc_max_length: int = 256, batch_size: int = 8):  # no super().__init__: there is no local model
-        ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if ctx is None or pad is None:
-            raise ConfigError("the LM's tokenizer has neither a pad/BOS nor an EOS token; set tokenizer.eos_token and save it again")
-        self.tokenizer, self.lm, self.ctx_id, self.pad_id = tokenizer, lm, int(ctx), int(pad)
+        self.generator = CausalGenerator(None, tokenizer)  # the layout's tokenization; the endpoint holds the weights
+        self.generator.check_layout_tokens()
+        self.lm = lm
         self.max_length = int(max_length) if max_length is not None else min(int(positions), DEFAULT_MAX_LENGTH)
         if self.max_length > positions:
             raise ConfigError(f"--max-length {self.max_length} exceeds the LM's {positions} positions; lower it")
         self.doc_max_length, self.batch_size = int(doc_max_length), int(batch_size)
-        self._doc_cache: dict = {}
 
     @classmethod
     def from_pretrained(cls, path, lm: "CompletionsLMScorer", **kw) -> "RemoteCausalScorer":
