@@ -26,17 +26,18 @@ def test_covering_takes_the_fewest_top_passages_reaching_the_mass():
     assert covering([float("nan"), 0.6, 0.4]) == [1, 2]
     assert covering([]) == []
     assert covering([0.5, 0.5], mass=0.5) == [0]
+    assert covering([0.3, 0.6, 0.1]) == [1, 0]  # 0.6 + 0.3 is 0.8999999999999999 in floats: the mass is reached
 
 
 def test_rag_sequence_citations_follow_the_posterior_by_rank():
-    a = Answer("q?", "Au", -1.0, "v1", _passages([0.1, 0.6, 0.3]))
+    a = Answer("q?", "Au", -1.0, "v1", _passages([0.15, 0.55, 0.3]))
     cites = a.citations
     assert [(c.number, c.passage, c.id, c.first_token) for c in cites] == [(1, 1, "p1", None), (2, 2, "p2", None), (3, 0, "p0", None)]
-    assert [c.weight for c in cites] == [0.6, 0.3, 0.1]
+    assert [c.weight for c in cites] == [0.55, 0.3, 0.15]
     assert a.cited_text == "Au [1][2][3]"
     d = a.to_dict()
     assert d["cited_text"] == "Au [1][2][3]" and d["citations"][0] == {"number": 1, "passage": 1, "id": "p1", "title": "T1",
-                                                                      "weight": 0.6, "first_token": None}
+                                                                      "weight": 0.55, "first_token": None}
     json.dumps(d, allow_nan=False)
 
 
