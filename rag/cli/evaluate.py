@@ -9,6 +9,7 @@ from rag.cli.index import check_positive
 from rag.cli.options import add_generation_options, generation_options
 from rag.eval.benchmarks import FORMATS
 from rag.eval.compare import compare_runs, format_comparison
+from rag.eval.faithfulness import DEFAULT_THRESHOLD, LABELS_PATH, FaithfulnessJudge, calibrate, format_calibration, read_labels
 from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
 
@@ -36,6 +37,14 @@ def add_parser(sub) -> None:
     p.add_argument("--compare", nargs=2, default=None, metavar=("RUN_A", "RUN_B"),
                    help="compare two results directories (B - A) instead of evaluating")
     p.add_argument("--resamples", type=int, default=2000, help="bootstrap resamples of --compare (default 2000)")
+    p.add_argument("--faithfulness", default=None, metavar="NLI_DIR",
+                   help="judge each answer with this NLI model (a directory, or 'minilm-snli': `rag nli prepare`'s): adds "
+                        "supported_top / supported_cited / supported_any (by the top-posterior, a cited, any passage read)")
+    p.add_argument("--faithfulness-threshold", type=float, default=DEFAULT_THRESHOLD,
+                   help=f"P(entailment) at which a passage supports an answer (default {DEFAULT_THRESHOLD})")
+    p.add_argument("--calibrate", nargs="?", const=str(LABELS_PATH), default=None, metavar="LABELS",
+                   help="with --faithfulness: print the judge's agreement (accuracy, Cohen's kappa) with hand labels "
+                        "(default: the bundled 40 Elements pairs) instead of evaluating")
     p.add_argument("--json", action="store_true", help="print the summary (or comparison) as JSON")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_evaluate)
@@ -47,6 +56,13 @@ def cmd_evaluate(args) -> int:
         result = compare_runs(*args.compare, resamples=args.resamples, seed=args.seed)
         print(to_json(result) if args.json else format_comparison(result))
         return 0
+    if args.calibrate is not None:
+        if args.faithfulness is None:
+            raise ConfigError("--calibrate measures an NLI judge: give it with --faithfulness NLI_DIR (e.g. minilm-snli)")
+        result = calibrate(FaithfulnessJudge.open(args.faithfulness, args.faithfulness_threshold, device=args.device),
+                           read_labels(args.calibrate))
+        print(to_json(result) if args.json else format_calibration(result))
+        return 0
     if args.data is None or args.out is None:
         raise ConfigError("rag evaluate needs --data (the evaluation set) and --out (the results directory), or --compare RUN_A RUN_B")
     from rag.eval.runner import evaluate, markdown  # torch and the models load only when a run starts (`rag --help` stays fast)
@@ -54,7 +70,8 @@ def cmd_evaluate(args) -> int:
     options = {n: v for n, v in generation_options(args).set_options().items() if n != "seed"}
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,
                        limit=args.limit, seed=args.seed, batch_size=args.batch_size, verify=args.verify, device=args.device,
-                       progress=not args.quiet, **options)
+                       progress=not args.quiet, faithfulness=args.faithfulness,
+                       faithfulness_threshold=args.faithfulness_threshold, **options)
     if args.json:
         print(to_json(summary))
     else:

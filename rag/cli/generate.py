@@ -41,25 +41,32 @@ def add_parser(sub) -> None:
 
 
 def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=None) -> None:
-    """One answer: a JSON line with full provenance, or the answer, its score and knowledge-base version,
-    and its best passages by posterior (prior when there is none)."""
+    """One answer: a JSON line with full provenance (``citations`` and ``cited_text`` included), or the answer with its
+    ``[n]`` citation markers, its score and knowledge-base version, and its best passages by posterior (prior when
+    there is none), each cited one prefixed with its marker."""
     if as_json:
         print(to_json(a.to_dict()))
         return
-    print(f"\nQ: {a.question}\nA: {a.text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
+    cites = a.citations
+    marker = {c.passage: f"[{c.number}]" for c in cites}
+    print(f"\nQ: {a.question}\nA: {a.cited_text}    (log p = {a.score:.3f}, knowledge base {a.kb_version})")
     if a.answered_with is not None and a.nli_entailment is not None:
         p_ent = ", ".join(f"{s.get('entailment', float('nan')):.3f}" for s in a.nli_entailment)
         print(f"   answered with {a.answered_with} (NLI P(entailment) of the retrieval answer: {p_ent})")
     elif a.answered_with == "no_retrieval":
         print("   answered without retrieval (--no-retrieval): no passage was read")
     if a.segments:  # In-Context RALM: the document in context for each stride of generated tokens
+        number = {(a.passages[c.passage].id, a.passages[c.passage].title): c.number for c in cites}
         for s in a.segments:
-            print(f"   tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
+            n = number.get((s.passage_id, s.title))
+            print(f"{'' if n is None else f'[{n}]':>5} tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
         return
-    ranked = sorted(a.passages, key=lambda p: -(p.posterior if p.posterior is not None else p.prior))
-    for p in ranked[:show_passages]:
+    ranked = sorted(range(len(a.passages)), key=lambda i: -(a.passages[i].posterior if a.passages[i].posterior is not None
+                                                            else a.passages[i].prior))
+    for i in ranked[:show_passages]:
+        p = a.passages[i]
         post = f"{p.posterior:.3f}" if p.posterior is not None else "  -  "
-        print(f"   posterior {post}  prior {p.prior:.3f}  {p.title} [{p.id}]")
+        print(f"{marker.get(i, ''):>5} posterior {post}  prior {p.prior:.3f}  {p.title} [{p.id}]")
         body = p.text if len(p.text) <= 160 else p.text[:157] + "..."
         print(textwrap.fill(body, width=100, initial_indent=" " * 6, subsequent_indent=" " * 6))
     if heatmap:

@@ -39,6 +39,11 @@ def markdown(summary: dict) -> str:
         lines += ["", "| category | questions | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         for c, vals in cats.items():
             lines.append(f"| {c} | {vals['questions']} | " + " | ".join(_pct(vals.get(n)) for n in cols) + " |")
+    judge = s.get("faithfulness")
+    if judge:
+        lines += ["", f"Faithfulness: NLI model {judge['model']}, a passage supports an answer at P(entailment) >= "
+                      f"{judge['threshold']:g}; supported_top / supported_cited / supported_any: the answers supported by "
+                      "their top-posterior passage / a passage they cite / any passage read."]
     note = (summary.get("provenance") or {}).get("note")
     if note:
         lines += ["", f"Provenance: {note}."]

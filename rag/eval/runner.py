@@ -11,6 +11,11 @@ The results directory:
 * ``summary.json`` (every metric's mean, per category, the provenance coverage), ``results.md`` (the same as a table)
   and ``plots/``, written only when every question is recorded: a directory without ``summary.json`` is incomplete.
 
+Each answered record also holds the answer's citations and ``cited_text`` (:func:`rag.generation.answers.cite`). With
+``faithfulness=NLI_DIR`` it holds the NLI judge's verdict too (:mod:`rag.eval.faithfulness`: P(entailment) per passage
+read) and the scores ``supported_top``, ``supported_cited``, ``supported_any``, whose means in the summary are the
+fractions of answers supported by their top-posterior passage, by a cited passage and by any passage read.
+
 It answers with the pipeline's own ``retrieve`` and ``generate`` (:class:`~rag.pipeline.api.RagPipeline`), or, for a
 retriever alone, the knowledge base's retriever (dense with the query encoder it records, or BM25), as ``rag index
 search`` does. The ranking metrics are those of :mod:`rag.eval.ranking`, the answer metrics SQuAD v1.1's
@@ -24,6 +29,7 @@ import json
 import os
 import random
 import sys
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -34,10 +40,11 @@ from tqdm.auto import tqdm
 import rag
 from rag.demo.kb import resolve_knowledge_base
 from rag.eval.benchmarks import EvalExample, read_eval_set
+from rag.eval.faithfulness import DEFAULT_THRESHOLD, FaithfulnessJudge
 from rag.eval.metrics import exact_match, has_answer, token_f1
 from rag.eval.ranking import parse_ks, query_metrics, r_precision, trec_order
 from rag.eval.report import markdown, write_report
-from rag.generation.answers import retrievals
+from rag.generation.answers import cited_text, retrievals
 from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.pipeline.api import RagPipeline, load
 from rag.utils.errors import ConfigError, RagError
@@ -57,14 +64,16 @@ class EvalResumeError(RagError):
 def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None, *, knowledge_base: Any = None,
              format: str = "auto", ks: Sequence[int] | str = (1, 5, 10, 20), limit: Optional[int] = None, seed: int = 0,
              batch_size: int = 8, verify: str = "full", device: Optional[str] = None, progress: bool = True,
-             **options) -> dict:
+             faithfulness: Any = None, faithfulness_threshold: float = DEFAULT_THRESHOLD, **options) -> dict:
     """Evaluate `model` (anything :func:`rag.load` takes, or a :class:`RagPipeline`) — or, with ``model=None``, the
     retriever of `knowledge_base` alone (``retrieval="bm25"`` for BM25) — on the evaluation set `data` (any format of
     :func:`rag.eval.benchmarks.read_eval_set`), writing the results directory `out` (see the module docstring).
 
     `ks`: retrieval cut-offs; `limit`: the first N questions; `seed`: seeds torch, numpy and random before each batch;
-    `options`: generation options for ``pipeline.generate``. Resumes `out` when it holds an unfinished run with the
-    same settings. Returns the summary (also ``out/summary.json``)."""
+    `options`: generation options for ``pipeline.generate``. `faithfulness`: an NLI model (directory, ``"minilm-snli"``,
+    or a :class:`~rag.eval.faithfulness.FaithfulnessJudge`) judging each answer against its passages at
+    `faithfulness_threshold`. Resumes `out` when it holds an unfinished run with the same settings. Returns the
+    summary (also ``out/summary.json``)."""
     if data is None or out is None:
         raise ConfigError("evaluate needs data= (an evaluation set) and out= (the results directory)")
     if model is None and knowledge_base is None:
@@ -74,15 +83,23 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     check_positive_int(limit, "limit (--limit)", allow_none=True, error=ConfigError)
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
         raise ConfigError(f"seed (--seed) must be a non-negative integer, got {seed!r}")
+    if faithfulness is not None and model is None:
+        raise ConfigError("--faithfulness judges answers: give a model (--model), or drop --faithfulness for a retriever alone")
     out = Path(out)
     _check_out(out)
     examples = read_eval_set(data, format=format)
     examples = examples[:limit] if limit is not None else examples
+    judge = None
+    if faithfulness is not None:
+        judge = (faithfulness if isinstance(faithfulness, FaithfulnessJudge)
+                 else FaithfulnessJudge.open(faithfulness, faithfulness_threshold, device=device))
     system = _System.open(model, knowledge_base, verify=verify, device=device, options=dict(options))
     k_max = min(max(ks), system.size) if system.size else max(ks)
     settings = {"rag_version": rag.__version__, "model": system.name, "kb_version": system.kb_version,
                 "data": str(data), "format": format, "questions": len(examples), "data_sha256": _digest(examples),
                 "ks": list(ks), "limit": limit, "seed": seed, "options": {k: v for k, v in sorted(options.items()) if v is not None}}
+    if judge is not None:  # named only when set: a directory made without it resumes as before
+        settings["faithfulness"] = {"model": judge.name, "threshold": judge.threshold}
     summary_path = out / "summary.json"
     done = _open_run(out, settings)
     if summary_path.is_file() and len(done) == len(examples):
@@ -95,7 +112,7 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
                 _seed_everything(seed + len(examples) - len(todo) + start)
-                records = system.run(batch, k_max, ks)
+                records = system.run(batch, k_max, ks, judge)
                 f.write("".join(to_json(r) + "\n" for r in records))
                 f.flush()
                 os.fsync(f.fileno())
@@ -148,14 +165,15 @@ class _System:
         retrieval = self.options.get("retrieval")
         return self.pipeline.retrieve(questions, k=k, **({"retrieval": retrieval} if retrieval else {}))
 
-    def run(self, batch: list[EvalExample], k_max: int, ks: Sequence[int]) -> list[dict]:
+    def run(self, batch: list[EvalExample], k_max: int, ks: Sequence[int], judge: Optional[FaithfulnessJudge] = None) -> list[dict]:
         questions = [ex.question for ex in batch]
         hits = self.retrieve(questions, k_max)
         answers = self.pipeline.generate(questions, **self.options) if self.pipeline is not None else [None] * len(batch)
         if len(answers) != len(batch):
             raise RagError(f"the pipeline returned {len(answers)} answers for {len(batch)} questions; evaluate with "
                            "num_return_sequences=1")
-        return [_record(ex, hit, ans, ks) for ex, hit, ans in zip(batch, hits, answers)]
+        verdicts = judge.judge(answers) if judge is not None else [None] * len(batch)
+        return [_record(ex, hit, ans, ks, v) for ex, hit, ans, v in zip(batch, hits, answers, verdicts)]
 
     def coverage(self, examples: Sequence[EvalExample]) -> dict:
         """How many gold provenance ids the knowledge base holds (None where the set names none or it is too large)."""
@@ -198,7 +216,7 @@ def _gold_key(passage, ex: EvalExample) -> str:
     return passage.id
 
 
-def _record(ex: EvalExample, hit, answer, ks: Sequence[int]) -> dict:
+def _record(ex: EvalExample, hit, answer, ks: Sequence[int], verdict=None) -> dict:
     scores: dict[str, float] = {}
     if ex.answers:
         for k in ks:
@@ -218,6 +236,12 @@ def _record(ex: EvalExample, hit, answer, ks: Sequence[int]) -> dict:
         if "em" in scores:
             scores["kilt_em"] = scores["em"] if scores["rprec"] == 1.0 else 0.0
             scores["kilt_f1"] = scores["f1"] if scores["rprec"] == 1.0 else 0.0
+    if verdict is not None:
+        scores.update(verdict.scores())
+    cites = [] if answer is None else answer.citations
+    extra = {} if answer is None else {"citations": [asdict(c) for c in cites], "cited_text": cited_text(answer.text, cites)}
+    if verdict is not None:
+        extra["faithfulness"] = verdict.to_dict()
     return {
         "id": ex.id, "question": ex.question, "gold": list(ex.answers), "category": ex.category,
         "gold_provenance": None if ex.qrels is None else dict(ex.qrels),
@@ -227,6 +251,7 @@ def _record(ex: EvalExample, hit, answer, ks: Sequence[int]) -> dict:
         "passages": [{"id": p.id, "title": p.title, "score": p.score, "prior": p.prior, "posterior": p.posterior}
                      for p in read],
         "retrieved": [{"id": p.id, "title": p.title, "score": p.score} for p in hit.passages],
+        **extra,
         "scores": scores,
     }
 

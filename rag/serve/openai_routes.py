@@ -179,6 +179,8 @@ class OpenAIRoutes:
 
     @staticmethod
     def _provenance(answers) -> dict:
+        """The ``rag`` extra field: the knowledge-base version and each choice's ``Answer.to_dict()`` (passages with
+        prior and posterior, ``citations`` and the ``[n]``-marked ``cited_text`` included)."""
         return {"kb_version": answers[0].kb_version if answers else None,
                 "choices": [{"index": i, **a.to_dict()} for i, a in enumerate(answers)]}
 

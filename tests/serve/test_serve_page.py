@@ -144,6 +144,30 @@ def test_page_answers_with_bars_and_heatmap(page, served, serve_layout, tmp_path
     assert page.errors == []
 
 
+def test_page_shows_the_answers_citations_as_markers_linked_to_their_passages(page, served):
+    """The [n] markers after the answer are the server's citations in number order, each a link to its passage, whose
+    entry in the list carries the same [n]; passages not cited carry none (RAG-Token: numbered by first use)."""
+    url, _ = served
+    question = QUESTIONS[2]
+    want = _answer(url, question)
+    cites = want["citations"]
+    assert cites and want["cited_text"].endswith("".join(f"[{c['number']}]" for c in cites))
+    page.goto(url)
+    page.wait_for_function("() => document.getElementById('kb-version').textContent.length > 3")
+    _ask(page, question)
+    assert page.locator("#answer").text_content() == (want["text"] or "(empty answer)")
+    assert page.locator("#answer-markers").text_content() == "".join(f"[{c['number']}]" for c in cites)
+    hrefs = page.locator("#answer-markers a.cite").evaluate_all("els => els.map(e => e.getAttribute('href'))")
+    assert hrefs == [f"#passage-{c['passage']}" for c in cites]
+    badges = page.locator("#passages > li").evaluate_all(
+        "els => els.map(e => { const b = e.querySelector('.cite-badge'); return b ? b.textContent : null; })")
+    by_passage = {c["passage"]: f"[{c['number']}]" for c in cites}
+    assert badges == [by_passage.get(k) for k in range(len(want["passages"]))]
+    page.click("#answer-markers a.cite >> nth=0")  # the link scrolls to its passage
+    assert page.evaluate("() => location.hash") == f"#passage-{cites[0]['passage']}"
+    assert page.errors == []
+
+
 def test_swap_panel_needs_the_token_and_swaps_while_answering(page, served, serve_layout):
     url, _ = served
     a, b = serve_layout["kbs"]["kb_a"].version, serve_layout["kbs"]["kb_b"].version

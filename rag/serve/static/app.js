@@ -105,12 +105,37 @@
     return row;
   }
 
+  // The answer's citations as the server chose them from the passages' probabilities (Answer.citations, rules in
+  // rag/generation/answers.py), in number order; one naming no passage of this answer is left out, not drawn.
+  function citations(answer) {
+    const n = (answer.passages || []).length;
+    return (Array.isArray(answer.citations) ? answer.citations : [])
+      .filter((c) => c && Number.isInteger(c.number) && Number.isInteger(c.passage) && c.passage >= 0 && c.passage < n)
+      .sort((a, b) => a.number - b.number);
+  }
+  window.ragPageCitations = citations; // for the page tests
+
+  // [n] markers after the answer, each a link to its passage in the list below.
+  function renderCitations(answer) {
+    const box = $("answer-markers");
+    box.replaceChildren();
+    citations(answer).forEach((c) => {
+      const link = el("a", "cite", "[" + c.number + "]");
+      link.href = "#passage-" + c.passage;
+      link.title = String(c.title || c.id || "");
+      box.appendChild(link);
+    });
+  }
+
   function renderPassages(answer) {
     const list = $("passages");
     list.replaceChildren();
-    (answer.passages || []).forEach((p) => {
+    const cited = new Map(citations(answer).map((c) => [c.passage, c.number]));
+    (answer.passages || []).forEach((p, k) => {
       const item = el("li", "passage");
+      item.id = "passage-" + k;
       const head = el("div", "passage-head");
+      if (cited.has(k)) head.appendChild(el("span", "cite-badge", "[" + cited.get(k) + "]"));
       head.appendChild(el("span", "passage-title", p.title || p.id));
       head.appendChild(el("span", "passage-id muted", p.id));
       item.appendChild(head);
@@ -172,6 +197,7 @@
       $("answer").textContent = answer.text === "" ? "(empty answer)" : answer.text;
       $("answer-meta").textContent = "log p(y|x) = " + (typeof answer.score === "number" ? answer.score.toFixed(3) : "–") +
         " · knowledge base " + answer.kb_version + (answer.answered_with ? " · answered with " + answer.answered_with : "");
+      renderCitations(answer);
       renderPassages(answer);
       renderHeatmap(answer);
       $("answer-section").hidden = false;
