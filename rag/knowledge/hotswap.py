@@ -48,7 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
+from rag.knowledge.retriever import check_compatible
 from rag.utils.checksums import check_niceness
 from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.utils.validate import check_bool, check_number, check_positive_int
@@ -126,16 +128,12 @@ def _only_here(items: list, i: int) -> bool:
 def _close(kb, **kw) -> None:
     """Close a swapped-out KnowledgeBase (the caller made sure nothing else uses it); other objects
     (test doubles, wrappers) are simply dropped."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if isinstance(kb, KnowledgeBase):
         kb.close(timeout=0, **kw)
 
 
 def _release_pages(kb, **kw) -> None:
     """Release the mapped pages of a swapped-out KnowledgeBase that something still holds."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if isinstance(kb, KnowledgeBase):
         kb.release_pages(**kw)
 
@@ -388,8 +386,6 @@ class KnowledgeBaseSlot:
     # ------------------------------------------------------------------ internals
     def _open(self, path_or_kb, verify: str):
         """Open and verify off the lock; any failure becomes a KnowledgeBaseError naming what still serves."""
-        from rag.knowledge.knowledge_base import KnowledgeBase
-
         if verify not in ("full", "size", "none"):
             raise ConfigError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
         if isinstance(path_or_kb, (str, os.PathLike)):
@@ -412,8 +408,6 @@ class KnowledgeBaseSlot:
     def _precheck(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
         """Dimension / encoder (rag.knowledge.retriever.check_compatible) and metric of a dense
         retriever, before the lock (a BM25 retriever uses neither the embeddings nor their metric)."""
-        from rag.knowledge.retriever import check_compatible
-
         current = self.current
         try:
             qenc = getattr(self.retriever, "query_encoder", None)

@@ -17,20 +17,19 @@ scores) and In-Context RALM (retrieval every stride) reuse it with their own rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
 from rag.knowledge.bm25 import BM25Retriever
+from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.hybrid import HybridRetriever
 from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.refresh import load_document_encoder
 from rag.knowledge.retriever import DenseRetriever, check_compatible
 from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS, retriever_for_kind
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.errors import ConfigError, KnowledgeBaseError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from rag.knowledge.encoders import TextEncoder
 
 __all__ = ["ScoringSettings", "RetrievalScorer"]
 
@@ -108,11 +107,7 @@ class RetrievalScorer:
     def _resolve_doc_encoder(self, doc_encoder: Optional["TextEncoder"]) -> Optional["TextEncoder"]:
         """The document encoder (or None): given, or loaded from the knowledge base's manifest when the
         settings re-embed passages; frozen and in eval mode unless ``train_doc_encoder``."""
-        from rag.knowledge.encoders import TextEncoder
-
         if doc_encoder is None and self.settings.uses_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             doc_encoder = load_document_encoder(self.retriever.knowledge_base)
         if doc_encoder is None:
             return None

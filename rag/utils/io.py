@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from rag.utils.errors import OutputExistsError
+from rag.utils.errors import OutputExistsError, RagError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -140,8 +140,6 @@ def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,
 
 def _check_writable_parent(final: Path, option: str) -> None:
     """RagError unless the nearest existing ancestor of `final` is a directory this process can create directories in."""
-    from rag.utils.errors import RagError
-
     parent = final.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
