@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from rag.generation.kv_cache import cache_kwarg, output_cache
+from rag.generation.prompts import left_pad
 from rag.generation.search import (
     GenerationConfig,
     SearchSpec,
@@ -34,6 +35,7 @@ from rag.generation.search import (
     unit_cap,
     unit_rows,
 )
+from rag.generation.seq2seq import _dynamic_cache, gather_rows
 from rag.utils.errors import RagError
 
 __all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
@@ -94,8 +96,6 @@ class PrefixCache:
         self.hits += len(prefixes) - sum(p in missing for p in prefixes)
         self.misses += len(missing)
         if missing:
-            from rag.generation.prompts import left_pad
-
             device = next(model.parameters()).device
             ids, mask = (t.to(device) for t in left_pad([list(p) for p in missing], 0))
             out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=prompt_positions(mask),
@@ -210,8 +210,6 @@ class CausalPrompts:
 
     def _prefill_after_prefixes(self, model) -> tuple[object, Tensor]:
         """The prefill with every prefix's KV cache from `prefix_cache`: only the columns after `prefix_width` run."""
-        from rag.generation.seq2seq import _dynamic_cache
-
         width, mask = self.prefix_width, self.attention_mask.long()
         prefixes = [tuple(row[m.bool()].tolist()) for row, m in zip(self.input_ids[:, :width], mask[:, :width])]
         rows = [i for i, p in enumerate(prefixes) if p]
@@ -235,8 +233,6 @@ class CausalPrompts:
 
     def _prefill_in_chunks(self, model, chunk: int) -> tuple[object, Tensor]:
         """:meth:`prefill` of `chunk` prompts at a time (each chunk a unit of work), the caches joined along the rows."""
-        from rag.generation.seq2seq import _dynamic_cache
-
         parts = []
         for lo in range(0, len(self), chunk):
             if lo:
@@ -254,8 +250,6 @@ class CausalPrompts:
 
     def gathered_cache(self, model, rows: Tensor):
         """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""
-        from rag.generation.seq2seq import _dynamic_cache, gather_rows
-
         cache, _ = self.prefill(model)
         layers = getattr(cache, "layers", None)
         if layers is None:

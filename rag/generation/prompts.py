@@ -25,6 +25,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from rag.generation.contexts import _special_layout
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = ["DEFAULT_PROMPT_TEMPLATE", "DEFAULT_CLOSED_BOOK_TEMPLATE", "PromptFormat", "TokenizedPrompts", "check_template",
@@ -125,8 +126,6 @@ class TokenizedPrompts:
 def _special_prefix(tokenizer) -> list[int]:
     """The special tokens the tokenizer puts before a text (BOS of Llama-style tokenizers), for prompts without a chat
     template (a chat template writes its own)."""
-    from rag.generation.contexts import _special_layout
-
     return list(_special_layout(tokenizer)[0])
 
 

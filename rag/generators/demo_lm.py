@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rag.demo import load_demo_corpus
 from rag.utils.checksums import file_checksums, sha256_file, verify_files
 from rag.utils.errors import IntegrityError, RagError
 from rag.utils.files import read_json
-from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.io import atomic_directory, atomic_write_json, cache_dir
 
 __all__ = [
     "DEMO_LM_NAMES", "DEMO_LM_PACKAGE", "INSTALL_COMMAND", "PROSE_SAMPLE", "GGUFTokenizerSpec", "demo_lm_dir", "find_gguf",
@@ -106,8 +107,6 @@ class GGUFTokenizerSpec:
 
 def demo_lm_dir() -> Path:
     """Where the converted demo LM lives: ``$RAG_CACHE/demo_lm/smollm2-135m-instruct`` (else under ``~/.cache/rag``)."""
-    from rag.utils.io import cache_dir
-
     return cache_dir() / "demo_lm" / CACHE_NAME
 
 
@@ -226,8 +225,6 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec):
 
 def _check_texts() -> list[str]:
     """Real text for the round-trip check: the bundled Elements corpus (titles and passages) and the tricky samples."""
-    from rag.demo import load_demo_corpus
-
     texts = [t for p in load_demo_corpus() for t in (p.title, p.text) if t]
     return texts + list(_TRICKY_TEXTS)
 

@@ -15,7 +15,10 @@ from typing import Any, Literal, Optional, Union
 
 from rag.generators.base import Generator
 from rag.generators.causal import CausalGenerator
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
 from rag.generators.seq2seq import Seq2SeqGenerator
+from rag.generators.warm_start import WARM_START_KEY, load_seq2seq
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json, readable_model_files
 
@@ -71,9 +74,6 @@ def checkpoint_generator_kind(path: Union[str, os.PathLike]) -> Optional[Generat
     """The kind of a plain generator checkpoint — a demo LM alias (causal), or a directory with a transformers
     ``config.json`` or a warm-start generator — without loading weights; None for anything else (a RagModel or
     transformers RAG checkpoint, a hub id, a missing path)."""
-    from rag.generators.demo_lm import DEMO_LM_NAMES
-    from rag.generators.warm_start import WARM_START_KEY
-
     name = os.fspath(path)
     if name in DEMO_LM_NAMES and not os.path.isdir(name):
         return "causal"
@@ -146,10 +146,6 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
             neither pad nor EOS token.
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
-
-    from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
-    from rag.generators.warm_start import WARM_START_KEY, load_seq2seq
-    from rag.knowledge.encoders import resolve_name_or_path
 
     if kind is not None and kind not in GENERATOR_KINDS:
         raise ConfigError(f"kind={kind!r}; choose one of {GENERATOR_KINDS}")

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from rag.generation.kv_cache import cache_field, cache_kwarg, output_cache
+
 ID_CHANNELS = 2
 """Trailing channels of the pointer encoder's output that carry the context token ids."""
 _BASE = 256
@@ -156,8 +158,6 @@ def pointer_model_class() -> type:
     """The pointer-generator ``EncoderDecoderModel`` subclass (defined lazily: transformers loads on use)."""
     from transformers import EncoderDecoderModel
     from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
-
-    from rag.generation.kv_cache import cache_field, cache_kwarg, output_cache
 
     class PointerEncoderDecoderModel(EncoderDecoderModel):
         """``EncoderDecoderModel`` + copy head. Its encoder must be a :func:`pointer_encoder_class` one;

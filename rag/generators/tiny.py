@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from rag.demo import load_demo_corpus
+
 BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3, as in facebook/bart-*
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -176,6 +178,4 @@ def save(model, tokenizer, out_dir: str | os.PathLike) -> str:
 
 def sample_texts() -> Sequence[str]:
     """A few hundred words of varied English, enough to train the tiny tokenizers in tests."""
-    from rag.demo import load_demo_corpus
-
     return [f"{p.title} {p.text}" for p in load_demo_corpus()]

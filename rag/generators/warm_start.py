@@ -36,6 +36,8 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
+from rag.generators.pointer import pointer_encoder_class, pointer_model_class
+from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path, weights_fingerprint
 from rag.utils.errors import ConfigError, IntegrityError
 from rag.utils.files import read_json
 
@@ -76,8 +78,6 @@ def build_warm_start_generator(
     as :meth:`RagModel.tokenize_targets` does). `decoder_heads` / `decoder_ffn` default to the encoder's.
     """
     from transformers import AutoTokenizer, BertConfig, BertLMHeadModel
-
-    from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
 
     if not isinstance(decoder_layers, int) or decoder_layers < 1:
         raise ConfigError(f"decoder_layers must be a positive integer, got {decoder_layers!r}")
@@ -120,8 +120,6 @@ def _frozen_encoder(path: str, pointer: bool = False):
     for a `pointer` generator, one whose outputs carry the token ids."""
     from transformers import BertModel
 
-    from rag.generators.pointer import pointer_encoder_class
-
     enc = (pointer_encoder_class(BertModel) if pointer else BertModel).from_pretrained(path)
     enc.pooler = None
     return enc
@@ -129,8 +127,6 @@ def _frozen_encoder(path: str, pointer: bool = False):
 
 def _model_class(pointer: bool) -> type:
     from transformers import EncoderDecoderModel
-
-    from rag.generators.pointer import pointer_model_class
 
     return pointer_model_class() if pointer else EncoderDecoderModel
 
@@ -194,8 +190,6 @@ def load_warm_start(path: Union[str, os.PathLike]):
     """
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig
-
-    from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path
 
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
