@@ -21,7 +21,9 @@ from typing import Optional, Sequence
 
 import torch
 
+from rag.demo.kb import cache_dir
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.files import check_json_files, readable_model_files
 
 __all__ = ["LABEL_SPELLINGS", "DEFAULT_NLI_NAME", "HUB_NLI_MODEL", "NLIScorer", "find_nli_labels", "encode_nli_pairs",
            "validate_threshold", "nli_premise", "qa_statement", "question_type", "nli_hypothesis", "default_nli_dir", "default_nli_model", "resolve_nli_model"]
@@ -164,8 +166,6 @@ class NLIScorer:
     def from_pretrained(cls, name_or_path: Optional[str | os.PathLike] = None, **kw) -> "NLIScorer":
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rag.utils.files import check_json_files, readable_model_files
-
         path = resolve_nli_model(name_or_path)
         fix = "restore the NLI model's directory (the default one: `rag nli prepare --force`), or pass another model"
         check_json_files(path, fix=fix)  # transformers and tokenizers parse them without bounds
@@ -208,8 +208,6 @@ class NLIScorer:
 
 def default_nli_dir() -> Path:
     """Where ``rag nli prepare`` writes the default NLI model: ``$RAG_CACHE/nli/minilm-snli``."""
-    from rag.demo.kb import cache_dir
-
     return cache_dir() / "nli" / DEFAULT_NLI_NAME
 
 

@@ -26,14 +26,18 @@ from typing import Literal, TypeVar, Union
 
 from torch import nn
 
-from rag.demo.kb import KNOWLEDGE_BASE_NAMES, resolve_knowledge_base
+from rag.demo.kb import KNOWLEDGE_BASE_NAMES, demo_kb_path, resolve_knowledge_base
+from rag.generators.load import load_generator
 from rag.generators.lora import ADAPTER_FILES, base_identity, base_model_of, is_adapter, load_adapter
+from rag.generators.warm_start import is_warm_start, save_generator
+from rag.knowledge.encoders import TextEncoder, check_fingerprint, resolve_name_or_path
+from rag.knowledge.retriever import check_compatible
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
 from rag.utils.errors import ConfigError, IntegrityError, RagError
-from rag.utils.files import read_json
+from rag.utils.files import read_json, readable_model_files
 from rag.utils.hub import resolve_recorded_name
-from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.io import atomic_directory, atomic_write_json, check_output_dir
 
 _Model = TypeVar("_Model", bound=nn.Module)
 """A RagModel (or a subclass): written and rebuilt here by what it holds, not by importing its module, which imports this."""
@@ -117,8 +121,6 @@ def save_rag_model(model: nn.Module, path: Union[str, os.PathLike], overwrite: b
                    reference_query_encoder: bool = False) -> None:
     """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
     <rag.models.rag.model.RagModel.save_pretrained>` for the options and errors)."""
-    from rag.generators.warm_start import is_warm_start, save_generator
-
     path = Path(path)
     if path.exists():
         if not path.is_dir():
@@ -196,8 +198,6 @@ def knowledge_base_reference(kb_path: Path, checkpoint: Path) -> dict:
     demo knowledge base; else ``path``, relative to the `checkpoint` directory when the knowledge base lies inside
     it or near it (sharing an ancestor at most two levels up), otherwise absolute, and ``saved_at``, its absolute
     path when saved (tried second, so that a checkpoint copied alone still finds it on the same machine)."""
-    from rag.demo.kb import demo_kb_path
-
     kb_abs = Path(kb_path).resolve()
     if kb_abs == demo_kb_path().resolve():
         return {"name": "demo", "path": None}
@@ -246,8 +246,6 @@ def _sort_adapter_modules(config_file: Path) -> None:
 def save_model_directory(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
     """Write a trained :class:`~rag.models.rag.model.RagModel` as a model directory, its query encoder referenced by name
     when its weights are still those the name loads (else copied)."""
-    from rag.utils.io import check_output_dir
-
     check_output_dir(directory, overwrite, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                      option="DIR")
     try:
@@ -263,8 +261,6 @@ def save_model_directory(model: nn.Module, directory: Union[str, os.PathLike], *
 def referenced_query_encoder(qenc) -> dict:
     """The ``rag_config.json`` entry that references the query encoder `qenc` by name instead of
     copying it; RagError unless loading that name reproduces the current weights exactly."""
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
-
     identity = qenc.identity()
     try:
         fresh = TextEncoder(qenc.name_or_path, pooling=qenc.pooling, normalize=qenc.normalize, max_length=qenc.max_length)
@@ -294,10 +290,6 @@ def load_rag_model(
 ) -> _Model:
     """Load a checkpoint directory as a `cls` (a RagModel class); see :meth:`RagModel.from_pretrained
     <rag.models.rag.model.RagModel.from_pretrained>` for the options and errors. Returned in eval mode."""
-    from rag.generators.load import load_generator
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.retriever import check_compatible
-
     root = resolve_checkpoint_dir(path, "RagModel checkpoint")
     cfg_file = root / CHECKPOINT_CONFIG
     if not cfg_file.is_file():
@@ -357,8 +349,6 @@ def _entry(meta: dict, key: str, cfg_file: Path):
 def readable_weights(record: Path):
     """Turn a weights or config file that cannot be parsed (garbage in ``model.safetensors``, a truncated
     ``config.json``) into an IntegrityError naming that file of the checkpoint, instead of the parser's own exception."""
-    from rag.utils.files import readable_model_files
-
     return readable_model_files(record.parent, "a component file of the RAG checkpoint",
                                 "the checkpoint is damaged — restore it, or save the model again (load with verify='full' to "
                                 "find the altered file)")
@@ -367,8 +357,6 @@ def readable_weights(record: Path):
 def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None = None):
     """The checkpoint's query encoder: its saved copy (in `qdir`), or the encoder it references by name, whose
     weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint, resolve_name_or_path
-
     if not entry.get("reference"):
         return TextEncoder.from_pretrained(qdir if qdir is not None else root / QUESTION_ENCODER_DIR)
     cfg_file = root / CHECKPOINT_CONFIG

@@ -23,7 +23,9 @@ from rag.generation.decoding import (
     encode_contexts,
     rag_sequence_generate,
     rag_token_generate,
+    teacher_forced_logprobs,
 )
+from rag.generation.detokenize import decode_answer, lowercases, restore_case
 from rag.generation.spans import PassageSpans, TokenTexts
 from rag.generators import seq2seq
 from rag.utils.errors import ConfigError
@@ -168,8 +170,6 @@ def unmasked_contexts(generator, tokenizer, context_input_ids: Tensor, context_a
 
 def closed_book_answers(model, questions: Sequence[str], out: GenerationOutput, n_ret: int, kb_version: str) -> list[Answer]:
     """Answers decoded without a passage: text, log p(y|x), tokens; no passages."""
-    from rag.generation.detokenize import decode_answer, lowercases, restore_case
-
     tok = model.generator_tokenizer
     special = set(tok.all_special_ids)
     uncased = lowercases(tok)
@@ -190,9 +190,6 @@ def answers_with_provenance(model, questions: Sequence[str], inputs, contexts, o
                             marg: str) -> list[Answer]:
     """One :class:`Answer` per returned sequence with its passages' prior p(z|x) and posterior p(z|x,y) and, for
     RAG-Token, the per-token document posterior (Figure 2), from one teacher-forced pass on the stored encoder states."""
-    from rag.generation.decoding import teacher_forced_logprobs
-    from rag.generation.detokenize import decode_answer, lowercases, restore_case
-
     tok = model.generator_tokenizer
     batch, k = inputs.doc_scores.shape
     log_prior = torch.log_softmax(model.retrieval_logits(inputs.doc_scores).float(), dim=1)

@@ -35,7 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from rag.knowledge.encoders import TextEncoder
 from rag.models.rag.checkpoint import is_hf_rag_checkpoint, open_knowledge_base, resolve_checkpoint_dir
+from rag.models.rag.config import RagModelConfig, check_overrides
+from rag.models.rag.model import RagModel
+from rag.utils.checksums import confined_path
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json
 
@@ -57,8 +61,6 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, generat
     pass ``reduce_loss=False`` for per-example losses. `generation`: the checkpoint's decoding options
     (:func:`stored_generation_settings`), kept as the pipeline's defaults.
     """
-    from rag.models.rag.config import RagModelConfig, check_overrides
-
     if marginalization is None:
         archs = [a for a in (getattr(hf_config, "architectures", None) or []) if a in _ARCHITECTURES]
         if not archs:
@@ -135,8 +137,6 @@ def _load_state_dict(root: Path) -> dict:
     import torch
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
-    from rag.utils.checksums import confined_path
 
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
@@ -223,9 +223,6 @@ def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike])
 
 def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[str], overrides: dict):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, RagConfig
-
-    from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag.model import RagModel
 
     check_json_files(src, fix="download the checkpoint again")  # transformers parses them without bounds
     hf_config = RagConfig.from_pretrained(src)

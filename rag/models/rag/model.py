@@ -58,8 +58,15 @@ import torch
 from torch import nn
 
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
+from rag.generation.contexts import build_contexts, focus_on_question
+from rag.generation.marginalize import hf_label_convention, rag_nll_from_logits
 from rag.generators.base import Generator
 from rag.generators.load import as_generator, load_generator
+from rag.generators.warm_start import is_warm_start
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.passages import Passage
+from rag.knowledge.refresh import load_document_encoder
+from rag.knowledge.retriever import default_query_encoder
 from rag.knowledge.scoring import RetrievalScorer
 from rag.knowledge.types import Retrieved, Retriever
 from rag.models.rag.batch import RagInputs, RagOutput
@@ -73,7 +80,6 @@ _LOG_TAU_MIN, _LOG_TAU_MAX = math.log(0.01), math.log(100.0)  # a learned retrie
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
-    from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
 __all__ = ["RagModelConfig", "RagOutput", "RagInputs", "RagModel", "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT"]
@@ -115,7 +121,6 @@ class RagModel(nn.Module):
                  retriever: Union[Retriever, "KnowledgeBase"], config: Optional[RagModelConfig] = None,
                  doc_encoder: Optional["TextEncoder"] = None):
         super().__init__()
-        from rag.knowledge.encoders import TextEncoder
 
         config = RagModelConfig() if config is None else config
         if not isinstance(config, RagModelConfig):
@@ -180,9 +185,6 @@ class RagModel(nn.Module):
         `config_overrides` replace fields of `config` (e.g. ``n_docs=10``). The knowledge base's
         dimension is checked against the query encoder here, not mid-epoch.
         """
-        from rag.knowledge.encoders import TextEncoder
-        from rag.knowledge.retriever import default_query_encoder
-
         config = RagModelConfig() if config is None else config
         if config_overrides:
             config = dataclasses.replace(config, **check_overrides(config_overrides))
@@ -194,8 +196,6 @@ class RagModel(nn.Module):
         gen, tok, _ = load_generator(generator)
         denc = None
         if document_encoder is not None and config.uses_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             denc = load_document_encoder(kb, document_encoder)
         return cls(qenc, gen, tok, kb, config, doc_encoder=denc)
 
@@ -260,8 +260,6 @@ class RagModel(nn.Module):
 
     def train(self, mode: bool = True) -> "RagModel":
         """Set train/eval mode; a frozen query encoder stays in eval mode (deterministic retrieval)."""
-        from rag.generators.warm_start import is_warm_start
-
         super().train(mode)
         if is_warm_start(self.generator):  # its frozen encoder stays deterministic (and cacheable)
             self.generator.get_encoder().eval()
@@ -340,8 +338,6 @@ class RagModel(nn.Module):
         tokenizer, as transformers' ``RagRetriever`` does: the query-encoder ids (``question_input_ids``
         ``(B, Lq)``, tokenized here if None) decoded with ``skip_special_tokens=True``.
         """
-        from rag.generation.contexts import build_contexts
-
         questions = self._questions_as_read(list(questions), question_input_ids)
         return build_contexts(questions, self.reading_passages(questions, retrieved.passages), self.context_format)
 
@@ -360,8 +356,6 @@ class RagModel(nn.Module):
         (``config.passage_focus``; :func:`~rag.generation.contexts.focus_on_question`)."""
         if self.config.passage_focus == "none":
             return passages
-        from rag.generation.contexts import focus_on_question
-        from rag.knowledge.passages import Passage
 
         def focused(p, q):
             text = focus_on_question(p.text, q)
@@ -466,8 +460,6 @@ class RagModel(nn.Module):
         (:func:`~rag.generation.marginalize.hf_label_convention`: ``<s> …`` fed, scored from the second token).
         T5-style targets (no BOS) are scored the same way under both conventions (transformers' fine-tuning
         script prepends the start token for them)."""
-        from rag.generation.marginalize import hf_label_convention
-
         labels, label_mask = self.tokenize_targets(targets)
         bos = self.bos_token_id
         if self.config.hf_compat and bos is not None and labels.shape[1] > 1 and bool((labels[:, 0] == bos).all()):
@@ -543,8 +535,6 @@ class RagModel(nn.Module):
         A thin call of :func:`rag.generation.marginalize.rag_nll_from_logits` with this model's options
         (without label smoothing only the target tokens' log-probabilities are computed).
         """
-        from rag.generation.marginalize import rag_nll_from_logits
-
         cfg = self.config
         return rag_nll_from_logits(
             logits, labels, label_mask, doc_scores,
