@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
+from rag.demo import EVAL_SETS, SPLITS, qa_path
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.files import parse_json, read_json
 from rag.utils.validate import is_integer
@@ -330,8 +331,6 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
         raise ConfigError(f"data source must be a path, 'demo:SPLIT' or a datasets.Dataset, got {type(source).__name__}")
     spec = os.fspath(source)
     if spec.startswith("demo:"):
-        from rag.demo import EVAL_SETS, SPLITS, qa_path
-
         split = spec[len("demo:"):]
         if split not in SPLITS and split not in EVAL_SETS:
             raise ConfigError(f"{spec!r}: unknown demo split; use one of {', '.join('demo:' + s for s in (*SPLITS, *EVAL_SETS))}")

@@ -65,6 +65,7 @@ from typing import Iterator, Optional, Sequence, Union
 from fastapi import FastAPI
 
 import rag
+from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.serve.admin import PathRejected, admin_router, real_roots, resolve_kb_path
 from rag.serve.auth import check_admin_token, check_distinct_secrets
 from rag.serve.bodies import MAX_QUESTION_CHARS, GenerateRequest, RetrieveRequest, SwapRequest
@@ -160,8 +161,6 @@ def create_app(
     check_distinct_secrets(admin_token, api_key)
     check_number(body_timeout, "body_timeout (rag serve --body-timeout, seconds)", above=0, allow_none=True, error=ConfigError)
     if nli is not None:
-        from rag.retrobust.nli import NLIScorer, validate_threshold
-
         if not isinstance(nli, NLIScorer):
             raise ConfigError(f"nli must be a rag.retrobust.nli.NLIScorer (load it once with NLIScorer.from_pretrained), got "
                               f"{type(nli).__name__}")

@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.retrobust.nli import encode_nli_pairs
 from rag.training.settings import Optimizer, settings_dict
 from rag.training.snli import LABELS
@@ -57,8 +58,6 @@ class NLIModule(pl.LightningModule):
         if self.model is not None:
             return
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from rag.knowledge.encoders import resolve_name_or_path
 
         path = resolve_name_or_path(self.hparams.encoder)
         self.tokenizer = AutoTokenizer.from_pretrained(path)

@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
+from rag.demo import load_demo_corpus, load_demo_qa
 from rag.retrobust.nli import nli_premise, qa_statement
 from rag.training.snli import LABELS, NLIPair, fetch_snli, load_snli, parse_snli_lines
 from rag.utils.errors import ConfigError
@@ -35,8 +36,6 @@ def elements_nli_pairs(split: str, *, kinds: Sequence[str] = ("entailment", "neu
     statement with the answer of a random same-type question about another element). `style`: see
     :func:`qa_statement`. Seeded.
     """
-    from rag.demo import load_demo_corpus, load_demo_qa
-
     unknown = set(kinds) - set(LABELS)
     if unknown:
         raise ConfigError(f"elements_nli_pairs kinds {sorted(unknown)} are not labels; choose from {', '.join(LABELS)}")

@@ -29,9 +29,17 @@ import pytorch_lightning as pl
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generation.marginalize import doc_log_prior
+from rag.generators.load import load_generator
+from rag.knowledge.refresh import load_document_encoder
+from rag.knowledge.retriever import default_query_encoder
+from rag.knowledge.scoring import RetrievalScorer
 from rag.models.ralm.model import doc_text
-from rag.models.replug.lm_scorer import LMScorer, ScoreCache, document_logprobs
+from rag.models.replug.lm_scorer import CompletionsLMScorer, LMScorer, LocalLMScorer, ScoreCache, document_logprobs
 from rag.models.replug.lsr import lsr_loss
+from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
+from rag.training.ensure_kb import ensure_knowledge_base
+from rag.training.reranker import ensure_tiny_gpt2
 from rag.training.settings import KnowledgeBaseBuild, RetrieverOptimizer, as_settings, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
@@ -67,8 +75,6 @@ class LsrRetriever(torch.nn.Module):
     """
 
     def __init__(self, question_encoder, knowledge_base, settings: LsrSettings, doc_encoder=None):
-        from rag.knowledge.scoring import RetrievalScorer
-
         super().__init__()
         self.config = settings
         self.question_encoder = question_encoder
@@ -168,8 +174,6 @@ class ReplugLSRModule(pl.LightningModule):
     def _ensure_kb(self) -> str:
         h, build = self.hparams, self.build_settings
         if build is not None:
-            from rag.training.ensure_kb import ensure_knowledge_base
-
             encoder = build.encoder or h.question_encoder
             if encoder is None:
                 raise ConfigError("model.build_knowledge_base needs model.build_knowledge_base.encoder or model.question_encoder "
@@ -180,7 +184,6 @@ class ReplugLSRModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from rag.knowledge.retriever import default_query_encoder
 
         h = self.hparams
         kb = resolve_knowledge_base(self._ensure_kb())
@@ -189,8 +192,6 @@ class ReplugLSRModule(pl.LightningModule):
         qenc = default_query_encoder(kb, h.question_encoder)
         denc = None
         if h.train_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             denc = load_document_encoder(kb, h.document_encoder)
         model = LsrRetriever(qenc, kb, LsrSettings(max_question_length=h.max_question_length, train_doc_encoder=h.train_doc_encoder), denc)
         self.model = model.train(self.training)
@@ -199,17 +200,11 @@ class ReplugLSRModule(pl.LightningModule):
     def _load_lm(self, kb) -> LMScorer:
         h = self.hparams
         if h.lm_endpoint is not None:
-            from rag.models.replug.lm_scorer import CompletionsLMScorer
-
             return CompletionsLMScorer(h.lm_endpoint, h.lm_endpoint_model, timeout=h.lm_timeout, max_retries=h.lm_max_retries,
                                        batch_size=h.lm_batch_size)
-        from rag.generators.load import load_generator
-        from rag.models.replug.lm_scorer import LocalLMScorer
 
         path = h.lm
         if path == TINY_GPT2:
-            from rag.training.reranker import ensure_tiny_gpt2
-
             path = ensure_tiny_gpt2([p.text for p in kb.all_passages()])
         model, tok, _ = load_generator(path, kind="causal")
         model.requires_grad_(False)
@@ -231,8 +226,6 @@ class ReplugLSRModule(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Under DDP, refuse to step unless every rank retrieves from the same knowledge-base version."""
-        from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
-
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     @without_cudnn_attention
@@ -252,7 +245,6 @@ class ReplugLSRModule(pl.LightningModule):
         # how often the retriever's first document is the one the LM likes best
         self.log("val/top1_agreement", (scores.argmax(-1) == ll.argmax(-1)).float().mean(), batch_size=b)
         # log-likelihood of y under the REPLUG ensemble with the retriever's weights (temperature γ)
-        from rag.generation.marginalize import doc_log_prior
 
         mix = torch.logsumexp(doc_log_prior(scores.detach(), temperature=self.hparams.retrieval_temperature) + ll, dim=-1)
         self.log("val/replug_loglik", mix.mean(), batch_size=b)
