@@ -7,7 +7,11 @@ import textwrap
 
 from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
-from rag.utils.errors import ConfigError
+from rag.generators.load import is_causal_lm_checkpoint
+from rag.pipeline.api import load, plot_token_posterior
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
+from rag.utils.errors import ConfigError, OutputExistsError
 from rag.utils.io import to_json
 from rag.utils.truncation import counting_cut_prompts
 
@@ -69,9 +73,6 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
 def _new_heatmap(answer, directory, first: int = 1):
     """Draw `answer`'s heatmap as ``answer_NNNN.png`` in `directory` under the first number from `first` on that no file
     holds yet: a file there (a heatmap of an earlier run, or anything else) is never replaced. Returns (path, number)."""
-    from rag.pipeline.api import plot_token_posterior
-    from rag.utils.errors import OutputExistsError
-
     n = first
     while True:
         path = directory / f"answer_{n:04d}.png"
@@ -86,8 +87,6 @@ def _new_heatmap(answer, directory, first: int = 1):
 def cmd_generate(args) -> int:
     from pathlib import Path
 
-    from rag.pipeline.api import load
-
     check_positive(args, "batch_size", "doc_max_length", "max_length")
     if args.show_passages < 0:
         raise ConfigError(f"--show-passages {args.show_passages}: must be 0 (print no passage) or more")
@@ -97,15 +96,10 @@ def cmd_generate(args) -> int:
     queries = read_queries(args)  # checked before the model is loaded
     nli = None
     if args.nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
-        from rag.generators.load import is_causal_lm_checkpoint
-
         if not is_causal_lm_checkpoint(args.model):
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")

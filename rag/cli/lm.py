@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import time
 
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("lm", help="the demo causal LM (SmolLM2-135M-Instruct): prepare it",
@@ -21,8 +23,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
-
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
     path = prepare_demo_lm(force=args.force, show_progress=not args.json)
     m = read_demo_lm_manifest(path)

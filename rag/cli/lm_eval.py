@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from rag.cli.index import check_positive
 from rag.cli.options import add_retrieval_temperature, retrieval_temperature
+from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
+from rag.generators.load import load_generator
+from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
+from rag.models.ralm.rerank import LMReranker, PredictiveReranker
+from rag.models.replug.lm_scorer import CompletionsLMScorer, RemoteCausalScorer
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
 
 DEFAULT_LM = "smollm2"
@@ -57,13 +65,6 @@ def add_parser(sub) -> None:
 def cmd_lm_eval(args) -> int:
     import torch
 
-    from rag.cli.index import check_positive
-    from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
-    from rag.generators.load import load_generator
-    from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
-    from rag.utils.devices import check_device
-    from rag.utils.errors import ConfigError
-
     # Every option is checked before the texts, the knowledge base and the LM are read.
     check_positive(args, "limit", "stride", "query_length", "window_step", "rerank_k", "rerank_tokens", "ensemble", "batch_size",
                    "doc_max_length", "max_length")
@@ -89,8 +90,6 @@ def cmd_lm_eval(args) -> int:
     if args.lm_endpoint is not None:  # REPLUG's black-box setting: only the tokenizer is local
         import os
 
-        from rag.models.replug.lm_scorer import CompletionsLMScorer, RemoteCausalScorer
-
         lm = CompletionsLMScorer(args.lm_endpoint, args.lm_endpoint_model, api_key=os.environ.get(args.lm_api_key_env) or None,
                                  batch_size=args.batch_size)
         scorer = RemoteCausalScorer.from_pretrained(args.model, lm, max_length=args.max_length, doc_max_length=args.doc_max_length,
@@ -100,8 +99,6 @@ def cmd_lm_eval(args) -> int:
     model, tok, _ = load_generator(args.model, kind="causal")
     reranker = None
     if args.rerank == "zero-shot":
-        from rag.models.ralm.rerank import LMReranker
-
         scorer = None
         if args.rerank_model:
             rm, rt, _ = load_generator(args.rerank_model, kind="causal")
@@ -109,8 +106,6 @@ def cmd_lm_eval(args) -> int:
                                   batch_size=args.batch_size)
         reranker = LMReranker(scorer, rerank_tokens=args.rerank_tokens)
     elif args.rerank == "trained":
-        from rag.models.ralm.rerank import PredictiveReranker
-
         reranker = PredictiveReranker.load(args.rerank_model).to(device)
     ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)
     result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)

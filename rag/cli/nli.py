@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from rag.cli.train import make_cli
+from rag.retrobust.nli import default_nli_dir
+from rag.training.nli import EXPORT_INFO
+from rag.training.snli import fetch_snli
+from rag.utils.errors import ConfigError
 from rag.utils.files import read_json
 
 CONFIG = Path(__file__).parents[1] / "configs" / "nli_minilm_qa.yaml"  # lightning_configs/, bundled with the package
@@ -27,11 +32,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from rag.retrobust.nli import default_nli_dir
-    from rag.training.nli import EXPORT_INFO
-    from rag.training.snli import fetch_snli
-    from rag.utils.errors import ConfigError
-
     out = Path(args.out) if args.out else default_nli_dir()
     if (out / EXPORT_INFO).is_file() and not args.force:
         print(f"NLI model: {out} (exists; --force trains again)")
@@ -41,7 +41,6 @@ def cmd_prepare(args) -> int:
         raise ConfigError(f"--config {args.config}: no such file (the recipe ships with rag: lightning_configs/ of the repository)")
     snli = fetch_snli(args.sdist)
     print(f"SNLI pairs: {snli}")
-    from rag.cli.train import make_cli
 
     cli = make_cli(["fit", "--config", str(args.config), "--model.export_dir", str(out)], run=True)
     result = cli.trainer.test(cli.model, datamodule=cli.datamodule, verbose=False)[0]

@@ -6,12 +6,18 @@ import logging
 import os
 import sys
 
+from rag.pipeline.api import load
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
+from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
+from rag.serve.limits import ServeLimits
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    from rag.serve.limits import ServeLimits
-
     p = sub.add_parser(
         "serve",
         help="serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)",
@@ -75,11 +81,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    from rag.pipeline.api import load
-    from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
-    from rag.serve.limits import ServeLimits
-    from rag.utils.errors import ConfigError
-
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
@@ -93,8 +94,6 @@ def cmd_serve(args) -> int:
         raise ConfigError(f"${args.admin_token_env} is only {len(token)} characters; use a random token of at least 16 "
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     from pathlib import Path
-
-    from rag.utils.devices import check_device
 
     # Checked before the model loads (minutes for a large one).
     for option, value in (("--max-concurrency", args.max_concurrency), ("--max-body-bytes", args.max_body_bytes)):
@@ -121,9 +120,6 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or Path(os.fspath(args.model).rstrip("/")).name or "rag"
     nli = None
     if args.nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)
