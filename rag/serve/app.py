@@ -65,6 +65,7 @@ from typing import Iterator, Optional, Sequence, Union
 from fastapi import FastAPI
 
 import rag
+from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.serve.admin import PathRejected, admin_router, real_roots, resolve_kb_path
 from rag.serve.auth import check_admin_token, check_distinct_secrets
@@ -149,8 +150,6 @@ def create_app(
         fairness_quantum: seconds of model time a request may use before a request that has used less goes first
             (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
-    from rag.knowledge.hotswap import KnowledgeBaseSlot  # torch and the index: only once a model is served
-
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
     limits = ServeLimits() if limits is None else limits
