@@ -5,7 +5,7 @@ Everything here works on a seq2seq generator (`transformers` BART / T5, or any m
 it in eval mode first, nothing here changes its mode) and on already-tokenized contexts `(N, src_len)`
 (for RAG, row `b * n_docs + k` is question `b` joined with its `k`-th retrieved passage).
 
-Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks"):
+Efficiency by design (ARCHITECTURE invariant 2; `benchmarks/decode_bench.py`, docs/benchmarks.md "Decoding"):
 
 * `encode_contexts` runs the generator encoder once per context; every search and the rescoring below reuse
   those states (index-selected, never re-encoded). transformers' `RagSequenceForGeneration.generate`

