@@ -120,7 +120,9 @@ def _describe(e: BaseException, batch_option: Optional[str]) -> tuple[str, int]:
     if isinstance(e, UnicodeDecodeError):
         return (f"input is not valid {e.encoding} text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
                 f"convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"), 2
-    if isinstance(e, (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) and e.errno is None:
+    if isinstance(e,
+                  (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                   PermissionError)) and e.errno is None:
         return str(e), 2  # raised with a message of its own (e.g. FileExistsError("... pass overwrite=True"))
     if isinstance(e, OSError) and (e.filename is not None or e.errno in _USAGE_ERRNOS):
         where = f"{e.filename}: " if e.filename is not None else ""

@@ -29,17 +29,20 @@ def add_parser(sub) -> None:
     p.add_argument("--no-retrieval", action="store_true",
                    help="retrieve nothing: the generator answers the bare questions (the closed-book baseline; no passages)")
     p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
-    p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
+    p.add_argument("--doc-max-length", type=int, default=None,
+                   help="causal LM: retrieved documents are cut to this many tokens (default 256)")
     add_generation_options(p)
     p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
     p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here "
-                                                             "(answer_NNNN.png, numbered past the files already there: none is replaced)")
+                                                             "(answer_NNNN.png, numbered past the files already there: "
+                                                             "none is replaced)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
                    help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
                         "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
-                        "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the default model: --nli minilm-snli")
+                        "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the "
+                        "default model: --nli minilm-snli")
     p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.set_defaults(func=cmd_generate, trailing_positional="queries")  # questions may also follow the options
 
@@ -101,7 +104,8 @@ def cmd_generate(args) -> int:
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
         if not is_causal_lm_checkpoint(args.model):
-            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
+            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); "
+                              f"--model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
     pipe = load(args.model, knowledge_base=args.kb, **settings)
     number = [0]  # the last heatmap's number

@@ -57,7 +57,8 @@ def cmd_hotswap_eval(args) -> int:
     check_device(args.device)
     for data in args.data:  # before the model loads
         if not Path(data).exists():
-            raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open JSONL, CSV, ...)")
+            raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open "
+                           f"JSONL, CSV, ...)")
     nli = None
     if args.nli is not None:
         validate_threshold(args.nli_threshold, "--nli-threshold")

@@ -32,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--admin-token-env", default="RAG_ADMIN_TOKEN", metavar="VAR",
-                   help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin endpoints disabled")
+                   help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin "
+                        "endpoints disabled")
     p.add_argument("--api-key-env", default="RAG_API_KEY", metavar="VAR",
                    help="environment variable holding the API key every route but the page needs as 'Authorization: Bearer "
                         "KEY' (default: RAG_API_KEY; the OpenAI client sends its api_key so); unset = no key needed on "
@@ -105,7 +106,8 @@ def cmd_serve(args) -> int:
                               "/admin/swap may open")
     check_device(args.device)
     check_admin_token(token, f"${args.admin_token_env}")
-    api_key, source = (args.api_key, "--api-key") if args.api_key else (os.environ.get(args.api_key_env) or None, f"${args.api_key_env}")
+    api_key, source = (args.api_key, "--api-key") if args.api_key else (os.environ.get(args.api_key_env) or None,
+                                                                        f"${args.api_key_env}")
     if api_key is not None:
         check_admin_token(api_key, source)
         if len(api_key) < 16:

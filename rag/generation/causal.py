@@ -102,10 +102,12 @@ class PrefixCache:
                         use_cache=True, return_dict=True)
             layers = getattr(output_cache(out), "layers", None)
             if layers is None:
-                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts without a PrefixCache")
+                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts "
+                               "without a PrefixCache")
             width = ids.shape[1]
             for i, p in enumerate(missing):
-                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone()) for layer in layers]
+                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone())
+                      for layer in layers]
                 found[p] = kv
                 self._store(p, kv)
         return [found[p] for p in prefixes]

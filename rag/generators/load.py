@@ -22,13 +22,15 @@ from rag.knowledge.encoders import resolve_name_or_path
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json, readable_model_files
 
-__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind",
+__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator",
+           "check_generator_kind",
            "as_generator", "is_causal_lm_checkpoint", "is_seq2seq_checkpoint"]
 
 GeneratorKind = Literal["seq2seq", "causal"]
 GENERATOR_KINDS: tuple[str, ...] = ("seq2seq", "causal")
 
-_WHAT = {"seq2seq": "a seq2seq (encoder-decoder) generator such as BART or T5", "causal": "a decoder-only (causal) LM such as GPT-2 or Llama"}
+_WHAT = {"seq2seq": "a seq2seq (encoder-decoder) generator such as BART or T5",
+         "causal": "a decoder-only (causal) LM such as GPT-2 or Llama"}
 
 
 def generator_kind(model_or_config: Any) -> GeneratorKind:
@@ -162,7 +164,8 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
         try:
             config = AutoConfig.from_pretrained(src)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {_one_line(e)}; pass a directory written "
+            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {_one_line(e)}; pass a "
+                              f"directory written "
                               "by save_pretrained") from e
         found = generator_kind(config)
     if kind is not None and found != kind:
@@ -172,13 +175,15 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
                else "pass it as a RagModel generator (`--model.generator`) instead")
         )
     if found == "seq2seq" and from_pretrained_kw and raw is not None and WARM_START_KEY in raw:
-        raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got {sorted(from_pretrained_kw)}")
+        raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got "
+                          f"{sorted(from_pretrained_kw)}")
     try:
         # A damaged weights or tokenizer file (``SafetensorError: header too large``) is named, as for RAG checkpoints.
         with readable_model_files(local, f"the generator ({_WHAT[found]})", _FIX) if local.is_dir() else contextlib.nullcontext():
             if found == "seq2seq":
                 if from_pretrained_kw:
-                    model, tok = AutoModelForSeq2SeqLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
+                    model, tok = AutoModelForSeq2SeqLM.from_pretrained(src,
+                                                                       **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
                 else:
                     model, tok = load_seq2seq(src)
             else:

@@ -86,7 +86,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     check_generator_kind(model, "causal", "model.generator_lora")
     n_layers = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
     if settings.layers is not None and n_layers is not None and max(settings.layers) >= n_layers:
-        raise ConfigError(f"model.generator_lora.layers={settings.layers}: the generator has {n_layers} layers (0 to {n_layers - 1})")
+        raise ConfigError(f"model.generator_lora.layers={settings.layers}: the generator has {n_layers} layers (0 to "
+                          f"{n_layers - 1})")
     source = getattr(model, SOURCE_ATTR, None)
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules) if settings.target_modules else None,
@@ -209,7 +210,8 @@ def check_adapter_shapes(directory: Union[str, os.PathLike], base: nn.Module) ->
         if a is None or b is None:
             raise bad_config(f"targets module {name}, but {weights.name} holds no LoRA tensors for it")
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-            raise IntegrityError(f"{weights}: {a_key} {a} and {b_key} {b} are not a rank-r pair (r, inputs) / (outputs, r); {fix}")
+            raise IntegrityError(f"{weights}: {a_key} {a} and {b_key} {b} are not a rank-r pair (r, inputs) / "
+                                 f"(outputs, r); {fix}")
         if a[0] != rank:
             raise bad_config(f"gives module {name} rank {rank} ({how}), but {weights.name} holds rank {a[0]} for it")
         want = [rank, kind[1]]

@@ -233,7 +233,8 @@ def pointer_model_class() -> type:
             if past is not None:
                 kwargs.update(cache_kwarg(EncoderDecoderModel, past))
             cached = past.get_seq_length() if hasattr(past, "get_seq_length") else 0  # before the forward extends it
-            out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
+            out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states),
+                                  **kwargs)
             h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
             scores = self.copy_scores(h, states)
             if self.copy_continue is not None:

@@ -76,7 +76,8 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 400, w
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def tiny_bart(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_bart(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512,
+              seed: int = 0):
     """A randomly initialised `BartForConditionalGeneration` sized for `tokenizer`."""
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
@@ -130,7 +131,8 @@ def _bert_config(tokenizer, d_model: int, layers: int, heads: int, ffn: int, max
     )
 
 
-def tiny_bert(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_bert(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512,
+              seed: int = 0):
     """A randomly initialised `BertModel` (with pooler) sized for `tokenizer`."""
     import torch
     from transformers import BertModel
@@ -153,7 +155,8 @@ def tiny_bert_classifier(tokenizer, id2label: dict[int, str], d_model: int = 32,
     return BertForSequenceClassification(config)
 
 
-def tiny_dpr(tokenizer, kind: str = "question", d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_dpr(tokenizer, kind: str = "question", d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64,
+             max_positions: int = 512, seed: int = 0):
     """A randomly initialised DPR question (`kind="question"`) or context encoder."""
     import torch
     from transformers import DPRConfig, DPRContextEncoder, DPRQuestionEncoder

@@ -133,7 +133,8 @@ def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | 
     check_tiny_name(TINY_PREFIX + str(kind), "generator")
     kb = KnowledgeBase.open(knowledge_base, verify="none")
     key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
-    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "tiny" / f"{kind}-{digest}"
     if (out / "config.json").is_file():
         return str(out)
     passages = kb.get_passages(np.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).reshape(1, -1))[0]

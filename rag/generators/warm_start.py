@@ -86,7 +86,8 @@ def build_warm_start_generator(
         enc = _frozen_encoder(path, pointer)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load {encoder!r} as a BERT-family encoder and tokenizer for the warm-started generator: {e}") from e
+        raise ConfigError(f"cannot load {encoder!r} as a BERT-family encoder and tokenizer for the warm-started "
+                          f"generator: {e}") from e
     ec = enc.config
     if seed is not None:
         torch.manual_seed(seed)
@@ -190,7 +191,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
     record = getattr(cfg, WARM_START_KEY, None)
-    if not isinstance(record, dict) or not isinstance(record.get("encoder"), str) or not isinstance(record.get("fingerprint"), str):
+    if not isinstance(record, dict) or not isinstance(record.get("encoder"),
+                                                      str) or not isinstance(record.get("fingerprint"), str):
         raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY!r} is missing or incomplete (it needs the strings "
                              "'encoder' and 'fingerprint'); save the generator again")
     name = record["encoder"]
@@ -213,7 +215,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
                              "or 'bigram' (written by a newer rag?)")
     if continuation:
         if not pointer:
-            raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the generator again")
+            raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the "
+                                 f"generator again")
         gen.add_continuation(bigram=continuation == "bigram")
     tok = AutoTokenizer.from_pretrained(path)
     _configure(gen, tok, record)
@@ -227,7 +230,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
     if not missing and extra and set(extra) <= set(whole):
         # transformers' save_pretrained of the whole model (frozen encoder included): every trained tensor is there, and
         # the rest are the model's own; the encoder weights saved with it are the ones it ran with.
-        logger.info("%s: a save_pretrained directory of the whole generator (%d tensors); rag.generators.warm_start.save_generator "
+        logger.info("%s: a save_pretrained directory of the whole generator (%d tensors); "
+                    "rag.generators.warm_start.save_generator "
                     "writes only the trained ones", weights, len(state))
         expected = {k: whole[k] for k in state}
     elif missing or extra:
@@ -236,7 +240,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
                              f"restore the directory or save the generator again")
     for name, t in state.items():
         if t.shape != expected[name].shape:
-            raise IntegrityError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}")
+            raise IntegrityError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                                 f"{tuple(expected[name].shape)}")
     gen.load_state_dict(state, strict=False)
     return gen.eval(), tok
 

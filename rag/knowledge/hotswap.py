@@ -192,7 +192,8 @@ class KnowledgeBaseSlot:
                 "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
         check_positive_int(history, "history", error=ConfigError)
-        check_number(keep_loaded, f"keep_loaded (at most history={history})", integer=True, low=0, high=history, error=ConfigError)
+        check_number(keep_loaded, f"keep_loaded (at most history={history})", integer=True, low=0, high=history,
+                     error=ConfigError)
         check_niceness(verify_nice, "verify_nice")
         check_number(release_wait, "release_wait (seconds)", low=0, error=ConfigError)
         check_bool(prewarm, "prewarm", error=ConfigError)
@@ -351,7 +352,8 @@ class KnowledgeBaseSlot:
                 target.verified = "none"  # served as +unverified: nothing was checked this time
             if target is None:
                 if entry.path is None:
-                    raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; swap to a directory instead")
+                    raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; "
+                                             f"swap to a directory instead")
                 tl = time.perf_counter()
                 target = self._open(entry.path, verify)
                 load_seconds = time.perf_counter() - tl
@@ -381,7 +383,8 @@ class KnowledgeBaseSlot:
             del old, prepared
             self._release(unloaded)
             return self._result(old_version, old_path, target, t0, load_seconds, commit_seconds, "swap_back", seq, warm)
-        raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
+        raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving "
+                                f"{self.version})")
 
     # ------------------------------------------------------------------ internals
     def _open(self, path_or_kb, verify: str):
@@ -414,7 +417,8 @@ class KnowledgeBaseSlot:
             if qenc is None:
                 return
             check_compatible(new, qenc.dim, getattr(self.retriever, "space", None), allow_encoder_change=allow_encoder_change)
-            if current is not None and not allow_metric_change and getattr(new, "metric", None) != getattr(current, "metric", None):
+            if current is not None and not allow_metric_change and getattr(new, "metric",
+                                                                           None) != getattr(current, "metric", None):
                 raise KnowledgeBaseError(
                     f"{_path_of(new)}: indexed with metric={new.metric!r} but the serving knowledge base uses "
                     f"{current.metric!r}, so the model would rank passages differently from how it was trained; rebuild it "

@@ -10,8 +10,8 @@ Endpoints (JSON in, JSON out)::
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
-    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified fully)
-    POST /admin/swap_back  {}                                                                      (Bearer token)
+    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified
+    fully) POST /admin/swap_back  {}                                                                      (Bearer token)
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models   OpenAI-compatible (rag.serve.openai_routes)
     GET  /                 a web page: ask, see passages, posteriors, the RAG-Token heatmap; swap (rag.serve.page)
 

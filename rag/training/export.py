@@ -90,5 +90,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         module.configure_model()
         module.load_state_dict(ckpt["state_dict"])
         return module.export(directory, overwrite=overwrite)
-    raise ConfigError(f"{src}: a checkpoint of {class_path if class_path != '?' else 'an unknown module'}; `rag export` writes RagModule and CausalReaderModule models "
+    raise ConfigError(f"{src}: a checkpoint of {class_path if class_path != '?' else 'an unknown module'}; `rag export` writes "
+                      f"RagModule and CausalReaderModule models "
                       "(REPLUG LSR writes its query encoder with model.export_dir, the NLI module with its own config)")

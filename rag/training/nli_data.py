@@ -56,7 +56,8 @@ def elements_nli_pairs(split: str, *, kinds: Sequence[str] = ("entailment", "neu
             other = rng.choice([e for e in elements if e != r["element"]])
             pairs.append(NLIPair(passages[other], statement, NEUTRAL))
         if "contradiction" in kinds:
-            wrong = [o["answers"][0] for o in by_type[r["type"]] if o["element"] != r["element"] and o["answers"][0] != r["answers"][0]]
+            wrong = [o["answers"][0] for o in by_type[r["type"]] if o["element"] != r["element"]
+                     and o["answers"][0] != r["answers"][0]]
             if wrong:
                 pairs.append(NLIPair(own, qa_statement(r["question"], rng.choice(wrong), r["type"], style=style), CONTRADICTION))
     return pairs
@@ -114,7 +115,8 @@ class NLIDataModule(pl.LightningDataModule):
     def _read(self, sources: Sources) -> list[NLIPair]:
         if sources is None:
             return []
-        return [p for s in ([sources] if isinstance(sources, str) else sources) for p in read_nli_source(s, seed=self.hparams.seed)]
+        return [p for s in ([sources] if isinstance(sources, str) else sources)
+                for p in read_nli_source(s, seed=self.hparams.seed)]
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.splits:

@@ -3,10 +3,12 @@
 Per batch of inputs x with ground-truth continuations y (:class:`~rag.training.data.QADataModule` pairs: x = question,
 y = answer; or any text split into a context and its continuation):
 
-1. retrieve the top-k documents and their differentiable scores s(d, x) = q(x) · d (:class:`~rag.knowledge.scoring.RetrievalScorer`,
+1. retrieve the top-k documents and their differentiable scores s(d, x) = q(x) · d
+(:class:`~rag.knowledge.scoring.RetrievalScorer`,
    the only gradient path into the retriever);
 2. score log P_LM(y | d ∘ x) with the frozen LM — a local transformers LM or an OpenAI-compatible completions endpoint
-   (:mod:`rag.models.replug.lm_scorer`), every (LM, document, input, continuation) asked once (:class:`~rag.models.replug.lm_scorer.ScoreCache`);
+   (:mod:`rag.models.replug.lm_scorer`), every (LM, document, input, continuation) asked once
+   (:class:`~rag.models.replug.lm_scorer.ScoreCache`);
 3. minimise KL(P_R ‖ Q_LM) (:func:`rag.models.replug.lsr.lsr_loss`, temperatures γ (`retrieval_temperature`) and β);
 4. with ``train_doc_encoder`` the retrieved documents are re-embedded with gradients, and the
    :class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus, rebuilds the index and hot-swaps it every
@@ -145,9 +147,11 @@ class ReplugLSRModule(pl.LightningModule):
     def __init__(self, lm: str = TINY_GPT2, lm_endpoint: Optional[str] = None, lm_endpoint_model: Optional[str] = None,
                  lm_timeout: float = 30.0, lm_max_retries: int = 3, lm_batch_size: int = 16, cache_lm_scores: bool = True,
                  question_encoder: Optional[str] = "minilm", knowledge_base: str = "kb",
-                 build_knowledge_base: Optional[KnowledgeBaseBuild] = None, k: int = 20, retrieval_temperature: float = 0.1, beta: float = 0.1,
+                 build_knowledge_base: Optional[KnowledgeBaseBuild] = None, k: int = 20, retrieval_temperature: float = 0.1,
+                 beta: float = 0.1,
                  train_doc_encoder: bool = False, document_encoder: Optional[str] = None, max_question_length: int = 64,
-                 optimizer: RetrieverOptimizer = _DEFAULT_OPTIMIZER, export_dir: Optional[str] = None, gamma: Optional[float] = None):
+                 optimizer: RetrieverOptimizer = _DEFAULT_OPTIMIZER, export_dir: Optional[str] = None,
+                 gamma: Optional[float] = None):
         super().__init__()
         if gamma is not None:
             warnings.warn("model.gamma is deprecated: it is now model.retrieval_temperature (one name for RAG, REPLUG and LSR)",
@@ -188,12 +192,14 @@ class ReplugLSRModule(pl.LightningModule):
         h = self.hparams
         kb = resolve_knowledge_base(self._ensure_kb())
         if h.k > len(kb):
-            raise ConfigError(f"model.k={h.k} documents per input but the knowledge base {kb.path} holds {len(kb)}; lower model.k")
+            raise ConfigError(f"model.k={h.k} documents per input but the knowledge base {kb.path} holds "
+                              f"{len(kb)}; lower model.k")
         qenc = default_query_encoder(kb, h.question_encoder)
         denc = None
         if h.train_doc_encoder:
             denc = load_document_encoder(kb, h.document_encoder)
-        model = LsrRetriever(qenc, kb, LsrSettings(max_question_length=h.max_question_length, train_doc_encoder=h.train_doc_encoder), denc)
+        model = LsrRetriever(qenc, kb,
+                             LsrSettings(max_question_length=h.max_question_length, train_doc_encoder=h.train_doc_encoder), denc)
         self.model = model.train(self.training)
         self.lm = self._load_lm(kb)
 
@@ -222,7 +228,8 @@ class ReplugLSRModule(pl.LightningModule):
         inputs, targets = batch["questions"], batch["targets"]
         retrieved, doc_scores = self.model(inputs, self.hparams.k)
         ll = lm_scores(self.lm, retrieved.passages, inputs, targets, cache=self.cache).to(doc_scores.device)
-        return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature, beta=self.hparams.beta), doc_scores, ll
+        return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature,
+                        beta=self.hparams.beta), doc_scores, ll
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Under DDP, refuse to step unless every rank retrieves from the same knowledge-base version."""

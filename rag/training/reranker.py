@@ -222,7 +222,8 @@ class RerankerDataModule(pl.LightningDataModule):
             settings, else the examples are collected and the file is (re)written, atomically. ``None``: not kept.
     """
 
-    def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO, retrieval: Literal["bm25", "dense"] = "bm25",
+    def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO,
+                 retrieval: Literal["bm25", "dense"] = "bm25",
                  k: int = 16, stride: int = 4, query_length: int = 32, prefix_tokens: int = 32, max_length: Optional[int] = None,
                  doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8,
                  lm_batch_size: int = 8, seed: int = 0, examples_file: Optional[str] = None):
@@ -239,7 +240,8 @@ class RerankerDataModule(pl.LightningDataModule):
         h = self.hparams
         if h.knowledge_base == DEMO:
             if h.retrieval != "bm25":
-                raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a knowledge-base directory")
+                raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a "
+                                  "knowledge-base directory")
             self.knowledge_base = SimpleNamespace(version="demo-elements-bm25", path=DEMO)
             return BM25Retriever.from_passages(load_demo_corpus(), show_progress=False)
         retriever = open_retriever(h.retrieval, h.knowledge_base)
@@ -286,7 +288,8 @@ class RerankerDataModule(pl.LightningDataModule):
         return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
 
 
-def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal", temperature: float = 1.0) -> torch.Tensor:
+def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal",
+                  temperature: float = 1.0) -> torch.Tensor:
     """Mean over the batch of Eq. 9, ``-log Σ_i p_rank(d_i|x) p_θ(y|[d_i; x])`` (``marginal``), or of the soft-label
     cross-entropy ``-Σ_i softmax(log p_θ / τ)_i log p_rank(d_i|x)`` (``soft_label``). ``scores``, ``lm_loglik``: ``(B, K)``."""
     log_rank = doc_log_prior(scores)
@@ -319,7 +322,8 @@ class PredictiveRerankerModule(pl.LightningModule):
             nothing is validated); ``last``: the last epoch's.
     """
 
-    def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
+    def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32,
+                 loss: Literal["marginal", "soft_label"] = "marginal",
                  temperature: float = 1.0, rank_prior: int = 0, optimizer: RerankerOptimizer = _DEFAULT_OPTIMIZER,
                  export_dir: Optional[str] = None, export_weights: Literal["best", "last"] = "best"):
         super().__init__()
@@ -391,7 +395,8 @@ class PredictiveRerankerModule(pl.LightningModule):
     def on_train_end(self) -> None:
         if self.best is not None:  # every rank kept the same epoch (the loss is synced): the module ends on its weights
             self.reranker.load_state_dict(self.best[2])
-            logger.info("the reranker takes the weights of epoch %d (validation loss %.4f, the lowest)", self.best[1], self.best[0])
+            logger.info("the reranker takes the weights of epoch %d (validation loss %.4f, the lowest)", self.best[1],
+                        self.best[0])
         if self.hparams.export_dir and self.trainer.is_global_zero:
             self.reranker.save(self.hparams.export_dir, overwrite=True)
             logger.info("trained reranker written to %s", self.hparams.export_dir)

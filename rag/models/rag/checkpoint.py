@@ -114,7 +114,8 @@ def check_knowledge_base_version(root: Path, kb, kb_ref: dict) -> None:
         logger.info("%s: knowledge base %s (%s) is a rebuild of the one the model was saved with (%s): same passages and "
                     "encoder", root, kb.path, kb.version, kb_ref["version"])
     else:
-        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
+        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version,
+                       kb_ref["version"])
 
 
 def save_rag_model(model: nn.Module, path: Union[str, os.PathLike], overwrite: bool = False, *,
@@ -213,7 +214,8 @@ def referenced_knowledge_base(root: Path, kb_ref: dict):
     relative to the checkpoint. It is an external artefact, opened and verified against its own manifest.
     ConfigError when it is not here, saying to pass ``--kb`` (CLI) / ``knowledge_base=`` (Python)."""
     cfg_file = root / CHECKPOINT_CONFIG
-    how = "pass one with `--kb <directory>` (rag generate / rag serve) or knowledge_base=<directory> (rag.load, RagModel.from_pretrained)"
+    how = ("pass one with `--kb <directory>` (rag generate / rag serve) or knowledge_base=<directory> (rag.load, "
+           "RagModel.from_pretrained)")
     name = kb_ref.get("name")
     if name is not None:
         if name not in WELL_KNOWN_KBS:
@@ -295,17 +297,21 @@ def load_rag_model(
     if not cfg_file.is_file():
         hint = (" It looks like a transformers RAG checkpoint: load it with rag.models.rag.hf_compat.load_hf_rag"
                 if is_hf_rag_checkpoint(root) else "")
-        raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with RagModel.save_pretrained).{hint}")
+        raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with "
+                          f"RagModel.save_pretrained).{hint}")
     meta = read_json(cfg_file, fix="restore the checkpoint")
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} (expected {CHECKPOINT_FORMAT})")
+        raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+                          f"(expected {CHECKPOINT_FORMAT})")
     gen_meta, qenc_meta, denc_meta = (_entry(meta, k, cfg_file) for k in ("generator", "question_encoder", "doc_encoder"))
     if gen_meta is None:
         raise ConfigError(f"{cfg_file}: has no 'generator' entry (e.g. {{\"dir\": \"{GENERATOR_DIR}\"}}); the file was edited or "
                           "written by something else — restore it or save the model again with RagModel.save_pretrained")
     # Component directories read from the file stay inside the checkpoint; every file in them is checksummed.
     gen_dir = confined_path(root, gen_meta.get("dir", GENERATOR_DIR), cfg_file)
-    qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root, (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR), cfg_file)
+    qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root,
+                                                                             (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR),
+                                                                             cfg_file)
     denc_dir = confined_path(root, denc_meta.get("dir", DOC_ENCODER_DIR), cfg_file) if denc_meta else None
     loaded = [d.relative_to(root).as_posix() for d in (gen_dir, qenc_dir, denc_dir) if d is not None]
     adapter = _entry(gen_meta, "adapter", cfg_file)
@@ -342,7 +348,8 @@ def _entry(meta: dict, key: str, cfg_file: Path):
     """``meta[key]``: None when absent or null, else it must be a JSON object."""
     value = meta.get(key)
     if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{cfg_file}: field {key!r} must be an object, got {type(value).__name__}; restore the file or save the model again")
+        raise ConfigError(f"{cfg_file}: field {key!r} must be an object, got {type(value).__name__}; restore the file or save "
+                          f"the model again")
     return value
 
 

@@ -30,7 +30,8 @@ from rag.generation.spans import PassageSpans, TokenTexts
 from rag.generators import seq2seq
 from rag.utils.errors import ConfigError
 
-__all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book", "no_retrieval_contexts", "unmasked_contexts"]
+__all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book",
+           "no_retrieval_contexts", "unmasked_contexts"]
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,9 @@ def answers_with_provenance(model, questions: Sequence[str], inputs, contexts, o
             post = [float("nan")] * k
         if uncased:  # take the answer's casing from the passages it was read from, best first
             order = sorted(range(k), key=lambda j: -(post[j] if not math.isnan(post[j]) else prior[b, j].item()))
-            text = restore_case(text, [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}" for j in order])
+            text = restore_case(text,
+                                [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}"
+                                 for j in order])
         if marg == "token" and token_lp is not None and keep:
             real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
             per_tok = log_prior[b][:, None] + token_lp[r][:, real]  # (K, T)

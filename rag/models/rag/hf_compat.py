@@ -18,8 +18,8 @@ scores ``labels=tokenizer(text_target=answer).input_ids`` (fed ``<s> …``, scor
 :func:`rag.generation.marginalize.hf_label_convention`), and the loss is transformers' ``get_nll``, quirks
 included (see :mod:`rag.generation.marginalize`). RAG-Sequence's per-passage search runs as transformers runs it
 (``mask_padded_contexts=False``: contexts padded to ``max_combined_length``, no attention mask, so padded contexts
-attend to their pads; pass ``mask_padded_contexts=True`` as an override to mask them). The decoding settings stored with the checkpoint
-(:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
+attend to their pads; pass ``mask_padded_contexts=True`` as an override to mask them). The decoding settings stored with the
+checkpoint (:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
 ``model.safetensors.index.json`` must stay inside the checkpoint directory.
 
 Separate DPR and BART checkpoints need no importer: use ``RagModel.from_components``.
@@ -160,8 +160,10 @@ def _load_state_dict(root: Path) -> dict:
             except Exception as e:  # torch raises its unpickler's own error types for damaged or disallowed content
                 raise RuntimeError(f"{legacy.name}: {e}") from e
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, UnicodeDecodeError, SafetensorError) as e:
-        raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the checkpoint again") from e
-    raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the checkpoint is incomplete")
+        raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the "
+                             f"checkpoint again") from e
+    raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the "
+                         f"checkpoint is incomplete")
 
 
 def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike]) -> tuple[Path, Path]:
@@ -194,7 +196,8 @@ def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike])
                 # clone: legacy .bin files share storage between tied weights, which safetensors refuses
                 sub[name[len(part) + 1:]] = tensor.detach().clone().contiguous()
         if not sub:
-            raise IntegrityError(f"{root}: the weights hold no '{part}.*' tensors; the checkpoint is incomplete or not a RAG model")
+            raise IntegrityError(f"{root}: the weights hold no '{part}.*' tensors; the checkpoint is incomplete or "
+                                 f"not a RAG model")
         tmp = out / f"{part}.raw"
         tmp.mkdir(parents=True, exist_ok=True)
         getattr(hf_config, part).save_pretrained(tmp)

@@ -126,9 +126,11 @@ class RagModel(nn.Module):
         if not isinstance(config, RagModelConfig):
             raise ConfigError(f"config must be a RagModelConfig, got {type(config).__name__}")
         if not isinstance(question_encoder, TextEncoder):
-            raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got {type(question_encoder).__name__}")
+            raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got "
+                              f"{type(question_encoder).__name__}")
         if not isinstance(generator, nn.Module):
-            raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got {type(generator).__name__}")
+            raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got "
+                              f"{type(generator).__name__}")
         lm = as_generator(generator, generator_tokenizer)
         if config.hf_compat and not lm.transformers_rag:
             raise ConfigError("RagModelConfig.hf_compat reproduces transformers' RAG, whose generator is seq2seq; a causal "
@@ -330,7 +332,8 @@ class RagModel(nn.Module):
         return self.scoring.score(questions, self._n_docs(n_docs), device=_device_of(self.generator))
 
     # ------------------------------------------------------------------ contexts
-    def context_strings(self, questions: Sequence[str], retrieved: Retrieved, question_input_ids: Optional[torch.Tensor] = None) -> list:
+    def context_strings(self, questions: Sequence[str], retrieved: Retrieved,
+                        question_input_ids: Optional[torch.Tensor] = None) -> list:
         """The B·K generator inputs "title / text // question" (row ``b*K + k``), as
         :class:`~rag.generation.contexts.Context` strings that know where the question starts.
 
@@ -439,7 +442,8 @@ class RagModel(nn.Module):
             ConfigError: a referenced query encoder cannot be loaded by its name.
             KnowledgeBaseError: the knowledge base is missing or incompatible.
         """
-        return load_rag_model(cls, path, knowledge_base, verify=verify, allow_encoder_change=allow_encoder_change, **config_overrides)
+        return load_rag_model(cls, path, knowledge_base, verify=verify, allow_encoder_change=allow_encoder_change,
+                              **config_overrides)
 
     # ------------------------------------------------------------------ loss
     def tokenize_targets(self, targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -488,7 +492,8 @@ class RagModel(nn.Module):
         loss = self.loss_from_logits(logits, labels, label_mask, self.retrieval_logits(inputs.doc_scores))
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
-    def generator_loss(self, questions: Sequence[str], targets: Sequence[str], passages: Optional[Sequence] = None) -> torch.Tensor:
+    def generator_loss(self, questions: Sequence[str], targets: Sequence[str],
+                       passages: Optional[Sequence] = None) -> torch.Tensor:
         """The configured loss of the generator alone, one given input per target (no retrieval, prior 1).
 
         With `passages` (one object with ``title`` and ``text`` per question) the input is the
@@ -509,7 +514,8 @@ class RagModel(nn.Module):
         scores = torch.zeros(len(questions), 1, device=device)
         inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
         decoder_inputs, labels, label_mask = self.training_targets(targets)
-        return self.loss_from_logits(self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs), labels, label_mask, scores)
+        return self.loss_from_logits(self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs), labels, label_mask,
+                                     scores)
 
     def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS,
                          decoder_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -528,7 +534,8 @@ class RagModel(nn.Module):
         return self.lm.teacher_forced(inputs.context_input_ids, inputs.context_attention_mask, labels,
                                       inputs.doc_scores.shape[1], decoder_input_ids=decoder_input_ids, max_buckets=max_buckets)
 
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, doc_scores: torch.Tensor) -> torch.Tensor:
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                         doc_scores: torch.Tensor) -> torch.Tensor:
         """The configured RAG loss from generator logits ``(B, K, T, V)``, targets ``labels`` ``(B, T)``
         with ``label_mask`` ``(B, T)`` (True on real tokens) and ``doc_scores`` ``(B, K)``.
 
