@@ -149,7 +149,7 @@ def test_generation_without_retrieval_refuses_retrieval_options(rag_pipe, ralm_p
 
 def test_both_generations_are_one_batch(rag_pipe, ralm_pipe, nli_dirs, monkeypatch):
     import rag.generators.seq2seq as answer_mod  # where a seq2seq generator encodes its contexts
-    import rag.models.ralm.generate as ralm_mod
+    import rag.pipeline.readers as ralm_mod  # where the In-Context RALM reader looks ralm_generate up
 
     calls = []
     real_encode = answer_mod.encode_contexts

@@ -42,11 +42,16 @@ from rag.utils.io import process_umask
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.models.rag.model import RagModel
+from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
 from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
+from rag.models.rag.checkpoint import is_lightning_checkpoint
+from rag.models.rag.hf_compat import is_hf_rag_checkpoint, load_hf_rag
+from rag.models.rag.model import RagModel
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
+from rag.retrobust.backoff import generate_with_backoff, resolve_nli
+from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.utils.devices import without_cudnn_attention
 
 DEMO_NAMES = {"demo": None, "demo-causal": "demo_causal", "demo-seq2seq": "demo"}
@@ -135,8 +140,6 @@ class RagPipeline:
         batch and keeps each retrieval answer only if P(entailment | evidence, question + answer) >= ``nli_threshold``
         (in [0, 1]); each answer records ``nli_entailment`` and ``answered_with``.
         """
-        from rag.retrobust.nli import validate_threshold
-
         if retrieval is False:
             if nli is not None and nli is not False:
                 raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off (--nli) chooses "
@@ -149,15 +152,11 @@ class RagPipeline:
         nli_threshold = validate_threshold(nli_threshold)
         if nli is None or nli is False:
             return self.reader.generate(questions, **options)
-        from rag.retrobust.backoff import generate_with_backoff
 
         return generate_with_backoff(self.reader, questions, self._nli_scorer(nli), nli_threshold, **options)
 
     def _nli_scorer(self, nli):
         """`nli` as a scorer; a model named by path (or True) is loaded once per pipeline."""
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import NLIScorer
-
         if isinstance(nli, NLIScorer):
             return nli
         key = True if nli is True else os.fspath(nli) if isinstance(nli, (str, os.PathLike)) else None
@@ -226,24 +225,17 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     fields (e.g. ``n_docs=2``) for every kind of RAG checkpoint, or are :class:`~rag.models.ralm.model.RalmConfig`
     fields and ``retrieval`` for a causal LM; unknown names raise ConfigError with the valid list.
     """
-    from rag.models.rag.model import RagModel
-
     name = str(path_or_name)
     if name in DEMO_NAMES:
-        from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
-
         path_or_name = demo_checkpoint_dir(*([DEMO_NAMES[name]] if DEMO_NAMES[name] else []))
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()
     path = Path(path_or_name)
-    from rag.models.rag.checkpoint import is_lightning_checkpoint
 
     if is_lightning_checkpoint(path):
         raise ConfigError(f"{path}: is a Lightning checkpoint of `rag fit`, not a model directory; export it first: "
                           f"rag export {path} DIR, then --model DIR (rag.load(DIR))")
     if path.is_dir() and not (path / "rag_config.json").is_file():
-        from rag.models.rag.hf_compat import is_hf_rag_checkpoint, load_hf_rag
-
         if is_hf_rag_checkpoint(path):
             if knowledge_base is None:
                 raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")

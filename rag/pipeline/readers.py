@@ -24,11 +24,14 @@ if TYPE_CHECKING:  # pragma: no cover
 
 from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
+from rag.generation.decoding import GenerationConfig
 from rag.generation.options import FALLBACK_DEFAULTS, reader_options, retrieval_options
 from rag.generators.base import Generator
-from rag.generators.load import as_generator
-from rag.models.rag.generate import answers_with_provenance, closed_book_answers
-from rag.models.ralm.generate import continuation_answer
+from rag.generators.load import as_generator, load_generator
+from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
+from rag.models.rag.generate import answers_with_provenance, closed_book_answers, generate_closed_book, generate_for_questions
+from rag.models.ralm.generate import continuation_answer, ralm_generate
+from rag.models.ralm.model import InContextRALM, RalmConfig
 from rag.models.replug.ensemble import replug_answers
 
 
@@ -231,8 +234,6 @@ class RagReader:
         :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are refused."""
         from dataclasses import replace
 
-        from rag.models.rag.generate import generate_closed_book
-
         questions = check_strings(questions, "questions")
         _refuse_retrieval_options(generation_kw)
         config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
@@ -241,8 +242,6 @@ class RagReader:
 
     def _generation_config(self, num_beams, max_new_tokens, num_return_sequences: int, generation_kw: dict):
         """The generation config of a call: explicit options, then the model's stored defaults, then greedy / 32 tokens."""
-        from rag.generation.decoding import GenerationConfig
-
         stored = dict(self.model.config.generation or {})
         if max_new_tokens is not None or "max_length" in generation_kw:  # the caller's length replaces the stored one
             stored.pop("max_length", None)
@@ -258,8 +257,6 @@ class RagReader:
     def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
                   max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None,
                   retrieval=None, **generation_kw):
-        from rag.models.rag.generate import generate_for_questions
-
         questions = check_strings(questions, "questions")
         if retrieval_temperature is not None:
             raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
@@ -307,9 +304,6 @@ class RalmReader:
     def __init__(self, model, tokenizer, knowledge_base: Union[str, os.PathLike, "KnowledgeBase"],
                  config: Optional["RalmConfig"] = None, *, retrieval: Optional[str] = None,
                  reranker: Optional["DocumentScorer"] = None):
-        from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
-        from rag.models.ralm.model import InContextRALM, RalmConfig
-
         if knowledge_base is None:
             raise ConfigError("a causal LM carries no knowledge base: pass knowledge_base=<directory> (--kb DIR)")
         kb = resolve_knowledge_base(knowledge_base)
@@ -406,8 +400,6 @@ class RalmReader:
         from dataclasses import replace
 
         from rag.generation.search import GenerationConfig
-        from rag.models.ralm.generate import ralm_generate
-        from rag.models.ralm.model import InContextRALM
 
         questions = check_strings(questions, "questions")
         config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
@@ -448,9 +440,6 @@ class RalmReader:
         """A causal LM directory or name (:func:`~rag.generators.load.load_generator`, e.g. ``"smollm2"``) over
         `knowledge_base`; `config_overrides` are :class:`~rag.models.ralm.model.RalmConfig` fields (``stride=4``, ...)."""
         from dataclasses import fields
-
-        from rag.generators.load import load_generator
-        from rag.models.ralm.model import RalmConfig
 
         known = {f.name for f in fields(RalmConfig)}
         unknown = sorted(set(config_overrides) - known)

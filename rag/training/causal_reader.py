@@ -24,13 +24,21 @@ from typing import Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.demo.multihop import load_multihop
 from rag.eval.metrics import ExactMatch, TokenF1
+from rag.generators.load import load_generator
 from rag.knowledge.passages import Passage
-from rag.models.ralm.model import CausalScorer, window_ids, window_start
+from rag.models.ralm.model import CausalScorer, RalmConfig, window_ids, window_start
+from rag.pipeline.readers import RalmReader
+from rag.retrobust.selfask import chain_training_examples
+from rag.training.context_mixing import open_knowledge_base
 from rag.training.data import batch_contexts
+from rag.training.reranker import ensure_tiny_gpt2
 from rag.training.settings import Optimizer, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.files import parse_json
+from rag.utils.io import atomic_directory
 from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -159,21 +167,16 @@ class CausalReaderModule(pl.LightningModule):
     # ------------------------------------------------------------------ construction
     def _knowledge_base(self):
         if self._kb is None:
-            from rag.training.context_mixing import open_knowledge_base
-
             self._kb = open_knowledge_base(self.hparams.knowledge_base)
         return self._kb
 
     def configure_model(self) -> None:
         if self.lm is not None:
             return
-        from rag.generators.load import load_generator
 
         h = self.hparams
         path = h.lm
         if path == "tiny:gpt2":
-            from rag.training.reranker import ensure_tiny_gpt2
-
             path = ensure_tiny_gpt2([p.text for p in self._knowledge_base().all_passages()])
         lm, self.tokenizer, _ = load_generator(path, kind="causal")
         self.lm = lm.train(self.training)
@@ -184,15 +187,9 @@ class CausalReaderModule(pl.LightningModule):
 
     @staticmethod
     def _load_chains(spec: str) -> list[tuple[str, str]]:
-        from rag.retrobust.selfask import chain_training_examples
-
         if spec == "demo":
-            from rag.demo.multihop import load_multihop
-
             records = load_multihop("train")
         else:
-            from rag.utils.files import parse_json
-
             path = Path(spec)
             if not path.is_file():
                 raise ConfigError(f"model.selfask={spec!r}: no such file; give a JSONL of decomposed questions or 'demo'")
@@ -271,9 +268,6 @@ class CausalReaderModule(pl.LightningModule):
     def _reader(self):
         """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
         if self._ralm_reader is None:
-            from rag.models.ralm.model import RalmConfig
-            from rag.pipeline.readers import RalmReader
-
             h = self.hparams
             cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
             self._ralm_reader = RalmReader(self.lm, self.tokenizer, self._knowledge_base(), cfg, retrieval=h.retrieval)
@@ -325,8 +319,6 @@ class CausalReaderModule(pl.LightningModule):
     def export(self, directory: str | os.PathLike, *, overwrite: bool = True) -> Path:
         """Write the trained LM and tokenizer (``save_pretrained``), atomically; with `overwrite` only a directory that
         holds a saved model (``config.json``) is replaced."""
-        from rag.utils.io import atomic_directory
-
         with atomic_directory(directory, overwrite=overwrite, replaces=lambda p: (p / "config.json").is_file(),
                               kind="causal reader") as tmp:
             self.lm.save_pretrained(tmp)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number
 
@@ -128,8 +129,6 @@ resolver, :func:`rag.demo.kb.resolve_knowledge_base`)."""
 
 def retrieve_rows(kb, questions: Sequence[str], k: int, query_encoder: Optional[str] = None) -> list[list[int]]:
     """Top-`k` knowledge-base rows ``(N, k)`` of each question by dense retrieval (the KB's query encoder)."""
-    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
-
     if k > len(kb):
         raise ConfigError(f"data.context_mixing.top_k={k} exceeds the {len(kb)} passages of knowledge base {kb.path}")
     retriever = DenseRetriever(kb, default_query_encoder(kb, query_encoder))

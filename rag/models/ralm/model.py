@@ -20,9 +20,12 @@ import numpy as np
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
+from rag.generators.load import check_generator_kind
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 from rag.knowledge.retriever_kinds import retriever_for_kind
+from rag.models.ralm.prefix_scoring import score_after_documents
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_bool, check_number
 
@@ -252,8 +255,6 @@ class CausalScorer:
     positions."""
 
     def __init__(self, model, tokenizer, *, max_length: Optional[int] = None, doc_max_length: int = 256, batch_size: int = 8):
-        from rag.generators.load import check_generator_kind
-
         check_generator_kind(model, "causal", "In-Context RALM (--model / --rerank-model)")
         self.model, self.tokenizer = model.eval(), tokenizer
         ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -536,8 +537,6 @@ class InContextRALM:
         their chunks' positions. Windows after a document share its keys and values
         (:func:`~rag.models.ralm.prefix_scoring.score_after_documents`: a document retrieved for several texts or cuts runs
         through the LM once per block); windows without one (the first chunk) are scored whole."""
-        from rag.models.ralm.prefix_scoring import score_after_documents
-
         out: list = [None] * len(items)
         plain, after, doc_index, docs = [], [], {}, []
         for n, ((g, key, c), (doc, chunks)) in enumerate(items):
@@ -566,8 +565,6 @@ class InContextRALM:
         """Per chunk, the log-probabilities of its tokens: its one window's, or (REPLUG) the per-token mixture
         log Σ_d λ(d, x) p(y | d ∘ x) of its documents' windows (:func:`~rag.generation.marginalize.token_marginal_target_logprobs`),
         all chunks of the group in one call."""
-        from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
-
         out: dict[tuple[int, int], np.ndarray] = {}
         mixed = []
         for g, (spans, _) in enumerate(plans):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.knowledge.passages import Passage
 from rag.models.ralm.model import CausalScorer, InContextRALM, doc_text, window_ids
 from rag.utils.errors import ConfigError, IntegrityError
@@ -112,8 +113,6 @@ class PredictiveReranker(nn.Module):
     def __init__(self, encoder: str = "minilm", max_length: int = 256, query_tokens: int = 32, rank_prior: int = 0):
         super().__init__()
         from transformers import AutoModel, AutoTokenizer
-
-        from rag.knowledge.encoders import resolve_name_or_path
 
         check_positive_int(max_length, "max_length (the reranker's pair_max_length)", error=ConfigError)
         check_positive_int(query_tokens, "query_tokens", error=ConfigError)

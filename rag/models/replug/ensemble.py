@@ -25,10 +25,12 @@ import torch
 from torch import Tensor
 
 from rag.generation.answers import Answer, PassageProvenance, through_eos
+from rag.generation.causal import CausalLMDecoder, CausalPrompts
 from rag.generation.decoding import token_marginal_search
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood, rag_token_log_likelihood
 from rag.generation.prompts import left_pad
 from rag.generation.search import GenerationConfig, config_token_id, resolve_spec
+from rag.generators.load import check_generator_kind
 from rag.models.ralm.generate import check_new_token_lengths, continuation_text
 from rag.models.ralm.model import window_start
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
@@ -116,8 +118,6 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
         sequences ``(B * num_return_sequences, T)`` — x's tokens (left-padded, after the BOS/EOS context token) followed by
         the generated ones — and their scores (log-likelihood under the mixture, or the length-penalised beam score).
     """
-    from rag.generators.load import check_generator_kind
-
     check_generator_kind(model, "causal", "replug_generate")
     for x in inputs:
         check_text(x, "an input text")
@@ -151,8 +151,6 @@ def replug_search(model, streams: Sequence[Sequence[int]], windows: Sequence[Seq
     Returns:
         ``(B * num_return_sequences, T)`` sequences and their scores, as :func:`replug_generate`.
     """
-    from rag.generation.causal import CausalLMDecoder, CausalPrompts
-
     b, k = log_prior.shape
     if len(windows) != b or any(len(w) != k for w in windows):
         raise RagError(f"windows must be {b} lists of {k} token lists, one per (input, document)")

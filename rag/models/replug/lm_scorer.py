@@ -28,6 +28,10 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from rag.generation.causal import continuation_logprobs
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
+from rag.generators.load import check_generator_kind
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.models.ralm.model import DEFAULT_MAX_LENGTH, CausalScorer
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, check_positive_int
@@ -81,8 +85,6 @@ class LocalLMScorer:
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, max_length: Optional[int] = None, name: Optional[str] = None):
-        from rag.generators.load import check_generator_kind
-
         check_generator_kind(model, "causal", "LocalLMScorer")
         self.model, self.tokenizer = model.eval(), tokenizer
         ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -114,8 +116,6 @@ class LocalLMScorer:
 
     @torch.no_grad()
     def continuation_logprobs(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[np.ndarray]:
-        from rag.generation.causal import continuation_logprobs
-
         if len(prompts) != len(continuations):
             raise RagError(f"{len(prompts)} prompts but {len(continuations)} continuations; give one continuation per prompt")
         ps, cs = self._tokens(prompts), self._tokens(continuations)
@@ -326,9 +326,6 @@ class RemoteCausalScorer(CausalScorer):
         import os
 
         from transformers import AutoConfig, AutoTokenizer
-
-        from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
-        from rag.knowledge.encoders import resolve_name_or_path
 
         if os.fspath(path) in DEMO_LM_NAMES and not os.path.isdir(os.fspath(path)):
             path = prepare_demo_lm()
