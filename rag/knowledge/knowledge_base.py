@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from rag.knowledge import pagecache
+from rag.knowledge.bm25 import BM25Index
 from rag.knowledge.build import CHUNK_ROWS, build_from_encoder, write_from_embeddings
+from rag.knowledge.gpu import to_gpu
 from rag.knowledge.index import IndexSpec, read_index, search_index, write_index
 from rag.knowledge.manifest import (
     BM25_DIR,
@@ -458,8 +460,6 @@ class KnowledgeBase:
             check_version(path, manifest, passages)
         bm25 = None
         if (path / BM25_DIR).is_dir():
-            from rag.knowledge.bm25 import BM25Index
-
             bm25 = BM25Index.load(path / BM25_DIR)
         kb = cls(path, manifest, passages, embeddings, index, bm25)
         kb.verified = verify
@@ -523,8 +523,6 @@ class KnowledgeBase:
         """Search on GPUs from now on (:func:`rag.knowledge.gpu.to_gpu`: ``devices`` "all", an id or a list; ``shard``
         the vectors over them instead of replicating; ``fp16`` storage). True when it did; False, with a warning, when
         search stays on the CPU (faiss without GPU support, no CUDA device, or an HNSW index)."""
-        from rag.knowledge.gpu import to_gpu
-
         with self.in_use():
             self._gpu = to_gpu(self._index, self._spec, devices, shard=shard, fp16=fp16)
         return self._gpu is not None

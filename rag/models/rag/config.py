@@ -6,6 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
+from rag.generation.decoding import GenerationConfig
 from rag.generation.prompts import DEFAULT_CLOSED_BOOK_TEMPLATE, DEFAULT_PROMPT_TEMPLATE, PromptFormat
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_bool, check_number, check_positive_int, is_number
@@ -200,8 +201,6 @@ def check_overrides(overrides: dict) -> dict:
 
 def check_generation_settings(settings, where: str) -> dict:
     """`settings` unchanged if it maps GenerationConfig field names to values, else ConfigError naming the bad keys."""
-    from rag.generation.decoding import GenerationConfig
-
     if not isinstance(settings, dict):
         raise ConfigError(f"{where} must be an object of decoding options, got {type(settings).__name__}")
     known = {f.name for f in dataclasses.fields(GenerationConfig)}
