@@ -36,10 +36,13 @@ from typing import Callable, Optional, Sequence, Union
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from rag.generation.search import GenerationConfig, config_token_id, unit_hook
+from rag.models.ralm.generate import continuation_text
 from rag.serve.auth import api_key_check
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
 from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version, step_rows
 from rag.serve.responses import SafeJSONResponse, json_safe
+from rag.serve.scoring import prepare_prompt, score_prompt
 from rag.serve.state import ServerState
 from rag.utils.errors import RagError
 
@@ -79,8 +82,6 @@ class _TokenText:
     HOLD = 4
 
     def __init__(self, tokenizer, prompt: str, emit: Callable[[str], None]):
-        from rag.models.ralm.generate import continuation_text
-
         self.tok, self.emit, self.text_of = tokenizer, emit, continuation_text
         self.stream = [0] + list(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # continuation_text skips [0]
         self.sent, self.count, self.held_since = "", 0, None
@@ -154,8 +155,6 @@ class OpenAIRoutes:
     @property
     def eos_id(self) -> Optional[int]:
         """The generator's end-of-sequence id as decoding uses it: its generation config, its config, its tokenizer."""
-        from rag.generation.search import GenerationConfig, config_token_id
-
         eos = config_token_id(GenerationConfig(), self.pipeline.reader.generator.model, "eos_token_id", False)
         return self.tokenizer.eos_token_id if eos is None else eos
 
@@ -255,8 +254,6 @@ class OpenAIRoutes:
         return list(prompt)
 
     async def _score(self, req: CompletionRequest, request: Request, prompts: list) -> SafeJSONResponse:
-        from rag.serve.scoring import prepare_prompt, score_prompt
-
         check_fields(req)
         self._check_model(req.model)
         if not self.pipeline.reader.continues_prompts:
@@ -306,8 +303,6 @@ class OpenAIRoutes:
                 and kw.get("num_beams") in (None, 1) and "nli" not in kw)
 
     async def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
-        from rag.generation.search import unit_hook
-
         runner = self.runner
         work = runner.admit()  # 503 before the stream starts
         loop = asyncio.get_running_loop()
