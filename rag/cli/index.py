@@ -9,9 +9,23 @@ import textwrap
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from rag.utils.errors import ConfigError, RagError
+from rag.knowledge.build import parse_memory
+from rag.knowledge.documents import check_sources
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.index import IndexSpec, check_fits
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import is_knowledge_base
+from rag.knowledge.passages import load_corpus
+from rag.knowledge.ray_build import build_on_ray
+from rag.knowledge.ray_pool import check_reachable
+from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+from rag.knowledge.retriever_kinds import retriever_for_kind
+from rag.knowledge.shards import merge_shards, parse_shard, shard_info, shard_passages
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.utils.files import regular_file
-from rag.utils.io import to_json
+from rag.utils.io import check_output_dir, to_json
+from rag.utils.validate import check_strings
 
 
 def add_parser(sub) -> None:
@@ -120,19 +134,6 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
 def cmd_build(args) -> int:
     import torch
 
-    from rag.knowledge.build import parse_memory
-    from rag.knowledge.documents import check_sources
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.manifest import is_knowledge_base
-    from rag.knowledge.passages import load_corpus
-    from rag.knowledge.ray_build import build_on_ray
-    from rag.knowledge.ray_pool import check_reachable
-    from rag.knowledge.shards import parse_shard, shard_info, shard_passages
-    from rag.utils.devices import check_device
-    from rag.utils.io import check_output_dir
-
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
     shard = parse_shard(args.shard) if args.shard is not None else None
@@ -198,8 +199,6 @@ def cmd_build(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from rag.knowledge.shards import merge_shards
-
     for shard in args.shards:
         _check_not_an_input(args.out, [shard])
     kb = merge_shards(args.out, args.shards, index=args.index, bm25=args.bm25, verify=args.verify,
@@ -213,8 +212,6 @@ def cmd_merge(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
     d = kb.describe()
     d["served_version"] = kb.served_version
@@ -248,8 +245,6 @@ def read_queries(args) -> Iterator[str]:
     """The queries of `rag index search` / `rag generate`: the arguments, else --file's lines, else stdin's lines
     (blank lines skipped). Every query must be UTF-8 text: the arguments are checked here, before anything is loaded
     (a blank argument is refused with the same message as :meth:`RagPipeline.generate`), lines as they are read."""
-    from rag.utils.validate import check_strings
-
     if args.queries:
         queries = check_strings(args.queries, "questions")
         for i, q in enumerate(queries):
@@ -317,9 +312,6 @@ def _check_text(q: str, where: str) -> str:
 def _query_encoder(kb, name: Optional[str], allow_change: bool):
     """The query encoder for `kb` (rag.knowledge.retriever.default_query_encoder), refusing an explicit `name` whose
     identity is not the one the knowledge base was built for unless `allow_change` (--allow-encoder-change)."""
-    from rag.knowledge.retriever import default_query_encoder
-    from rag.utils.errors import KnowledgeBaseError
-
     recorded = (kb.manifest.query_encoder or {}).get("name")
     expected = recorded or kb.encoder.get("name")
     same_name = name is None or name == expected or (Path(name).exists() and Path(name).resolve() == Path(str(expected)).resolve())
@@ -339,20 +331,14 @@ def _query_encoder(kb, name: Optional[str], allow_change: bool):
 
 
 def cmd_search(args) -> int:
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     check_positive(args, "k", "batch_size")
     queries = read_queries(args)
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
     if args.k > len(kb):
         raise RagError(f"-k {args.k}: must be between 1 and the number of passages in {kb.path} ({len(kb)})")
     if args.bm25:
-        from rag.knowledge.retriever_kinds import retriever_for_kind
-
         retriever = retriever_for_kind("bm25", kb, build_missing=kb.bm25 is None)  # none stored: one built in memory
     else:
-        from rag.knowledge.retriever import DenseRetriever
-
         retriever = DenseRetriever(kb, _query_encoder(kb, args.query_encoder, args.allow_encoder_change))
     batch: list[str] = []
     for query in queries:

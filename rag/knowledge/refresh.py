@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rag.knowledge.encoders import TextEncoder, check_fingerprint
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,6 @@ def load_document_encoder(kb, name_or_path=None):
     Raises:
         KnowledgeBaseError: the manifest's encoder now loads with other weights, or records no name.
     """
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
-
     if isinstance(name_or_path, TextEncoder):
         return name_or_path
     ident = kb.encoder
@@ -101,9 +101,6 @@ def build_refreshed_kb(
         ``encode_seconds``, ``seconds``.
     """
     import torch
-
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
 
     t0 = time.perf_counter()
     old = KnowledgeBase.open(knowledge_base, verify="size")

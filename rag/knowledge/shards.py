@@ -29,6 +29,9 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from rag.knowledge.build import check_memory
+from rag.knowledge.index import IndexSpec, check_fits
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import is_knowledge_base, passages_digest
 from rag.knowledge.vectors import NpyVectors, create_npy, write_rows
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.utils.io import check_output_dir
@@ -72,8 +75,6 @@ def shard_passages(passages: Sequence, shard: ShardSpec) -> list:
 
 def shard_info(passages: Sequence, shard: ShardSpec, index: str) -> dict:
     """The manifest's ``build.shard`` record for `shard` of the whole corpus `passages`."""
-    from rag.knowledge.manifest import passages_digest
-
     start, stop = shard.bounds(len(passages))
     return {"index": shard.index, "count": shard.count, "start": start, "stop": stop, "corpus_passages": len(passages),
             "corpus_digest": passages_digest(passages), "index_spec": index}
@@ -115,8 +116,6 @@ def check_shard_record(info: object, manifest: Path) -> dict:
 def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
     """Open and verify the shard knowledge bases, ordered by slice; KnowledgeBaseError unless they are exactly the N
     slices of one corpus encoded by one encoder."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if not dirs:
         raise ConfigError("rag index merge: give the shard directories that `rag index build --shard i/N` wrote")
     shards = []
@@ -185,10 +184,6 @@ def merge_shards(
     serves as ``<version>+unverified``): a shard altered in place would otherwise come out with fresh checksums.
     Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
     """
-    from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.manifest import is_knowledge_base, passages_digest
-
     out = Path(out)
     check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
     shards = _open_shards(shard_dirs, verify)

@@ -45,6 +45,8 @@ from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
 
+import rag
+from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, is_integer
 
@@ -291,8 +293,6 @@ class IndexRefresh(pl.Callback):
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        from rag.knowledge.hotswap import KnowledgeBaseSlot
-
         model = _rag_model(pl_module)
         if getattr(model, "doc_encoder", None) is None:
             raise ConfigError(
@@ -401,8 +401,6 @@ class IndexRefresh(pl.Callback):
         return argv
 
     def _worker_env(self) -> dict[str, str]:
-        import rag
-
         env = dict(os.environ)
         root = str(Path(rag.__file__).resolve().parent.parent)  # so `-m rag...` works without `pip install`
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
