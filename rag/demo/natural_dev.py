@@ -14,6 +14,7 @@ import random
 import re
 
 from rag.demo import DEMO_DIR, EVAL_SETS, load_demo_corpus, load_demo_qa
+from rag.utils.io import atomic_write_text
 
 _FIELDS = re.compile(r"^Symbol: (\S+)\. Atomic number: (\d+)\. Atomic weight: ([\d.]+)\.")
 _NAME = r"((?:[A-Z]\.\s?)*[A-Z][a-z]+(?: (?:[A-Z]\.\s?)*[A-Z][a-z]+)*)"
@@ -79,7 +80,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
     rows = build(args.seed)
-    from rag.utils.io import atomic_write_text
 
     atomic_write_text(DEMO_DIR / EVAL_SETS["natural_dev"], "".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} questions -> {DEMO_DIR / EVAL_SETS['natural_dev']}")

@@ -16,9 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+import rag
 from rag.knowledge.index import IndexSpec
 from rag.knowledge.passages import Passage
-from rag.utils.checksums import Verify, verify_files
+from rag.utils.checksums import Verify, confined_path, verify_files
 from rag.utils.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.files import check_json_files, read_json
 from rag.utils.validate import is_integer
@@ -110,8 +111,6 @@ def new_manifest(passages: Sequence[Passage], dim: int, spec: IndexSpec, encoder
     """The manifest of a knowledge base being written: its content-addressed version (passages, embeddings' checksum,
     index spec, encoder), the time, the versions of rag and faiss that wrote it, and `build`'s entries."""
     import faiss
-
-    import rag
 
     digest = passages_digest(passages)
     return Manifest(
@@ -261,8 +260,6 @@ def file_blocks(path: Path, offset: int, dtype: np.dtype, n: int, dim: int, rows
 
 def check_arrow_files(passages_dir: Path) -> None:
     """The passages' ``state.json`` names its data files; each must stay inside the passages directory."""
-    from rag.utils.checksums import confined_path
-
     state = passages_dir / "state.json"
     # datasets parses the folder's JSON files itself (without bounds): each is read through the bounded reader first
     check_json_files(passages_dir, fix="rebuild the knowledge base")

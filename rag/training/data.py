@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 from rag.eval.qa_data import OnEmpty, QADataError, QAExample, expand_answers, read_qa
-from rag.training.context_mixing import ContextMixing
+from rag.training.context_mixing import ContextMixing, open_knowledge_base, retrieve_rows, sample_context_choices
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_positive_int
 
@@ -199,7 +199,6 @@ class QADataModule(pl.LightningDataModule):
         mixing = self.context_mixing
         if mixing is None:
             return QAPairsDataset(examples)
-        from rag.training.context_mixing import open_knowledge_base, retrieve_rows, sample_context_choices
 
         kb = open_knowledge_base(mixing.knowledge_base)
         questions = list(dict.fromkeys(ex.question for ex in examples))
