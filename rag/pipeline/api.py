@@ -126,7 +126,8 @@ class RagPipeline:
         return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
 
     @without_cudnn_attention
-    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None, **options) -> list[Answer]:
+    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None,
+                 **options) -> list[Answer]:
         """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
         :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input.
 
@@ -142,7 +143,8 @@ class RagPipeline:
         """
         if retrieval is False:
             if nli is not None and nli is not False:
-                raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off (--nli) chooses "
+                raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off "
+                                  "(--nli) chooses "
                                   "between answers with and without them: drop one")
             self._check_options(options)
             return self.reader.generate_without_retrieval(questions, **options)
@@ -238,14 +240,16 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     if path.is_dir() and not (path / "rag_config.json").is_file():
         if is_hf_rag_checkpoint(path):
             if knowledge_base is None:
-                raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass knowledge_base=<directory>")
+                raise ConfigError(f"{path}: a transformers RAG checkpoint carries no knowledge base; pass "
+                                  f"knowledge_base=<directory>")
             model = load_hf_rag(path, knowledge_base, **config_overrides)
             return RagPipeline(model.to(device) if device else model)
     if is_causal_lm_checkpoint(path_or_name):  # a plain causal LM reads with In-Context RALM
         return RagPipeline(RalmReader.load(path_or_name, knowledge_base, device=device, **config_overrides))
     if is_seq2seq_checkpoint(path_or_name):
         raise ConfigError(f"{name}: is a seq2seq generator (such as BART or T5), not a RAG checkpoint; --model / rag.load take a "
-                          "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). Build a RAG model "
+                          "RagModel checkpoint, a transformers RAG checkpoint, or a causal LM (In-Context RALM). "
+                          "Build a RAG model "
                           "around it (`rag fit --model.generator DIR`, or RagModel.from_components) and save that")
     if not path.exists() and (os.sep in name or name.startswith(".")):
         raise RagError(f"{name}: no such checkpoint directory; check the path (or use 'demo' for the bundled model)")

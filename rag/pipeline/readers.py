@@ -222,7 +222,8 @@ class RagReader:
         list no passages; their ``kb_version`` is the call's (nothing was read from it)."""
         questions, found = self._generate(questions, True, **options)
         n_ret = options.get("num_return_sequences", 1)
-        return (answers_with_provenance(self.model, questions, found.inputs, found.contexts, found.output, n_ret, found.marginalization),
+        return (answers_with_provenance(self.model, questions, found.inputs, found.contexts, found.output, n_ret,
+                                        found.marginalization),
                 closed_book_answers(self.model, questions, found.no_retrieval, n_ret, found.inputs.retrieved.kb_version))
 
     @torch.no_grad()
@@ -231,14 +232,16 @@ class RagReader:
                                    **generation_kw) -> list[Answer]:
         """The generator's answers to the bare questions, nothing retrieved (the closed-book baseline, Lewis et al. 2020
         Table 1; ``rag generate --no-retrieval``): no passages, ``answered_with="no_retrieval"``. Generation options as
-        :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are refused."""
+        :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are
+        refused."""
         from dataclasses import replace
 
         questions = check_strings(questions, "questions")
         _refuse_retrieval_options(generation_kw)
         config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
         out = generate_closed_book(self.model, questions, config)
-        return [replace(a, answered_with="no_retrieval") for a in closed_book_answers(self.model, questions, out, num_return_sequences, self.kb_version)]
+        return [replace(a, answered_with="no_retrieval")
+                for a in closed_book_answers(self.model, questions, out, num_return_sequences, self.kb_version)]
 
     def _generation_config(self, num_beams, max_new_tokens, num_return_sequences: int, generation_kw: dict):
         """The generation config of a call: explicit options, then the model's stored defaults, then greedy / 32 tokens."""
@@ -254,13 +257,16 @@ class RagReader:
         check_positive_int(generation_kw["num_beams"], "num_beams")
         return GenerationConfig(num_return_sequences=num_return_sequences, **generation_kw)
 
-    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding="thorough",
+    def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None,
+                  decoding="thorough",
                   max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None,
                   retrieval=None, **generation_kw):
         questions = check_strings(questions, "questions")
         if retrieval_temperature is not None:
-            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
-                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
+            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its "
+                              "config: load it with "
+                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not "
+                              "per generate call")
         if ensemble is not None:
             n_docs, marginalization = _ensemble_as_rag_token(ensemble, n_docs, marginalization)
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
@@ -392,7 +398,8 @@ class RalmReader:
         from dataclasses import replace
 
         _refuse_retrieval_options(options)
-        return [replace(a, answered_with="no_retrieval") for a in self._generate(questions, False, only_no_retrieval=True, **options)]
+        return [replace(a, answered_with="no_retrieval")
+                for a in self._generate(questions, False, only_no_retrieval=True, **options)]
 
     def _generate(self, questions, with_no_retrieval: bool, stride=None, query_length=None, retrieval=None, max_new_tokens=None,
                   num_beams=None, num_return_sequences: int = 1, seed=None, ensemble=None, retrieval_temperature=None,
@@ -402,20 +409,24 @@ class RalmReader:
         from rag.generation.search import GenerationConfig
 
         questions = check_strings(questions, "questions")
-        config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None else max_new_tokens,
+        config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None
+                                  else max_new_tokens,
                                   num_beams=FALLBACK_DEFAULTS["num_beams"] if num_beams is None else num_beams,
                                   num_return_sequences=num_return_sequences, **generation_kw)
         check_number(seed, "seed (--seed)", integer=True, low=0, allow_none=True, error=ConfigError)
-        given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
+        given = {"stride": stride, "query_length": query_length, "ensemble": ensemble,
+                 "retrieval_temperature": retrieval_temperature}
         cfg = replace(self.config, **{name: v for name, v in given.items() if v is not None})
         cfg.check()
         served = self._retriever.pin()  # one knowledge-base version for every retrieval of this call
         if cfg.ensemble is not None:
             check_k(cfg.ensemble, "ensemble", served.knowledge_base)
             if self.reranker is not None:
-                raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader has a reranker "
+                raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader "
+                                  "has a reranker "
                                   "choosing one document: drop the reranker or the ensemble")
-        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, None if cfg.ensemble else self.reranker)
+        ralm = InContextRALM(self.model, self.tokenizer, served.retriever(retrieval), cfg, None if cfg.ensemble
+                             else self.reranker)
         rng = None
         if seed is not None:
             rng = torch.Generator(device=ralm.scorer.device).manual_seed(seed)
@@ -449,7 +460,8 @@ class RalmReader:
         config = RalmConfig(**config_overrides)
         config.check()
         if knowledge_base is None:
-            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass knowledge_base=<directory> (--kb DIR)")
+            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass "
+                              f"knowledge_base=<directory> (--kb DIR)")
         model, tok, _ = load_generator(path_or_name, kind="causal")
         if device is not None:
             model = model.to(device)

@@ -60,7 +60,8 @@ def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Seque
         raise ConfigError("the reader's tokenizer has no EOS token: set tokenizer.eos_token and save it again")
     passages = list(passages) if passages is not None else [None] * len(prompts)
     if not (len(prompts) == len(answers) == len(passages)):
-        raise ConfigError(f"{len(prompts)} prompts, {len(answers)} answers and {len(passages)} passages: give one of each per example")
+        raise ConfigError(f"{len(prompts)} prompts, {len(answers)} answers and {len(passages)} passages: give one of "
+                          f"each per example")
     docs = scorer.doc_tokens([p for p in passages if p is not None])
     out, d = [], 0
     for prompt, answer, passage in zip(prompts, answers, passages):
@@ -102,7 +103,8 @@ def answer_nll(scorer: CausalScorer, windows: Sequence[tuple[list[int], int]]) -
     rows, cols = [], []
     for r, (w, n) in enumerate(windows):
         if not 1 <= n < len(w):
-            raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one token before it")
+            raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one "
+                              f"token before it")
         ids[r, :len(w)] = torch.as_tensor(w, dtype=torch.long)
         rows += [r] * n
         cols += range(len(w) - n, len(w))
@@ -152,7 +154,8 @@ class CausalReaderModule(pl.LightningModule):
         self.optimizer_settings = Optimizer(**optimizer)
         check_number(self.optimizer_settings.lr, "model.optimizer.lr", above=0, error=ConfigError)
         if retrieval not in (None, "dense", "bm25"):
-            raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the knowledge base has it)")
+            raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the "
+                              f"knowledge base has it)")
         self.save_hyperparameters()
         self.lm = None  # built in configure_model()
         self.tokenizer = None
@@ -161,7 +164,8 @@ class CausalReaderModule(pl.LightningModule):
         self._ralm_reader = None
         self._chains: list[tuple[str, str]] = []
         self._rng = random.Random(seed)
-        self.metrics = torch.nn.ModuleDict({f"{stage}_{m}{s}": cls() for stage in ("val", "test") for m, cls in (("em", ExactMatch), ("f1", TokenF1))
+        self.metrics = torch.nn.ModuleDict({f"{stage}_{m}{s}": cls() for stage in ("val", "test")
+                                            for m, cls in (("em", ExactMatch), ("f1", TokenF1))
                                             for s in ("", "_no_retrieval")})
 
     # ------------------------------------------------------------------ construction
@@ -201,7 +205,8 @@ class CausalReaderModule(pl.LightningModule):
                     r = parse_json(line, f"{path}:{n}", fix="fix the line", error=ConfigError)
                     try:
                         if not (isinstance(r["question"], str) and r["answers"] and isinstance(r["follow_ups"], list)
-                                and all(isinstance(s["question"], str) and isinstance(s["answer"], str) for s in r["follow_ups"])):
+                                and all(isinstance(s["question"], str) and isinstance(s["answer"], str)
+                                        for s in r["follow_ups"])):
                             raise ValueError
                     except (ValueError, KeyError, TypeError, IndexError):
                         raise ConfigError(f"{path}:{n}: expected {{\"question\": str, \"answers\": [str, ...], \"follow_ups\": "
@@ -222,7 +227,8 @@ class CausalReaderModule(pl.LightningModule):
         return [self.hparams.prompt.format(question=q) for q in questions]
 
     # ------------------------------------------------------------------ steps
-    def loss(self, prompts: Sequence[str], answers: Sequence[str], passages: Optional[Sequence[Optional[Passage]]] = None) -> torch.Tensor:
+    def loss(self, prompts: Sequence[str], answers: Sequence[str],
+             passages: Optional[Sequence[Optional[Passage]]] = None) -> torch.Tensor:
         """Mean NLL per answer token (answer + EOS) of `answers` read after `passages` (None: no passage) and `prompts`."""
         scorer = self._require()
         windows = reading_windows(scorer, prompts, answers, passages)
@@ -266,7 +272,8 @@ class CausalReaderModule(pl.LightningModule):
         return [first_line(t) for t in texts]
 
     def _reader(self):
-        """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
+        """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being
+        trained)."""
         if self._ralm_reader is None:
             h = self.hparams
             cfg = RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)

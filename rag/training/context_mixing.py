@@ -65,7 +65,8 @@ class ContextMixing:
             if not isinstance(p, (int, float)) or math.isnan(p) or p < 0:
                 raise ConfigError(f"{prefix}.{name}={p!r}: a probability must be a number >= 0")
         if abs(sum(probs) - 1.0) > 1e-6:
-            raise ConfigError(f"{prefix}.p_top1 + p_low + p_random = {sum(probs):.6g} ({probs[0]:g} + {probs[1]:g} + {probs[2]:g}); "
+            raise ConfigError(f"{prefix}.p_top1 + p_low + p_random = {sum(probs):.6g} ({probs[0]:g} + {probs[1]:g} + "
+                              f"{probs[2]:g}); "
                               f"they must sum to 1, e.g. 0.3333 each (the paper's mix)")
 
     @property

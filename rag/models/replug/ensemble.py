@@ -131,7 +131,8 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     x_tok = [[ctx] + list(t) for t in tokenizer(list(inputs), add_special_tokens=False)["input_ids"]]
     flat_docs = [d for ds in documents for d in ds]
-    d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True, max_length=doc_max_length)["input_ids"] if flat_docs else []
+    d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True,
+                      max_length=doc_max_length)["input_ids"] if flat_docs else []
     # the context token separates document and input, as In-Context RALM's windows do
     windows = [[list(d_tok[i * k + j]) + x_tok[i] for j in range(k)] for i in range(b)]
     return replug_search(model, x_tok, windows, prior, config, pad=pad, rng=rng)
@@ -186,7 +187,8 @@ def replug_answers(ralm, prompts: list[str], config, rng, kb_version: str) -> li
     k, L, new = cfg.ensemble, scorer.max_length, config.max_new_tokens
     if max(map(len, docs)) + new + 1 > L:
         raise ConfigError(f"REPLUG generation reads every document, at least one prompt token and all {new} new tokens in one "
-                          f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length ({cfg.doc_max_length})")
+                          f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length "
+                          f"({cfg.doc_max_length})")
     windows = [[docs[i * k + j] + s[window_start(len(s), len(s) + new, len(docs[i * k + j]), L):] for j in range(k)]
                for i, s in enumerate(streams)]
     eos = tok.eos_token_id if config.eos_token_id is None else config.eos_token_id
