@@ -269,7 +269,8 @@ class KnowledgeBase:
             addresses = self.mapped_addresses()
             if addresses:
                 pagecache.madvise_dontneed(addresses, chunk, pause)
-        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None  # freed here (unless a caller kept, e.g., the embeddings array)
+        # freed here (unless a caller kept, e.g., the embeddings array)
+        self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None
         logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
 
@@ -278,7 +279,8 @@ class KnowledgeBase:
 
     def __repr__(self) -> str:
         closed = ", closed" if self._closed else ""
-        return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind}{closed})"
+        return (f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, "
+                f"index={self._spec.kind}{closed})")
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -381,7 +383,8 @@ class KnowledgeBase:
         ident = encoder.identity()
         if ident.get("fingerprint") != self.encoder.get("fingerprint"):
             raise KnowledgeBaseError(
-                f"{self.path}: the encoder given to add() ({ident.get('name')}, fingerprint {ident.get('fingerprint', '?')[:12]}) "
+                f"{self.path}: the encoder given to add() ({ident.get('name')}, fingerprint "
+                f"{ident.get('fingerprint', '?')[:12]}) "
                 f"is not the one that built this knowledge base ({self.encoder.get('name')}, fingerprint "
                 f"{self.encoder.get('fingerprint', '?')[:12]}); use that encoder, or rebuild everything with KnowledgeBase.build"
             )
@@ -393,8 +396,10 @@ class KnowledgeBase:
             has_bm25 = self._bm25 is not None
         clash = [p.id for p in new if p.id in old_ids]
         if clash:
-            raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new passages unique ids")
-        vectors = encoder.encode_passages(new, batch_size=batch_size, show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
+            raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new "
+                              f"passages unique ids")
+        vectors = encoder.encode_passages(new, batch_size=batch_size,
+                                          show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
         return KnowledgeBase.from_embeddings(
             old_passages + new,
             np.concatenate([old_vectors, vectors]),
@@ -430,12 +435,15 @@ class KnowledgeBase:
 
         path = Path(path)
         if path.exists() and not path.is_dir():
-            raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index build --out` wrote")
+            raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index "
+                                     f"build --out` wrote")
         if not path.is_dir():
-            raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
+            raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build "
+                                     f"--out {path} ...`")
         mpath = path / MANIFEST
         if not mpath.is_file():
-            raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
+            raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with "
+                                     f"`rag index build`")
         manifest = Manifest.from_dict(read_json(mpath, fix="the file is damaged — rebuild the knowledge base"), mpath)
         verify_kb_files(path, manifest, verify, hash_nice=hash_nice)
         check_arrow_files(path / PASSAGES)
