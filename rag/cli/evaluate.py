@@ -49,7 +49,8 @@ def cmd_evaluate(args) -> int:
         print(to_json(result) if args.json else format_comparison(result))
         return 0
     if args.data is None or args.out is None:
-        raise ConfigError("rag evaluate needs --data (the evaluation set) and --out (the results directory), or --compare RUN_A RUN_B")
+        raise ConfigError("rag evaluate needs --data (the evaluation set) and --out (the results directory), or "
+                          "--compare RUN_A RUN_B")
     options = {n: v for n, v in generation_options(args).set_options().items() if n != "seed"}
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,
                        limit=args.limit, seed=args.seed, batch_size=args.batch_size, verify=args.verify, device=args.device,

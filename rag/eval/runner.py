@@ -82,7 +82,8 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     k_max = min(max(ks), system.size) if system.size else max(ks)
     settings = {"rag_version": rag.__version__, "model": system.name, "kb_version": system.kb_version,
                 "data": str(data), "format": format, "questions": len(examples), "data_sha256": _digest(examples),
-                "ks": list(ks), "limit": limit, "seed": seed, "options": {k: v for k, v in sorted(options.items()) if v is not None}}
+                "ks": list(ks), "limit": limit, "seed": seed,
+                "options": {k: v for k, v in sorted(options.items()) if v is not None}}
     summary_path = out / "summary.json"
     done = _open_run(out, settings)
     if summary_path.is_file() and len(done) == len(examples):

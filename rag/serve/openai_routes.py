@@ -59,7 +59,8 @@ def openai_error(message: str, status: int, *, param: Optional[str] = None, code
                  headers: Optional[dict] = None) -> SafeJSONResponse:
     """OpenAI's error object with `status` (validation errors, which ``/generate`` answers with 422, are 400 here)."""
     status = 400 if status == 422 else status
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+    body = {"error": {"message": message,
+                      "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
                       "param": param, "code": code}}
     return SafeJSONResponse(body, status_code=status, headers=headers)
 
@@ -109,7 +110,8 @@ class OpenAIRoutes:
     threshold)`: the NLI back-off options of a request, as ``/generate`` resolves them.
     """
 
-    def __init__(self, pipeline, runner: RequestRunner, *, model_name: str, nli_options: Callable[[Optional[bool], Optional[float]], dict]):
+    def __init__(self, pipeline, runner: RequestRunner, *, model_name: str,
+                 nli_options: Callable[[Optional[bool], Optional[float]], dict]):
         self.pipeline, self.runner, self.model_name, self.nli_options = pipeline, runner, model_name, nli_options
         self.created = int(time.time())
 
@@ -200,7 +202,8 @@ class OpenAIRoutes:
                 return {**head, "object": "chat.completion.chunk",
                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-            return await self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
+            return await self._stream(request, [question], plan, kw, req,
+                                      first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
                                 piece=lambda i, text: chunk(i, {"content": text}), last=lambda i, finish: chunk(i, {}, finish),
                                 usage={**head, "object": "chat.completion.chunk", "choices": []})
         answers = await self.runner.run(request.receive, self._work([question], plan, kw))
@@ -216,7 +219,8 @@ class OpenAIRoutes:
         if scoring:
             return await self._score(req, request, prompts)
         if any(not isinstance(p, str) for p in prompts):
-            raise RequestRefused("token-id prompts are only scored (max_tokens 0 with echo); send text to generate", 400, param="prompt")
+            raise RequestRefused("token-id prompts are only scored (max_tokens 0 with echo); send text to generate", 400,
+                                 param="prompt")
         if req.logprobs is not None:
             raise RequestRefused("logprobs of generated tokens are not computed; use max_tokens 0 with echo to score a text, "
                                  "or drop logprobs", 400, param="logprobs")
@@ -234,7 +238,8 @@ class OpenAIRoutes:
                 return {**head, "object": "text_completion",
                         "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
+            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk,
+                                      last=lambda i, finish: chunk(i, "", finish),
                                 usage={**head, "object": "text_completion", "choices": []})
         answers = await self.runner.run(request.receive, self._work(prompts, plan, kw))
         per_prompt = len(answers) // len(prompts)
