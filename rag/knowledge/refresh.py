@@ -139,7 +139,8 @@ def build_refreshed_kb(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rag.knowledge.refresh",
-        description="Re-encode a knowledge base with an updated document encoder and write a new version (its parent = the old one).",
+        description="Re-encode a knowledge base with an updated document encoder and write a new version (its parent "
+                    "= the old one).",
     )
     p.add_argument("--knowledge-base", required=True, help="the knowledge base serving now")
     p.add_argument("--encoder", required=True, help="TextEncoder.save_pretrained directory of the updated document encoder")
