@@ -28,12 +28,14 @@ DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer questions with the bundled demo model and knowledge base (offline)",
-                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: SmolLM2-135M-Instruct "
+                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: "
+                                   "SmolLM2-135M-Instruct "
                                    "with a LoRA adapter) answering from the Elements corpus through hybrid retrieval (the "
                                    "bundled all-MiniLM-L6-v2 and BM25). The knowledge base is built and the reader converted "
                                    "from its GGUF file on first use.")
     p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} held-out examples)")
-    p.add_argument("--kb", default=None, help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
+    p.add_argument("--kb", default=None,
+                   help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
     p.add_argument("--retrieve-only", action="store_true", help="print the top-k passages only (no generation)")
     p.add_argument("--json", action="store_true")
@@ -57,7 +59,8 @@ def cmd_demo(args) -> int:
 
         cfg_file = demo_checkpoint_dir() / "rag_config.json"
         config = RagModelConfig.from_dict(read_json(cfg_file, fix="reinstall rag").get("config") or {}, str(cfg_file))
-        _print_results(questions, retriever_for_kind(config.retrieval, kb, settings=config).retrieve(questions, args.k), args.json)
+        _print_results(questions, retriever_for_kind(config.retrieval, kb, settings=config).retrieve(questions, args.k),
+                       args.json)
         return 0
 
     if demo_lm_needs_conversion():  # otherwise loading reuses (and verifies) the converted LM

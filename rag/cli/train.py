@@ -243,7 +243,8 @@ def check_renamed_options(argv: Sequence[str]) -> None:
             key, eq, value = a[len("--model."):].partition("=")
             key = key.removeprefix("init_args.")
             if "." not in key:  # a field inside a group (--model.optimizer.lr) is no old option
-                check_renamed(model_class, {key: value if eq else (argv[i + 1] if i + 1 < len(argv) else None)}, "the command line")
+                check_renamed(model_class, {key: value if eq else (argv[i + 1] if i + 1 < len(argv) else None)},
+                              "the command line")
 
 
 def _class_in(argv: Sequence[str], key: str) -> str:

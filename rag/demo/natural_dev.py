@@ -33,7 +33,8 @@ WORDINGS = {
     "name_from_symbol": ("What element does the symbol {s} stand for?", "{s} is the symbol of which element?"),
     "atomic_weight": ("What's the atomic mass of {n}?", "How heavy is {n}'s atom, in atomic mass units?"),
 }
-COUNTS = {"discoverer": 12, "year": 7, "protons": 6, "name_from_number": 6, "symbol": 6, "name_from_symbol": 5, "atomic_weight": 4}
+COUNTS = {"discoverer": 12, "year": 7, "protons": 6, "name_from_number": 6, "symbol": 6, "name_from_symbol": 5,
+          "atomic_weight": 4}
 
 
 def _discovery(text: str):

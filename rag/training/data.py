@@ -219,7 +219,8 @@ class QADataModule(pl.LightningDataModule):
             # Lightning's own distributed sampler always shuffles the training set; keep the file order across ranks.
             from torch.utils.data.distributed import DistributedSampler
 
-            sampler = DistributedSampler(self._datasets[split], num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+            sampler = DistributedSampler(self._datasets[split], num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                         shuffle=False)
         return DataLoader(
             self._datasets[split], batch_size=self.batch_size if split == "train" else self.eval_batch_size,
             shuffle=shuffle if sampler is None else None, sampler=sampler, num_workers=self.num_workers, collate_fn=collate_qa,

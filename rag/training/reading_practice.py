@@ -257,7 +257,8 @@ def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=N
     training `pairs`), or the Elements demo's practice."""
     if settings.source == "elements":
         train_elements = {x["element"] for x in load_demo_qa("train")}
-        names = sorted(w.capitalize() for w in (tokenizer.get_vocab() if tokenizer is not None else ()) if w.isalpha() and len(w) > 4)
+        names = sorted(w.capitalize() for w in (tokenizer.get_vocab() if tokenizer is not None else ()) if w.isalpha()
+                       and len(w) > 4)
         base = [p for p in load_demo_corpus() if p.title in train_elements]
         return [PracticeExample(e.question, e.answer, e.passage)
                 for e in ReadingPractice(base, names, seed=settings.seed).examples(settings.pool)]
