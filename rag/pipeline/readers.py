@@ -406,8 +406,6 @@ class RalmReader:
                   only_no_retrieval: bool = False, **generation_kw) -> list[Answer]:
         from dataclasses import replace
 
-        from rag.generation.search import GenerationConfig
-
         questions = check_strings(questions, "questions")
         config = GenerationConfig(max_new_tokens=FALLBACK_DEFAULTS["max_new_tokens"] if max_new_tokens is None
                                   else max_new_tokens,
