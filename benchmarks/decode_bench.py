@@ -335,13 +335,15 @@ def _mib(n) -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
-    lines = ["| configuration | ours (s) | transformers (s) | ratio (spread) | target | peak MiB ours | peak MiB transformers | contexts encoded ours / transformers |",
+    lines = ["| configuration | ours (s) | transformers (s) | ratio (spread) | target | peak MiB ours | peak MiB transformers | "
+             "contexts encoded ours / transformers |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         ours = f"{r['ours_median_s']:.2f} ({min(r['ours_s']):.2f}-{max(r['ours_s']):.2f})"
         theirs = f"{r['transformers_median_s']:.2f} ({min(r['transformers_s']):.2f}-{max(r['transformers_s']):.2f})"
         ok = "met" if r["target"] is not None and r["ratio"] >= r["target"] else "NOT met"
-        lines.append(f"| {r['label']} | {ours} | {theirs} | **{r['ratio']:.2f}x** ({r['pair_ratio_min']:.2f}-{r['pair_ratio_max']:.2f}) | "
+        lines.append(f"| {r['label']} | {ours} | {theirs} | **{r['ratio']:.2f}x** "
+                     f"({r['pair_ratio_min']:.2f}-{r['pair_ratio_max']:.2f}) | "
                      f">= {r['target']}x: {ok} | {_mib(r['ours_peak_bytes'])} | {_mib(r['transformers_peak_bytes'])} | "
                      f"{r['ours_encoded_contexts']} / {r['transformers_encoded_contexts']} |")
     return "\n".join(lines)

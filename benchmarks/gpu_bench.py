@@ -176,7 +176,8 @@ def bench_encode(args, root: Path, gpus_torch: bool) -> dict:
     passages, texts = _texts(args.encode)
     wp = train_wordpiece_tokenizer(texts, vocab_size=8000)
     d = args.enc_dim
-    path = save(tiny_dpr(wp, "context", d_model=d, layers=args.enc_layers, heads=max(4, d // 64), ffn=4 * d, seed=2), wp, root / "ctx")
+    path = save(tiny_dpr(wp, "context", d_model=d, layers=args.enc_layers, heads=max(4, d // 64), ffn=4 * d, seed=2), wp,
+                root / "ctx")
     enc = TextEncoder(path, max_length=256)
     out: dict = {"encoder": f"DPR context encoder, {args.enc_layers} layers x {d}", "max_length": 256}
     runs = [("cpu_fp32", "cpu", None, max(16, args.encode // 16), 32)]
@@ -203,11 +204,13 @@ def bench_train(args, root: Path, gpus_torch: bool) -> dict:
 
     n_q = args.batch * (args.train_steps + 3)
     passages, qa, all_questions, texts, corpus = make_data("elements", 500, min(n_q, 64))
-    margs = SimpleNamespace(vocab=16000, enc_dim=args.enc_dim, enc_layers=args.enc_layers, d_model=args.d_model, layers=args.layers)
+    margs = SimpleNamespace(vocab=16000, enc_dim=args.enc_dim, enc_layers=args.enc_layers, d_model=args.d_model,
+                            layers=args.layers)
     dirs = build_models(root, texts, margs)
     kb = build_kb(root, dirs, passages, all_questions)
     out: dict = {"corpus": corpus, "passages": len(passages), "batch": args.batch, "n_docs": args.n_docs,
-                 "question_encoder": f"{args.enc_layers} x {args.enc_dim}", "generator": f"BART {args.layers}+{args.layers} x {args.d_model}"}
+                 "question_encoder": f"{args.enc_layers} x {args.enc_dim}",
+                 "generator": f"BART {args.layers}+{args.layers} x {args.d_model}"}
     batches = [qa[(i * args.batch) % len(qa):][: args.batch] for i in range(args.train_steps + 3)]
     batches = [b if len(b) == args.batch else qa[: args.batch] for b in batches]
     runs = [("cpu_fp32", "cpu", None, max(2, args.train_steps // 5))]

@@ -1,5 +1,5 @@
-"""Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused: score fusion by default, or reciprocal rank fusion) retrieval on question sets
-over one knowledge base, with the frozen query encoder the knowledge base names, and (``--model``) with the query
+"""Recall@1 / @3 of dense (MiniLM), BM25 and hybrid (both fused: score fusion by default, or reciprocal rank fusion) retrieval on
+question sets over one knowledge base, with the frozen query encoder the knowledge base names, and (``--model``) with the query
 encoders of trained RAG models (RAG's Table 6: learned against frozen retrieval).
 
 A passage is relevant when it is the question's element (the Elements sets name it in ``element``) or, for other data,
@@ -8,8 +8,8 @@ when it contains a gold answer (``rag.eval.metrics.has_answer``, SQuAD normalisa
     python benchmarks/hybrid_recall.py                                       # the demo KB: demo:test, demo:natural, demo:dev
     python benchmarks/hybrid_recall.py --kb data/foldoc/kb --sets data/foldoc/test.jsonl,data/foldoc/val.jsonl
     python benchmarks/hybrid_recall.py --kb OLD_KB --rebuild-bm25    # an older knowledge base, with today's BM25 tokens
-    python benchmarks/hybrid_recall.py --title-weight 1,2,3 --sets demo:dev --bm25-weight 0.5,1,2 --out A.json   # BM25's title weight
-    python benchmarks/hybrid_recall.py --select A.json,B.json    # the setting chosen from those runs' question sets
+    python benchmarks/hybrid_recall.py --title-weight 1,2,3 --sets demo:dev --bm25-weight 0.5,1,2 --out A.json   # BM25's title
+    weight python benchmarks/hybrid_recall.py --select A.json,B.json    # the setting chosen from those runs' question sets
     python benchmarks/hybrid_recall.py --kb data/foldoc/kb --sets data/foldoc/val.jsonl --model learned=RUN/rag/model \
         --model frozen=RUN/rag-frozen/model      # each model's own dense and fused retrieval (its β and fusion)
 

@@ -199,8 +199,10 @@ def main(argv=None) -> int:
                 rows.append(r)
                 print(json.dumps(r), flush=True)
             base.unlink()
-    fits = {spec: {"build_s": power_law([r["n"] for r in rows if r["spec"] == spec], [r["build_s"] for r in rows if r["spec"] == spec]),
-                   "peak_rss": power_law([r["n"] for r in rows if r["spec"] == spec], [r["peak_rss"] for r in rows if r["spec"] == spec])}
+    fits = {spec: {"build_s": power_law([r["n"] for r in rows if r["spec"] == spec],
+                                        [r["build_s"] for r in rows if r["spec"] == spec]),
+                   "peak_rss": power_law([r["n"] for r in rows if r["spec"] == spec],
+                                         [r["peak_rss"] for r in rows if r["spec"] == spec])}
             for spec in args.specs}
     print(json.dumps({"fits": fits}, indent=1))
     if args.json:

@@ -107,7 +107,8 @@ def plot(rows: list[dict], fits: dict, path: Path, target: int) -> None:
         c = f"C{i}"
         n = np.array([r["n"] for r in pts], float)
         axes[0].loglog(n, [r["kb_bytes"] / 1e9 for r in pts], "o", color=c)
-        axes[0].loglog(grid, (f["kb_bytes"] - f["kb_bytes_per_vector"] * (target - grid)) / 1e9, "-", color=c, label=f"{spec} (KB)")
+        axes[0].loglog(grid, (f["kb_bytes"] - f["kb_bytes_per_vector"] * (target - grid)) / 1e9, "-", color=c,
+                       label=f"{spec} (KB)")
         axes[0].loglog(grid, (f["index_bytes"] - f["index_bytes_per_vector"] * (target - grid)) / 1e9, ":", color=c)
         axes[1].loglog(n, [r["build_s"] / 3600 for r in pts], "o", color=c)
         if f["build_s"] is not None:
@@ -167,17 +168,20 @@ def main(argv: list[str] | None = None) -> dict:
         rows += mine
         fits[spec] = fit(mine, args.target)
     lines = [f"| spec | measured N | index bytes/vec | KB bytes/vec | build ∝ N^e | index at {args.target / 1e6:.0f}M | "
-             f"KB disk at {args.target / 1e6:.0f}M | build at {args.target / 1e6:.0f}M ({args.threads} thread) |", "|---|---|---|---|---|---|---|---|"]
+             f"KB disk at {args.target / 1e6:.0f}M | build at {args.target / 1e6:.0f}M ({args.threads} thread) |",
+             "|---|---|---|---|---|---|---|---|"]
     for spec, f in fits.items():
         ns = ", ".join(f"{r['n'] // 1000}k" for r in rows if r["spec"] == spec)
-        lines.append(f"| {spec} | {ns} | {f['index_bytes_per_vector']:.0f} | {f['kb_bytes_per_vector']:.0f} | {f['build_exponent']:.2f} | "
+        lines.append(f"| {spec} | {ns} | {f['index_bytes_per_vector']:.0f} | {f['kb_bytes_per_vector']:.0f} | "
+                     f"{f['build_exponent']:.2f} | "
                      f"{f['index_bytes'] / 1e9:.1f} GB | {f['kb_bytes'] / 1e9:.1f} GB | "
                      + (f"{f['build_s'] / 3600:.1f} h |" if f["build_s"] is not None else "not extrapolated |"))
     table = "\n".join(lines)
     print(table)
     out = Path(args.out)
     result = {
-        "command": old["command"] if args.replot else "python benchmarks/index_scale.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": old["command"] if args.replot else "python benchmarks/index_scale.py "
+        + " ".join(sys.argv[1:] if argv is None else argv),
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
         "rows": rows, "fits": fits, "anchors_bytes": ANCHORS, "table": table,

@@ -185,9 +185,11 @@ def main() -> int:
               "example": {"prompt": prompts[0], "continuation": conts[0], "llamacpp": got[0].round(4).tolist(),
                           "local_no_bos": want_plain[0].round(4).tolist(), "local_bos": want_bos[0].round(4).tolist()}}
     for key in ("vs_local_rag_convention_bos_first", "vs_local_as_llamacpp_reads_it_no_bos",
-                "raw_prompt_logprobs_vs_local_log_p_token_given_previous", "raw_prompt_logprobs_vs_local_log_p_token_given_itself_and_previous"):
+                "raw_prompt_logprobs_vs_local_log_p_token_given_previous",
+                "raw_prompt_logprobs_vs_local_log_p_token_given_itself_and_previous"):
         r = result[key]
-        print(f"{key}: {r['tokens']} tokens, max |diff| {r['max_abs_token_diff']:.4f}, mean |diff| {r['mean_abs_token_diff']:.4f}, "
+        print(f"{key}: {r['tokens']} tokens, max |diff| {r['max_abs_token_diff']:.4f}, mean |diff| "
+              f"{r['mean_abs_token_diff']:.4f}, "
               f"r = {r['pearson_r']:.5f}")
     if args.out:
         from rag.utils.io import atomic_write_json

@@ -7,7 +7,8 @@ bases: the demo one (every element's passage: retrieval is relevant) and one wit
 one batched call per batch generates with and without retrieval (``generate_with_and_without_retrieval``) and the NLI
 model picks (``rag.retrobust.backoff.choose_answers``), so the three EMs come from the same generations.
 
-    python benchmarks/nli_backoff.py --nli $RAG_CACHE/nli/minilm-snli [--threshold 0.5] [--out benchmarks/results/nli_backoff.json]
+    python benchmarks/nli_backoff.py --nli $RAG_CACHE/nli/minilm-snli [--threshold 0.5] [--out
+    benchmarks/results/nli_backoff.json]
 """
 
 from __future__ import annotations
@@ -70,7 +71,8 @@ def main() -> None:
     results = {"nli": args.nli, "threshold": threshold, "questions": "elements dev + test", "settings": {}}
     t0 = time.process_time()
     for name, kb in (("relevant (demo knowledge base)", None),
-                     ("irrelevant (held-out elements' passages removed)", irrelevant_kb(Path(args.work) / "kb_without_held_out", held_out))):
+                     ("irrelevant (held-out elements' passages removed)",
+                      irrelevant_kb(Path(args.work) / "kb_without_held_out", held_out))):
         pipe = rag.load("demo", knowledge_base=kb)
         results["settings"][name] = evaluate(pipe, scorer, rows, threshold, args.batch_size)
         print(name, json.dumps(results["settings"][name]))

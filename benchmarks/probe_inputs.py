@@ -236,7 +236,8 @@ def cases(f: dict, w: Path) -> list[Case]:
     for what, src, rel, argv in [
         ("manifest.json", f["kb"], "manifest.json", lambda d: ["index", "info", d]),
         ("rag_config.json", f["ckpt"], "rag_config.json", lambda d: ["generate", "--model", d, "q"]),
-        ("LM config.json", f["gpt2"], "config.json", lambda d: ["lm-eval", "--model", d, "--data", f["text"], "--retrieval", "none"]),
+        ("LM config.json", f["gpt2"], "config.json",
+         lambda d: ["lm-eval", "--model", d, "--data", f["text"], "--retrieval", "none"]),
         ("LM tokenizer_config.json", f["gpt2"], "tokenizer_config.json",
          lambda d: ["lm-eval", "--model", d, "--data", f["text"], "--retrieval", "none"]),
         ("reranker settings", f["reranker"], "rag_reranker.json",
@@ -253,7 +254,9 @@ def cases(f: dict, w: Path) -> list[Case]:
     def stride_free(r: Result) -> Optional[str]:
         other = rag(["lm-eval", "--model", f["gpt2"], "--data", str(line), "--retrieval", "none", "--stride", "64", "--json"], w)
         a, b = json.loads(r.out), json.loads(other.out)
-        return None if a["perplexity"] == b["perplexity"] else f"stride changed the result: {a['perplexity']} vs {b['perplexity']}"
+        if a["perplexity"] == b["perplexity"]:
+            return None
+        return f"stride changed the result: {a['perplexity']} vs {b['perplexity']}"
 
     out.append(Case("results", "lm-eval --retrieval none on one 155 KB line", [
         "lm-eval", "--model", f["gpt2"], "--data", str(line), "--retrieval", "none", "--json"], "ok", check=stride_free,
@@ -301,7 +304,8 @@ def cases(f: dict, w: Path) -> list[Case]:
 
     if not torch.cuda.is_available():
         out.append(Case("results", "lm-eval --device cuda without CUDA", [
-            "lm-eval", "--model", f["gpt2"], "--data", f["text"], "--retrieval", "none", "--device", "cuda"], "refuse", "--device cuda"))
+            "lm-eval", "--model", f["gpt2"], "--data", f["text"], "--retrieval", "none", "--device", "cuda"], "refuse",
+                        "--device cuda"))
 
     # -- damaged model directories (#28.14)
     def garbage(d: Path, name: str) -> None:
@@ -319,7 +323,8 @@ def cases(f: dict, w: Path) -> list[Case]:
          lambda d: ["lm-eval", "--model", f["gpt2"], "--kb", f["kb"], "--data", f["text"], "--rerank", "trained",
                     "--rerank-model", d, "--rerank-k", "2", "--max-length", "128", "--doc-max-length", "32"],
          "head.safetensors"),
-        ("rag_config.json n_docs 0", f["ckpt"], lambda d: edit_json(d / "rag_config.json", lambda m: m["config"].update(n_docs=0)),
+        ("rag_config.json n_docs 0", f["ckpt"],
+         lambda d: edit_json(d / "rag_config.json", lambda m: m["config"].update(n_docs=0)),
          lambda d: ["generate", "--model", d, "q"], "rag_config.json"),
     ]:
         d = w / f"dmg_{len(out)}"
@@ -412,7 +417,9 @@ def trust_cases(f: dict, w: Path) -> list[Case]:
                            text=True, timeout=TIMEOUT, env={**env, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
                            preexec_fn=_limit)
         last = (p.stderr.strip().splitlines() or [""])[-1]
-        return None if p.returncode == 2 and "generator.adapter.base.name" in last else f"unset: exit {p.returncode}: {last[:160]}"
+        if p.returncode == 2 and "generator.adapter.base.name" in last:
+            return None
+        return f"unset: exit {p.returncode}: {last[:160]}"
 
     out.append(Case("trust", "adapter base named by a hub id", ["generate", "--model", str(hub), "q"], "refuse",
                     "generator.adapter.base.name", check=without_offline, setup=hub_setup))
@@ -535,7 +542,8 @@ def serve_cases(f: dict, w: Path) -> list[tuple[str, str, Callable[[], Optional[
         rag_url, "/v1/chat/completions", {**chat, "user": bad, "messages": [{"role": "user", "content": "ok"}]}, 400,
         "lone surrogate")))
     out.append(("surrogate", "lone surrogate in a /generate field name", status(rag_url, "/generate",
-                                                                               {"questions": ["q"], bad: 1}, 422, "lone surrogate")))
+                                                                               {"questions": ["q"], bad: 1}, 422,
+                                                                                "lone surrogate")))
 
     def cheap_beside_heavy(url: str, heavy: dict, path: str = "/generate") -> Callable[[], Optional[str]]:
         def run() -> Optional[str]:
@@ -660,7 +668,8 @@ def main() -> int:
         if not args.only or args.only in "swap_back integrity":
             outcome, problem = swap_back_case(fixtures, work)
             bad += problem is not None
-            print(f"{'BAD ' if problem else 'ok  '} {'integrity':<10} {'swap_back after an in-place edit of passages/*.arrow':<58} "
+            print(f"{'BAD ' if problem else 'ok  '} {'integrity':<10} "
+                  f"{'swap_back after an in-place edit of passages/*.arrow':<58} "
                   f"{outcome:<6}         {problem or 'refused, naming the changed file'}", flush=True)
     finally:
         for p in HOLDERS:

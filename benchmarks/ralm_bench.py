@@ -7,7 +7,8 @@ from the left ∘ the stride's tokens), so their token log-likelihoods must agre
 * reference: the shape of the authors' ``eval_lm.py`` loop — for every stride one retrieval call with one query,
   one tokenization of the retrieved document, one batch-1 forward pass computing logits over the whole window;
 * ours: :class:`rag.models.ralm.model.InContextRALM` — every query of a text group known up front and retrieved in one
-  call, documents tokenized once per group, chunks that read the same document after the same prefix cut scored in one window, windows batched (right-padded), logits only at the scored positions.
+  call, documents tokenized once per group, chunks that read the same document after the same prefix cut scored in one window,
+  windows batched (right-padded), logits only at the scored positions.
 
 Data: the bundled Elements passages (rag/demo/elements.jsonl, 137 short encyclopaedia entries) as both the
 knowledge base and the evaluated texts, with the leakage guard excluding each text's own passage (so the
@@ -69,7 +70,8 @@ def build_lm(passages, d_model: int, layers: int, max_length: int, out: Path):
     from rag.generators.load import load_generator
 
     tok = tiny.train_bpe_tokenizer([f"{p.title} {p.text}" for p in passages], vocab_size=4000)
-    tiny.save(tiny.tiny_gpt2(tok, d_model=d_model, layers=layers, heads=max(1, d_model // 64), max_positions=max_length), tok, out)
+    tiny.save(tiny.tiny_gpt2(tok, d_model=d_model, layers=layers, heads=max(1, d_model // 64), max_positions=max_length), tok,
+              out)
     model, tok, _ = load_generator(out, kind="causal")
     return model, tok
 
@@ -120,7 +122,8 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         model, tok = build_lm(passages, args.d_model, args.layers, args.max_length, Path(tmp) / "lm")
     longest = max(args.strides)  # a text shorter than one stride is bad input: take the first texts long enough
-    texts = [EvalText(p.text, p.id, p.title) for p in passages if len(tok(p.text, add_special_tokens=False)["input_ids"]) >= longest]
+    texts = [EvalText(p.text, p.id, p.title) for p in passages
+             if len(tok(p.text, add_special_tokens=False)["input_ids"]) >= longest]
     texts = texts[:args.texts]
     if args.long:  # one WikiText-style stream: the prefix is cut from the left, so windows seldom share
         texts = [EvalText("\n\n".join(t.text for t in texts))]
@@ -162,7 +165,8 @@ def main(argv=None) -> int:
     if args.out:
         from rag.utils.io import atomic_write_json
 
-        atomic_write_json(args.out, {"settings": vars(args), "parameters": n_params, "machine": machine_info(args.threads), "rows": rows})
+        atomic_write_json(args.out,
+                          {"settings": vars(args), "parameters": n_params, "machine": machine_info(args.threads), "rows": rows})
     return 0
 
 

@@ -102,7 +102,8 @@ def rate(rows: list[dict]) -> dict:
     if not secs:
         return {"steps": 0}
     cpu = [r["cpu_seconds"] for r in rows]
-    return {"steps": len(secs), "steps_per_s": round(len(secs) / sum(secs), 3), "median_step_s": round(statistics.median(secs), 4),
+    return {"steps": len(secs), "steps_per_s": round(len(secs) / sum(secs), 3),
+            "median_step_s": round(statistics.median(secs), 4),
             "p90_step_s": round(sorted(secs)[int(0.9 * (len(secs) - 1))], 4),
             "median_step_cpu_s": round(statistics.median(cpu), 4)}
 
@@ -113,7 +114,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400)
     ap.add_argument("--refresh-at", default="20,220", help="comma-separated steps at which a refresh starts")
     ap.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics")
-    ap.add_argument("--worker-nice", type=int, default=0, help="0: the build competes at normal priority (worst case for training)")
+    ap.add_argument("--worker-nice", type=int, default=0,
+                    help="0: the build competes at normal priority (worst case for training)")
     ap.add_argument("--worker-threads", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1,
                     help="trainer torch threads (0: torch default). 1 by default: on 2 shared cores, 2 threads made "

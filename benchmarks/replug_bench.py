@@ -36,7 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._proc import machine_info  # noqa: E402
 from benchmarks.ralm_bench import build_lm, measure  # noqa: E402
-from rag.models.ralm.model import EvalText, InContextRALM, RalmConfig, doc_text, own_document_filter, retrieve_excluding  # noqa: E402
+from rag.models.ralm.model import (  # noqa: E402
+    EvalText,
+    InContextRALM,
+    RalmConfig,
+    doc_text,
+    own_document_filter,
+    retrieve_excluding,
+)
 
 
 @torch.no_grad()
@@ -132,11 +139,13 @@ def main(argv=None) -> int:
     model = model.to(device)
     print(f"LM: {lm_name}; {len(texts)} texts, k={args.k}, stride {args.stride}, "
           f"window {args.max_length}, documents <= {args.doc_max_length} tokens; device {device}, {args.threads} thread(s)")
-    cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
+    cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length,
+                     doc_max_length=args.doc_max_length,
                      batch_size=args.batch_size, ensemble=args.k, retrieval_temperature=args.temperature)
     ralm = InContextRALM(model, tok, retriever, cfg)
     ours_fn = lambda: [x.token_logprobs for x in ralm.score_texts(texts)]  # noqa: E731
-    ref_fn = lambda: [reference_replug(model, tok, retriever, t, args.k, args.temperature, args.stride, args.query_length,  # noqa: E731
+    ref_fn = lambda: [reference_replug(model, tok, retriever, t, args.k, args.temperature, args.stride,  # noqa: E731
+                                       args.query_length,
                                        args.max_length, args.doc_max_length, device) for t in texts]
     ours_fn()
     times, peaks, results = {"ours": [], "reference": []}, {"ours": [], "reference": []}, {}
@@ -151,9 +160,11 @@ def main(argv=None) -> int:
     n_tok = sum(len(a) for a in results["ours"])
     med = {k: statistics.median(v) for k, v in times.items()}
     diff = float(max(np.abs(a - b).max() for a, b in zip(results["ours"], results["reference"])))
-    row = {"k": args.k, "lm": lm_name, "tokens": n_tok, **{f"{s}_tokens_per_s": n_tok / med[s] for s in med}, **{f"{s}_peak_mib": max(peaks[s]) for s in peaks},
+    row = {"k": args.k, "lm": lm_name, "tokens": n_tok, **{f"{s}_tokens_per_s": n_tok / med[s] for s in med},
+           **{f"{s}_peak_mib": max(peaks[s]) for s in peaks},
            "speedup": med["reference"] / med["ours"], "max_abs_diff": diff}
-    print(f"perplexity k={args.k}: tokens {n_tok}  reference {row['reference_tokens_per_s']:.0f} tok/s (peak +{row['reference_peak_mib']:.0f} MiB)  "
+    print(f"perplexity k={args.k}: tokens {n_tok}  reference {row['reference_tokens_per_s']:.0f} tok/s (peak "
+          f"+{row['reference_peak_mib']:.0f} MiB)  "
           f"ours {row['ours_tokens_per_s']:.0f} tok/s (peak +{row['ours_peak_mib']:.0f} MiB)  speedup {row['speedup']:.2f}x  "
           f"max |Δ log p| {diff:.1e}")
 

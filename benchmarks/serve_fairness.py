@@ -36,7 +36,8 @@ from _proc import machine_info  # noqa: E402  (benchmarks/_proc.py)
 
 ELEMENTS = ["iron", "oxygen", "gold", "neon", "carbon", "helium", "sodium", "copper", "silver", "tin", "lead", "zinc",
             "mercury", "argon", "nickel", "cobalt"]
-HEAVY = {"questions": [f"what is the atomic weight of {e}?" for e in ELEMENTS], "n_docs": 20, "num_beams": 8, "max_new_tokens": 64}
+HEAVY = {"questions": [f"what is the atomic weight of {e}?" for e in ELEMENTS], "n_docs": 20, "num_beams": 8,
+         "max_new_tokens": 64}
 CHEAP_QUESTIONS = ["who discovered oxygen?", "what is the atomic number of iron?", "what is the chemical symbol of tungsten?",
                    "which element is a noble gas used in signs?"]
 
@@ -137,7 +138,8 @@ def phase(pipe, name: str, n: int, heavy: bool, quantum: float) -> dict:
         health = client.get("/health").json()["requests"]
     result = {"phase": name, "heavy_client": heavy, "fairness_quantum": quantum or DEFAULT_QUANTUM,
               "kinds": {k: {"n": len(v), "p50": percentile(v, 0.5), "p95": percentile(v, 0.95), "max": max(v),
-                            "mean": statistics.fmean(v), "not_200": sum(c != 200 for c in status[k])} for k, v in lat.items() if v},
+                            "mean": statistics.fmean(v), "not_200": sum(c != 200 for c in status[k])} for k, v in lat.items()
+                        if v},
               "latencies": lat, "statuses": status, "server": health}
     if hc is not None:
         result["heavy_requests"] = [{"status": s, "seconds": round(t, 2)} for s, t in hc.outcomes]
@@ -171,14 +173,16 @@ def main() -> int:
         srv = ph["server"]
         extra = ""
         if "heavy_requests" in ph:
-            extra = " heavy requests: " + ", ".join(f"{h['status']} in {h['seconds']} s" for h in ph["heavy_requests"]) or " none finished"
+            extra = " heavy requests: " + ", ".join(f"{h['status']} in {h['seconds']} s"
+                                                    for h in ph["heavy_requests"]) or " none finished"
         print(f"{ph['phase']}: longest unit of model work {srv['longest_unit_seconds']} s, {srv['handovers']} handovers,"
               f" {srv['timed_out']} timed out;{extra}")
     if args.out:
         from rag.utils.io import atomic_write_json
 
         atomic_write_json(args.out, {"machine": machine_info(torch.get_num_threads()), "command": " ".join(sys.argv),
-                                     "model": args.model, "heavy_request": {k: v for k, v in HEAVY.items() if k != "questions"} | {
+                                     "model": args.model,
+                                     "heavy_request": {k: v for k, v in HEAVY.items() if k != "questions"} | {
                                          "questions": len(HEAVY["questions"])}, "phases": phases})
     return 0
 

@@ -24,8 +24,8 @@ hypervisor took 2-5 % of the VM's CPU time (steal) throughout. An earlier 36-min
 draft of this script) gave 2.7 / 2.0 / 2.8 / 2.5 per minute. So the checksum child does not make such stalls
 more frequent, and with nothing else running this machine delayed a request by >= 50 ms every 14-22 s. The
 floor changes with the host's load: the day before, a similar diagnostic found 0.2 per minute idle and 0.7
-beside the checksum child (see swap_bench's docstring). A reading consistent with this, not proven: a child keeps both vCPUs busy so that they seldom halt, and it is the
-host's late wake-up of a halted vCPU that stalls the requests.
+beside the checksum child (see swap_bench's docstring). A reading consistent with this, not proven: a child keeps both vCPUs busy
+so that they seldom halt, and it is the host's late wake-up of a halted vCPU that stalls the requests.
 
 Examples::
 
@@ -191,7 +191,8 @@ def print_table(r: dict) -> None:
     print(f"{'phase':8s} {'min':>5s} {'>=20ms/min':>10s} {'>=30':>6s} {'>=50':>6s} {'max ms':>7s} {'p99':>5s} "
           f"{'phases >= ' + format(t, 'g') + ' ms':>16s} {'probe >=20ms/min':>16s} {'steal %':>7s}")
     for kind, o in r["by_phase"].items():
-        print(f"{kind:8s} {o['minutes']:5.1f} {o['per_min_ge_20ms']:10.2f} {o['per_min_ge_30ms']:6.2f} {o['per_min_ge_50ms']:6.2f} "
+        print(f"{kind:8s} {o['minutes']:5.1f} {o['per_min_ge_20ms']:10.2f} {o['per_min_ge_30ms']:6.2f} "
+              f"{o['per_min_ge_50ms']:6.2f} "
               f"{o['max_ms']:7.1f} {o['p99_ms']:5.1f} {str(o['phases_reaching_target']) + ' / ' + str(o['phases']):>16s} "
               f"{o['probe_per_min_ge_20ms']:16.2f} {o['steal_pct']:7.2f}")
 
@@ -201,7 +202,8 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, default=500_000, help="passages per knowledge base, as swap_bench --n (default 500000)")
     p.add_argument("--dim", type=int, default=768)
     p.add_argument("--index", default="hnsw:m=16,ef_construction=40", help="as swap_bench --index")
-    p.add_argument("--out-dir", default=str(HERE / ".cache" / "swap_bench"), help="swap_bench's knowledge bases (built if missing)")
+    p.add_argument("--out-dir", default=str(HERE / ".cache" / "swap_bench"),
+                   help="swap_bench's knowledge bases (built if missing)")
     p.add_argument("--rounds", type=int, default=10)
     p.add_argument("--idle", type=float, default=10.0, help="seconds with no child before each child phase")
     p.add_argument("--nice", type=int, default=10, help="the children's niceness (swap_bench's --verify-nice; default 10)")

@@ -112,8 +112,8 @@ running, yet their requests took 32-57 ms of CPU instead of ~4, while the probe 
 for a CPU: the vCPUs themselves ran slowly (steal time was not recorded in that run). A trace of another
 stall (100 ms, during hashing) showed one request thread waiting for the GIL on an idle vCPU while the
 other shared the second vCPU with the probe and the nice-10 child; the idle vCPU logged no event at all
-for 100 ms, not even the waiting thread's 5 ms GIL timeout, as if the host resumed the halted vCPU late. This VM's kernel runs without preemption
-(``Dynamic Preempt: none``) under a Firecracker hypervisor. Across the
+for 100 ms, not even the waiting thread's 5 ms GIL timeout, as if the host resumed the halted vCPU late. This VM's kernel runs
+without preemption (``Dynamic Preempt: none``) under a Firecracker hypervisor. Across the
 five 10-swap runs with full checksums at the default settings, 47 of 50 swaps stayed under 50 ms.
 
 A fourth probe run on 2026-11-23 (results/swap_bench_500000_quiet10_probe4.json; nothing else running, load
@@ -454,7 +454,8 @@ def run(args) -> dict:
             return next((name for name, ws_ in (("hashing", hashing), ("prewarm", prewarms), ("release", releases))
                          if any(s <= t <= e for s, e in ws_)), "other")
 
-        hits = [(g, st, phase(t)) for t, g, st in machine_stalls if g >= args.machine_stall_ms and any(s <= t <= e for s, e in ws)]
+        hits = [(g, st, phase(t)) for t, g, st in machine_stalls if g >= args.machine_stall_ms
+                and any(s <= t <= e for s, e in ws)]
         return {"seconds": round(secs, 1), "stalls": len(hits), "per_min": round(60 * len(hits) / secs, 2) if secs else None,
                 "max_ms": round(max((g for g, _, _ in hits), default=0.0), 1),
                 "each_ms_steal_ms_phase": [(round(g, 1), round(st), ph) for g, st, ph in hits]}
@@ -467,7 +468,8 @@ def run(args) -> dict:
         out = {"latency_ms": round(1e3 * (r[1] - r[0]), 1), "phases": [k for k, rs in by_phase.items() if r in rs]}
         sw = next((s for s in swaps if r[0] < s["end"] and r[1] > s["start"]), None)
         if sw is not None:
-            out.update(started_after_swap_start_s=round(r[0] - sw["start"], 3), ended_before_swap_end_s=round(sw["end"] - r[1], 3),
+            out.update(started_after_swap_start_s=round(r[0] - sw["start"], 3),
+                       ended_before_swap_end_s=round(sw["end"] - r[1], 3),
                        swap_seconds=round(sw["end"] - sw["start"], 3))
         return out
 
@@ -478,11 +480,13 @@ def run(args) -> dict:
                     "loadavg_before": load0, "loadavg_after": load1, "shared_cpu": True, "bench_niceness": os.nice(0)},
         "requests": {
             "started": n_started, "completed": n_done, "failed": len(failures), "unfinished": unfinished, "lost": lost,
-            "during_swap_phase": len(after_swaps), "by_version": {tags.get(v, v): sum(1 for r in after_swaps if r[2] == v) for v in tags},
+            "during_swap_phase": len(after_swaps),
+            "by_version": {tags.get(v, v): sum(1 for r in after_swaps if r[2] == v) for v in tags},
             "failures_sample": failures[:5],
         },
         "latency_ms": {
-            "baseline": {"n": len(base_lat), "p50": base_p50, "p99": pct(base_lat, 99), "max": max(base_lat, default=float("nan"))},
+            "baseline": {"n": len(base_lat), "p50": base_p50, "p99": pct(base_lat, 99),
+                         "max": max(base_lat, default=float("nan"))},
             "overlapping_a_swap": {"n": len(during), "p50": pct(lat(during), 50), "p99": pct(lat(during), 99),
                                    "p99.9": pct(lat(during), 99.9), "max": max(lat(during), default=float("nan"))},
             "control": {"n": len(control), "p50": pct(control_lat, 50), "p99": pct(control_lat, 99),
@@ -528,7 +532,8 @@ def run(args) -> dict:
             "releases": len(releases),
             "lock_held_us_max": 1e6 * max((s["commit_seconds"] for s in swaps), default=0.0),
             "total_s_max": max((s["seconds"] for s in swaps), default=None),
-            "each": [{k: s[k] for k in ("old_version", "new_version", "seconds", "load_seconds", "prewarm_seconds", "commit_seconds")}
+            "each": [{k: s[k]
+                      for k in ("old_version", "new_version", "seconds", "load_seconds", "prewarm_seconds", "commit_seconds")}
                      for s in swaps],
         },
         "kb": {"n": args.n, "dim": args.dim, "index": args.index, "verify": args.verify,
@@ -564,29 +569,35 @@ def print_table(r: dict) -> None:
     vn = r["config"].get("verify_nice", -1)
     where = "the swapping thread" if vn < 0 else f"a child process at nice {vn}"
     print(f"checksums: in {where}; "
-          f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / {r['machine']['loadavg_after'][0]:.2f} "
+          f"gc.freeze: {'on' if r['gc_freeze'] else 'off'}; load average before/after: {r['machine']['loadavg_before'][0]:.2f} / "
+          f"{r['machine']['loadavg_after'][0]:.2f} "
           f"on {r['machine']['cpus']} CPUs (shared machine)")
     rows = [
         ("swaps performed", f"{S['n']}", ""),
-        ("load + verify per swap (off the request path)", f"{S['load_verify_s_mean']:.2f} s mean, {S['load_verify_s_max']:.2f} s max", ""),
+        ("load + verify per swap (off the request path)",
+         f"{S['load_verify_s_mean']:.2f} s mean, {S['load_verify_s_max']:.2f} s max", ""),
         ("prewarm per swap (off the request path)", ", ".join(f"{t:.1f} s / {g:.2f} GB" for t, g in
                                                              zip(S["prewarm_s_each"], S["prewarmed_gb_each"])) or "-",
          "on" if S.get("prewarm") else "off (--no-prewarm)"),
         ("swap lock held (one reference change)", f"{S['lock_held_us_max']:.0f} µs max", ""),
-        ("request latency, baseline", f"p50 {L['baseline']['p50']:.1f} ms, p99 {L['baseline']['p99']:.1f}, max {L['baseline']['max']:.1f}", ""),
-        ("request latency, overlapping a swap", f"p50 {L['overlapping_a_swap']['p50']:.1f} ms, p99 {L['overlapping_a_swap']['p99']:.1f}, "
+        ("request latency, baseline",
+         f"p50 {L['baseline']['p50']:.1f} ms, p99 {L['baseline']['p99']:.1f}, max {L['baseline']['max']:.1f}", ""),
+        ("request latency, overlapping a swap",
+         f"p50 {L['overlapping_a_swap']['p50']:.1f} ms, p99 {L['overlapping_a_swap']['p99']:.1f}, "
                                                 f"max {L['overlapping_a_swap']['max']:.1f}", ""),
         ("longest pause of an in-flight request (max - baseline p50)", f"{P['max_extra_latency_overlapping_swap']:.1f} ms",
          target_verdict(P)),
         *([("  same, outside machine-wide stalls", f"{P['max_extra_latency_overlapping_swap_outside_machine_stalls']:.1f} ms",
-            f"{P['requests_over_target']} request(s) over the target, {P['requests_over_target_in_machine_stalls']} of them during "
+            f"{P['requests_over_target']} request(s) over the target, {P['requests_over_target_in_machine_stalls']} "
+            f"of them during "
             f"a machine-wide stall (an independent process overslept >= {M['threshold_ms']:g} ms)")] if M.get("probe") else []),
         ("  same, requests in flight at the reference change", f"{P['max_extra_latency_at_commit']:.1f} ms", ""),
         *[(f"  same, requests overlapping {k.replace('_', ' ')}", f"{v:.1f} ms", f"{P['requests_by_phase'][k]} requests")
           for k, v in P["max_extra_latency_by_phase"].items()],
         ("  same, per swap call", ", ".join(f"{v:.0f}" for v in P["max_extra_latency_by_swap"]) + " ms",
          "the first verifies B from the disk" if r["config"].get("evict_first") else ""),
-        ("  same, first requests on the new version, per swap", ", ".join(f"{v:.0f}" for v in P["max_extra_latency_first_on_new_by_swap"])
+        ("  same, first requests on the new version, per swap",
+         ", ".join(f"{v:.0f}" for v in P["max_extra_latency_first_on_new_by_swap"])
          + " ms", f"requests starting <= {r['config']['after_commit']:g} s after the commit; p99 "
          + ", ".join(f"{v:.1f}" for v in P["first_on_new_p99_by_swap"]) + " ms"),
         ("  same, baseline without swaps (noise floor)", f"{P['baseline_max_extra_latency']:.1f} ms", ""),

@@ -29,13 +29,13 @@ same few passages for every question (see `build_kb`).
 How it is measured: two persistent worker processes (``spawn``), one per system, each on
 ``--threads`` torch threads (default 1: on 2 shared cores a second OpenMP thread bought
 nothing in a quick test, and one thread keeps CPU time a clean measure of work); one round =
-``--steps`` consecutive training steps on one side. Rounds alternate ours/theirs, theirs/ours (ABAB...), so machine-load drift hits both alike; one
-untimed warm-up step per side first (it also allocates AdamW's state). Reported per side: the
+``--steps`` consecutive training steps on one side. Rounds alternate ours/theirs, theirs/ours (ABAB...), so machine-load drift
+hits both alike; one untimed warm-up step per side first (it also allocates AdamW's state). Reported per side: the
 median over rounds of the round's mean step time, the min-max spread, and the spread of the
 per-round-pair ratios; also the median CPU time per step (``time.process_time``), which the
 other processes on a shared machine disturb less than wall time. Where the time goes: every
-timed step is split by forward hooks on the BART generator into retrieval + tokenization (everything before the generator call: query
-encoder, index search, context building and tokenization, target tokenization), generator
+timed step is split by forward hooks on the BART generator into retrieval + tokenization (everything before the generator call:
+query encoder, index search, context building and tokenization, target tokenization), generator
 forward, loss (marginalization, after the generator returns), backward, optimizer step.
 Memory, in each worker for each round: ``malloc_trim(0)``, reset the kernel's RSS high-water
 mark (``/proc/self/clear_refs`` = 5), run the steps, then read ``VmHWM`` and ``VmRSS`` from
@@ -355,7 +355,8 @@ def compare(sides: dict, marginalization: str, qa, args, progress) -> dict:
             rounds[name].append(out)
             if progress is not None:
                 progress.update(1)
-                progress.set_postfix_str(f"{marginalization} {name} {statistics.mean(s['total'] for s in out['steps']):.1f}s/step")
+                progress.set_postfix_str(f"{marginalization} {name} "
+                                         f"{statistics.mean(s['total'] for s in out['steps']):.1f}s/step")
     lengths = [sides["ours"].call("context_lengths", q) for q, _ in batches[1:1 + min(len(batches) - 1, 8)]]
     round_s = {name: [statistics.mean(s["total"] for s in rd["steps"]) for rd in rounds[name]] for name in SYSTEMS}
     med = {name: statistics.median(v) for name, v in round_s.items()}
@@ -405,13 +406,15 @@ def markdown_table(results: list[dict]) -> str:
             f"| RAG-{r['marginalization'].capitalize()} | {r['median_step_s']['ours']:.2f} ({o[0]:.2f}-{o[1]:.2f}) | "
             f"{r['median_step_s']['transformers']:.2f} ({t[0]:.2f}-{t[1]:.2f}) | **{r['speedup']:.2f}x** "
             f"({r['speedup_round_pairs'][0]:.2f}-{r['speedup_round_pairs'][1]:.2f}) | "
-            f"{co:.1f} / {ct:.1f} ({ct / co:.2f}x) | {_mib(mo['extra_over_rss_before'])} / {_mib(mo['vmhwm'])} | {_mib(mt['extra_over_rss_before'])} / {_mib(mt['vmhwm'])} |")
+            f"{co:.1f} / {ct:.1f} ({ct / co:.2f}x) | {_mib(mo['extra_over_rss_before'])} / {_mib(mo['vmhwm'])} | "
+            f"{_mib(mt['extra_over_rss_before'])} / {_mib(mt['vmhwm'])} |")
     lines += ["", "| where the time goes (median s/step) | " + " | ".join(p.replace("_", " ") for p in PHASES) + " |",
               "|---|" + "---|" * len(PHASES)]
     for r in results:
         for name in SYSTEMS:
             ph = r["phases_median_s"][name]
-            lines.append(f"| RAG-{r['marginalization'].capitalize()}, {name} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES) + " |")
+            lines.append(f"| RAG-{r['marginalization'].capitalize()}, {name} | " + " | ".join(f"{ph[p]:.2f}" for p in PHASES)
+                         + " |")
     return "\n".join(lines)
 
 
@@ -484,7 +487,8 @@ def main(argv=None) -> int:
     print(markdown_table(results))
     for r in results:
         c = r["context_tokens"]
-        print(f"RAG-{r['marginalization']}: contexts {c['ours_mean']:.0f} tokens on average, padded to {c['ours_padded_mean']:.0f} "
+        print(f"RAG-{r['marginalization']}: contexts {c['ours_mean']:.0f} tokens on average, padded to "
+              f"{c['ours_padded_mean']:.0f} "
               f"(ours) vs {c['transformers_padded']} (transformers); same passages retrieved: {r['same_passages_retrieved']}; "
               f"first losses {r['first_losses']}")
     print(f"\nwrote {out_path}")

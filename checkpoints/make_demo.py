@@ -46,7 +46,8 @@ def evaluate_checkpoint(path: Path, kb_path=None, splits=("dev", "test")) -> dic
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--minutes", type=float, default=demo.DemoConfig.minutes, help="CPU fine-tuning budget (after the shared pre-training)")
+    ap.add_argument("--minutes", type=float, default=demo.DemoConfig.minutes,
+                    help="CPU fine-tuning budget (after the shared pre-training)")
     ap.add_argument("--out", type=Path, default=HERE / "demo", help="checkpoint directory (replaced)")
     ap.add_argument("--check-only", action="store_true", help="only evaluate the existing checkpoint at --out")
     args = ap.parse_args(argv)

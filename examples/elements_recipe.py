@@ -83,7 +83,8 @@ from rag.utils.io import atomic_write_json, atomic_write_text  # noqa: E402
 logger = logging.getLogger("elements_recipe")
 
 SYSTEMS = ("rag-sequence", "rag-token", "closed-book", "rag-frozen")
-LABELS = {"rag-sequence": "RAG-Sequence", "rag-token": "RAG-Token", "closed-book": "closed-book", "rag-frozen": "RAG-Frozen (RAG-Seq.)"}
+LABELS = {"rag-sequence": "RAG-Sequence", "rag-token": "RAG-Token", "closed-book": "closed-book",
+          "rag-frozen": "RAG-Frozen (RAG-Seq.)"}
 RECALL_AT = (1, 3, 5)
 
 
@@ -228,7 +229,8 @@ def ensure_reader(kb, cfg: DemoConfig, path: Optional[Path] = None, eval_limit: 
     finally:
         torch.set_num_threads(threads)
     record = {"train": dataclasses.asdict(stats), "pool": len(pool), "threads": cfg.pretrain_threads}
-    with atomic_directory(path, overwrite=True, replaces=lambda p: (p / "config.json").is_file(), kind="pre-trained reader") as tmp:
+    with atomic_directory(path, overwrite=True, replaces=lambda p: (p / "config.json").is_file(),
+                          kind="pre-trained reader") as tmp:
         save_generator(model.generator, model.generator_tokenizer, tmp)
         atomic_write_json(tmp / "pretraining.json", record)
     return path, record
@@ -293,7 +295,8 @@ def evaluate(model: RagModel, system: str, examples, cfg: DemoConfig, bs: int = 
         em.update(answers, golds)
         f1.update(answers, golds)
         preds.extend(answers)
-        samples.extend({"question": q, "predicted": a, "gold": g, "top_passage": t} for q, a, g, t in zip(qs, answers, golds, tops))
+        samples.extend({"question": q, "predicted": a, "gold": g, "top_passage": t}
+                       for q, a, g, t in zip(qs, answers, golds, tops))
     out = {"em": float(em.compute()), "f1": float(f1.compute()), "n": len(examples), "em_by_type": _per_type(examples, preds),
            "samples": samples[:10]}
     if system not in ("closed-book", "reader"):
@@ -353,7 +356,8 @@ def train(model: RagModel, system: str, pairs, pool, dev, cfg: DemoConfig) -> Tr
                 excluded += time.process_time() - e0
                 point = (round(min(progress, 1.0) * minutes, 2), stats.steps, ev["em"], ev.get(f"recall@{cfg.n_docs}"))
                 stats.curve.append(point)
-                logger.info("%s  %.1f CPU-min  step %d  dev EM %.3f  recall@%d %s  e.g. %s", system, point[0], stats.steps, ev["em"],
+                logger.info("%s  %.1f CPU-min  step %d  dev EM %.3f  recall@%d %s  e.g. %s", system, point[0], stats.steps,
+                            ev["em"],
                             cfg.n_docs, point[3], [(s["question"], s["predicted"]) for s in ev["samples"][:2]])
                 next_curve += 1
                 if progress >= 1.0:
@@ -361,7 +365,8 @@ def train(model: RagModel, system: str, pairs, pool, dev, cfg: DemoConfig) -> Tr
             for g in opt.param_groups:
                 start = cfg.query_encoder_start if g["name"] == "query_encoder" else 0.0
                 p = max(0.0, (progress - start) / (1.0 - start))
-                g["lr"] = g["base"] * warmup_linear_decay(int(p * 10_000), int(cfg.warmup * 10_000), 10_000) if progress >= start else 0.0
+                g["lr"] = g["base"] * warmup_linear_decay(int(p * 10_000), int(cfg.warmup * 10_000),
+                                                          10_000) if progress >= start else 0.0
             practice = rng.sample(pool, n_practice)
             loss = n_practice * model.generator_loss([e.question for e in practice], [e.answer for e in practice],
                                                      [e.passage for e in practice])
@@ -396,7 +401,8 @@ def run_system(system: str, cfg: DemoConfig, args, reader: Path) -> dict:
     pairs = expand_answers(read_qa("demo:train"))
     pool = practice_pool(model.generator_tokenizer, cfg, cfg.practice_pool, cfg.seed + 1)
     dev = held_out("dev", args.eval_limit)
-    logger.info("=== %s: %d training pairs, %d practice examples, budget %.1f CPU-min", system, len(pairs), len(pool), cfg.minutes)
+    logger.info("=== %s: %d training pairs, %d practice examples, budget %.1f CPU-min", system, len(pairs), len(pool),
+                cfg.minutes)
     stats = train(model, system, pairs, pool, dev, cfg)
     t = time.process_time()
     ev = {s: evaluate(model, system, held_out(s, args.eval_limit), cfg) for s in args.eval_splits.split(",") if s}
@@ -460,7 +466,8 @@ def plot(results: dict, path: Path, split: str) -> None:
     right.set_xticks(range(len(metrics)), [m for _, m in metrics])
     right.set_ylim(0, 105)
     right.set_title(f"held-out {split} split ({results['systems'][names[0]]['eval'][split]['n']} questions), "
-                    f"{results['config']['pretrain_minutes']:g} (shared) + {results['config']['minutes']:g} CPU-min per system", fontsize=9)
+                    f"{results['config']['pretrain_minutes']:g} (shared) + {results['config']['minutes']:g} CPU-min per system",
+                    fontsize=9)
     right.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -387,11 +387,13 @@ def print_live(transcript: dict, file=None) -> None:
     file = sys.stdout if file is None else file
     for ph in transcript["phases"]:
         swap = ph["swap"]
-        how = "" if swap is None else f"  ({swap['kind']} in {swap['seconds']:.3f} s, lock held {1e3 * swap['commit_seconds']:.3f} ms)"
+        how = "" if swap is None else (f"  ({swap['kind']} in {swap['seconds']:.3f} s, "
+                                       f"lock held {1e3 * swap['commit_seconds']:.3f} ms)")
         print(f"\n[{ph['phase']}] serving {ph['kb_version']}{how}", file=file)
         for a in ph["answers"]:
             print(f"  Q: {a['question']}", file=file)
-            print(f"     answer {a['answer']!r} from {a['kb_version']}   (A says {a['expected_A']!r}, B says {a['expected_B']!r})",
+            print(f"     answer {a['answer']!r} from {a['kb_version']}   (A says {a['expected_A']!r}, B says "
+                  f"{a['expected_B']!r})",
                   file=file)
             if a["top_passage"]:
                 top = a["top_passage"]
@@ -410,7 +412,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--splits", default="dev,test", help="demo QA splits to ask (default: dev,test, the held-out elements)")
     ap.add_argument("--elements", default=None,
                     help="comma-separated element names to edit (default: every element asked about in --splits)")
-    ap.add_argument("--types", default=",".join(EDITED_TYPES), help=f"edited-fact question types (default: {','.join(EDITED_TYPES)})")
+    ap.add_argument("--types", default=",".join(EDITED_TYPES),
+                    help=f"edited-fact question types (default: {','.join(EDITED_TYPES)})")
     ap.add_argument("--seed", type=int, default=0, help="seed of the rotation (default 0)")
     ap.add_argument("--no-control", action="store_true", help="skip the unchanged-facts control column")
     ap.add_argument("--live", type=int, default=3, help="questions in the live-swap transcript (0: skip it)")

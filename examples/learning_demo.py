@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parents[1]
-CONFIGS = {"seq2seq": REPO / "lightning_configs" / "cpu_reader.yaml", "causal": REPO / "lightning_configs" / "cpu_causal_reader.yaml"}
+CONFIGS = {"seq2seq": REPO / "lightning_configs" / "cpu_reader.yaml",
+           "causal": REPO / "lightning_configs" / "cpu_causal_reader.yaml"}
 CONFIG = CONFIGS["seq2seq"]
 SYSTEMS = {"rag": [], "rag-frozen": ["--model.rag.freeze_query_encoder", "true"], "closed-book": ["--model.closed_book", "true"]}
 LABELS = {"rag": "RAG-Sequence", "rag-frozen": "RAG-Frozen", "closed-book": "closed-book"}
@@ -145,7 +146,8 @@ def run_system(name: str, args: argparse.Namespace, reader: str = "seq2seq") -> 
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     common = overrides(args, reader, run) + SYSTEMS[name]
     with open(run / "fit.log", "w") as log:
-        if subprocess.run(rag_command("fit", *common, *args.extra), cwd=run, env=env, stdout=log, stderr=subprocess.STDOUT).returncode:
+        if subprocess.run(rag_command("fit", *common, *args.extra), cwd=run, env=env, stdout=log,
+                          stderr=subprocess.STDOUT).returncode:
             raise SystemExit(f"{reader} {name}: rag fit failed; see {run / 'fit.log'}")
     test = rag_command("test", *common, "--ckpt_path", str(last_checkpoint(run)), "--data.max_eval_examples", "100000",
                        *args.extra)  # every test question
@@ -162,7 +164,8 @@ def markdown(results: list[dict]) -> str:
         return f"{100 * r[k]:.1f}" if k in r else "–"
 
     for r in results:
-        lines.append(f"| {READER_LABELS[r.get('reader', 'seq2seq')]} | {LABELS[r['system']]} | {r['steps']:,} | {pct(r, 'test/em')} | "
+        lines.append(f"| {READER_LABELS[r.get('reader', 'seq2seq')]} | {LABELS[r['system']]} | {r['steps']:,} | "
+                     f"{pct(r, 'test/em')} | "
                      f"{pct(r, 'test/f1')} | {pct(r, 'test/recall@1')} | {pct(r, 'test/recall@3')} | {r['cpu_minutes']} |")
     return "\n".join(lines) + "\n"
 
@@ -203,7 +206,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         results = list(pool.map(lambda rs: run_system(rs[1], args, rs[0]), runs))
     from rag.utils.io import atomic_write_json, atomic_write_text
 
-    atomic_write_json(args.out / "results.json", {"command": " ".join(["python", "examples/learning_demo.py", *(sys.argv[1:] if argv is None else argv)]),
+    atomic_write_json(args.out / "results.json",
+                      {"command": " ".join(["python", "examples/learning_demo.py", *(sys.argv[1:] if argv is None else argv)]),
                                                   "results": results})
     table = markdown(results)
     atomic_write_text(args.out / "results.md", table)

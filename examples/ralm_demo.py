@@ -116,13 +116,15 @@ def find_corpus(corpus: Optional[str]) -> Path:
     found = sorted(glob.glob(DEFAULT_CORPUS_GLOB))
     if not found:
         raise CorpusError(f"no Python library reference under {DEFAULT_CORPUS_GLOB}; install it with "
-                          f"`apt-get install {' '.join(APT_PACKAGES)}`, or pass --corpus DIR (a folder of .rst.txt/.rst/.txt files)")
+                          f"`apt-get install {' '.join(APT_PACKAGES)}`, or pass --corpus DIR (a folder of "
+                          f".rst.txt/.rst/.txt files)")
     return Path(found[-1])
 
 
 def read_rst_documents(root: Path) -> list[Document]:
     """One :class:`Document` per ``.rst.txt`` / ``.rst`` / ``.txt`` file under `root` (id: the path relative to it)."""
-    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith((".rst.txt", ".rst", ".txt")))
+    files = [root] if root.is_file() else sorted(p for p in root.rglob("*") if p.is_file()
+                                                 and p.name.endswith((".rst.txt", ".rst", ".txt")))
     docs = []
     for f in files:
         title, body = rst_to_text(f.read_text(encoding="utf-8", errors="replace"))
@@ -178,7 +180,8 @@ def ensure_kb(out: Path, kb_docs: list[Document], *, encoder: str, words_per_pas
     from rag.knowledge.knowledge_base import KnowledgeBase
 
     passages = list(split_passages(kb_docs, words_per_passage))
-    key = hashlib.sha256(json.dumps([encoder, words_per_passage, [(p.id, p.title, p.text) for p in passages]]).encode()).hexdigest()
+    key = hashlib.sha256(json.dumps([encoder, words_per_passage,
+                                     [(p.id, p.title, p.text) for p in passages]]).encode()).hexdigest()
     path, stamp = out / "kb", out / "kb_key.txt"
     t0 = time.process_time()
     if path.is_dir() and stamp.is_file() and stamp.read_text() == key:
@@ -357,11 +360,14 @@ def markdown(results: dict) -> str:
     runs = results["runs"]
     by = {r["name"]: r for r in runs}
     s = results["settings"]
-    lines = [f"Evaluation: {s['n_eval']} held-out documents x {s['text_tokens']} tokens = {runs[0]['tokens'] if runs else 0} tokens; "
+    lines = [f"Evaluation: {s['n_eval']} held-out documents x {s['text_tokens']} tokens = "
+             f"{runs[0]['tokens'] if runs else 0} tokens; "
              f"window {s['max_length']} tokens, documents cut to {s['doc_max_length']}.", ""]
 
     def table(title: str, rows: list[dict]) -> None:
-        lines.extend([f"**{title}**", "", "| setting | perplexity | bits/byte | 4-gram in doc | 8-gram in doc | ppl, new 4-grams (none → this) | CPU s |",
+        lines.extend([f"**{title}**", "",
+                      "| setting | perplexity | bits/byte | 4-gram in doc | 8-gram in doc | ppl, new 4-grams (none → "
+                      "this) | CPU s |",
                       "|---|---:|---:|---:|---:|---:|---:|"])
         for r in rows:
             ov = r.get("overlap") or {}
@@ -369,11 +375,13 @@ def markdown(results: dict) -> str:
             o8 = f"{100 * ov['8gram']:.1f}%" if ov else ""
             new = (f"{fmt(r['novel_4gram_perplexity_no_retrieval'])} → {fmt(r['novel_4gram_perplexity'])}"
                    if r.get("novel_4gram_perplexity") and r.get("novel_4gram_perplexity_no_retrieval") else "")
-            lines.append(f"| {r['name']} | {fmt(r['perplexity'])} | {r['bits_per_byte']:.3f} | {o4} | {o8} | {new} | {r['cpu_s']:.0f} |")
+            lines.append(f"| {r['name']} | {fmt(r['perplexity'])} | {r['bits_per_byte']:.3f} | {o4} | {o8} | {new} | "
+                         f"{r['cpu_s']:.0f} |")
         lines.append("")
 
     for title, group in (("(a) Retrieval (Table 1)", "table"), ("(b) Stride, BM25, ℓ = 32 (Fig. 5)", "stride"),
-                         ("(c) Query length, BM25 (Fig. 6)", "qlen"), ("(d) Reranking BM25's top k (§6: Table 1 rows, Table 3)", "rerank")):
+                         ("(c) Query length, BM25 (Fig. 6)", "qlen"),
+                         ("(d) Reranking BM25's top k (§6: Table 1 rows, Table 3)", "rerank")):
         rows = [r for r in runs if group in r["groups"]]
         if group in ("stride", "qlen", "rerank") and "none" in by:
             rows = [by["none"]] + [r for r in rows if r["name"] != "none"]
@@ -443,7 +451,8 @@ def plot(results: dict, path: Path) -> None:
         ax = axes[-1]
         ys = list(range(len(diffs)))
         mids = [d["delta_bpb"] for _, d in diffs]
-        ax.errorbar(mids, ys, xerr=[[m - d["low"] for m, (_, d) in zip(mids, diffs)], [d["high"] - m for m, (_, d) in zip(mids, diffs)]],
+        ax.errorbar(mids, ys,
+                    xerr=[[m - d["low"] for m, (_, d) in zip(mids, diffs)], [d["high"] - m for m, (_, d) in zip(mids, diffs)]],
                     fmt="o", capsize=3)
         ax.axvline(0, color="gray", ls="--")
         ax.set_yticks(ys, [f"{short(a)} → {short(b)}" for (a, b), _ in diffs], fontsize=7)
@@ -461,9 +470,11 @@ def plot(results: dict, path: Path) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default=None, help=f"folder of .rst.txt/.rst/.txt documents (default: {DEFAULT_CORPUS_GLOB}, from python3-doc)")
+    p.add_argument("--corpus", default=None,
+                   help=f"folder of .rst.txt/.rst/.txt documents (default: {DEFAULT_CORPUS_GLOB}, from python3-doc)")
     p.add_argument("--model", default="smollm2", help="causal LM (default: the demo LM; `python -m rag lm prepare` first)")
-    p.add_argument("--small-lm", default=None, help="a smaller causal LM for zero-shot reranking (paper: GPT-2 110M); default none")
+    p.add_argument("--small-lm", default=None,
+                   help="a smaller causal LM for zero-shot reranking (paper: GPT-2 110M); default none")
     p.add_argument("--encoder", default="minilm", help="dense encoder of the knowledge base")
     p.add_argument("--out", default="runs/ralm_demo", help="work folder (corpus JSONL, knowledge base, reranker)")
     p.add_argument("--results", default="benchmarks/results/ralm_demo.json")
@@ -493,7 +504,8 @@ def parse_args(argv=None):
     p.add_argument("--skip", default="", help="comma-separated parts to skip: dense,stride,qlen,rerank,train")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where the LM runs (evaluation, zero-shot reranking, collecting the reranker's examples) and the reranker trains")
+                   help="where the LM runs (evaluation, zero-shot reranking, collecting the reranker's examples) and the "
+                        "reranker trains")
     p.add_argument("--prepare-only", action="store_true", help="write the corpus split and the knowledge base into --out, then "
                    "stop (prepare on one machine, measure on another with the same options and --corpus)")
     p.add_argument("--report", action="store_true", help="only rewrite the table and the plot from --results (no runs)")
@@ -527,7 +539,8 @@ def main(argv=None) -> dict:
         report(results, results_path, args.plot)
         return results
     if args.device == "cuda" and not args.prepare_only and not torch.cuda.is_available():
-        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or --prepare-only "
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or "
+                          f"--prepare-only "
                           "here and the measurement on the GPU machine")
     out.mkdir(parents=True, exist_ok=True)
     results_path.parent.mkdir(parents=True, exist_ok=True)
@@ -535,21 +548,26 @@ def main(argv=None) -> dict:
     root = find_corpus(args.corpus)
     model, tok, _ = load_generator(args.model, kind="causal")
     docs = read_rst_documents(root)
-    evals, kb_docs, train = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train, text_tokens=args.text_tokens, seed=args.seed)
+    evals, kb_docs, train = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train, text_tokens=args.text_tokens,
+                                         seed=args.seed)
     write_jsonl(out / "eval.jsonl", evals)
     write_jsonl(out / "train.jsonl", train)
     kb_path, passages, kb_cpu = ensure_kb(out, kb_docs, encoder=args.encoder, words_per_passage=args.words_per_passage)
     if args.prepare_only:
-        print(f"prepared {out}: {len(evals)} evaluation texts, {len(train)} training texts, {len(passages)} passages in {kb_path}",
+        print(f"prepared {out}: {len(evals)} evaluation texts, {len(train)} training texts, {len(passages)} "
+              f"passages in {kb_path}",
               flush=True)
         return {}
     model.to(args.device)
     settings = {k: v for k, v in vars(args).items()}
-    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads(),
+    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
+                    torch_threads=torch.get_num_threads(),
                     device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     results = {"settings": settings,
-               "corpus": {"source": SOURCE if args.corpus is None else str(root), "licence": LICENCE if args.corpus is None else None,
-                          "apt_packages": list(APT_PACKAGES), "path": str(root), "documents": len(docs), "kb_documents": len(kb_docs),
+               "corpus": {"source": SOURCE if args.corpus is None else str(root), "licence": LICENCE if args.corpus is None
+                          else None,
+                          "apt_packages": list(APT_PACKAGES), "path": str(root), "documents": len(docs),
+                          "kb_documents": len(kb_docs),
                           "kb_passages": len(passages), "kb_build_cpu_s": round(kb_cpu, 1),
                           "held_out": [{"id": t.id, "title": t.title} for t in evals]},
                "runs": []}
@@ -576,7 +594,8 @@ def main(argv=None) -> dict:
         if args.small_lm:
             sm, st, _ = load_generator(args.small_lm, kind="causal")
             sm.to(args.device)
-            scorer = CausalScorer(sm, st, max_length=min(args.max_length, 1024), doc_max_length=args.doc_max_length, batch_size=args.batch_size)
+            scorer = CausalScorer(sm, st, max_length=min(args.max_length, 1024), doc_max_length=args.doc_max_length,
+                                  batch_size=args.batch_size)
             runner.run(f"BM25 s={rs} ℓ=32, zero-shot rerank top-{k} ({args.small_lm})", "rerank", bm25, "bm25", stride=rs,
                        reranker=LMReranker(scorer, rerank_tokens=args.rerank_tokens), rerank="zero-shot-small", k=k)
         if "train" not in skip:

@@ -7,9 +7,9 @@ passages, MiniLM dense index + BM25. ``--n-eval`` documents are held out entirel
 (x = ``--lsr-query-tokens`` tokens, y = the next ``--lsr-target-tokens``); the knowledge base holds every other document,
 and the leakage guard (``exclude_own``) stays on.
 
-Measurements, bits per byte and perplexity through :class:`rag.models.ralm.model.InContextRALM` (REPLUG: ``RalmConfig(ensemble=K)``,
-every ``--stride`` tokens the last 32 tokens query the retriever, the K documents are read separately and the K
-next-token distributions mixed with λ = softmax(score / temperature)):
+Measurements, bits per byte and perplexity through :class:`rag.models.ralm.model.InContextRALM` (REPLUG:
+``RalmConfig(ensemble=K)``, every ``--stride`` tokens the last 32 tokens query the retriever, the K documents are read separately
+and the K next-token distributions mixed with λ = softmax(score / temperature)):
 (a) no retrieval; REPLUG with dense (MiniLM) and BM25 retrieval for K in ``--ks`` (Table 1, Fig. 4);
 (b) REPLUG LSR: the query encoder trained with ``rag fit --config lightning_configs/replug_lsr_smollm2.yaml`` from the frozen
     LM's signal (§4), then REPLUG with the trained query encoder for the same K;
@@ -90,7 +90,8 @@ def split_corpus(docs, tokenizer, *, n_eval: int, n_train: int, text_tokens: int
             train.append(docs[i])
         held.add(i)
     if len(evals) < n_eval or len(train) < n_train:
-        raise CorpusError(f"only {len(evals) + len(train)} documents have {text_tokens} tokens; lower --n-eval / --n-train or --text-tokens")
+        raise CorpusError(f"only {len(evals) + len(train)} documents have {text_tokens} tokens; lower --n-eval / --n-train "
+                          f"or --text-tokens")
     return evals, train, [d for i, d in enumerate(docs) if i not in held]
 
 
@@ -133,7 +134,8 @@ class Runner:
             return cached
         # window_step: the no-retrieval baseline scores the same chunks of `stride` tokens as the retrieval runs
         cfg = RalmConfig(stride=a.stride, query_length=a.query_length, max_length=a.max_length, doc_max_length=a.doc_max_length,
-                         batch_size=a.batch_size, seed=a.seed, window_step=a.stride, **replug_settings(k, temperature, random_docs))
+                         batch_size=a.batch_size, seed=a.seed, window_step=a.stride,
+                         **replug_settings(k, temperature, random_docs))
         ralm = InContextRALM(self.model, self.tokenizer, retriever, cfg)
         c0, w0 = time.process_time(), time.perf_counter()
         scores = list(ralm.score_texts(self.texts, progress=True))
@@ -259,7 +261,8 @@ def elements_qa(model, tokenizer, args, out: Path) -> dict:
         f1 = sum(token_f1(p, r["answers"]) for p, r in zip(preds, qa)) / len(qa)
         res["runs"].append({"k": k, "name": "top-1 only" if k == 1 else f"REPLUG k={k}", "em": em, "f1": f1,
                             "cpu_s": round(time.process_time() - c0, 1),
-                            "examples": [{"question": r["question"], "gold": r["answers"], "prediction": p} for p, r in list(zip(preds, qa))[:5]]})
+                            "examples": [{"question": r["question"], "gold": r["answers"], "prediction": p}
+                                         for p, r in list(zip(preds, qa))[:5]]})
         print(f"Elements QA k={k}: EM {em:.3f}  F1 {f1:.3f}", flush=True)
     return res
 
@@ -273,7 +276,8 @@ def markdown(results: dict) -> str:
     none = next((r for r in runs if r["method"] == "none"), None)
     methods = [m for m in ("REPLUG dense", "REPLUG LSR", "REPLUG BM25", "random docs") if any(r["method"] == m for r in runs)]
     ks = sorted({r["k"] for r in runs if r["k"] is not None})
-    lines = [f"Evaluation: {s['n_eval']} held-out documents x {s['text_tokens']} tokens = {none['tokens'] if none else '?'} tokens; "
+    lines = [f"Evaluation: {s['n_eval']} held-out documents x {s['text_tokens']} tokens = "
+             f"{none['tokens'] if none else '?'} tokens; "
              f"stride {s['stride']}, query {s['query_length']} tokens, window {s['max_length']}, passages cut to "
              f"{s['doc_max_length']} tokens.", "",
              "**Bits per byte (perplexity) of held-out text vs k**", "",
@@ -301,12 +305,14 @@ def markdown(results: dict) -> str:
         lines.append(f"REPLUG LSR training ({tr.get('steps', '?')} steps, {tr['cpu_s']:.0f} CPU s; held-out pairs, {when} → "
                      f"after): val/loss "
                      f"{v0.get('val/loss', math.nan):.3f} → {v1.get('val/loss', math.nan):.3f}, val/top1_agreement "
-                     f"{v0.get('val/top1_agreement', math.nan):.2f} → {v1.get('val/top1_agreement', math.nan):.2f}, val/replug_loglik "
+                     f"{v0.get('val/top1_agreement', math.nan):.2f} → {v1.get('val/top1_agreement', math.nan):.2f}, "
+                     f"val/replug_loglik "
                      f"{v0.get('val/replug_loglik', math.nan):.2f} → {v1.get('val/replug_loglik', math.nan):.2f} nats.")
         lines.append("")
     qa = results.get("elements_qa")
     if qa:
-        lines += [f"**Elements QA, {qa['questions']} test questions, reader: {qa['reader']}**", "", "| setting | EM | F1 | CPU s |",
+        lines += [f"**Elements QA, {qa['questions']} test questions, reader: {qa['reader']}**", "",
+                  "| setting | EM | F1 | CPU s |",
                   "|---|---:|---:|---:|"]
         lines += [f"| {r['name']} | {r['em']:.3f} | {r['f1']:.3f} | {r['cpu_s']:.0f} |" for r in qa["runs"]]
     return "\n".join(lines) + "\n"
@@ -351,7 +357,8 @@ def report(results: dict, results_path: Path, plot_path: Optional[str]) -> None:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--corpus", default=None, help="folder of .rst.txt/.rst/.txt documents (default: the python3-doc library reference)")
+    p.add_argument("--corpus", default=None,
+                   help="folder of .rst.txt/.rst/.txt documents (default: the python3-doc library reference)")
     p.add_argument("--model", default="smollm2", help="causal LM (default: the demo LM; `python -m rag lm prepare` first)")
     p.add_argument("--encoder", default="minilm", help="dense encoder of the knowledge bases")
     p.add_argument("--out", default="runs/replug_demo")
@@ -377,7 +384,8 @@ def parse_args(argv=None):
     p.add_argument("--lsr-k", type=int, default=8, help="documents per training input (paper: 20)")
     p.add_argument("--lsr-epochs", type=int, default=3)
     p.add_argument("--lsr-lr", type=float, default=None, help="query-encoder learning rate (default: the config's)")
-    p.add_argument("--lsr-beta", type=float, default=None, help="β of Q_LM = softmax(log P_LM(y | d, x) / β) (default: the config's, "
+    p.add_argument("--lsr-beta", type=float, default=None,
+                   help="β of Q_LM = softmax(log P_LM(y | d, x) / β) (default: the config's, "
                    "the paper's 0.1)")
     p.add_argument("--lsr-seed", type=int, default=None, help="seed_everything of the LSR training (default: the config's, 1234)")
     p.add_argument("--lsr-lm-batch-size", type=int, default=None, help="(document, input) pairs per LM call in LSR training")
@@ -390,7 +398,8 @@ def parse_args(argv=None):
     p.add_argument("--qa-new-tokens", type=int, default=8)
     p.add_argument("--skip", default="", help="comma-separated parts to skip: bm25,lsr,random,qa")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="where the LM runs: cpu or cuda (LSR training then runs on the GPU too)")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the LM runs: cpu or cuda (LSR training then runs on the GPU too)")
     p.add_argument("--prepare-only", action="store_true", help="write the corpus split, the LSR pairs and the knowledge base "
                    "into --out, then stop (prepare on one machine, measure on another with the same options)")
     p.add_argument("--report", action="store_true", help="only rewrite the table and the plot from --results (no runs)")
@@ -415,7 +424,8 @@ def main(argv=None) -> dict:
         return results
     ks = [int(x) for x in args.ks.split(",")]
     if args.device == "cuda" and not args.prepare_only and not torch.cuda.is_available():
-        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or --prepare-only "
+        raise ConfigError(f"--device cuda: torch {torch.__version__} sees no CUDA device here; use --device cpu, or "
+                          f"--prepare-only "
                           "here and the measurement on the GPU machine")
     out.mkdir(parents=True, exist_ok=True)
     results_path.parent.mkdir(parents=True, exist_ok=True)
@@ -424,7 +434,8 @@ def main(argv=None) -> dict:
     model, tok, _ = load_generator(args.model, kind="causal")
     model.eval()
     docs = rd.read_rst_documents(root)
-    evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + args.n_val, text_tokens=args.text_tokens,
+    evals, train_docs, kb_docs = split_corpus(docs, tok, n_eval=args.n_eval, n_train=args.n_train + args.n_val,
+                                              text_tokens=args.text_tokens,
                                               seed=args.seed)
     rd.write_jsonl(out / "eval.jsonl", evals)
     pair_kw = dict(query_tokens=args.lsr_query_tokens, target_tokens=args.lsr_target_tokens, per_doc=args.lsr_pairs_per_doc)
@@ -436,7 +447,8 @@ def main(argv=None) -> dict:
         return {}
     model.to(args.device)  # after --prepare-only: preparing needs only the tokenizer, on any machine
     settings = dict(vars(args))
-    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model, torch_threads=torch.get_num_threads(),
+    settings.update(model_name="SmolLM2-135M-Instruct" if args.model == "smollm2" else args.model,
+                    torch_threads=torch.get_num_threads(),
                     device_name=torch.cuda.get_device_name() if args.device == "cuda" else "cpu")
     results = {"settings": settings,
                "corpus": {"source": rd.SOURCE if args.corpus is None else str(root), "path": str(root), "documents": len(docs),

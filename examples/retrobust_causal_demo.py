@@ -73,7 +73,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 def make_reader(lm: str, kb, args, selfask: bool) -> CausalReaderModule:
     module = CausalReaderModule(lm=lm, knowledge_base=str(kb.path), doc_max_length=args.doc_max_length,
-                                optimizer={"lr": args.lr, "warmup_ratio": 0.1}, selfask="demo" if selfask else None, selfask_batch=args.selfask_batch,
+                                optimizer={"lr": args.lr, "warmup_ratio": 0.1}, selfask="demo" if selfask else None,
+                                selfask_batch=args.selfask_batch,
                                 max_new_tokens=args.max_new_tokens, seed=args.seed)
     module.configure_model()
     return module

@@ -133,7 +133,8 @@ def train_reader(name: str, kb, args) -> tuple[object, dict]:
                 losses.append(float(loss.detach()))
     model.eval()
     kinds = data.train_pairs.context_kinds
-    record = {"steps": steps, "cpu_seconds": round(time.process_time() - t0, 1), "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
+    record = {"steps": steps, "cpu_seconds": round(time.process_time() - t0, 1),
+              "final_loss": round(sum(losses[-50:]) / max(1, len(losses[-50:])), 4),
               "train_pairs": len(data.train_pairs), "selfask_examples": len(chains),
               "context_kinds": None if kinds is None else {k: kinds.count(k) for k in ("top1", "low", "random")}}
     logger.info("%s: %s", name, record)
@@ -173,7 +174,8 @@ def read(model, questions: Sequence[str], passages=None, bs: int = 50, raw: bool
     (:class:`~rag.training.causal_reader.CausalReaderModule`) formats the questions with its prompt unless `raw`."""
     if hasattr(model, "answer"):
         return [a for i in range(0, len(questions), bs)
-                for a in model.answer(list(questions[i:i + bs]), None if passages is None else passages[i:i + bs], raw_prompts=raw)]
+                for a in model.answer(list(questions[i:i + bs]), None if passages is None else passages[i:i + bs],
+                                      raw_prompts=raw)]
     fmt, gcfg, out = model.context_format, GenerationConfig(num_beams=1, max_new_tokens=16), []
     for i in range(0, len(questions), bs):
         qs = list(questions[i:i + bs])
@@ -217,7 +219,8 @@ def evaluate_contexts(readers: dict, kb, scorer: NLIScorer, args) -> dict:
                 "retrobust": em(robust[sl], golds), "retrobust+nli": em(robust_backoff[sl], golds),
                 "nli_kept_retrieval": round(100 * sum(p >= args.threshold for p in probs[sl]) / len(examples), 1),
                 "context_has_answer": round(100 * sum(has_answer) / len(examples), 1), "n": len(examples),
-                "samples": [{"question": q, "gold": list(g), "context": p.title, "no_retrieval": c, "retrieval": a, "nli": round(pr_, 3),
+                "samples": [{"question": q, "gold": list(g), "context": p.title, "no_retrieval": c, "retrieval": a,
+                             "nli": round(pr_, 3),
                              "retrobust": r} for q, g, p, c, a, pr_, r in
                             list(zip(questions[sl], golds, passages[sl], closed[sl], plain[sl], probs[sl], robust[sl]))[:4]],
             }
@@ -257,7 +260,8 @@ def evaluate_selfask(readers: dict, kb, scorer: NLIScorer, args) -> dict:
         pairs = step_hypotheses(res)
         probs = scorer.entailment_probs([p for p, _ in pairs], [h for _, h in pairs]).tolist() if pairs else []
         entailed.append(bool(pairs) and all(p >= args.threshold for p in probs))
-    nli_answers = [a.answer if ok else b.answer for a, b, ok in zip(results["with_retrieval"], results["without_retrieval"], entailed)]
+    nli_answers = [a.answer if ok else b.answer
+                   for a, b, ok in zip(results["with_retrieval"], results["without_retrieval"], entailed)]
     gold_steps = [[f["question"] for f in r["follow_ups"]] for r in records]
     out = {"n": len(records), "with_retrieval+nli": {"em": em([a or "" for a in nli_answers], golds),
                                                      "chains_all_steps_entailed": round(100 * sum(entailed) / len(records), 1)}}

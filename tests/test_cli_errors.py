@@ -44,7 +44,8 @@ def corpus(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def kb(tmp_path_factory, corpus, tiny_bert_dir) -> Path:
     out = tmp_path_factory.mktemp("kb") / "kb"
-    assert main(["index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir, "--out", str(out), "--index", "flat", "--quiet"]) == 0
+    assert main(["index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir, "--out", str(out), "--index", "flat",
+                 "--quiet"]) == 0
     return out
 
 
@@ -61,13 +62,15 @@ def kb(tmp_path_factory, corpus, tiny_bert_dir) -> Path:
 ])
 def test_build_options_are_checked_before_the_corpus_and_encoder(tmp_path, capsys, extra, expected):
     # The corpus and encoder do not exist: an error about them would mean the option was checked too late.
-    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", str(tmp_path / "no-encoder"),
+    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder",
+                       str(tmp_path / "no-encoder"),
                        "--out", str(tmp_path / "kb"), "--quiet", *extra)
     assert code == 2 and expected in one_line_error(err)
 
 
 def test_existing_out_is_refused_before_encoding(tmp_path, capsys, kb):
-    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", str(tmp_path / "no-encoder"),
+    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder",
+                       str(tmp_path / "no-encoder"),
                        "--out", str(kb), "--quiet")
     assert code == 2 and "already exists" in one_line_error(err) and "--overwrite" in err
 
@@ -75,7 +78,8 @@ def test_existing_out_is_refused_before_encoding(tmp_path, capsys, kb):
 def test_unwritable_out_is_refused_before_encoding(tmp_path, capsys):
     f = tmp_path / "a-file"
     f.write_text("x")
-    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", "x", "--out", str(f / "kb"))
+    code, _, err = run(capsys, "index", "build", "--corpus", str(tmp_path / "no-corpus.jsonl"), "--encoder", "x", "--out",
+                       str(f / "kb"))
     assert code == 2 and "no directory can be created" in one_line_error(err)
 
 
@@ -94,7 +98,8 @@ def test_unwritable_out_is_refused_before_encoding(tmp_path, capsys):
     (["generate", "--model", "{missing}", "q", "--heatmap-dir", "{file}"], "--heatmap-dir"),
     (["generate", "--model", "{missing}", "q", "--nli-threshold", "1.5", "--nli", "{missing}"], "--nli-threshold"),
     (["serve", "--model", "{missing}", "--nli-threshold", "-0.5", "--nli", "{missing}"], "--nli-threshold"),
-    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--nli-threshold", "2", "--nli"], "--nli-threshold"),
+    (["hotswap-eval", "--model", "{missing}", "--kb", "{missing}", "--data", "{file}", "--nli-threshold", "2", "--nli"],
+     "--nli-threshold"),
 ])
 def test_options_are_checked_before_anything_is_loaded(tmp_path, capsys, argv, expected):
     missing = str(tmp_path / "missing")
@@ -159,7 +164,8 @@ def test_query_encoder_of_another_identity_is_refused_unless_allowed(tmp_path, c
     code, _, err = run(capsys, "index", "search", str(kb), "element", "-k", "1", "--query-encoder", str(other))
     assert code == 2 and "is not the query encoder this knowledge base was built for" in one_line_error(err)
     assert "--allow-encoder-change" in err
-    code, out, _ = run(capsys, "index", "search", str(kb), "element", "-k", "1", "--query-encoder", str(other), "--allow-encoder-change", "--json")
+    code, out, _ = run(capsys, "index", "search", str(kb), "element", "-k", "1", "--query-encoder", str(other),
+                       "--allow-encoder-change", "--json")
     assert code == 0 and len(json.loads(out)["passages"]) == 1
     copy = tmp_path / "copy"
     shutil.copytree(tiny_bert_dir, copy)  # the same encoder at another path: same identity, accepted
@@ -249,7 +255,8 @@ def test_exception_classes_become_messages(tmp_path):
     assert code == 2 and "not valid utf-8" in msg and "iconv" in msg
     msg, code = describe_error(OSError(28, "No space left on device"))
     assert code == 2 and "disk is full" in msg
-    msg, code = describe_error(FileExistsError(f"{tmp_path} exists and is not empty; choose another directory or pass overwrite=True"))
+    msg, code = describe_error(FileExistsError(f"{tmp_path} exists and is not empty; choose another directory or pass "
+                                               f"overwrite=True"))
     assert code == 2 and msg.startswith(f"{tmp_path} exists and is not empty")
     msg, code = describe_error(TypeError("unsupported operand"))  # a bug, not the user's input
     assert code == 1 and "TypeError" in msg and "-v" in msg
@@ -263,12 +270,15 @@ def _env() -> dict:
 def test_process_output_is_one_line_and_quiet_is_quiet(tmp_path, corpus, tiny_bert_dir):
     """As a process: --quiet prints no progress bar and no DEBUG line (bm25s sets its own logger to DEBUG on import)."""
     out = tmp_path / "kb"
-    r = subprocess.run([sys.executable, "-m", "rag", "index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir, "--out", str(out),
+    r = subprocess.run([sys.executable, "-m", "rag", "index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir,
+                        "--out", str(out),
                         "--index", "flat", "--bm25", "--quiet"], capture_output=True, text=True, cwd=REPO, env=_env())
     assert r.returncode == 0 and r.stderr == "" and r.stdout.startswith("built ")
-    r = subprocess.run([sys.executable, "-m", "rag", "index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir, "--out", str(corpus),
+    r = subprocess.run([sys.executable, "-m", "rag", "index", "build", "--corpus", str(corpus), "--encoder", tiny_bert_dir,
+                        "--out", str(corpus),
                         "--overwrite"], capture_output=True, text=True, cwd=REPO, env=_env())
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "destroy the input" in r.stderr and corpus.read_text().startswith('{"id": "d0"')
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "destroy the input" in r.stderr
+    assert corpus.read_text().startswith('{"id": "d0"')
 
 
 def test_no_queries_at_all_is_an_error_before_loading(tmp_path, capsys, monkeypatch):
@@ -286,7 +296,8 @@ def test_a_file_given_as_a_knowledge_base(tmp_path, capsys, corpus):
     assert code == 2 and "is a file, not a knowledge-base directory" in one_line_error(err)
 
 
-def test_build_refuses_a_query_encoder_of_another_dimension_before_reading_the_corpus(tmp_path, capsys, tiny_bert_dir, wordpiece_tokenizer):
+def test_build_refuses_a_query_encoder_of_another_dimension_before_reading_the_corpus(tmp_path, capsys, tiny_bert_dir,
+                                                                                      wordpiece_tokenizer):
     from rag.generators.tiny import save, tiny_bert
 
     wide = save(tiny_bert(wordpiece_tokenizer, d_model=48), wordpiece_tokenizer, tmp_path / "wide")

@@ -73,7 +73,8 @@ def test_without_cudnn_attention_turns_cudnn_attention_off_inside_and_restores_i
 
 
 def test_passage_encoding_runs_attention_without_cudnn(monkeypatch, tiny_dpr_context_dir):
-    """The shape-dependent cuDNN attention plans cost 10x on GPUs in half precision (rag.utils.devices.without_cudnn_attention)."""
+    """The shape-dependent cuDNN attention plans cost 10x on GPUs in half precision
+    (rag.utils.devices.without_cudnn_attention)."""
     from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.passages import Passage
 

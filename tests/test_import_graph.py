@@ -105,9 +105,11 @@ def test_graph_sees_the_package():
     graph = import_graph()
     assert "rag.knowledge.types" in graph["rag.knowledge.retriever"]
     assert "rag.knowledge.passages" in graph["rag.knowledge.types"]
-    assert "rag.models.rag.model" not in graph["rag.models.rag.hf_compat"]  # imported inside a function
-    assert "rag.models.rag.model" in import_graph(lazy=True)["rag.models.rag.hf_compat"]
     assert "rag.models.rag.model" not in import_graph(lazy=True)["rag.models.rag.checkpoint"]  # TYPE_CHECKING only
+    snippet = ast.parse("import rag.utils.io\ndef f():\n    from rag.knowledge import types\n")
+    modules = {"rag.utils.io", "rag.knowledge", "rag.knowledge.types"}
+    assert _imports(snippet, "rag.x", False, modules, lazy=False) == {"rag.utils.io"}
+    assert _imports(snippet, "rag.x", False, modules, lazy=True) == modules  # imported inside a function
 
 
 def test_module_level_imports_have_no_cycle():
@@ -151,3 +153,48 @@ def test_at_most_one_module_over_600_lines():
     long = sorted(str(p.relative_to(ROOT.parent)) for p in ROOT.rglob("*.py")
                   if len(p.read_text(encoding="utf-8").splitlines()) > 600)
     assert len(long) <= 1, f"modules over 600 lines (split them by concern): {long}"
+
+
+MAX_FUNCTION_LEVEL_IMPORTS = 60
+"""Imports of the package inside functions and classes (``if TYPE_CHECKING`` blocks aside) allowed at most: a file's
+header says what it uses. An optional heavy third-party dependency may still be imported where it is used."""
+
+
+def function_level_imports(tree: ast.Module) -> list[ast.stmt]:
+    """The imports of ``rag.*`` (or relative ones) nested in a function or class body of `tree`, except under
+    ``if TYPE_CHECKING``."""
+    found: list[ast.stmt] = []
+
+    def of_the_package(node) -> bool:
+        if isinstance(node, ast.ImportFrom):
+            return node.level > 0 or (node.module or "").split(".")[0] == "rag"
+        return any(a.name.split(".")[0] == "rag" for a in node.names)
+
+    def visit(node, inside: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                visit(ast.Module(body=child.orelse, type_ignores=[]), inside)
+                continue
+            if inside and isinstance(child, (ast.Import, ast.ImportFrom)) and of_the_package(child):
+                found.append(child)
+            visit(child, inside or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+
+    visit(tree, False)
+    return found
+
+
+def test_the_counter_sees_imports_inside_functions_and_classes_only():
+    snippet = ast.parse(
+        "import rag.utils.io\nfrom typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from rag.knowledge import types\n"
+        "def f():\n    import json\n    from rag.knowledge.types import Retrieved\n    if True:\n        import rag.utils.files\n"
+        "class C:\n    from . import sibling\n    def g(self):\n        if TYPE_CHECKING:\n            from rag import x\n")
+    assert [ast.unparse(n) for n in function_level_imports(snippet)] == [
+        "from rag.knowledge.types import Retrieved", "import rag.utils.files", "from . import sibling"]
+
+
+def test_few_imports_of_the_package_inside_functions():
+    found = [f"{p.relative_to(ROOT.parent)}:{n.lineno}: {ast.unparse(n)}" for p in sorted(ROOT.rglob("*.py"))
+             for n in function_level_imports(ast.parse(p.read_text(encoding="utf-8")))]
+    assert len(found) <= MAX_FUNCTION_LEVEL_IMPORTS, (
+        f"{len(found)} imports of rag.* inside functions (at most {MAX_FUNCTION_LEVEL_IMPORTS}): move them to the top of "
+        "their file; where that closes a cycle, move the imported thing down a layer:\n" + "\n".join(found))

@@ -123,7 +123,8 @@ def test_generation_without_retrieval_is_the_generator_alone_and_retrieves_nothi
     assert [a.token_ids for a in answers] == [a.token_ids for a in bare]
     assert all(a.passages == [] and a.answered_with == "no_retrieval" for a in answers)
     for q, a in zip(QUESTIONS, answers):
-        ref = gen.generate(**tok([q], return_tensors="pt"), max_new_tokens=6, min_new_tokens=6, num_beams=num_beams, do_sample=False,
+        ref = gen.generate(**tok([q], return_tensors="pt"), max_new_tokens=6, min_new_tokens=6, num_beams=num_beams,
+                           do_sample=False,
                            no_repeat_ngram_size=DEFAULT_NO_REPEAT_NGRAM)
         assert a.token_ids == ref[0].tolist()[:len(a.token_ids)]
     monkeypatch.undo()
@@ -148,17 +149,19 @@ def test_generation_without_retrieval_refuses_retrieval_options(rag_pipe, ralm_p
 
 def test_both_generations_are_one_batch(rag_pipe, ralm_pipe, nli_dirs, monkeypatch):
     import rag.generators.seq2seq as answer_mod  # where a seq2seq generator encodes its contexts
-    import rag.models.ralm.generate as ralm_mod
+    import rag.pipeline.readers as ralm_mod  # where the In-Context RALM reader looks ralm_generate up
 
     calls = []
     real_encode = answer_mod.encode_contexts
-    monkeypatch.setattr(answer_mod, "encode_contexts", lambda g, ids, mask: calls.append(ids.shape[0]) or real_encode(g, ids, mask))
+    monkeypatch.setattr(answer_mod, "encode_contexts", lambda g, ids, mask: calls.append(ids.shape[0])
+                        or real_encode(g, ids, mask))
     rag_pipe.generate(QUESTIONS, nli=nli_dirs["no"], **GEN)
     assert calls == [2 * len(QUESTIONS) * 3]  # one encoder batch: B questions x K passages, with and without retrieval
 
     prompts = []
     real_generate = ralm_mod.ralm_generate
-    monkeypatch.setattr(ralm_mod, "ralm_generate", lambda ralm, p, config, **kw: prompts.append(list(p)) or real_generate(ralm, p, config, **kw))
+    monkeypatch.setattr(ralm_mod, "ralm_generate", lambda ralm, p, config, **kw: prompts.append(list(p))
+                        or real_generate(ralm, p, config, **kw))
     ralm_pipe.generate(PROMPTS, nli=nli_dirs["no"], **GEN)
     assert prompts == [PROMPTS + PROMPTS]
 
@@ -167,7 +170,8 @@ def test_ralm_backoff(ralm_pipe, nli_dirs):
     plain = ralm_pipe.generate(PROMPTS, **GEN)
     kept = ralm_pipe.generate(PROMPTS, nli=nli_dirs["yes"], **GEN)
     assert [a.answered_with for a in kept] == ["retrieval"] * 2
-    assert [(a.text, [s.passage_id for s in a.segments]) for a in kept] == [(a.text, [s.passage_id for s in a.segments]) for a in plain]
+    assert [(a.text, [s.passage_id for s in a.segments]) for a in kept] == [(a.text, [s.passage_id for s in a.segments])
+                                                                            for a in plain]
     backed = ralm_pipe.generate(PROMPTS, nli=nli_dirs["no"], **GEN)
     assert [a.answered_with for a in backed] == ["no_retrieval"] * 2
     assert all(a.passages == [] and not a.segments for a in backed)
@@ -182,7 +186,8 @@ def test_ralm_backoff(ralm_pipe, nli_dirs):
 def test_multi_step_needs_every_step_entailed(wordpiece_tokenizer, tmp_path):
     from rag.generators.tiny import save, tiny_bert_classifier
 
-    scorer = NLIScorer.from_pretrained(save(tiny_bert_classifier(wordpiece_tokenizer, NLI_LABELS, seed=5), wordpiece_tokenizer, tmp_path / "m"))
+    scorer = NLIScorer.from_pretrained(save(tiny_bert_classifier(wordpiece_tokenizer, NLI_LABELS, seed=5), wordpiece_tokenizer,
+                                            tmp_path / "m"))
     steps = [("Argon. Atomic number: 18.", "what is the atomic number of argon?", "18"),
              ("Helium. Symbol: He.", "which element has the symbol He?", "Helium"),
              ("Iron. Symbol: Fe.", "who discovered iron?", "nobody"),
@@ -265,7 +270,8 @@ def test_serve_returns_the_fields(rag_pipe, nli_dirs):
     with TestClient(create_app(rag_pipe)) as client:
         r = client.post("/generate", json={"questions": QUESTIONS, "nli": True})
         assert r.status_code == 400 and "rag serve --nli" in r.json()["detail"]
-        assert client.post("/generate", json={"questions": QUESTIONS[:1], "max_new_tokens": 3}).json()["answers"][0]["answered_with"] is None
+        assert client.post("/generate",
+                           json={"questions": QUESTIONS[:1], "max_new_tokens": 3}).json()["answers"][0]["answered_with"] is None
     with pytest.raises(ConfigError, match="NLIScorer"):
         create_app(rag_pipe, nli=nli_dirs["no"])
 

@@ -150,7 +150,8 @@ def test_cut_prompts_are_counted_instead_of_warned(generator, gpt2_dir, tiny_bar
         with counting_cut_prompts() as cut:
             inputs = model.prepare_inputs(questions)
     assert cut.prompts == len(questions) * k and cut.cut == inputs.n_truncated > 0
-    assert cut.summary().startswith(f"{cut.cut} of {cut.prompts} reader prompts") and f"max_context_length={window}" in cut.summary()
+    assert cut.summary().startswith(f"{cut.cut} of {cut.prompts} "
+                                    f"reader prompts") and f"max_context_length={window}" in cut.summary()
     wide = RagModel.from_components(None, gen, kb_dir, RagModelConfig(n_docs=k, max_context_length=400))
     with counting_cut_prompts() as none_cut:
         wide.prepare_inputs(questions)
@@ -205,7 +206,8 @@ def test_a_training_run_whose_prompts_are_cut_says_so_before_the_first_step(tmp_
     up_front = [i for i, m in enumerate(lines) if "measured before training on 64 of the" in m]
     per_epoch = [i for i, m in enumerate(lines) if "contexts this epoch" in m]
     assert up_front and per_epoch and up_front[0] < per_epoch[0], lines
-    assert re.match(r"train: 128 of 128 reader prompts \(100%\) were longer than max_context_length=24 tokens", lines[up_front[0]])
+    assert re.match(r"train: 128 of 128 reader prompts \(100%\) were longer than max_context_length=24 tokens",
+                    lines[up_front[0]])
 
 
 def test_rag_hotswap_eval_reports_the_cut_prompts_of_every_cell(tmp_path, capsys, tiny_bart_dir, kb_dir):
@@ -219,7 +221,8 @@ def test_rag_hotswap_eval_reports_the_cut_prompts_of_every_cell(tmp_path, capsys
     out, err = capsys.readouterr()
     assert code == 0 and json.loads(out)["n_questions"] == [2]
     # 2 knowledge bases x 2 questions x 2 passages
-    assert re.fullmatch(r"rag hotswap-eval: [1-8] of 8 reader prompts \(\d+%\) were longer than max_context_length=24 .*\n", err), err
+    assert re.fullmatch(r"rag hotswap-eval: [1-8] of 8 reader prompts \(\d+%\) were longer than max_context_length=24 .*\n",
+                        err), err
 
 
 def test_measuring_the_cut_prompts_before_training_leaves_the_random_state_alone(caplog, tiny_bart_dir, tiny_dpr_question_dir,

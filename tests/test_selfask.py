@@ -57,7 +57,8 @@ def test_parse_malformed_chains(text, steps, final, malformed):
 
 
 def test_next_action():
-    assert next_action(" Follow up: what is the symbol of oxygen?\nIntermediate answer: O") == ("follow_up", "what is the symbol of oxygen?")
+    assert next_action(" Follow up: what is the symbol of oxygen?\nIntermediate answer: O") == ("follow_up",
+                                                                                                "what is the symbol of oxygen?")
     assert next_action("So the final answer is: O\n") == ("final", "O")
     assert next_action("Intermediate answer: O") == ("malformed", "intermediate: O")
     assert next_action("the answer is O") == ("malformed", "the answer is O")

@@ -356,7 +356,8 @@ def test_size_verified_knowledge_base_is_reported_unverified(layout):
     ],
 )
 def test_malformed_requests_get_4xx_and_server_survives(client, endpoint, content, status):
-    kw = {"json": content} if not isinstance(content, bytes) else {"content": content, "headers": {"content-type": "application/json"}}
+    kw = {"json": content} if not isinstance(content, bytes) else {"content": content,
+                                                                   "headers": {"content-type": "application/json"}}
     if endpoint.startswith("/admin"):
         kw.setdefault("headers", {}).update(AUTH)
     r = client.post(endpoint, **kw)

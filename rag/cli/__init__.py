@@ -25,15 +25,34 @@ import traceback
 import warnings
 from typing import Optional, Sequence
 
+import rag
 from rag.utils.errors import RagError
 from rag.utils.quiet import one_line_warnings, quiet_libraries
 from rag.utils.truncation import counting_cut_prompts
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
-# subcommand -> module with add_parser(subparsers); each parser sets `func`.
-COMMANDS = {"demo": "rag.cli.demo", "export": "rag.cli.export", "generate": "rag.cli.generate", "index": "rag.cli.index", "serve": "rag.cli.serve",
-            "hotswap-eval": "rag.cli.hotswap_eval", "lm": "rag.cli.lm", "lm-eval": "rag.cli.lm_eval", "nli": "rag.cli.nli",
-            "evaluate": "rag.cli.evaluate"}
+# subcommand -> (module with add_parser(subparsers), the one-line help its parser gives); each parser sets `func`.
+COMMANDS = {
+    "demo": ("rag.cli.demo", "answer questions with the bundled demo model and knowledge base (offline)"),
+    "export": ("rag.cli.export", "write the model of a `rag fit` checkpoint (.ckpt) as a model directory"),
+    "generate": ("rag.cli.generate", "answer questions (arguments, --file, or one per line on stdin) with a RAG model, or "
+                                     "continue prompts with a causal LM (In-Context RALM)"),
+    "index": ("rag.cli.index", "build, inspect and query knowledge bases"),
+    "serve": ("rag.cli.serve", "serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)"),
+    "hotswap-eval": ("rag.cli.hotswap_eval",
+                     "score one model on every question set with every knowledge base (matched vs mismatched EM)"),
+    "lm": ("rag.cli.lm", "the demo causal LM (SmolLM2-135M-Instruct): prepare it"),
+    "lm-eval": ("rag.cli.lm_eval",
+                "perplexity (token, word, bits per byte) of texts under a causal LM, with In-Context RALM"),
+    "nli": ("rag.cli.nli", "the NLI model of the RetRobust back-off: prepare it"),
+    "evaluate": ("rag.cli.evaluate",
+                 "score a model (or a knowledge base's retriever alone) on an evaluation set; --compare two runs"),
+}
+"""A command's module imports at its top what the command runs (torch, transformers, the server); :func:`build_parser`
+imports only the module of the command being run, so ``rag --help`` imports none of them."""
+
+_EXTRAS = {"fastapi": "serve", "uvicorn": "serve", "httpx": "remote-lm", "ray": "ray", "gguf": "lm"}
+"""The optional dependencies of setup.cfg's extras, by the module a command's import misses."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -45,9 +64,9 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import rag
-
+def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
+    """The `rag` parser. `command` None: every command's full parser; otherwise only that command's, the others listed
+    by name and help (`""`: none, for ``rag --help``)."""
     parser = _Parser(
         prog="rag",
         description="Retrieval-augmented generation: build knowledge bases, train, generate, evaluate.",
@@ -56,8 +75,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"rag {rag.__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level; show tracebacks and every warning")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module in COMMANDS.values():
-        importlib.import_module(module).add_parser(sub)
+    for name, (module, help) in COMMANDS.items():
+        if command is None or command == name:
+            importlib.import_module(module).add_parser(sub)
+        else:
+            sub.add_parser(name, help=help)
     _add_verbose_everywhere(parser)
     return parser
 
@@ -98,7 +120,9 @@ def _describe(e: BaseException, batch_option: Optional[str]) -> tuple[str, int]:
     if isinstance(e, UnicodeDecodeError):
         return (f"input is not valid {e.encoding} text (byte {e.object[e.start:e.start + 1]!r} at offset {e.start}); "
                 f"convert it to UTF-8 (e.g. `iconv -f latin1 -t utf-8`)"), 2
-    if isinstance(e, (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)) and e.errno is None:
+    if isinstance(e,
+                  (FileExistsError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+                   PermissionError)) and e.errno is None:
         return str(e), 2  # raised with a message of its own (e.g. FileExistsError("... pass overwrite=True"))
     if isinstance(e, OSError) and (e.filename is not None or e.errno in _USAGE_ERRNOS):
         where = f"{e.filename}: " if e.filename is not None else ""
@@ -159,7 +183,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"rag {rest[0]}: error: {message}", file=sys.stderr)
             return status
         return 0
-    parser = build_parser()
+    command = rest[0] if rest and rest[0] in COMMANDS else ""
+    try:
+        parser = build_parser(command)
+    except ModuleNotFoundError as e:  # an optional dependency the command's module imports (fastapi for `rag serve`)
+        if e.name is None or e.name.split(".")[0] == "rag":
+            raise
+        extra = _EXTRAS.get(e.name.split(".")[0])
+        fix = f"pip install 'rag[{extra}]'" if extra else f"pip install {e.name.split('.')[0]}"
+        print(f"rag {command}: error: it needs the package {e.name.split('.')[0]!r}, which is not installed; {fix}",
+              file=sys.stderr)
+        return 2
     args, extra = parser.parse_known_args(argv)
     trailing = getattr(args, "trailing_positional", None)
     if extra and trailing:

@@ -5,11 +5,18 @@ from __future__ import annotations
 import contextlib
 import sys
 
-from rag.cli.index import _print_results
-from rag.demo.kb import demo_kb_needs_build
+from rag.cli.generate import print_answer
+from rag.cli.index import _print_results, check_positive
+from rag.demo.kb import demo_kb_needs_build, ensure_demo_kb
+from rag.demo.model import demo_checkpoint_dir
 from rag.generators.demo_lm import demo_lm_needs_conversion, prepare_demo_lm
+from rag.knowledge.retriever_kinds import retriever_for_kind
+from rag.models.rag.config import RagModelConfig
+from rag.pipeline.api import load
+from rag.utils.files import read_json
 from rag.utils.quiet import stage
 from rag.utils.truncation import counting_cut_prompts
+from rag.utils.validate import check_strings
 
 DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these elements), and one phrased naturally
     "what is the chemical symbol of mercury?",
@@ -21,12 +28,14 @@ DEFAULT_QUESTIONS = [  # held-out questions (no training question is about these
 
 def add_parser(sub) -> None:
     p = sub.add_parser("demo", help="answer questions with the bundled demo model and knowledge base (offline)",
-                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: SmolLM2-135M-Instruct "
+                       description="Runs the embedded default: the demo RAG model (checkpoints/demo_causal: "
+                                   "SmolLM2-135M-Instruct "
                                    "with a LoRA adapter) answering from the Elements corpus through hybrid retrieval (the "
                                    "bundled all-MiniLM-L6-v2 and BM25). The knowledge base is built and the reader converted "
                                    "from its GGUF file on first use.")
     p.add_argument("questions", nargs="*", help=f"questions (default: {len(DEFAULT_QUESTIONS)} held-out examples)")
-    p.add_argument("--kb", default=None, help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
+    p.add_argument("--kb", default=None,
+                   help="where the demo knowledge base lives (default: $RAG_CACHE/demo_kb or ~/.cache/rag/demo_kb)")
     p.add_argument("-k", type=int, default=3, help="passages shown per answer")
     p.add_argument("--retrieve-only", action="store_true", help="print the top-k passages only (no generation)")
     p.add_argument("--json", action="store_true")
@@ -36,10 +45,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_demo(args) -> int:
-    from rag.cli.index import check_positive
-    from rag.demo.kb import ensure_demo_kb
-    from rag.utils.validate import check_strings
-
     check_positive(args, "k")
     if args.questions:
         check_strings(args.questions, "questions")
@@ -50,20 +55,13 @@ def cmd_demo(args) -> int:
     if not args.json:
         print(f"demo knowledge base: {kb.path} ({kb.version}, {len(kb)} passages, {kb.index_spec.kind})")
     if args.retrieve_only:
-        from rag.demo.model import demo_checkpoint_dir
-        from rag.knowledge.retriever_kinds import retriever_for_kind
-
         # the default model's own retrieval (hybrid), read from its config without loading the reader
-        from rag.models.rag.config import RagModelConfig
-        from rag.utils.files import read_json
 
         cfg_file = demo_checkpoint_dir() / "rag_config.json"
         config = RagModelConfig.from_dict(read_json(cfg_file, fix="reinstall rag").get("config") or {}, str(cfg_file))
-        _print_results(questions, retriever_for_kind(config.retrieval, kb, settings=config).retrieve(questions, args.k), args.json)
+        _print_results(questions, retriever_for_kind(config.retrieval, kb, settings=config).retrieve(questions, args.k),
+                       args.json)
         return 0
-    from rag.cli.generate import print_answer
-    from rag.demo.model import demo_checkpoint_dir
-    from rag.pipeline.api import load
 
     if demo_lm_needs_conversion():  # otherwise loading reuses (and verifies) the converted LM
         with _stage("converting the demo LM from its GGUF file", args):

@@ -10,6 +10,7 @@ from rag.cli.options import add_generation_options, generation_options
 from rag.eval.benchmarks import FORMATS
 from rag.eval.compare import compare_runs, format_comparison
 from rag.eval.faithfulness import DEFAULT_THRESHOLD, LABELS_PATH, FaithfulnessJudge, calibrate, format_calibration, read_labels
+from rag.eval.runner import evaluate, markdown
 from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
 
@@ -64,8 +65,8 @@ def cmd_evaluate(args) -> int:
         print(to_json(result) if args.json else format_calibration(result))
         return 0
     if args.data is None or args.out is None:
-        raise ConfigError("rag evaluate needs --data (the evaluation set) and --out (the results directory), or --compare RUN_A RUN_B")
-    from rag.eval.runner import evaluate, markdown  # torch and the models load only when a run starts (`rag --help` stays fast)
+        raise ConfigError("rag evaluate needs --data (the evaluation set) and --out (the results directory), or "
+                          "--compare RUN_A RUN_B")
 
     options = {n: v for n, v in generation_options(args).set_options().items() if n != "seed"}
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from rag.training.export import export_checkpoint
+
 
 def add_parser(sub) -> None:
     p = sub.add_parser("export", help="write the model of a `rag fit` checkpoint (.ckpt) as a model directory",
@@ -20,8 +22,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from rag.training.export import export_checkpoint
-
     out = export_checkpoint(args.checkpoint, args.directory, knowledge_base=args.kb, overwrite=args.overwrite)
     print(f"wrote {out}: rag generate --model {out} \"your question\"")
     return 0

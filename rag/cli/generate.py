@@ -7,7 +7,11 @@ import textwrap
 
 from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
-from rag.utils.errors import ConfigError
+from rag.generators.load import is_causal_lm_checkpoint
+from rag.pipeline.api import load, plot_token_posterior
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
+from rag.utils.errors import ConfigError, OutputExistsError
 from rag.utils.io import to_json
 from rag.utils.truncation import counting_cut_prompts
 
@@ -25,17 +29,20 @@ def add_parser(sub) -> None:
     p.add_argument("--no-retrieval", action="store_true",
                    help="retrieve nothing: the generator answers the bare questions (the closed-book baseline; no passages)")
     p.add_argument("--max-length", type=int, default=None, help="causal LM: its window in tokens (default: min(positions, 1024))")
-    p.add_argument("--doc-max-length", type=int, default=None, help="causal LM: retrieved documents are cut to this many tokens (default 256)")
+    p.add_argument("--doc-max-length", type=int, default=None,
+                   help="causal LM: retrieved documents are cut to this many tokens (default 256)")
     add_generation_options(p)
     p.add_argument("--show-passages", type=int, default=3, help="passages to print per answer (human-readable output)")
     p.add_argument("--json", action="store_true", help="one JSON object per answer, with full provenance")
     p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here "
-                                                             "(answer_NNNN.png, numbered past the files already there: none is replaced)")
+                                                             "(answer_NNNN.png, numbered past the files already there: "
+                                                             "none is replaced)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
                    help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
                         "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
-                        "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the default model: --nli minilm-snli")
+                        "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the "
+                        "default model: --nli minilm-snli")
     p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.set_defaults(func=cmd_generate, trailing_positional="queries")  # questions may also follow the options
 
@@ -59,7 +66,8 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
         number = {(a.passages[c.passage].id, a.passages[c.passage].title): c.number for c in cites}
         for s in a.segments:
             n = number.get((s.passage_id, s.title))
-            print(f"{'' if n is None else f'[{n}]':>5} tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} [{s.passage_id}]")
+            print(f"{'' if n is None else f'[{n}]':>5} tokens {s.start:>3}-{s.end:<3} score {s.score:8.3f}  {s.title} "
+                  f"[{s.passage_id}]")
         return
     ranked = sorted(range(len(a.passages)), key=lambda i: -(a.passages[i].posterior if a.passages[i].posterior is not None
                                                             else a.passages[i].prior))
@@ -76,9 +84,6 @@ def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=No
 def _new_heatmap(answer, directory, first: int = 1):
     """Draw `answer`'s heatmap as ``answer_NNNN.png`` in `directory` under the first number from `first` on that no file
     holds yet: a file there (a heatmap of an earlier run, or anything else) is never replaced. Returns (path, number)."""
-    from rag.pipeline.api import plot_token_posterior
-    from rag.utils.errors import OutputExistsError
-
     n = first
     while True:
         path = directory / f"answer_{n:04d}.png"
@@ -93,8 +98,6 @@ def _new_heatmap(answer, directory, first: int = 1):
 def cmd_generate(args) -> int:
     from pathlib import Path
 
-    from rag.pipeline.api import load
-
     check_positive(args, "batch_size", "doc_max_length", "max_length")
     if args.show_passages < 0:
         raise ConfigError(f"--show-passages {args.show_passages}: must be 0 (print no passage) or more")
@@ -104,17 +107,13 @@ def cmd_generate(args) -> int:
     queries = read_queries(args)  # checked before the model is loaded
     nli = None
     if args.nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     settings = {k: v for k, v in (("max_length", args.max_length), ("doc_max_length", args.doc_max_length)) if v is not None}
     if settings:
-        from rag.generators.load import is_causal_lm_checkpoint
-
         if not is_causal_lm_checkpoint(args.model):
-            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
+            raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); "
+                              f"--model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
     pipe = load(args.model, knowledge_base=args.kb, **settings)
     number = [0]  # the last heatmap's number

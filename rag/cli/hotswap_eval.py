@@ -5,7 +5,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from rag.cli.index import check_positive
+from rag.eval.hotswap_eval import evaluate_hotswap
 from rag.generation.options import option_specs
+from rag.pipeline.api import load
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
+from rag.utils.devices import check_device
 from rag.utils.errors import RagError
 from rag.utils.io import to_json
 from rag.utils.truncation import counting_cut_prompts
@@ -49,21 +55,14 @@ def add_parser(sub) -> None:
 
 
 def cmd_hotswap_eval(args) -> int:
-    from rag.cli.index import check_positive
-    from rag.eval.hotswap_eval import evaluate_hotswap
-    from rag.pipeline.api import load
-    from rag.utils.devices import check_device
-
     check_positive(args, "batch_size", "n_docs", "num_beams", "max_new_tokens", "limit")
     check_device(args.device)
     for data in args.data:  # before the model loads
         if not Path(data).exists():
-            raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open JSONL, CSV, ...)")
+            raise RagError(f"--data {data}: no such file or directory; give a question set with answers (NQ-open "
+                           f"JSONL, CSV, ...)")
     nli = None
     if args.nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     # Load on the first knowledge base: the checkpoint's own may not exist here (or, for transformers

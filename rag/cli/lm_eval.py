@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import sys
 
+from rag.cli.index import check_positive
 from rag.cli.options import add_retrieval_temperature, retrieval_temperature
+from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
+from rag.generators.load import load_generator
+from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
+from rag.models.ralm.rerank import LMReranker, PredictiveReranker
+from rag.models.replug.lm_scorer import CompletionsLMScorer, RemoteCausalScorer
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
 
 DEFAULT_LM = "smollm2"
@@ -16,7 +24,8 @@ def add_parser(sub) -> None:
                                    "with the last --query-length tokens as query (In-Context RALM).")
     p.add_argument("--model", default=DEFAULT_LM, help=f"causal LM directory or name (default: {DEFAULT_LM}, the demo LM)")
     p.add_argument("--kb", default=None, help="knowledge-base directory (needed unless --retrieval none)")
-    p.add_argument("--data", required=True, help=".jsonl (field 'text', optional 'id'/'title'), a plain text file, or a datasets directory")
+    p.add_argument("--data", required=True,
+                   help=".jsonl (field 'text', optional 'id'/'title'), a plain text file, or a datasets directory")
     p.add_argument("--text-field", default="text", help="JSON / dataset field holding the text")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N texts")
     p.add_argument("--stride", type=int, default=4, help="retrieval stride s: tokens between retrievals (default 4; "
@@ -27,15 +36,18 @@ def add_parser(sub) -> None:
                         "sees at least half a window of context and the LM reads the text about twice)")
     p.add_argument("--retrieval", choices=["bm25", "dense", "none"], default="bm25")
     p.add_argument("--rerank", choices=["none", "zero-shot", "trained"], default="none",
-                   help="choose among the top --rerank-k documents: the LM's zero-shot reranking (§6.1) or a trained reranker (§6.2)")
-    p.add_argument("--rerank-model", default=None, help="zero-shot: a (smaller) causal LM, default the --model itself; trained: the reranker directory")
+                   help="choose among the top --rerank-k documents: the LM's zero-shot reranking (§6.1) or a trained "
+                        "reranker (§6.2)")
+    p.add_argument("--rerank-model", default=None,
+                   help="zero-shot: a (smaller) causal LM, default the --model itself; trained: the reranker directory")
     p.add_argument("--rerank-k", type=int, default=16, help="documents to rerank (default 16)")
     p.add_argument("--rerank-tokens", type=int, default=16, help="zero-shot: prefix tokens s' the reranker predicts (default 16)")
     p.add_argument("--ensemble", type=int, default=None, metavar="K",
                    help="REPLUG (Shi et al. 2023): read each chunk after each of its top-K documents separately and mix the K "
                         "next-token distributions with weights softmax(scores / --retrieval-temperature)")
     add_retrieval_temperature(p, "REPLUG: temperature of the retrieval-score weights λ = softmax(scores / T) (default 1)")
-    p.add_argument("--random-docs", action="store_true", help="REPLUG control: K random passages with equal weights instead of the top-K")
+    p.add_argument("--random-docs", action="store_true",
+                   help="REPLUG control: K random passages with equal weights instead of the top-K")
     p.add_argument("--seed", type=int, default=0, help="seed of --random-docs (an integer >= 0)")
     p.add_argument("--max-length", type=int, default=None, help="the LM's window in tokens (default: min(model positions, 1024))")
     p.add_argument("--doc-max-length", type=int, default=256, help="retrieved documents are cut to this many tokens")
@@ -57,13 +69,6 @@ def add_parser(sub) -> None:
 def cmd_lm_eval(args) -> int:
     import torch
 
-    from rag.cli.index import check_positive
-    from rag.eval.perplexity import evaluate_perplexity, read_eval_texts
-    from rag.generators.load import load_generator
-    from rag.models.ralm.model import CausalScorer, InContextRALM, RalmConfig, open_retriever
-    from rag.utils.devices import check_device
-    from rag.utils.errors import ConfigError
-
     # Every option is checked before the texts, the knowledge base and the LM are read.
     check_positive(args, "limit", "stride", "query_length", "window_step", "rerank_k", "rerank_tokens", "ensemble", "batch_size",
                    "doc_max_length", "max_length")
@@ -73,15 +78,20 @@ def cmd_lm_eval(args) -> int:
     if args.rerank != "none" and args.retrieval == "none":
         raise ConfigError(f"--rerank {args.rerank} reranks retrieved documents; pass --retrieval bm25 or dense")
     if args.rerank == "trained" and not args.rerank_model:
-        raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config lightning_configs/ralm_reranker_tiny.yaml`)")
+        raise ConfigError("--rerank trained needs --rerank-model DIR (a reranker trained with `rag fit --config "
+                          "lightning_configs/ralm_reranker_tiny.yaml`)")
     if args.ensemble is not None and (args.rerank != "none" or args.retrieval == "none"):
-        raise ConfigError("--ensemble K (REPLUG) mixes the top-K retrieved documents: pass --retrieval bm25 or dense, without --rerank")
+        raise ConfigError("--ensemble K (REPLUG) mixes the top-K retrieved documents: pass --retrieval bm25 or dense, "
+                          "without --rerank")
     if args.lm_endpoint is not None and (args.rerank != "none" or not args.lm_endpoint_model):
-        raise ConfigError("--lm-endpoint scores with a remote LM: give --lm-endpoint-model NAME, and no --rerank (it needs local weights)")
+        raise ConfigError("--lm-endpoint scores with a remote LM: give --lm-endpoint-model NAME, and no --rerank (it needs "
+                          "local weights)")
     temperature = retrieval_temperature(args)
-    cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length, doc_max_length=args.doc_max_length,
+    cfg = RalmConfig(stride=args.stride, query_length=args.query_length, max_length=args.max_length,
+                     doc_max_length=args.doc_max_length,
                      k=args.rerank_k, exclude_own=args.exclude_own, batch_size=args.batch_size, ensemble=args.ensemble,
-                     retrieval_temperature=temperature, random_docs=args.random_docs, seed=args.seed, window_step=args.window_step)
+                     retrieval_temperature=temperature, random_docs=args.random_docs, seed=args.seed,
+                     window_step=args.window_step)
     cfg.check()
     texts = read_eval_texts(args.data, field=args.text_field, limit=args.limit)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -89,19 +99,17 @@ def cmd_lm_eval(args) -> int:
     if args.lm_endpoint is not None:  # REPLUG's black-box setting: only the tokenizer is local
         import os
 
-        from rag.models.replug.lm_scorer import CompletionsLMScorer, RemoteCausalScorer
-
         lm = CompletionsLMScorer(args.lm_endpoint, args.lm_endpoint_model, api_key=os.environ.get(args.lm_api_key_env) or None,
                                  batch_size=args.batch_size)
-        scorer = RemoteCausalScorer.from_pretrained(args.model, lm, max_length=args.max_length, doc_max_length=args.doc_max_length,
+        scorer = RemoteCausalScorer.from_pretrained(args.model, lm, max_length=args.max_length,
+                                                    doc_max_length=args.doc_max_length,
                                                     batch_size=args.batch_size)
         ralm = InContextRALM(None, None, retriever, cfg, scorer=scorer)
-        return _report(args, evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose), cfg, ralm)
+        return _report(args, evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose),
+                       cfg, ralm)
     model, tok, _ = load_generator(args.model, kind="causal")
     reranker = None
     if args.rerank == "zero-shot":
-        from rag.models.ralm.rerank import LMReranker
-
         scorer = None
         if args.rerank_model:
             rm, rt, _ = load_generator(args.rerank_model, kind="causal")
@@ -109,8 +117,6 @@ def cmd_lm_eval(args) -> int:
                                   batch_size=args.batch_size)
         reranker = LMReranker(scorer, rerank_tokens=args.rerank_tokens)
     elif args.rerank == "trained":
-        from rag.models.ralm.rerank import PredictiveReranker
-
         reranker = PredictiveReranker.load(args.rerank_model).to(device)
     ralm = InContextRALM(model.to(device), tok, retriever, cfg, reranker)
     result = evaluate_perplexity(ralm, texts, progress=not args.json and sys.stderr.isatty() or args.verbose)
@@ -130,5 +136,6 @@ def _report(args, result, cfg, ralm) -> int:
     else:
         print(f"texts {result.texts}  tokens {result.tokens}  words {result.words}  bytes {result.bytes}  "
               f"retrieved chunks {result.retrieved_chunks}")
-        print(f"perplexity {result.perplexity:.4f}  word perplexity {result.word_perplexity:.4f}  bits per byte {result.bits_per_byte:.4f}")
+        print(f"perplexity {result.perplexity:.4f}  word perplexity {result.word_perplexity:.4f}  bits per byte "
+              f"{result.bits_per_byte:.4f}")
     return 0

@@ -6,12 +6,18 @@ import logging
 import os
 import sys
 
+from rag.pipeline.api import load
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
+from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
+from rag.serve.limits import ServeLimits
+from rag.utils.devices import check_device
+from rag.utils.errors import ConfigError
+
 logger = logging.getLogger(__name__)
 
 
 def add_parser(sub) -> None:
-    from rag.serve.limits import ServeLimits
-
     p = sub.add_parser(
         "serve",
         help="serve a RAG model over HTTP (generate, retrieve, knowledge-base hot swap)",
@@ -26,7 +32,8 @@ def add_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="interface to listen on (default: 127.0.0.1, this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--admin-token-env", default="RAG_ADMIN_TOKEN", metavar="VAR",
-                   help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin endpoints disabled")
+                   help="environment variable holding the admin Bearer token (default: RAG_ADMIN_TOKEN); unset = admin "
+                        "endpoints disabled")
     p.add_argument("--api-key-env", default="RAG_API_KEY", metavar="VAR",
                    help="environment variable holding the API key every route but the page needs as 'Authorization: Bearer "
                         "KEY' (default: RAG_API_KEY; the OpenAI client sends its api_key so); unset = no key needed on "
@@ -75,11 +82,6 @@ def add_parser(sub) -> None:
 
 
 def cmd_serve(args) -> int:
-    from rag.pipeline.api import load
-    from rag.serve.app import check_admin_token, check_bind, check_distinct_secrets, create_app, serve
-    from rag.serve.limits import ServeLimits
-    from rag.utils.errors import ConfigError
-
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
@@ -94,8 +96,6 @@ def cmd_serve(args) -> int:
                           "(e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`)")
     from pathlib import Path
 
-    from rag.utils.devices import check_device
-
     # Checked before the model loads (minutes for a large one).
     for option, value in (("--max-concurrency", args.max_concurrency), ("--max-body-bytes", args.max_body_bytes)):
         if value < 1:
@@ -106,7 +106,8 @@ def cmd_serve(args) -> int:
                               "/admin/swap may open")
     check_device(args.device)
     check_admin_token(token, f"${args.admin_token_env}")
-    api_key, source = (args.api_key, "--api-key") if args.api_key else (os.environ.get(args.api_key_env) or None, f"${args.api_key_env}")
+    api_key, source = (args.api_key, "--api-key") if args.api_key else (os.environ.get(args.api_key_env) or None,
+                                                                        f"${args.api_key_env}")
     if api_key is not None:
         check_admin_token(api_key, source)
         if len(api_key) < 16:
@@ -121,9 +122,6 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or Path(os.fspath(args.model).rstrip("/")).name or "rag"
     nli = None
     if args.nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
     pipe = load(args.model, knowledge_base=args.kb, device=args.device)

@@ -22,6 +22,18 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+import rag.training.causal_reader  # noqa: F401 (registers its classes)
+import rag.training.data  # noqa: F401 (registers its classes)
+import rag.training.modules  # noqa: F401 (registers its classes)
+import rag.training.nli  # noqa: F401 (registers its classes)
+import rag.training.nli_data  # noqa: F401 (registers its classes)
+import rag.training.replug_lsr  # noqa: F401 (registers its classes)
+import rag.training.reranker  # noqa: F401 (registers its classes)
+from rag.training.distributed import ddp_strategy
+from rag.training.run_dir import expand_run_dir, hold_run_dir, release_run_dirs
+from rag.training.settings import check_renamed
+from rag.utils.devices import check_trainer_devices
+from rag.utils.errors import ConfigError
 from rag.utils.yaml_files import check_cli_yaml
 
 SUBCOMMANDS = ("fit", "validate", "test", "predict")
@@ -29,18 +41,10 @@ DEFAULT_SEED = 1234
 
 
 def _imports():
-    # Importing the modules registers their classes as LightningModule/DataModule
+    # The rag.training modules imported at the top registered their classes as LightningModule/DataModule
     # subclasses, so configs may also use the short names `RagModule`, `QADataModule`.
     import pytorch_lightning as pl
     from pytorch_lightning.cli import LightningCLI
-
-    import rag.training.causal_reader  # noqa: F401
-    import rag.training.data  # noqa: F401
-    import rag.training.modules  # noqa: F401
-    import rag.training.nli  # noqa: F401
-    import rag.training.nli_data  # noqa: F401
-    import rag.training.replug_lsr  # noqa: F401
-    import rag.training.reranker  # noqa: F401
 
     return pl, LightningCLI
 
@@ -61,8 +65,6 @@ _SPLITS_READ = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",)
 def _check_data_files(data, subcommand: str) -> None:
     """A data file the `subcommand` reads that does not exist is one error before anything is built (the model's
     knowledge base can take minutes): ``data.train|val|test|predict`` given as paths (``DIR#split`` included)."""
-    from rag.utils.errors import ConfigError
-
     init = data.get("init_args") if data is not None else None
     if init is None or not str(data.get("class_path", "")).endswith("QADataModule"):  # other modules name sources otherwise
         return
@@ -110,9 +112,6 @@ def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA)
             """GPUs asked for that this machine lacks: one clear error before anything is built. Output paths follow
             ``trainer.default_root_dir`` (``{default_root_dir}`` in a config), and the run locks that folder
             (:mod:`rag.training.run_dir`)."""
-            from rag.training.run_dir import expand_run_dir, hold_run_dir
-            from rag.utils.devices import check_trainer_devices
-
             config = self.config[self.subcommand] if self.subcommand else self.config
             trainer = config.get("trainer")
             if trainer is not None:
@@ -130,8 +129,6 @@ def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA)
             """Trainer options Lightning rejects (e.g. ``strategy: fsdp`` on a CPU) are the user's to fix: one line."""
             from lightning_fabric.utilities.exceptions import MisconfigurationException
 
-            from rag.utils.errors import ConfigError
-
             self._choose_ddp_strategy()
             try:
                 return super().instantiate_trainer(**kwargs)
@@ -143,8 +140,6 @@ def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA)
             ``training_phases``) becomes ``ddp_find_unused_parameters_true`` (:func:`rag.training.distributed.ddp_strategy`);
             otherwise plain DDP, which is faster and catches a parameter that is never used."""
             import logging
-
-            from rag.training.distributed import ddp_strategy
 
             config = self.config_init[self.subcommand] if self.subcommand else self.config_init
             trainer = config.get("trainer")
@@ -200,7 +195,6 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
     argv = list(argv)
     if not argv or argv[0] not in SUBCOMMANDS:
         raise SystemExit(f"rag: expected one of {', '.join(SUBCOMMANDS)} followed by --config FILE.yaml")
-    from rag.training.run_dir import release_run_dirs
 
     check_cli_yaml(argv)  # before any YAML loader (nested_help's, jsonargparse's) expands an alias
     own = argv == sys.argv[1:]
@@ -237,8 +231,6 @@ def check_renamed_options(argv: Sequence[str]) -> None:
     """Refuse an option an earlier release had and a group now holds (``model.generator_lr`` is ``model.optimizer.lr``):
     one :class:`~rag.utils.errors.ConfigError` naming the new key, for a ``--config`` file's ``model`` section or a
     ``--model.KEY`` flag (:data:`rag.training.settings.RENAMED`)."""
-    from rag.training.settings import check_renamed
-
     model_class = _class_in(argv, "model")
     for path in _config_paths(argv):
         section = (_read_config(path) or {}).get("model")
@@ -251,7 +243,8 @@ def check_renamed_options(argv: Sequence[str]) -> None:
             key, eq, value = a[len("--model."):].partition("=")
             key = key.removeprefix("init_args.")
             if "." not in key:  # a field inside a group (--model.optimizer.lr) is no old option
-                check_renamed(model_class, {key: value if eq else (argv[i + 1] if i + 1 < len(argv) else None)}, "the command line")
+                check_renamed(model_class, {key: value if eq else (argv[i + 1] if i + 1 < len(argv) else None)},
+                              "the command line")
 
 
 def _class_in(argv: Sequence[str], key: str) -> str:

@@ -26,7 +26,8 @@ from rag.utils.io import atomic_write_text
 DICT_PATH = Path("/usr/share/dictd/elements.dict.dz")
 OUT_DIR = Path(__file__).resolve().parent
 _FIELD = re.compile(r"^(Symbol|Atomic number|Atomic weight|Atomic Weight|Weight):\s*(.+)$")
-YEAR_PATTERN = re.compile(r"\b(?:discovered|isolated|identified|first made|produced|synthesi[sz]ed)\b[^.]*?\b(1[5-9]\d\d)\b", re.I)
+YEAR_PATTERN = re.compile(r"\b(?:discovered|isolated|identified|first made|produced|synthesi[sz]ed)\b[^.]*?\b(1[5-9]\d\d)\b",
+                          re.I)
 
 
 def parse_entries(raw: str) -> list[dict]:
@@ -77,7 +78,8 @@ def questions_for(entry: dict) -> list[dict]:
         qa.append({"question": f"which element has the symbol {f['symbol']}?", "answers": [title], "type": "name_from_symbol"})
     if "atomic number" in f:
         qa.append({"question": f"what is the atomic number of {name}?", "answers": [f["atomic number"]], "type": "atomic_number"})
-        qa.append({"question": f"which element has atomic number {f['atomic number']}?", "answers": [title], "type": "name_from_number"})
+        qa.append({"question": f"which element has atomic number {f['atomic number']}?", "answers": [title],
+                   "type": "name_from_number"})
     if "atomic weight" in f:
         qa.append({"question": f"what is the atomic weight of {name}?", "answers": [f["atomic weight"]], "type": "atomic_weight"})
     m = YEAR_PATTERN.search(entry["description"])

@@ -6,6 +6,9 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rag.demo import load_demo_corpus
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.resolve import KnowledgeBaseSpec, open_knowledge_base
 from rag.utils.checksums import Verify
 from rag.utils.errors import RagError
@@ -33,10 +36,6 @@ def ensure_demo_kb(path: Optional[str | os.PathLike] = None, *, encoder: str = D
     Building takes a few seconds on a CPU (137 passages). The result is an ordinary
     knowledge-base directory, verified on open like any other.
     """
-    from rag.demo import load_demo_corpus
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     path = Path(path) if path is not None else demo_kb_path()
     overwrite = False
     if (path / "manifest.json").is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+from rag.demo.kb import ensure_demo_kb
 from rag.utils.errors import ConfigError
 
 CHECKPOINTS_DIR = Path(__file__).parent / "checkpoints"
@@ -37,6 +38,4 @@ def demo_checkpoint_dir(name: Optional[str] = None) -> Path:
 
 def ensure_demo_kb_for_model():
     """The demo knowledge base (built on first use from the bundled corpus and encoder)."""
-    from rag.demo.kb import ensure_demo_kb
-
     return ensure_demo_kb()

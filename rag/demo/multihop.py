@@ -20,10 +20,13 @@ from typing import Optional
 
 from rag.demo import DEMO_DIR, SPLITS, load_demo_corpus, load_demo_qa
 from rag.utils.files import parse_json
+from rag.utils.io import atomic_write_text
 
 MULTIHOP_PATH = DEMO_DIR / "elements_multihop.jsonl"
-DISCOVERER = re.compile(r"\b[Dd]iscovered (?:\w+ )?(?:in \d{4} )?by (?:Sir )?((?:[A-Z][a-z]+ )*(?:(?:de|del|von) )?[A-Z][a-z]{2,})"
-                        r"(?! [A-Z]\.| \.| researchers)\b")  # not a name cut at an initial ("Glenn T."), nor "Berkeley researchers"
+DISCOVERER = re.compile(r"\b[Dd]iscovered (?:\w+ )?(?:in \d{4} )?by (?:Sir )?((?:[A-Z][a-z]+ )*(?:(?:de|del|von) "
+                        r")?[A-Z][a-z]{2,})"
+                        r"(?! [A-Z]\.| \.| "  # not a name cut at an initial ("Glenn T."), nor "Berkeley researchers"
+                        r"researchers)\b")
 PARTICLES = ("de", "del", "von")
 ATTRIBUTE_WORDS = {"symbol": "chemical symbol", "atomic_number": "atomic number", "atomic_weight": "atomic weight",
                    "year": "discovery year"}
@@ -100,8 +103,6 @@ def load_multihop(split: Optional[str] = None) -> list[dict]:
 
 
 def main() -> None:
-    from rag.utils.io import atomic_write_text
-
     rows = build_multihop()
     atomic_write_text(MULTIHOP_PATH, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     counts = defaultdict(int)

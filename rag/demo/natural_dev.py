@@ -14,6 +14,7 @@ import random
 import re
 
 from rag.demo import DEMO_DIR, EVAL_SETS, load_demo_corpus, load_demo_qa
+from rag.utils.io import atomic_write_text
 
 _FIELDS = re.compile(r"^Symbol: (\S+)\. Atomic number: (\d+)\. Atomic weight: ([\d.]+)\.")
 _NAME = r"((?:[A-Z]\.\s?)*[A-Z][a-z]+(?: (?:[A-Z]\.\s?)*[A-Z][a-z]+)*)"
@@ -32,7 +33,8 @@ WORDINGS = {
     "name_from_symbol": ("What element does the symbol {s} stand for?", "{s} is the symbol of which element?"),
     "atomic_weight": ("What's the atomic mass of {n}?", "How heavy is {n}'s atom, in atomic mass units?"),
 }
-COUNTS = {"discoverer": 12, "year": 7, "protons": 6, "name_from_number": 6, "symbol": 6, "name_from_symbol": 5, "atomic_weight": 4}
+COUNTS = {"discoverer": 12, "year": 7, "protons": 6, "name_from_number": 6, "symbol": 6, "name_from_symbol": 5,
+          "atomic_weight": 4}
 
 
 def _discovery(text: str):
@@ -79,7 +81,6 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=7)
     args = ap.parse_args(argv)
     rows = build(args.seed)
-    from rag.utils.io import atomic_write_text
 
     atomic_write_text(DEMO_DIR / EVAL_SETS["natural_dev"], "".join(json.dumps(r) + "\n" for r in rows))
     print(f"{len(rows)} questions -> {DEMO_DIR / EVAL_SETS['natural_dev']}")

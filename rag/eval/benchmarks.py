@@ -286,7 +286,8 @@ def _read_beir(spec: str) -> list[EvalExample]:
                                     f"{line.strip()[:60]!r}; fix or remove the row")
             qid, did, grade = cells[0].strip(), cells[-2].strip(), int(cells[-1])
             if qid not in queries:
-                raise EvalDataError(f"{where}: query id {qid!r} is not in {root / 'queries.jsonl'}; remove the row or add the query")
+                raise EvalDataError(f"{where}: query id {qid!r} is not in {root / 'queries.jsonl'}; remove the row "
+                                    f"or add the query")
             qrels.setdefault(qid, {})[did] = grade
     return [EvalExample(qid, queries[qid][0], (), queries[qid][1], qrels=qrels[qid]) for qid in queries if qid in qrels]
 

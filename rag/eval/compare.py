@@ -23,7 +23,8 @@ def _load(run: str | os.PathLike) -> tuple[dict, dict[str, dict]]:
     path = Path(run)
     summary = path / "summary.json"
     if not summary.is_file():
-        why = "no such directory" if not path.exists() else "no summary.json: the run is not complete; finish it by rerunning its command"
+        why = ("no such directory" if not path.exists()
+               else "no summary.json: the run is not complete; finish it by rerunning its command")
         raise RagError(f"--compare {path}: {why}")
     records: dict[str, dict] = {}
     with open(path / "records.jsonl", encoding="utf-8") as f:
@@ -44,14 +45,16 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, resample
         raise RagError(f"--compare: {run_a} and {run_b} share no question id; compare two runs over the same evaluation set")
     differ = next((i for i in common if ra[i]["question"] != rb[i]["question"]), None)
     if differ is not None:
-        raise RagError(f"--compare: question {differ!r} is {ra[differ]['question']!r} in {run_a} but {rb[differ]['question']!r} in "
+        raise RagError(f"--compare: question {differ!r} is {ra[differ]['question']!r} in {run_a} but "
+                       f"{rb[differ]['question']!r} in "
                        f"{run_b}: the runs are not over the same evaluation set; compare runs of one set")
     names = ordered_metrics([n for n in sa["metrics"] if n in sb["metrics"]])
     metrics = {}
     for n in names:
         ids = [i for i in common if n in ra[i]["scores"] and n in rb[i]["scores"]]
         if ids:
-            metrics[n] = {"a": sum(ra[i]["scores"][n] for i in ids) / len(ids), "b": sum(rb[i]["scores"][n] for i in ids) / len(ids),
+            metrics[n] = {"a": sum(ra[i]["scores"][n] for i in ids) / len(ids),
+                          "b": sum(rb[i]["scores"][n] for i in ids) / len(ids),
                           **paired_mean_difference([ra[i]["scores"][n] for i in ids], [rb[i]["scores"][n] for i in ids],
                                                    resamples=resamples, seed=seed)}
     cats: dict[str, list[str]] = {}
@@ -72,7 +75,8 @@ def compare_runs(run_a: str | os.PathLike, run_b: str | os.PathLike, *, resample
             va, vb = ra[i]["scores"].get(flip_on), rb[i]["scores"].get(flip_on)
             if va is None or vb is None or (va > 0) == (vb > 0):
                 continue
-            item = {"id": i, "question": ra[i]["question"], "gold": ra[i]["gold"], "a": ra[i].get("answer"), "b": rb[i].get("answer")}
+            item = {"id": i, "question": ra[i]["question"], "gold": ra[i]["gold"], "a": ra[i].get("answer"),
+                    "b": rb[i].get("answer")}
             flipped["a_wrong_b_right" if vb > 0 else "a_right_b_wrong"].append(item)
         flipped["counts"] = {k: len(flipped[k]) for k in ("a_wrong_b_right", "a_right_b_wrong")}
         for k in ("a_wrong_b_right", "a_right_b_wrong"):
@@ -103,5 +107,6 @@ def format_comparison(c: dict) -> str:
                       f"{f['counts']['a_right_b_wrong']} right in A and wrong in B"]
         for key, mark in (("a_wrong_b_right", "+"), ("a_right_b_wrong", "-")):
             for item in f[key]:
-                lines.append(f"  {mark} [{item['id']}] {item['question']}  gold {item['gold']}  A: {item['a']!r}  B: {item['b']!r}")
+                lines.append(f"  {mark} [{item['id']}] {item['question']}  gold {item['gold']}  A: {item['a']!r}  "
+                             f"B: {item['b']!r}")
     return "\n".join(lines)

@@ -21,7 +21,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence, Union
 
+from rag.eval.metrics import ExactMatch, TokenF1
+from rag.eval.qa_data import read_qa
+from rag.knowledge.hotswap import KnowledgeBaseSlot
+from rag.retrobust.backoff import resolve_nli
+from rag.retrobust.nli import validate_threshold
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.io import atomic_write_bytes
 from rag.utils.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -110,8 +116,6 @@ class HotswapEvalResult:
         import matplotlib.pyplot as plt
         import numpy as np
 
-        from rag.utils.io import atomic_write_bytes
-
         grid = 100 * np.asarray(self._metric(metric), dtype=float)
         n_kb, n_data = grid.shape
         fig, ax = plt.subplots(figsize=(2.0 + 1.6 * n_data, 1.4 + 0.8 * n_kb))
@@ -198,10 +202,6 @@ def evaluate_hotswap(
     """
     from tqdm.auto import tqdm
 
-    from rag.eval.metrics import ExactMatch, TokenF1
-    from rag.eval.qa_data import read_qa
-    from rag.knowledge.hotswap import KnowledgeBaseSlot
-
     kbs, data = list(kbs), list(data)
     if not kbs or not data:
         raise ConfigError("give at least one knowledge base (--kb) and one question set (--data)")
@@ -209,9 +209,6 @@ def evaluate_hotswap(
     check_positive_int(limit, "limit (--limit)", allow_none=True, error=ConfigError)
     klabels, dlabels = _labels(kb_labels, kbs, "knowledge base"), _labels(data_labels, data, "question set")
     if nli is not None:
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import validate_threshold
-
         nli_threshold = validate_threshold(nli_threshold)
         nli = resolve_nli(nli)  # once, not per batch
 

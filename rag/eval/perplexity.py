@@ -21,7 +21,8 @@ from rag.models.ralm.model import EvalText, InContextRALM, TextScore
 from rag.utils.errors import CorpusError
 from rag.utils.files import bounded_lines, parse_json, regular_file
 
-__all__ = ["PerplexityResult", "perplexity_totals", "per_text_records", "paired_difference", "evaluate_perplexity", "read_eval_texts"]
+__all__ = ["PerplexityResult", "perplexity_totals", "per_text_records", "paired_difference", "evaluate_perplexity",
+           "read_eval_texts"]
 
 
 @dataclass
@@ -127,7 +128,8 @@ def read_eval_texts(path: str | os.PathLike, *, field: str = "text", limit: Opti
         try:
             ds = datasets.load_from_disk(str(p))
         except (FileNotFoundError, ValueError) as e:
-            raise CorpusError(f"--data {p}: not a datasets directory ({e}); pass a .jsonl or text file, or a save_to_disk directory") from e
+            raise CorpusError(f"--data {p}: not a datasets directory ({e}); pass a .jsonl or text file, or a "
+                              f"save_to_disk directory") from e
         if isinstance(ds, datasets.DatasetDict):
             if "test" not in ds:
                 raise CorpusError(f"--data {p}: a DatasetDict without a 'test' split; save the split to evaluate")

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Iterator, Literal, Optional, Sequence
 
+from rag.demo import EVAL_SETS, SPLITS, qa_path
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.files import parse_json, read_json
 from rag.utils.validate import is_integer
@@ -324,14 +325,13 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
     """
     if _is_dataset(source):
         name = f"dataset({getattr(source, 'info', None) and source.info.dataset_name or 'in-memory'})"
-        return _records_to_examples(_dataset_records(source, name), name, question_field, answers_field, on_empty, require_answers,
+        return _records_to_examples(_dataset_records(source, name), name, question_field, answers_field, on_empty,
+                                    require_answers,
                                     passage_field)
     if not isinstance(source, (str, os.PathLike)):
         raise ConfigError(f"data source must be a path, 'demo:SPLIT' or a datasets.Dataset, got {type(source).__name__}")
     spec = os.fspath(source)
     if spec.startswith("demo:"):
-        from rag.demo import EVAL_SETS, SPLITS, qa_path
-
         split = spec[len("demo:"):]
         if split not in SPLITS and split not in EVAL_SETS:
             raise ConfigError(f"{spec!r}: unknown demo split; use one of {', '.join('demo:' + s for s in (*SPLITS, *EVAL_SETS))}")
@@ -340,7 +340,8 @@ def read_qa(source: Any, *, stage: str = "train", question_field: str = "questio
     if path.is_dir():
         if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             ds, name = _load_saved_dataset(spec, stage)
-            return _records_to_examples(_dataset_records(ds, name), name, question_field, answers_field, on_empty, require_answers,
+            return _records_to_examples(_dataset_records(ds, name), name, question_field, answers_field, on_empty,
+                                        require_answers,
                                         passage_field)
         raise QADataError(f"{path}: a directory but not a saved dataset; for source/target files give data_dir={path} "
                           f"(or the .source file), otherwise a .jsonl/.tsv file")

@@ -41,7 +41,8 @@ def parse_ks(text: str | Iterable[int], option: str = "--k") -> tuple[int, ...]:
         try:
             k = int(str(item).strip())
         except ValueError:
-            raise ConfigError(f"{option} {text!r}: {item!r} is not an integer; give comma-separated cut-offs such as 1,5,10,20") from None
+            raise ConfigError(f"{option} {text!r}: {item!r} is not an integer; give comma-separated cut-offs "
+                              f"such as 1,5,10,20") from None
         if k < 1:
             raise ConfigError(f"{option} {text!r}: cut-offs must be positive integers, got {k}")
         ks.add(k)

@@ -97,7 +97,8 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     k_max = min(max(ks), system.size) if system.size else max(ks)
     settings = {"rag_version": rag.__version__, "model": system.name, "kb_version": system.kb_version,
                 "data": str(data), "format": format, "questions": len(examples), "data_sha256": _digest(examples),
-                "ks": list(ks), "limit": limit, "seed": seed, "options": {k: v for k, v in sorted(options.items()) if v is not None}}
+                "ks": list(ks), "limit": limit, "seed": seed,
+                "options": {k: v for k, v in sorted(options.items()) if v is not None}}
     if judge is not None:  # named only when set: a directory made without it resumes as before
         settings["faithfulness"] = {"model": judge.name, "threshold": judge.threshold}
     summary_path = out / "summary.json"
@@ -165,7 +166,8 @@ class _System:
         retrieval = self.options.get("retrieval")
         return self.pipeline.retrieve(questions, k=k, **({"retrieval": retrieval} if retrieval else {}))
 
-    def run(self, batch: list[EvalExample], k_max: int, ks: Sequence[int], judge: Optional[FaithfulnessJudge] = None) -> list[dict]:
+    def run(self, batch: list[EvalExample], k_max: int, ks: Sequence[int],
+            judge: Optional[FaithfulnessJudge] = None) -> list[dict]:
         questions = [ex.question for ex in batch]
         hits = self.retrieve(questions, k_max)
         answers = self.pipeline.generate(questions, **self.options) if self.pipeline is not None else [None] * len(batch)

@@ -129,7 +129,8 @@ def cite(answer: "Answer", *, mass: float = CITE_MASS, min_weight: float = CITE_
                 first.setdefault(i, t)
         order = sorted(first, key=lambda i: (first[i], -_finite(seq[i])))
         return [Citation(n, i, passages[i].id, passages[i].title, float(seq[i]), first[i]) for n, i in enumerate(order, 1)]
-    return [Citation(n, i, passages[i].id, passages[i].title, float(seq[i])) for n, i in enumerate(covering(seq, mass, min_weight), 1)]
+    return [Citation(n, i, passages[i].id, passages[i].title, float(seq[i]))
+            for n, i in enumerate(covering(seq, mass, min_weight), 1)]
 
 
 def _finite(w) -> float:

@@ -1,14 +1,13 @@
 """BART's decoder written out by hand: the fast paths for search steps and packed teacher-forced rescoring.
 
 Same math as transformers' `BartDecoder` (eval mode), rearranged so that work depends on contexts, not rows
-(ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`):
+(ARCHITECTURE invariant 2; `benchmarks/decode_bench.py`, docs/benchmarks.md "Decoding"):
 
 * `BartStepDecoder`: the decoder rows of one context (beams; for RAG-Token every beam of the question) attend
   to the context's cross-attention keys/values in place — projected once per context, never copied to rows
   (transformers copies them to every row and again at every beam reorder). One single-query attention call
-  per row slot, so the rounding is transformers' own and near-tied beams rank the same. (Measured at the
-  full decode_bench size, 80 rows over 20 contexts of 300 tokens, 1 thread: 20 decoder steps take ~1.87 s
-  this way vs ~1.37 s with one folded multi-query call, whose rounding differs by a few ulp.)
+  per row slot, so the rounding is transformers' own and near-tied beams rank the same (a folded multi-query
+  call would be faster but rounds differently).
 * `rescore_packed`: the (sequence, context) pairs of one context are packed end to end into one decoder
   sequence (block-diagonal causal self-attention, per-pair positions), so only real tokens are computed and
   the context's keys/values are used in place; chunks bound the `(tokens, vocab)` logits memory.

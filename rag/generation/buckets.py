@@ -67,7 +67,8 @@ def row_extents(attention_mask: Tensor) -> Tensor:
     return (cols * real).amax(dim=1) if width else torch.zeros(n, dtype=torch.long, device=attention_mask.device)
 
 
-def length_buckets(attention_mask: Tensor, max_buckets: int = DEFAULT_MAX_BUCKETS, min_gain: float = DEFAULT_MIN_GAIN) -> list[Bucket]:
+def length_buckets(attention_mask: Tensor, max_buckets: int = DEFAULT_MAX_BUCKETS,
+                   min_gain: float = DEFAULT_MIN_GAIN) -> list[Bucket]:
     """Split the ``(N, L)`` rows into at most `max_buckets` groups of similar extent.
 
     Rows are sorted by extent (longest first; ties by row index) and cut into contiguous runs; a

@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from rag.generation.kv_cache import cache_kwarg, output_cache
+from rag.generation.prompts import left_pad
 from rag.generation.search import (
     GenerationConfig,
     SearchSpec,
@@ -34,6 +35,7 @@ from rag.generation.search import (
     unit_cap,
     unit_rows,
 )
+from rag.generation.seq2seq import _dynamic_cache, gather_rows
 from rag.utils.errors import RagError
 
 __all__ = ["CausalLMDecoder", "CausalPrompts", "PrefixCache", "causal_generate", "continuation_logprobs", "prompt_positions",
@@ -94,18 +96,18 @@ class PrefixCache:
         self.hits += len(prefixes) - sum(p in missing for p in prefixes)
         self.misses += len(missing)
         if missing:
-            from rag.generation.prompts import left_pad
-
             device = next(model.parameters()).device
             ids, mask = (t.to(device) for t in left_pad([list(p) for p in missing], 0))
             out = model(input_ids=ids, attention_mask=None if bool(mask.all()) else mask, position_ids=prompt_positions(mask),
                         use_cache=True, return_dict=True)
             layers = getattr(output_cache(out), "layers", None)
             if layers is None:
-                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts without a PrefixCache")
+                raise RagError("the model's cache has no per-layer keys and values to keep; use CausalPrompts "
+                               "without a PrefixCache")
             width = ids.shape[1]
             for i, p in enumerate(missing):
-                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone()) for layer in layers]
+                kv = [(layer.keys[i, :, width - len(p):].clone(), layer.values[i, :, width - len(p):].clone())
+                      for layer in layers]
                 found[p] = kv
                 self._store(p, kv)
         return [found[p] for p in prefixes]
@@ -210,8 +212,6 @@ class CausalPrompts:
 
     def _prefill_after_prefixes(self, model) -> tuple[object, Tensor]:
         """The prefill with every prefix's KV cache from `prefix_cache`: only the columns after `prefix_width` run."""
-        from rag.generation.seq2seq import _dynamic_cache
-
         width, mask = self.prefix_width, self.attention_mask.long()
         prefixes = [tuple(row[m.bool()].tolist()) for row, m in zip(self.input_ids[:, :width], mask[:, :width])]
         rows = [i for i, p in enumerate(prefixes) if p]
@@ -235,8 +235,6 @@ class CausalPrompts:
 
     def _prefill_in_chunks(self, model, chunk: int) -> tuple[object, Tensor]:
         """:meth:`prefill` of `chunk` prompts at a time (each chunk a unit of work), the caches joined along the rows."""
-        from rag.generation.seq2seq import _dynamic_cache
-
         parts = []
         for lo in range(0, len(self), chunk):
             if lo:
@@ -254,8 +252,6 @@ class CausalPrompts:
 
     def gathered_cache(self, model, rows: Tensor):
         """A new cache holding the prefilled prompts `rows` `(R,)` (a copy: decoding it leaves the prompts' own intact)."""
-        from rag.generation.seq2seq import _dynamic_cache, gather_rows
-
         cache, _ = self.prefill(model)
         layers = getattr(cache, "layers", None)
         if layers is None:

@@ -118,7 +118,8 @@ class ContextFormat:
         return Context(joined, len(joined) - len(tail.replace("  ", " ")))
 
     def join(self, title: str, text: str, question: str) -> str:
-        """transformers' exact string: ``(prefix + title.strip('"' once each end) + title_sep + text + doc_sep + question)`` with double spaces collapsed."""
+        """transformers' exact string: ``(prefix + title.strip('"' once each end) + title_sep + text + doc_sep + question)`` with
+        double spaces collapsed."""
         return str(self.context(title, text, question))
 
 
@@ -277,7 +278,8 @@ def tokenize_contexts(
 
 def _shorten(tokenizer, contexts, texts, ids, over, max_length, truncation) -> None:
     """Replace ``ids[i]`` for every over-long context i in `over`, and warn."""
-    logger.debug("%d of %d generator contexts exceed max_length=%d (truncation=%s)", len(over), len(texts), max_length, truncation)
+    logger.debug("%d of %d generator contexts exceed max_length=%d (truncation=%s)", len(over), len(texts), max_length,
+                 truncation)
     if truncation == "hf":
         cut = tokenizer([texts[i] for i in over], add_special_tokens=True, truncation=True, max_length=max_length)["input_ids"]
         for i, row in zip(over, cut):

@@ -6,7 +6,7 @@ The RAG layer over the generic pieces: `rag.generation.search` (greedy / beam se
 already-encoded contexts: row `b * n_docs + k` of the contexts is question `b` joined with its `k`-th
 retrieved passage, and `doc_scores[b, k]` is that passage's retrieval score (`q · d`).
 
-Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks";
+Efficiency by design (ARCHITECTURE invariant 2; `benchmarks/decode_bench.py`, docs/benchmarks.md "Decoding";
 the encoder / cache / rescoring notes live in `rag.generation.seq2seq` and `rag.generation.bart`):
 
 * RAG-Token decodes `batch * num_beams * n_docs` decoder rows per step, mixed per (question, beam) by

@@ -182,7 +182,8 @@ def doc_log_prior(doc_scores: Tensor, *, temperature: float = 1.0, doc_mask: Ten
         scores = ((scores - top).double() / temperature).to(scores.dtype)
     if doc_mask is not None:
         if tuple(doc_mask.shape) != tuple(doc_scores.shape):
-            raise RagError(f"`doc_mask` must have the shape of `doc_scores` {tuple(doc_scores.shape)}; got {tuple(doc_mask.shape)}.")
+            raise RagError(f"`doc_mask` must have the shape of `doc_scores` {tuple(doc_scores.shape)}; got "
+                           f"{tuple(doc_mask.shape)}.")
         doc_mask = doc_mask.to(device=scores.device, dtype=torch.bool)
         if not bool(doc_mask.any(dim=-1).all()):
             raise RagError("`doc_mask` leaves a row without any document; every input needs at least one document that counts.")

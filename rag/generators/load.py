@@ -15,17 +15,22 @@ from typing import Any, Literal, Optional, Union
 
 from rag.generators.base import Generator
 from rag.generators.causal import CausalGenerator
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
 from rag.generators.seq2seq import Seq2SeqGenerator
+from rag.generators.warm_start import WARM_START_KEY, load_seq2seq
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json, readable_model_files
 
-__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator", "check_generator_kind",
+__all__ = ["GeneratorKind", "GENERATOR_KINDS", "generator_kind", "checkpoint_generator_kind", "load_generator",
+           "check_generator_kind",
            "as_generator", "is_causal_lm_checkpoint", "is_seq2seq_checkpoint"]
 
 GeneratorKind = Literal["seq2seq", "causal"]
 GENERATOR_KINDS: tuple[str, ...] = ("seq2seq", "causal")
 
-_WHAT = {"seq2seq": "a seq2seq (encoder-decoder) generator such as BART or T5", "causal": "a decoder-only (causal) LM such as GPT-2 or Llama"}
+_WHAT = {"seq2seq": "a seq2seq (encoder-decoder) generator such as BART or T5",
+         "causal": "a decoder-only (causal) LM such as GPT-2 or Llama"}
 
 
 def generator_kind(model_or_config: Any) -> GeneratorKind:
@@ -71,9 +76,6 @@ def checkpoint_generator_kind(path: Union[str, os.PathLike]) -> Optional[Generat
     """The kind of a plain generator checkpoint — a demo LM alias (causal), or a directory with a transformers
     ``config.json`` or a warm-start generator — without loading weights; None for anything else (a RagModel or
     transformers RAG checkpoint, a hub id, a missing path)."""
-    from rag.generators.demo_lm import DEMO_LM_NAMES
-    from rag.generators.warm_start import WARM_START_KEY
-
     name = os.fspath(path)
     if name in DEMO_LM_NAMES and not os.path.isdir(name):
         return "causal"
@@ -147,10 +149,6 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer
 
-    from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
-    from rag.generators.warm_start import WARM_START_KEY, load_seq2seq
-    from rag.knowledge.encoders import resolve_name_or_path
-
     if kind is not None and kind not in GENERATOR_KINDS:
         raise ConfigError(f"kind={kind!r}; choose one of {GENERATOR_KINDS}")
     original = path
@@ -166,7 +164,8 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
         try:
             config = AutoConfig.from_pretrained(src)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {_one_line(e)}; pass a directory written "
+            raise ConfigError(f"cannot load a generator config from {os.fspath(path)!r}: {_one_line(e)}; pass a "
+                              f"directory written "
                               "by save_pretrained") from e
         found = generator_kind(config)
     if kind is not None and found != kind:
@@ -176,13 +175,15 @@ def load_generator(path: Union[str, os.PathLike], *, kind: Optional[GeneratorKin
                else "pass it as a RagModel generator (`--model.generator`) instead")
         )
     if found == "seq2seq" and from_pretrained_kw and raw is not None and WARM_START_KEY in raw:
-        raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got {sorted(from_pretrained_kw)}")
+        raise ConfigError(f"{os.fspath(path)}: a warm-start generator takes no from_pretrained options, got "
+                          f"{sorted(from_pretrained_kw)}")
     try:
         # A damaged weights or tokenizer file (``SafetensorError: header too large``) is named, as for RAG checkpoints.
         with readable_model_files(local, f"the generator ({_WHAT[found]})", _FIX) if local.is_dir() else contextlib.nullcontext():
             if found == "seq2seq":
                 if from_pretrained_kw:
-                    model, tok = AutoModelForSeq2SeqLM.from_pretrained(src, **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
+                    model, tok = AutoModelForSeq2SeqLM.from_pretrained(src,
+                                                                       **from_pretrained_kw), AutoTokenizer.from_pretrained(src)
                 else:
                     model, tok = load_seq2seq(src)
             else:

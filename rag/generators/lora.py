@@ -16,11 +16,13 @@ from typing import Optional, Sequence, Union
 
 from torch import nn
 
-from rag.generators.demo_lm import DEMO_LM_NAMES
+from rag.generators.demo_lm import DEMO_LM_NAMES, demo_lm_dir, read_demo_lm_manifest
+from rag.generators.load import check_generator_kind, load_generator
+from rag.utils.checksums import file_checksums
 from rag.utils.errors import ConfigError, IntegrityError
 from rag.utils.files import read_json
 from rag.utils.hub import resolve_recorded_name
-from rag.utils.validate import is_integer
+from rag.utils.validate import check_number, check_positive_int, is_integer
 
 __all__ = ["LoraSettings", "apply_lora", "is_adapter", "base_model_of", "base_identity", "check_base", "load_adapter",
            "check_adapter_shapes", "ADAPTER_FILES"]
@@ -52,8 +54,6 @@ class LoraSettings:
     pass stops there: the frozen lower layers run without a graph, so a CPU training step costs much less."""
 
     def __post_init__(self) -> None:
-        from rag.utils.validate import check_number, check_positive_int, is_integer
-
         check_positive_int(self.r, "model.generator_lora.r", error=ConfigError)
         self.alpha = check_number(self.alpha, "model.generator_lora.alpha", low=0.0, error=ConfigError)
         self.dropout = check_number(self.dropout, "model.generator_lora.dropout", low=0.0, high=0.99, error=ConfigError)
@@ -83,12 +83,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     """`model` (a causal LM) with LoRA adapters: only the adapters train (a peft ``PeftModel``)."""
     from peft import LoraConfig, TaskType, get_peft_model
 
-    from rag.generators.load import check_generator_kind
-
     check_generator_kind(model, "causal", "model.generator_lora")
     n_layers = getattr(model.config, "num_hidden_layers", None) or getattr(model.config, "n_layer", None)
     if settings.layers is not None and n_layers is not None and max(settings.layers) >= n_layers:
-        raise ConfigError(f"model.generator_lora.layers={settings.layers}: the generator has {n_layers} layers (0 to {n_layers - 1})")
+        raise ConfigError(f"model.generator_lora.layers={settings.layers}: the generator has {n_layers} layers (0 to "
+                          f"{n_layers - 1})")
     source = getattr(model, SOURCE_ATTR, None)
     config = LoraConfig(task_type=TaskType.CAUSAL_LM, r=settings.r, lora_alpha=settings.alpha, lora_dropout=settings.dropout,
                         target_modules=list(settings.target_modules) if settings.target_modules else None,
@@ -109,9 +108,6 @@ def _base_files(directory: Path) -> list[Path]:
 def base_identity(model: nn.Module) -> dict:
     """How ``rag_config.json`` names the base of an adapter: ``name`` (what it was loaded by: a demo LM alias or a
     directory), ``model_type`` and ``files`` (SHA-256 and size of every file loading opens)."""
-    from rag.generators.demo_lm import DEMO_LM_NAMES, demo_lm_dir, read_demo_lm_manifest
-    from rag.utils.checksums import file_checksums
-
     source = getattr(model, SOURCE_ATTR, None)
     base = base_model_of(model)
     if source is None:
@@ -214,7 +210,8 @@ def check_adapter_shapes(directory: Union[str, os.PathLike], base: nn.Module) ->
         if a is None or b is None:
             raise bad_config(f"targets module {name}, but {weights.name} holds no LoRA tensors for it")
         if len(a) != 2 or len(b) != 2 or a[0] != b[1]:
-            raise IntegrityError(f"{weights}: {a_key} {a} and {b_key} {b} are not a rank-r pair (r, inputs) / (outputs, r); {fix}")
+            raise IntegrityError(f"{weights}: {a_key} {a} and {b_key} {b} are not a rank-r pair (r, inputs) / "
+                                 f"(outputs, r); {fix}")
         if a[0] != rank:
             raise bad_config(f"gives module {name} rank {rank} ({how}), but {weights.name} holds rank {a[0]} for it")
         want = [rank, kind[1]]
@@ -232,8 +229,6 @@ def load_adapter(directory: Union[str, os.PathLike], recorded_base: dict, *, whe
     The name resolves locally only (a demo LM alias, a directory, or a snapshot in the local hub cache;
     :func:`rag.utils.hub.resolve_recorded_name`) unless ``HF_HUB_OFFLINE=0`` opts into downloads."""
     from peft import PeftModel
-
-    from rag.generators.load import load_generator
 
     name = recorded_base.get("name")
     if not isinstance(name, str) or not name:

@@ -29,6 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from rag.generation.kv_cache import cache_field, cache_kwarg, output_cache
+
 ID_CHANNELS = 2
 """Trailing channels of the pointer encoder's output that carry the context token ids."""
 _BASE = 256
@@ -157,8 +159,6 @@ def pointer_model_class() -> type:
     from transformers import EncoderDecoderModel
     from transformers.modeling_outputs import BaseModelOutput, Seq2SeqLMOutput
 
-    from rag.generation.kv_cache import cache_field, cache_kwarg, output_cache
-
     class PointerEncoderDecoderModel(EncoderDecoderModel):
         """``EncoderDecoderModel`` + copy head. Its encoder must be a :func:`pointer_encoder_class` one;
         ``logits`` are the mixture's log-probabilities (:func:`copy_log_probs`)."""
@@ -233,7 +233,8 @@ def pointer_model_class() -> type:
             if past is not None:
                 kwargs.update(cache_kwarg(EncoderDecoderModel, past))
             cached = past.get_seq_length() if hasattr(past, "get_seq_length") else 0  # before the forward extends it
-            out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states), **kwargs)
+            out = super().forward(attention_mask=attention_mask, encoder_outputs=BaseModelOutput(last_hidden_state=states),
+                                  **kwargs)
             h = out.decoder_hidden_states[-1]  # (N, T, d): the state the LM head reads
             scores = self.copy_scores(h, states)
             if self.copy_continue is not None:

@@ -11,6 +11,8 @@ import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from rag.demo import load_demo_corpus
+
 BART_SPECIALS = ["<s>", "<pad>", "</s>", "<unk>"]  # ids 0..3, as in facebook/bart-*
 BERT_SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
@@ -74,7 +76,8 @@ def train_sentencepiece_tokenizer(texts: Iterable[str], vocab_size: int = 400, w
     return T5Tokenizer(vocab=vocab, extra_ids=0)
 
 
-def tiny_bart(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_bart(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512,
+              seed: int = 0):
     """A randomly initialised `BartForConditionalGeneration` sized for `tokenizer`."""
     import torch
     from transformers import BartConfig, BartForConditionalGeneration
@@ -128,7 +131,8 @@ def _bert_config(tokenizer, d_model: int, layers: int, heads: int, ffn: int, max
     )
 
 
-def tiny_bert(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_bert(tokenizer, d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512,
+              seed: int = 0):
     """A randomly initialised `BertModel` (with pooler) sized for `tokenizer`."""
     import torch
     from transformers import BertModel
@@ -151,7 +155,8 @@ def tiny_bert_classifier(tokenizer, id2label: dict[int, str], d_model: int = 32,
     return BertForSequenceClassification(config)
 
 
-def tiny_dpr(tokenizer, kind: str = "question", d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64, max_positions: int = 512, seed: int = 0):
+def tiny_dpr(tokenizer, kind: str = "question", d_model: int = 32, layers: int = 2, heads: int = 4, ffn: int = 64,
+             max_positions: int = 512, seed: int = 0):
     """A randomly initialised DPR question (`kind="question"`) or context encoder."""
     import torch
     from transformers import DPRConfig, DPRContextEncoder, DPRQuestionEncoder
@@ -176,6 +181,4 @@ def save(model, tokenizer, out_dir: str | os.PathLike) -> str:
 
 def sample_texts() -> Sequence[str]:
     """A few hundred words of varied English, enough to train the tiny tokenizers in tests."""
-    from rag.demo import load_demo_corpus
-
     return [f"{p.title} {p.text}" for p in load_demo_corpus()]

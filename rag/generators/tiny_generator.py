@@ -17,7 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Optional, Union
 
+from rag.generators import tiny
+from rag.generators.warm_start import build_warm_start_generator, save_generator
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.utils.errors import ConfigError
+from rag.utils.io import atomic_directory
 from rag.utils.io import cache_dir as rag_cache_dir
 from rag.utils.validate import check_bool, check_choice, check_number, check_positive_int
 
@@ -104,9 +108,6 @@ def resolve_generator(generator: str, spec: TinyGenerator, knowledge_base: str |
 def ensure_warm_start_generator(encoder: str, spec: WarmStartGenerator, cache_dir: Optional[str | os.PathLike] = None) -> str:
     """Directory of the fresh warm-started generator over `encoder` with `spec` (saved with
     :func:`~rag.generators.warm_start.save_generator`: the trained part only, the encoder referenced by name)."""
-    from rag.generators.warm_start import build_warm_start_generator, save_generator
-    from rag.utils.io import atomic_directory
-
     if not encoder:
         raise ConfigError("model.generator='warm:' needs an encoder name, e.g. warm:minilm (the bundled all-MiniLM-L6-v2)")
     key = json.dumps({"encoder": encoder, "spec": dataclasses.asdict(spec), "format": 1}, sort_keys=True)
@@ -129,14 +130,11 @@ def ensure_tiny_generator(kind: str, spec: TinyGenerator, knowledge_base: str | 
     on the passages of `knowledge_base`; built once, then reused (keyed by spec + KB version)."""
     import numpy as np
 
-    from rag.generators import tiny
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.utils.io import atomic_directory
-
     check_tiny_name(TINY_PREFIX + str(kind), "generator")
     kb = KnowledgeBase.open(knowledge_base, verify="none")
     key = json.dumps({"kind": kind, "spec": dataclasses.asdict(spec), "kb": kb.version, "format": 1}, sort_keys=True)
-    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "tiny" / f"{kind}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    out = Path(cache_dir) if cache_dir is not None else rag_cache_dir() / "tiny" / f"{kind}-{digest}"
     if (out / "config.json").is_file():
         return str(out)
     passages = kb.get_passages(np.arange(min(len(kb), TINY_TOKENIZER_TEXTS)).reshape(1, -1))[0]

@@ -1,9 +1,7 @@
 """A warm-started seq2seq generator that learns to read on a CPU budget.
 
-No pretrained BART can be downloaded here, and a BART trained from scratch on a few hundred QA pairs
-memorises their answers instead of learning to copy them from the passage (measured: held-out EM
-≤ 0.02 after 25 CPU-minutes, whatever auxiliary objective). What does learn to read is a transformers
-``EncoderDecoderModel`` whose
+A reader for a few hundred QA pairs without a pretrained BART (docs/training.md, "The Elements recipe and the demo
+checkpoint", says why a BART from scratch does not do): a transformers ``EncoderDecoderModel`` whose
 
 * encoder is a pretrained BERT-family model (by default the bundled all-MiniLM-L6-v2), **frozen**;
 * decoder is a fresh ``BertLMHeadModel`` (cross-attention, a few layers) whose word embeddings are the
@@ -11,13 +9,11 @@ memorises their answers instead of learning to copy them from the passage (measu
   tokens never seen as training targets.
 
 With ``pointer=True`` it also gets a copy head (:mod:`rag.generators.pointer`, a pointer-generator): it can
-emit a passage token by pointing at it, which it learns within minutes instead of hours (measured on the
-Elements demo: given the gold passage, dev EM 0.66 after 4 CPU-minutes of reading practice, against 0.05
-after 8 and 0.24 after 30 without it).
+emit a passage token by pointing at it.
 
 It is an ordinary ``AutoModelForSeq2SeqLM`` for everything downstream (:class:`~rag.models.rag.model.RagModel`,
 :mod:`rag.generation.decoding`). Checkpoints stay small: :func:`save_generator` writes only the trained
-weights (decoder minus its word embeddings, ~30 MB for 3 layers instead of ~170 MB) and records the
+weights (the decoder minus its word embeddings) and records the
 encoder by name and weights fingerprint; :func:`load_warm_start` rebuilds the rest and checks the
 fingerprint. :func:`load_seq2seq` loads either kind of generator directory.
 
@@ -36,6 +32,8 @@ from typing import Iterator, Optional, Union
 import torch
 from torch import nn
 
+from rag.generators.pointer import pointer_encoder_class, pointer_model_class
+from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path, weights_fingerprint
 from rag.utils.errors import ConfigError, IntegrityError
 from rag.utils.files import read_json
 
@@ -77,8 +75,6 @@ def build_warm_start_generator(
     """
     from transformers import AutoTokenizer, BertConfig, BertLMHeadModel
 
-    from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
-
     if not isinstance(decoder_layers, int) or decoder_layers < 1:
         raise ConfigError(f"decoder_layers must be a positive integer, got {decoder_layers!r}")
     if continuation not in CONTINUATIONS:
@@ -90,7 +86,8 @@ def build_warm_start_generator(
         enc = _frozen_encoder(path, pointer)
         tok = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as e:
-        raise ConfigError(f"cannot load {encoder!r} as a BERT-family encoder and tokenizer for the warm-started generator: {e}") from e
+        raise ConfigError(f"cannot load {encoder!r} as a BERT-family encoder and tokenizer for the warm-started "
+                          f"generator: {e}") from e
     ec = enc.config
     if seed is not None:
         torch.manual_seed(seed)
@@ -120,8 +117,6 @@ def _frozen_encoder(path: str, pointer: bool = False):
     for a `pointer` generator, one whose outputs carry the token ids."""
     from transformers import BertModel
 
-    from rag.generators.pointer import pointer_encoder_class
-
     enc = (pointer_encoder_class(BertModel) if pointer else BertModel).from_pretrained(path)
     enc.pooler = None
     return enc
@@ -129,8 +124,6 @@ def _frozen_encoder(path: str, pointer: bool = False):
 
 def _model_class(pointer: bool) -> type:
     from transformers import EncoderDecoderModel
-
-    from rag.generators.pointer import pointer_model_class
 
     return pointer_model_class() if pointer else EncoderDecoderModel
 
@@ -195,12 +188,11 @@ def load_warm_start(path: Union[str, os.PathLike]):
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, BertLMHeadModel, EncoderDecoderConfig
 
-    from rag.knowledge.encoders import check_fingerprint, resolve_name_or_path
-
     path = Path(path)
     cfg = EncoderDecoderConfig.from_pretrained(path)
     record = getattr(cfg, WARM_START_KEY, None)
-    if not isinstance(record, dict) or not isinstance(record.get("encoder"), str) or not isinstance(record.get("fingerprint"), str):
+    if not isinstance(record, dict) or not isinstance(record.get("encoder"),
+                                                      str) or not isinstance(record.get("fingerprint"), str):
         raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY!r} is missing or incomplete (it needs the strings "
                              "'encoder' and 'fingerprint'); save the generator again")
     name = record["encoder"]
@@ -223,7 +215,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
                              "or 'bigram' (written by a newer rag?)")
     if continuation:
         if not pointer:
-            raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the generator again")
+            raise IntegrityError(f"{path / 'config.json'}: field {WARM_START_KEY}.continuation needs pointer: true; save the "
+                                 f"generator again")
         gen.add_continuation(bigram=continuation == "bigram")
     tok = AutoTokenizer.from_pretrained(path)
     _configure(gen, tok, record)
@@ -237,7 +230,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
     if not missing and extra and set(extra) <= set(whole):
         # transformers' save_pretrained of the whole model (frozen encoder included): every trained tensor is there, and
         # the rest are the model's own; the encoder weights saved with it are the ones it ran with.
-        logger.info("%s: a save_pretrained directory of the whole generator (%d tensors); rag.generators.warm_start.save_generator "
+        logger.info("%s: a save_pretrained directory of the whole generator (%d tensors); "
+                    "rag.generators.warm_start.save_generator "
                     "writes only the trained ones", weights, len(state))
         expected = {k: whole[k] for k in state}
     elif missing or extra:
@@ -246,7 +240,8 @@ def load_warm_start(path: Union[str, os.PathLike]):
                              f"restore the directory or save the generator again")
     for name, t in state.items():
         if t.shape != expected[name].shape:
-            raise IntegrityError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, config.json implies {tuple(expected[name].shape)}")
+            raise IntegrityError(f"{weights}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                                 f"{tuple(expected[name].shape)}")
     gen.load_state_dict(state, strict=False)
     return gen.eval(), tok
 

@@ -161,7 +161,8 @@ class BM25Index:
         try:
             re.compile(token_pattern)
         except (re.error, TypeError) as e:
-            raise ConfigError(f"token_pattern={token_pattern!r} is not a regular expression ({e}); the default is {TOKEN_PATTERN!r}") from e
+            raise ConfigError(f"token_pattern={token_pattern!r} is not a regular expression ({e}); the default is "
+                              f"{TOKEN_PATTERN!r}") from e
         check_number(title_weight, "title_weight (how many times a passage's title counts; 0: not indexed)", integer=True,
                      low=0, high=100, error=ConfigError)
         index = cls(None, k1=k1, b=b, stemmer=stemmer, stopwords=stopwords, num_docs=len(passages), token_pattern=token_pattern,
@@ -265,7 +266,8 @@ class BM25Index:
         directory = Path(directory)
         settings_file = directory / SETTINGS_FILE
         if not settings_file.is_file():
-            raise KnowledgeBaseError(f"{directory} is not a BM25 index directory ({SETTINGS_FILE} missing); build one with BM25Index.build(...).save(...)")
+            raise KnowledgeBaseError(f"{directory} is not a BM25 index directory ({SETTINGS_FILE} missing); build one with "
+                                     f"BM25Index.build(...).save(...)")
         s = read_json(settings_file, fix="rebuild the index", error=KnowledgeBaseError)
         check_json_files(directory / BM25S_DIR, fix="rebuild the index", error=KnowledgeBaseError)  # bm25s parses them unbounded
         if not isinstance(s, dict):

@@ -313,9 +313,10 @@ def write_knowledge_base(out: Path, passages: Sequence[Passage], vectors: Vector
     """Index `vectors` (row i = passage i) and write the knowledge base `out` atomically; return its manifest.
 
     `embeddings_file`: the ``.npy`` that `vectors` reads, copied into the directory as its ``embeddings.npy`` (with
-    `link`, a file this build owns, e.g. its staging file: hard-linked where the filesystem allows); without it `vectors` must be an :class:`~rag.knowledge.vectors.ArrayVectors`, saved with
-    ``np.save``. Either way the file's bytes, hence the version id, are those of ``np.save`` of the whole array.
-    `index_writer(index, path)` writes ``index.faiss`` (:func:`~rag.knowledge.index.write_index`).
+    `link`, a file this build owns, e.g. its staging file: hard-linked where the filesystem allows); without it `vectors` must be
+    an :class:`~rag.knowledge.vectors.ArrayVectors`, saved with ``np.save``. Either way the file's bytes, hence the version id,
+    are those of ``np.save`` of the whole array. `index_writer(index, path)` writes ``index.faiss``
+    (:func:`~rag.knowledge.index.write_index`).
     """
     import datasets
 
@@ -350,7 +351,8 @@ def write_knowledge_base(out: Path, passages: Sequence[Passage], vectors: Vector
 def build_from_encoder(passages: Sequence[Passage], encoder, out: Path, index: IndexSpec | str, *, batch_size: int = 64,
                        device=None, dtype=None, query_encoder: Optional[str] = None, bm25: bool = False,
                        show_progress: bool = True, overwrite: bool = False, build_info: Optional[dict] = None,
-                       max_memory: Optional[int | str] = None, chunk_rows: int = CHUNK_ROWS, index_writer=write_index) -> Manifest:
+                       max_memory: Optional[int | str] = None, chunk_rows: int = CHUNK_ROWS,
+                       index_writer=write_index) -> Manifest:
     """:meth:`KnowledgeBase.build <rag.knowledge.knowledge_base.KnowledgeBase.build>`'s work: check everything, encode
     (staged, resumable), index from the staging file and write `out`; returns its manifest and removes the staging."""
     passages = list(passages)
@@ -372,7 +374,8 @@ def build_from_encoder(passages: Sequence[Passage], encoder, out: Path, index: I
     info = {"encode_seconds": round(time.perf_counter() - t0, 3), **(build_info or {})}
     qenc = {"name": query_encoder} if query_encoder else None
     on_cpu = device is not None and torch.device(device).type == "cpu"
-    manifest = write_knowledge_base(out, passages, NpyVectors(emb, checked_finite=True), ident, spec, embeddings_file=emb, link=True,
+    manifest = write_knowledge_base(out, passages, NpyVectors(emb, checked_finite=True), ident, spec, embeddings_file=emb,
+                                    link=True,
                                     query_encoder=qenc, bm25=bm25, show_progress=show_progress, overwrite=overwrite,
                                     build_info=info, gpu=False if on_cpu else None, index_writer=index_writer)
     shutil.rmtree(staging, ignore_errors=True)
@@ -395,7 +398,8 @@ def write_from_embeddings(out: Path, passages: Sequence[Passage], embeddings: np
     else:
         embeddings = np.ascontiguousarray(embeddings, dtype=np.float32)
         if embeddings.ndim != 2:
-            raise RagError(f"embeddings have shape {tuple(embeddings.shape)}; expected ({len(passages)}, dim) — one row per passage")
+            raise RagError(f"embeddings have shape {tuple(embeddings.shape)}; expected ({len(passages)}, dim) — one "
+                           f"row per passage")
         vectors = ArrayVectors(embeddings)
     if vectors.shape[0] != len(passages):
         raise RagError(f"embeddings have shape {tuple(vectors.shape)}; expected ({len(passages)}, dim) — one row per passage")

@@ -37,12 +37,14 @@ def read_directory(path: Path, verify: Verify, *, mmap: bool = True, hash_nice: 
     import datasets  # heavy: only when a directory is opened
 
     if path.exists() and not path.is_dir():
-        raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index build --out` wrote")
+        raise KnowledgeBaseError(f"{path} is a file, not a knowledge-base directory; give the directory `rag index "
+                                 f"build --out` wrote")
     if not path.is_dir():
         raise KnowledgeBaseError(f"{path}: no such knowledge-base directory; build one with `rag index build --out {path} ...`")
     mpath = path / MANIFEST
     if not mpath.is_file():
-        raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with `rag index build`")
+        raise KnowledgeBaseError(f"{mpath}: missing; {path} is not a (complete) knowledge base — rebuild it with "
+                                 f"`rag index build`")
     manifest = Manifest.from_dict(read_json(mpath, fix="the file is damaged — rebuild the knowledge base"), mpath)
     verify_kb_files(path, manifest, verify, hash_nice=hash_nice)
     check_arrow_files(path / PASSAGES)

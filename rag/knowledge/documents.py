@@ -95,7 +95,8 @@ def read_documents(
     try:
         codecs.lookup(encoding)
     except LookupError:
-        raise CorpusError(f"unknown encoding {encoding!r}; pass a Python codec name such as utf-8 or latin-1 (--encoding)") from None
+        raise CorpusError(f"unknown encoding {encoding!r}; pass a Python codec name such as utf-8 or "
+                          f"latin-1 (--encoding)") from None
     check_positive_int(max_document_chars, "max_document_chars (--max-document-chars)", error=CorpusError)
     check_bool(follow_symlinks, "follow_symlinks (--follow-symlinks)", error=CorpusError)
     fields = _Fields(title_field or None, text_field, id_field or None, max_document_chars, follow_symlinks)
@@ -361,7 +362,8 @@ def _jsonl_rows(path: Path, fields: _Fields, encoding: str) -> Iterator[Document
             for i, row in enumerate(rows):
                 where = f"{path}[{i}]"
                 if not isinstance(row, dict):
-                    raise CorpusError(f"{where}: expected a JSON object with {fields.text!r}, got a {type(row).__name__}; fix the file")
+                    raise CorpusError(f"{where}: expected a JSON object with {fields.text!r}, got a "
+                                      f"{type(row).__name__}; fix the file")
                 yield _make_document(row, fields, where)
             return
         f.seek(0)
@@ -430,7 +432,8 @@ def _delimited_rows(path: Path, fields: _Fields, encoding: str, delimiter: str, 
             except csv.Error as e:
                 if "end of data" in str(e):
                     raise CorpusError(f"{path}:{last_line + 1}: a quote opened in this row is never closed, so it would swallow "
-                                      "every row after it; close the quote (write a quote inside a quoted field as \"\")") from None
+                                      "every row after it; close the quote (write a quote inside a quoted "
+                                      "field as \"\")") from None
                 raise CorpusError(f"{path}:{last_line + 1}: cannot parse the row ({e}); fix the quoting of that row") from None
             where = f"{path}:{last_line + 1}"
             last_line = reader.line_num

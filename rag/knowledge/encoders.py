@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from rag.knowledge.passages import Passage
+from rag.utils.checksums import confined_path
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.files import check_json_files, read_json, readable_model_files
@@ -131,7 +132,6 @@ def _sentence_transformers_settings(path: str) -> Optional[dict]:
     modules = _read_json(modules_file)
     if not isinstance(modules, list):
         raise ConfigError(f"{modules_file} must hold a JSON list of modules")
-    from rag.utils.checksums import confined_path
 
     out: dict = {"transformer_dir": "", "pooling": None, "normalize": False, "unsupported": []}
     for m in modules:

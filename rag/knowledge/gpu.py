@@ -8,12 +8,12 @@ vectors; every query goes to all and the top-k are merged), optionally storing v
   rows), on any GPU PyTorch supports, with no faiss GPU build needed;
 * ``ivf_pq`` runs in faiss's GPU IVF-PQ (``pip install -e ".[gpu]"``: faiss-gpu-cu12). The PyPI faiss-gpu-cu12 wheels
   carry kernels for compute capability 7.0-8.9 only: on a Hopper (H100/H200, 9.0) or newer GPU their first kernel
-  launch *aborts the process*. Before faiss touches a GPU, :func:`~rag.knowledge.faiss_gpu.faiss_gpu_problem` therefore runs a tiny search in a
-  child process; when it fails, search and builds stay on the CPU with a warning that says why;
+  launch *aborts the process*. Before faiss touches a GPU, :func:`~rag.knowledge.faiss_gpu.faiss_gpu_problem` therefore runs a
+  tiny search in a child process; when it fails, search and builds stay on the CPU with a warning that says why;
 * ``hnsw`` / ``hnsw_sq8``: faiss has no GPU HNSW; search stays on the CPU with a warning.
 
-:func:`rag.knowledge.faiss_gpu.build_on_gpu` trains and fills an IVF-PQ index on a GPU (k-means and the PQ encoding are what makes a large
-build slow) and hands back its CPU copy.
+:func:`rag.knowledge.faiss_gpu.build_on_gpu` trains and fills an IVF-PQ index on a GPU (k-means and the PQ encoding are what makes
+a large build slow) and hands back its CPU copy.
 """
 
 from __future__ import annotations
@@ -206,5 +206,6 @@ def to_gpu(index, spec: IndexSpec, devices: Union[str, int, Sequence[int]] = "al
         opts.shard = shard
         gpu = faiss.index_cpu_to_gpu_multiple_py(resources, index, opts, ids)
     faiss.GpuParameterSpace().set_index_parameter(gpu, "nprobe", int(spec.nprobe))
-    logger.info("index %s on GPU(s) %s (%s, fp16=%s)", spec.kind, ids, "sharded" if shard and len(ids) > 1 else "replicated", fp16)
+    logger.info("index %s on GPU(s) %s (%s, fp16=%s)", spec.kind, ids, "sharded" if shard and len(ids) > 1 else "replicated",
+                fp16)
     return GpuIndex(gpu, spec, ids, shard, fp16, resources)

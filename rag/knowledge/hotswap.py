@@ -48,7 +48,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE
+from rag.knowledge.retriever import check_compatible
 from rag.utils.checksums import check_niceness
 from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 from rag.utils.validate import check_bool, check_number, check_positive_int
@@ -126,16 +128,12 @@ def _only_here(items: list, i: int) -> bool:
 def _close(kb, **kw) -> None:
     """Close a swapped-out KnowledgeBase (the caller made sure nothing else uses it); other objects
     (test doubles, wrappers) are simply dropped."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if isinstance(kb, KnowledgeBase):
         kb.close(timeout=0, **kw)
 
 
 def _release_pages(kb, **kw) -> None:
     """Release the mapped pages of a swapped-out KnowledgeBase that something still holds."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if isinstance(kb, KnowledgeBase):
         kb.release_pages(**kw)
 
@@ -194,7 +192,8 @@ class KnowledgeBaseSlot:
                 "`set_knowledge_base(kb, allow_encoder_change=...)`, as DenseRetriever and BM25Retriever have"
             )
         check_positive_int(history, "history", error=ConfigError)
-        check_number(keep_loaded, f"keep_loaded (at most history={history})", integer=True, low=0, high=history, error=ConfigError)
+        check_number(keep_loaded, f"keep_loaded (at most history={history})", integer=True, low=0, high=history,
+                     error=ConfigError)
         check_niceness(verify_nice, "verify_nice")
         check_number(release_wait, "release_wait (seconds)", low=0, error=ConfigError)
         check_bool(prewarm, "prewarm", error=ConfigError)
@@ -353,7 +352,8 @@ class KnowledgeBaseSlot:
                 target.verified = "none"  # served as +unverified: nothing was checked this time
             if target is None:
                 if entry.path is None:
-                    raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; swap to a directory instead")
+                    raise KnowledgeBaseError(f"previous version {entry.version} was unloaded and has no directory to re-open; "
+                                             f"swap to a directory instead")
                 tl = time.perf_counter()
                 target = self._open(entry.path, verify)
                 load_seconds = time.perf_counter() - tl
@@ -383,13 +383,12 @@ class KnowledgeBaseSlot:
             del old, prepared
             self._release(unloaded)
             return self._result(old_version, old_path, target, t0, load_seconds, commit_seconds, "swap_back", seq, warm)
-        raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving {self.version})")
+        raise SwapConflictError(f"swap_back gave up: the history changed {_retries} times while loading; retry (still serving "
+                                f"{self.version})")
 
     # ------------------------------------------------------------------ internals
     def _open(self, path_or_kb, verify: str):
         """Open and verify off the lock; any failure becomes a KnowledgeBaseError naming what still serves."""
-        from rag.knowledge.knowledge_base import KnowledgeBase
-
         if verify not in ("full", "size", "none"):
             raise ConfigError(f"verify={verify!r}; choose 'full', 'size' or 'none'")
         if isinstance(path_or_kb, (str, os.PathLike)):
@@ -412,15 +411,14 @@ class KnowledgeBaseSlot:
     def _precheck(self, new, allow_encoder_change: bool, allow_metric_change: bool) -> None:
         """Dimension / encoder (rag.knowledge.retriever.check_compatible) and metric of a dense
         retriever, before the lock (a BM25 retriever uses neither the embeddings nor their metric)."""
-        from rag.knowledge.retriever import check_compatible
-
         current = self.current
         try:
             qenc = getattr(self.retriever, "query_encoder", None)
             if qenc is None:
                 return
             check_compatible(new, qenc.dim, getattr(self.retriever, "space", None), allow_encoder_change=allow_encoder_change)
-            if current is not None and not allow_metric_change and getattr(new, "metric", None) != getattr(current, "metric", None):
+            if current is not None and not allow_metric_change and getattr(new, "metric",
+                                                                           None) != getattr(current, "metric", None):
                 raise KnowledgeBaseError(
                     f"{_path_of(new)}: indexed with metric={new.metric!r} but the serving knowledge base uses "
                     f"{current.metric!r}, so the model would rank passages differently from how it was trained; rebuild it "
@@ -489,8 +487,8 @@ class KnowledgeBaseSlot:
         then :meth:`KnowledgeBase.close` frees it. Closing first drops its mapped pages with
         ``madvise(MADV_DONTNEED)`` a few megabytes at a time (ctypes calls, which release the
         GIL, with short sleeps in between): freeing a large memory-mapped index otherwise tears
-        down its page tables inside faiss's destructor with the GIL held (measured: 100-300 ms
-        for a 500k x 768 HNSW index, during which every request thread waits). A knowledge base
+        down its page tables inside faiss's destructor with the GIL held, and every request
+        thread waits (docs/benchmarks.md, "Hot swap"). A knowledge base
         still held after ``release_wait`` seconds (e.g. by the caller who passed it in) only has
         its pages released, which a holder still reading does not notice, and is freed by its
         last holder. Knowledge bases still in the history are kept. With ``background_release``

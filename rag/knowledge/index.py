@@ -36,6 +36,7 @@ import faiss
 import numpy as np
 from tqdm.auto import tqdm
 
+from rag.knowledge.faiss_gpu import build_on_gpu
 from rag.knowledge.vectors import ArrayVectors, Vectors
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.io import atomic_write_file
@@ -381,8 +382,6 @@ def _build_ivf_pq(src: Vectors, spec: IndexSpec, show: bool, gpu: Optional[bool]
     if not src.checked_finite and not np.isfinite(train).all():
         raise RagError("the vectors' training sample contains NaN or inf; fix or drop those rows")
     if gpu is not False:
-        from rag.knowledge.faiss_gpu import build_on_gpu
-
         built = build_on_gpu(index, train, src, required=bool(gpu), add=lambda g: _add_chunks(g, src, "index ivf_pq (GPU)", show))
         if built is not None:
             return built

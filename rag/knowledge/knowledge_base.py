@@ -150,7 +150,8 @@ class KnowledgeBase:
             return False
         if closed:
             self.pages.drop(chunk=chunk, pause=pause)
-            self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None  # freed here (unless a caller kept, e.g., the embeddings array)
+            # freed here (unless a caller kept, e.g., the embeddings array)
+            self._index = self._embeddings = self._passages = self._bm25 = self._gpu = self._pool = None
             logger.debug("closed knowledge base %s (%s)", self.path, self.version)
         return True
 
@@ -183,7 +184,8 @@ class KnowledgeBase:
 
     def __repr__(self) -> str:
         closed = ", closed" if self.closed else ""
-        return f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, index={self._spec.kind}{closed})"
+        return (f"KnowledgeBase({str(self.path)!r}, version={self.version}, count={len(self)}, dim={self.dim}, "
+                f"index={self._spec.kind}{closed})")
 
     # ------------------------------------------------------------------ building
     @classmethod
@@ -286,7 +288,8 @@ class KnowledgeBase:
         ident = encoder.identity()
         if ident.get("fingerprint") != self.encoder.get("fingerprint"):
             raise KnowledgeBaseError(
-                f"{self.path}: the encoder given to add() ({ident.get('name')}, fingerprint {ident.get('fingerprint', '?')[:12]}) "
+                f"{self.path}: the encoder given to add() ({ident.get('name')}, fingerprint "
+                f"{ident.get('fingerprint', '?')[:12]}) "
                 f"is not the one that built this knowledge base ({self.encoder.get('name')}, fingerprint "
                 f"{self.encoder.get('fingerprint', '?')[:12]}); use that encoder, or rebuild everything with KnowledgeBase.build"
             )
@@ -298,8 +301,10 @@ class KnowledgeBase:
             has_bm25 = self._bm25 is not None
         clash = [p.id for p in new if p.id in old_ids]
         if clash:
-            raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new passages unique ids")
-        vectors = encoder.encode_passages(new, batch_size=batch_size, show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
+            raise CorpusError(f"{self.path}: {len(clash)} new passage id(s) already exist, e.g. {clash[0]!r}; give new "
+                              f"passages unique ids")
+        vectors = encoder.encode_passages(new, batch_size=batch_size,
+                                          show_progress=show_progress) if new else np.zeros((0, self.dim), np.float32)
         return KnowledgeBase.from_embeddings(
             old_passages + new,
             np.concatenate([old_vectors, vectors]),

@@ -16,9 +16,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+import rag
 from rag.knowledge.index import IndexSpec
 from rag.knowledge.passages import Passage
-from rag.utils.checksums import Verify, verify_files
+from rag.utils.checksums import Verify, confined_path, verify_files
 from rag.utils.errors import CorpusError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.files import check_json_files, read_json
 from rag.utils.validate import is_integer
@@ -66,7 +67,8 @@ class Manifest:
             raise bad(f"holds a JSON {type(d).__name__}, not an object")
         missing = [k for k in _REQUIRED_FIELDS if k not in d]  # (`created` too: the dataclass has no default for it)
         if missing:
-            raise IntegrityError(f"{path}: manifest is missing field(s) {missing}; the directory is not a complete knowledge base — rebuild it with `rag index build`")
+            raise IntegrityError(f"{path}: manifest is missing field(s) {missing}; the directory is not a complete knowledge "
+                                 f"base — rebuild it with `rag index build`")
         for name, types in _FIELD_TYPES.items():
             value = d.get(name)
             if name not in _REQUIRED_FIELDS and value is None:
@@ -110,8 +112,6 @@ def new_manifest(passages: Sequence[Passage], dim: int, spec: IndexSpec, encoder
     """The manifest of a knowledge base being written: its content-addressed version (passages, embeddings' checksum,
     index spec, encoder), the time, the versions of rag and faiss that wrote it, and `build`'s entries."""
     import faiss
-
-    import rag
 
     digest = passages_digest(passages)
     return Manifest(
@@ -203,13 +203,16 @@ def check_version(path: Path, manifest: Manifest, passages: Any) -> None:
 
 def check_passages(passages: Sequence[Passage], where: str) -> None:
     if len(passages) == 0:
-        raise CorpusError(f"{where}: the corpus is empty (0 passages); give a file or dataset with at least one title/text record")
+        raise CorpusError(f"{where}: the corpus is empty (0 passages); give a file or dataset with at least one "
+                          f"title/text record")
     seen: dict[str, int] = {}
     for i, p in enumerate(passages):
         if not isinstance(p, Passage):
-            raise CorpusError(f"{where}: item {i} is {type(p).__name__}, not a Passage; build passages with rag.knowledge.passages.load_corpus")
+            raise CorpusError(f"{where}: item {i} is {type(p).__name__}, not a Passage; build passages with "
+                              f"rag.knowledge.passages.load_corpus")
         if p.id in seen:
-            raise CorpusError(f"{where}: duplicate passage id {p.id!r} at positions {seen[p.id]} and {i}; ids must be unique (drop the id field to derive ids from content)")
+            raise CorpusError(f"{where}: duplicate passage id {p.id!r} at positions {seen[p.id]} and {i}; ids must be unique "
+                              f"(drop the id field to derive ids from content)")
         seen[p.id] = i
 
 
@@ -238,7 +241,8 @@ def check_finite(embeddings: np.ndarray, where: Path) -> None:
     for block in blocks:
         if not np.isfinite(block).all():
             bad = start + int(np.flatnonzero(~np.isfinite(block).all(axis=1))[0])
-            raise IntegrityError(f"{where}: row {bad} holds NaN or inf (a knowledge base never stores them); rebuild the knowledge base")
+            raise IntegrityError(f"{where}: row {bad} holds NaN or inf (a knowledge base never stores them); rebuild the "
+                                 f"knowledge base")
         start += block.shape[0]
 
 
@@ -261,8 +265,6 @@ def file_blocks(path: Path, offset: int, dtype: np.dtype, n: int, dim: int, rows
 
 def check_arrow_files(passages_dir: Path) -> None:
     """The passages' ``state.json`` names its data files; each must stay inside the passages directory."""
-    from rag.utils.checksums import confined_path
-
     state = passages_dir / "state.json"
     # datasets parses the folder's JSON files itself (without bounds): each is read through the bounded reader first
     check_json_files(passages_dir, fix="rebuild the knowledge base")

@@ -25,7 +25,8 @@ from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["MappedPages", "RELEASE_CHUNK", "PREWARM_CHUNK", "PREWARM_PAUSE", "mapped_addresses", "arrow_addresses", "own_mappings",
+__all__ = ["MappedPages", "RELEASE_CHUNK", "PREWARM_CHUNK", "PREWARM_PAUSE", "mapped_addresses", "arrow_addresses",
+           "own_mappings",
            "madvise_dontneed", "file_mappings", "populate"]
 
 _MADV_DONTNEED = 4

@@ -239,5 +239,6 @@ def load_corpus(
     `source`: path, list of paths, or ``datasets.Dataset``; `read_kw`: ``format``,
     ``title_field``, ``text_field``, ``id_field``, ``encoding``. Shows a tqdm bar.
     """
-    return list(iter_corpus(source, words_per_passage=words_per_passage, min_tail_words=min_tail_words, show_progress=show_progress,
+    return list(iter_corpus(source, words_per_passage=words_per_passage, min_tail_words=min_tail_words,
+                            show_progress=show_progress,
                             **read_kw))

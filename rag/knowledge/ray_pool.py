@@ -20,6 +20,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.utils.errors import ConfigError, RetrievalError
 from rag.utils.validate import check_positive_int
 
@@ -30,8 +31,6 @@ class SearchActor:
     """What one Ray actor runs: an opened knowledge base and its search."""
 
     def __init__(self, path: str, verify: str) -> None:
-        from rag.knowledge.knowledge_base import KnowledgeBase
-
         self.kb = KnowledgeBase.open(path, verify=verify)
 
     def version(self) -> str:

@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rag.knowledge.encoders import TextEncoder, check_fingerprint
+from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.utils.errors import ConfigError, KnowledgeBaseError, RagError
 
 logger = logging.getLogger(__name__)
@@ -49,8 +51,6 @@ def load_document_encoder(kb, name_or_path=None):
     Raises:
         KnowledgeBaseError: the manifest's encoder now loads with other weights, or records no name.
     """
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
-
     if isinstance(name_or_path, TextEncoder):
         return name_or_path
     ident = kb.encoder
@@ -102,9 +102,6 @@ def build_refreshed_kb(
     """
     import torch
 
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     t0 = time.perf_counter()
     old = KnowledgeBase.open(knowledge_base, verify="size")
     encoder = TextEncoder.from_pretrained(encoder_dir)
@@ -142,7 +139,8 @@ def build_refreshed_kb(
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m rag.knowledge.refresh",
-        description="Re-encode a knowledge base with an updated document encoder and write a new version (its parent = the old one).",
+        description="Re-encode a knowledge base with an updated document encoder and write a new version (its parent "
+                    "= the old one).",
     )
     p.add_argument("--knowledge-base", required=True, help="the knowledge base serving now")
     p.add_argument("--encoder", required=True, help="TextEncoder.save_pretrained directory of the updated document encoder")

@@ -12,7 +12,9 @@ from typing import Optional
 
 import torch
 
+from rag.knowledge.encoders import TextEncoder, check_fingerprint
 from rag.knowledge.types import Retrieved
+from rag.utils.errors import KnowledgeBaseError
 
 __all__ = ["DenseRetriever", "check_compatible", "default_query_encoder"]
 
@@ -25,8 +27,6 @@ def check_compatible(kb, query_dim: int, space: Optional[str], *, allow_encoder_
     another space, which only `allow_encoder_change=True` accepts (e.g. after a
     deliberate document-encoder update).
     """
-    from rag.utils.errors import KnowledgeBaseError
-
     if kb.dim != query_dim:
         raise KnowledgeBaseError(
             f"{kb.path}: holds dim={kb.dim} vectors from {kb.encoder.get('name')}, but the query encoder outputs "
@@ -98,9 +98,6 @@ def default_query_encoder(kb, name: Optional[str] = None):
     fingerprint recorded at build time (otherwise queries and passages would be
     embedded by different models).
     """
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
-    from rag.utils.errors import KnowledgeBaseError
-
     doc = kb.encoder
     if name is None and kb.manifest.query_encoder:
         name = kb.manifest.query_encoder.get("name")

@@ -73,7 +73,8 @@ class ServedRetrievers:
             raise ConfigError(f"retrieval={kind!r} (--retrieval); choose one of {RETRIEVAL_KINDS}")
         with self._lock:
             if kind not in self._built:
-                self._built[kind] = retriever_for_kind(kind, self.knowledge_base, self._owner.query_encoder_for(self.knowledge_base)
+                self._built[kind] = retriever_for_kind(kind, self.knowledge_base,
+                                                       self._owner.query_encoder_for(self.knowledge_base)
                                                        if kind != "bm25" else None)
             return self._built[kind]
 

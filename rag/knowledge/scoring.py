@@ -17,20 +17,19 @@ scores) and In-Context RALM (retrieval every stride) reuse it with their own rea
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 
 from rag.knowledge.bm25 import BM25Retriever
+from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.hybrid import HybridRetriever
 from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.refresh import load_document_encoder
 from rag.knowledge.retriever import DenseRetriever, check_compatible
 from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS, retriever_for_kind
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.errors import ConfigError, KnowledgeBaseError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from rag.knowledge.encoders import TextEncoder
 
 __all__ = ["ScoringSettings", "RetrievalScorer"]
 
@@ -83,7 +82,8 @@ class RetrievalScorer:
             retriever = retriever_for_kind(settings.retrieval, retriever, question_encoder, settings=settings)
         if settings.retrieval == "hybrid":
             if not isinstance(retriever, HybridRetriever):
-                raise ConfigError(f"config.retrieval='hybrid' needs a HybridRetriever or a KnowledgeBase, got {type(retriever).__name__}")
+                raise ConfigError(f"config.retrieval='hybrid' needs a HybridRetriever or a KnowledgeBase, got "
+                                  f"{type(retriever).__name__}")
             if retriever.query_encoder is not question_encoder:  # fuse with the model's own (trainable) encoder's ranking
                 space = retriever.space
                 retriever = HybridRetriever.from_knowledge_base(retriever.knowledge_base, question_encoder, **retriever.options,
@@ -91,15 +91,18 @@ class RetrievalScorer:
                 retriever.dense.space = space
         elif settings.retrieval == "bm25":
             if not isinstance(retriever, BM25Retriever):
-                raise ConfigError(f"config.retrieval='bm25' needs a BM25Retriever (or a KnowledgeBase built with bm25=True), got {type(retriever).__name__}")
+                raise ConfigError(f"config.retrieval='bm25' needs a BM25Retriever (or a KnowledgeBase built with bm25=True), got "
+                                  f"{type(retriever).__name__}")
         else:
             if not isinstance(retriever, DenseRetriever):
-                raise ConfigError(f"config.retrieval='dense' needs a DenseRetriever or a KnowledgeBase, got {type(retriever).__name__}")
+                raise ConfigError(f"config.retrieval='dense' needs a DenseRetriever or a KnowledgeBase, got "
+                                  f"{type(retriever).__name__}")
             check_compatible(retriever.knowledge_base, question_encoder.dim, None)
             if retriever.query_encoder is not question_encoder:
                 # Retrieve with the model's own (trainable) encoder, keeping the retriever's embedding space.
                 space = retriever.space
-                retriever = DenseRetriever(retriever.knowledge_base, question_encoder, allow_encoder_change=retriever.allow_encoder_change)
+                retriever = DenseRetriever(retriever.knowledge_base, question_encoder,
+                                           allow_encoder_change=retriever.allow_encoder_change)
                 retriever.space = space
         self.retriever: Retriever = retriever
         self._other_kinds: dict = {}  # retrievers of other kinds asked for per call, over the knowledge base served now
@@ -108,11 +111,7 @@ class RetrievalScorer:
     def _resolve_doc_encoder(self, doc_encoder: Optional["TextEncoder"]) -> Optional["TextEncoder"]:
         """The document encoder (or None): given, or loaded from the knowledge base's manifest when the
         settings re-embed passages; frozen and in eval mode unless ``train_doc_encoder``."""
-        from rag.knowledge.encoders import TextEncoder
-
         if doc_encoder is None and self.settings.uses_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             doc_encoder = load_document_encoder(self.retriever.knowledge_base)
         if doc_encoder is None:
             return None
@@ -141,7 +140,8 @@ class RetrievalScorer:
     def tokenize_questions(self, questions: Sequence[str]) -> dict[str, torch.Tensor]:
         """Query-encoder inputs ``(B, Lq)`` on the encoder's device (tokenize once; reuse for the hf question round trip)."""
         tok = self.question_encoder.tokenizer
-        batch = tok(list(questions), padding=True, truncation=True, max_length=self.settings.max_question_length, return_tensors="pt")
+        batch = tok(list(questions), padding=True, truncation=True, max_length=self.settings.max_question_length,
+                    return_tensors="pt")
         device = self.question_encoder.device
         return {k: v.to(device) for k, v in batch.items() if k in ("input_ids", "attention_mask", "token_type_ids")}
 
@@ -168,9 +168,9 @@ class RetrievalScorer:
 
         Dense: ``doc_scores = q · doc_embeds`` (gradients into the query encoder when grad mode is on and
         it is not frozen; into the document encoder under ``train_doc_encoder``). Hybrid: the fused dense and BM25
-        candidates, scored the same way (score fusion adds its BM25 part, without gradient). BM25: the BM25 scores as float32 on `device` (default CPU), no gradient.
-        `question_inputs`: :meth:`tokenize_questions`'s output when the caller already has it. `retrieval`: another
-        kind than the configured one for this call (None: the configured one).
+        candidates, scored the same way (score fusion adds its BM25 part, without gradient). BM25: the BM25 scores as float32 on
+        `device` (default CPU), no gradient. `question_inputs`: :meth:`tokenize_questions`'s output when the caller already has
+        it. `retrieval`: another kind than the configured one for this call (None: the configured one).
         """
         kind = self.settings.retrieval if retrieval is None else retrieval
         retriever = self.retriever_of_kind(retrieval)

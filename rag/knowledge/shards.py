@@ -29,6 +29,9 @@ from typing import Optional, Sequence
 from tqdm.auto import tqdm
 
 from rag.knowledge.build import check_memory
+from rag.knowledge.index import IndexSpec, check_fits
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import is_knowledge_base, passages_digest
 from rag.knowledge.vectors import NpyVectors, create_npy, write_rows
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError
 from rag.utils.io import check_output_dir
@@ -65,15 +68,14 @@ def parse_shard(text: str, option: str = "--shard") -> ShardSpec:
 def shard_passages(passages: Sequence, shard: ShardSpec) -> list:
     """This shard's slice of `passages`; ConfigError when the corpus has fewer passages than shards."""
     if len(passages) < shard.count:
-        raise ConfigError(f"--shard {shard}: the corpus has {len(passages)} passages, fewer than {shard.count} shards; use fewer shards")
+        raise ConfigError(f"--shard {shard}: the corpus has {len(passages)} passages, fewer than {shard.count} shards; "
+                          f"use fewer shards")
     start, stop = shard.bounds(len(passages))
     return list(passages[start:stop])
 
 
 def shard_info(passages: Sequence, shard: ShardSpec, index: str) -> dict:
     """The manifest's ``build.shard`` record for `shard` of the whole corpus `passages`."""
-    from rag.knowledge.manifest import passages_digest
-
     start, stop = shard.bounds(len(passages))
     return {"index": shard.index, "count": shard.count, "start": start, "stop": stop, "corpus_passages": len(passages),
             "corpus_digest": passages_digest(passages), "index_spec": index}
@@ -115,8 +117,6 @@ def check_shard_record(info: object, manifest: Path) -> dict:
 def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
     """Open and verify the shard knowledge bases, ordered by slice; KnowledgeBaseError unless they are exactly the N
     slices of one corpus encoded by one encoder."""
-    from rag.knowledge.knowledge_base import KnowledgeBase
-
     if not dirs:
         raise ConfigError("rag index merge: give the shard directories that `rag index build --shard i/N` wrote")
     shards = []
@@ -136,26 +136,30 @@ def _open_shards(dirs: Sequence[str | os.PathLike], verify: str) -> list:
                 raise KnowledgeBaseError(f"{kb.path}: its {what} ({info.get(key)}) differs from {first.path}'s "
                                          f"({first_info.get(key)}); all shards must come from one `rag index build --shard i/N` "
                                          "command line, varying only i")
-        if kb.encoder.get("fingerprint") != first.encoder.get("fingerprint") or kb.manifest.query_encoder != first.manifest.query_encoder:
+        if (kb.encoder.get("fingerprint") != first.encoder.get("fingerprint")
+                or kb.manifest.query_encoder != first.manifest.query_encoder):
             raise KnowledgeBaseError(f"{kb.path}: was encoded by {kb.encoder.get('name')} (fingerprint "
                                      f"{str(kb.encoder.get('fingerprint'))[:12]}), {first.path} by {first.encoder.get('name')} "
                                      f"({str(first.encoder.get('fingerprint'))[:12]}); rebuild the shards with one encoder")
     by_index: dict[int, object] = {}
     for info, kb in shards:
         if info["index"] in by_index:
-            raise KnowledgeBaseError(f"shard {info['index']}/{n_shards} is given twice: {by_index[info['index']].path} and {kb.path}")
+            raise KnowledgeBaseError(f"shard {info['index']}/{n_shards} is given twice: "
+                                     f"{by_index[info['index']].path} and {kb.path}")
         by_index[info["index"]] = kb
     if len(by_index) < n_shards:  # name a few of the missing ones (never a list of count items: count comes from a file)
         missing = list(itertools.islice((i for i in range(n_shards) if i not in by_index), 5))
         more = ", ..." if n_shards - len(by_index) > len(missing) else ""
         raise KnowledgeBaseError(f"shard(s) {', '.join(f'{i}/{n_shards}' for i in missing)}{more} missing: got {len(shards)} of "
-                                 f"{n_shards}; build them with `rag index build --shard i/{n_shards}` (same options) and pass every "
+                                 f"{n_shards}; build them with `rag index build --shard i/{n_shards}` (same options) "
+                                 f"and pass every "
                                  "shard directory to `rag index merge`")
     ordered = [by_index[i] for i in range(n_shards)]
     for kb in ordered:
         info = kb.manifest.build["shard"]
         if info["stop"] - info["start"] != len(kb):
-            raise KnowledgeBaseError(f"{kb.path}: holds {len(kb)} passages but its shard record says rows {info['start']}–{info['stop']}")
+            raise KnowledgeBaseError(f"{kb.path}: holds {len(kb)} passages but its shard record says rows "
+                                     f"{info['start']}–{info['stop']}")
     return ordered
 
 
@@ -185,10 +189,6 @@ def merge_shards(
     serves as ``<version>+unverified``): a shard altered in place would otherwise come out with fresh checksums.
     Returns the opened :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
     """
-    from rag.knowledge.index import IndexSpec, check_fits
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.manifest import is_knowledge_base, passages_digest
-
     out = Path(out)
     check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
     shards = _open_shards(shard_dirs, verify)

@@ -88,7 +88,8 @@ class NpyVectors(Vectors):
         self.checked_finite = checked_finite
         need = self.offset + self.shape[0] * self.shape[1] * 4
         if self.path.stat().st_size < need:
-            raise IntegrityError(f"{self.path}: {self.path.stat().st_size} bytes, fewer than its {self.shape} rows need ({need}); rebuild it")
+            raise IntegrityError(f"{self.path}: {self.path.stat().st_size} bytes, fewer than its {self.shape} rows need "
+                                 f"({need}); rebuild it")
 
     def blocks(self, rows: int) -> Iterator[tuple[int, np.ndarray]]:
         n, d = self.shape

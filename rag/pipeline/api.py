@@ -42,6 +42,7 @@ from rag.utils.io import process_umask
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
 from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
@@ -50,6 +51,8 @@ from rag.models.rag.hf_compat import load_hf_rag
 from rag.models.rag.model import RagModel
 from rag.pipeline.exports import is_reader_export, load_reader
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
+from rag.retrobust.backoff import generate_with_backoff, resolve_nli
+from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.utils.devices import without_cudnn_attention
 
 DEMO_NAMES = {"demo": None, "demo-causal": "demo_causal", "demo-seq2seq": "demo"}
@@ -118,7 +121,8 @@ class RagPipeline:
         return self.reader.retrieve(questions, k=k, **{n: v for n, v in options.items() if v is not None})
 
     @without_cudnn_attention
-    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None, **options) -> list[Answer]:
+    def generate(self, questions: Sequence[str], *, nli=None, nli_threshold: float = 0.5, retrieval=None,
+                 **options) -> list[Answer]:
         """Answer questions (seq2seq: :meth:`RagReader.generate`) or continue prompts (causal:
         :meth:`RalmReader.generate`); B * ``num_return_sequences`` answers, best first per input.
 
@@ -132,11 +136,10 @@ class RagPipeline:
         batch and keeps each retrieval answer only if P(entailment | evidence, question + answer) >= ``nli_threshold``
         (in [0, 1]); each answer records ``nli_entailment`` and ``answered_with``.
         """
-        from rag.retrobust.nli import validate_threshold
-
         if retrieval is False:
             if nli is not None and nli is not False:
-                raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off (--nli) chooses "
+                raise ConfigError("retrieval=False (--no-retrieval) answers without passages, and the NLI back-off "
+                                  "(--nli) chooses "
                                   "between answers with and without them: drop one")
             self._check_options(options)
             return self.reader.generate_without_retrieval(questions, **options)
@@ -146,15 +149,11 @@ class RagPipeline:
         nli_threshold = validate_threshold(nli_threshold)
         if nli is None or nli is False:
             return self.reader.generate(questions, **options)
-        from rag.retrobust.backoff import generate_with_backoff
 
         return generate_with_backoff(self.reader, questions, self._nli_scorer(nli), nli_threshold, **options)
 
     def _nli_scorer(self, nli):
         """`nli` as a scorer; a model named by path (or True) is loaded once per pipeline."""
-        from rag.retrobust.backoff import resolve_nli
-        from rag.retrobust.nli import NLIScorer
-
         if isinstance(nli, NLIScorer):
             return nli
         key = True if nli is True else os.fspath(nli) if isinstance(nli, (str, os.PathLike)) else None
@@ -282,8 +281,6 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     """
     name = str(path_or_name)
     if name in DEMO_NAMES:
-        from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
-
         path_or_name = demo_checkpoint_dir(*([DEMO_NAMES[name]] if DEMO_NAMES[name] else []))
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()

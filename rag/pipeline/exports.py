@@ -27,7 +27,8 @@ from rag.utils.errors import ConfigError
 from rag.utils.files import read_json
 from rag.utils.io import atomic_directory, atomic_write_text, to_json
 
-__all__ = ["READER_MANIFEST", "READER_FORMAT", "is_reader_export", "export_reader", "export_causal_reader", "write_rag_export", "load_reader"]
+__all__ = ["READER_MANIFEST", "READER_FORMAT", "is_reader_export", "export_reader", "export_causal_reader", "write_rag_export",
+           "load_reader"]
 
 READER_MANIFEST = "reader.json"
 READER_FORMAT = "rag-reader/1"

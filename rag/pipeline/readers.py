@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional, Protocol, Sequence, Un
 import torch
 
 from rag.utils.errors import ConfigError
-from rag.utils.validate import check_number, check_positive_int, check_strings
+from rag.utils.validate import check_number, check_strings
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -25,10 +25,10 @@ from rag.demo.kb import resolve_knowledge_base
 from rag.generation.answers import Answer, Retrieval, check_k, retrievals
 from rag.generation.options import FALLBACK_DEFAULTS, reader_options, resolve_generation, retrieval_options
 from rag.generators.base import Generator
-from rag.generators.load import as_generator, check_generator_kind
+from rag.generators.load import as_generator, check_generator_kind, load_generator
 from rag.knowledge.retriever_kinds import KnowledgeBaseRetrievers
-from rag.models.rag.generate import answers_with_provenance, closed_book_answers
-from rag.models.ralm.generate import continuation_answer
+from rag.models.rag.generate import answers_with_provenance, closed_book_answers, generate_closed_book, generate_for_questions
+from rag.models.ralm.generate import continuation_answer, ralm_generate
 from rag.models.ralm.model import InContextRALM, RalmConfig
 from rag.models.replug.ensemble import ensemble_over_rag, replug_answers
 
@@ -220,7 +220,8 @@ class RagReader:
         list no passages; their ``kb_version`` is the call's (nothing was read from it)."""
         questions, found = self._generate(questions, True, **options)
         n_ret = options.get("num_return_sequences", 1)
-        return (answers_with_provenance(self.model, questions, found.inputs, found.contexts, found.output, n_ret, found.marginalization),
+        return (answers_with_provenance(self.model, questions, found.inputs, found.contexts, found.output, n_ret,
+                                        found.marginalization),
                 closed_book_answers(self.model, questions, found.no_retrieval, n_ret, found.inputs.retrieved.kb_version))
 
     @torch.no_grad()
@@ -229,16 +230,16 @@ class RagReader:
                                    **generation_kw) -> list[Answer]:
         """The generator's answers to the bare questions, nothing retrieved (the closed-book baseline, Lewis et al. 2020
         Table 1; ``rag generate --no-retrieval``): no passages, ``answered_with="no_retrieval"``. Generation options as
-        :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are refused."""
+        :meth:`generate` (``num_beams``, ``max_new_tokens``, ...); retrieval options (``n_docs``, ``ensemble``, ...) are
+        refused."""
         from dataclasses import replace
-
-        from rag.models.rag.generate import generate_closed_book
 
         questions = check_strings(questions, "questions")
         _refuse_retrieval_options(generation_kw)
         config = self._generation_config(num_beams, max_new_tokens, num_return_sequences, generation_kw)
         out = generate_closed_book(self.model, questions, config)
-        return [replace(a, answered_with="no_retrieval") for a in closed_book_answers(self.model, questions, out, num_return_sequences, self.kb_version)]
+        return [replace(a, answered_with="no_retrieval")
+                for a in closed_book_answers(self.model, questions, out, num_return_sequences, self.kb_version)]
 
     def _generation_config(self, num_beams, max_new_tokens, num_return_sequences: int, generation_kw: dict):
         """The generation config of a call: explicit options, then the model's stored defaults, then the table's
@@ -251,12 +252,12 @@ class RagReader:
     def _generate(self, questions, with_no_retrieval: bool, n_docs=None, num_beams=None, marginalization=None, decoding=None,
                   max_new_tokens=None, num_return_sequences: int = 1, ensemble=None, retrieval_temperature=None,
                   retrieval=None, **generation_kw):
-        from rag.models.rag.generate import generate_for_questions
-
         questions = check_strings(questions, "questions")
         if retrieval_temperature is not None:
-            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its config: load it with "
-                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not per generate call")
+            raise ConfigError("retrieval_temperature= (--retrieval-temperature) of a RAG model is part of its "
+                              "config: load it with "
+                              "rag.load(path, retrieval_temperature=T) (RagModelConfig.retrieval_temperature), not "
+                              "per generate call")
         if ensemble is not None:
             n_docs, marginalization = ensemble_over_rag(ensemble, n_docs, marginalization)
         k = self._check_k(self.model.config.n_docs if n_docs is None else n_docs, "n_docs")
@@ -381,27 +382,28 @@ class RalmReader:
         from dataclasses import replace
 
         _refuse_retrieval_options(options)
-        return [replace(a, answered_with="no_retrieval") for a in self._generate(questions, False, only_no_retrieval=True, **options)]
+        return [replace(a, answered_with="no_retrieval")
+                for a in self._generate(questions, False, only_no_retrieval=True, **options)]
 
     def _generate(self, questions, with_no_retrieval: bool, stride=None, query_length=None, retrieval=None, max_new_tokens=None,
                   num_beams=None, num_return_sequences: int = 1, seed=None, ensemble=None, retrieval_temperature=None,
                   only_no_retrieval: bool = False, **generation_kw) -> list[Answer]:
         from dataclasses import replace
 
-        from rag.models.ralm.generate import ralm_generate
-
         questions = check_strings(questions, "questions")
         config = resolve_generation({"max_new_tokens": max_new_tokens, "num_beams": num_beams,
                                      "num_return_sequences": num_return_sequences, **generation_kw}, trained=False)
         check_number(seed, "seed (--seed)", integer=True, low=0, allow_none=True, error=ConfigError)
-        given = {"stride": stride, "query_length": query_length, "ensemble": ensemble, "retrieval_temperature": retrieval_temperature}
+        given = {"stride": stride, "query_length": query_length, "ensemble": ensemble,
+                 "retrieval_temperature": retrieval_temperature}
         cfg = replace(self.config, **{name: v for name, v in given.items() if v is not None})
         cfg.check()
         served = self._retriever.pin()  # one knowledge-base version for every retrieval of this call
         if cfg.ensemble is not None:
             check_k(cfg.ensemble, "ensemble", served.knowledge_base)
             if self.reranker is not None:
-                raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader has a reranker "
+                raise ConfigError("ensemble= (--ensemble, REPLUG) mixes the top-K retrieved documents; this reader "
+                                  "has a reranker "
                                   "choosing one document: drop the reranker or the ensemble")
         ralm = self._ralm(served.retriever(retrieval), cfg, None if cfg.ensemble else self.reranker)
         rng = None
@@ -429,8 +431,6 @@ class RalmReader:
         `knowledge_base`; `config_overrides` are :class:`~rag.models.ralm.model.RalmConfig` fields (``stride=4``, ...)."""
         from dataclasses import fields
 
-        from rag.generators.load import load_generator
-
         known = {f.name for f in fields(RalmConfig)}
         unknown = sorted(set(config_overrides) - known)
         if unknown:
@@ -439,7 +439,8 @@ class RalmReader:
         config = RalmConfig(**config_overrides)
         config.check()
         if knowledge_base is None:
-            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass knowledge_base=<directory> (--kb DIR)")
+            raise ConfigError(f"{path_or_name}: a causal LM carries no knowledge base; pass "
+                              f"knowledge_base=<directory> (--kb DIR)")
         model, tok, _ = load_generator(path_or_name, kind="causal")
         if device is not None:
             model = model.to(device)

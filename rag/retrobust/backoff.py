@@ -14,12 +14,11 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Sequence, Union
 
-from rag.retrobust.nli import nli_hypothesis, nli_premise, validate_threshold
+from rag.retrobust.nli import NLIScorer, nli_hypothesis, nli_premise, validate_threshold
 from rag.utils.errors import ConfigError, RagError
 
 if TYPE_CHECKING:  # pragma: no cover
     from rag.generation.answers import Answer
-    from rag.retrobust.nli import NLIScorer
 
 __all__ = ["DEFAULT_THRESHOLD", "NLISpec", "StepsVerdict", "check_steps", "answer_premise", "choose_answers",
            "resolve_nli", "generate_with_backoff"]
@@ -103,8 +102,6 @@ def choose_answers(scorer: "NLIScorer", with_retrieval: Sequence["Answer"], with
 
 def resolve_nli(nli: NLISpec) -> "NLIScorer":
     """An :class:`~rag.retrobust.nli.NLIScorer` from what ``nli=`` was given (see :data:`NLISpec`)."""
-    from rag.retrobust.nli import NLIScorer
-
     if isinstance(nli, NLIScorer):
         return nli
     if nli is True:

@@ -21,10 +21,13 @@ from typing import Optional, Sequence
 
 import torch
 
+from rag.demo.kb import cache_dir
 from rag.utils.errors import ConfigError, RagError
+from rag.utils.files import check_json_files, readable_model_files
 
 __all__ = ["LABEL_SPELLINGS", "DEFAULT_NLI_NAME", "HUB_NLI_MODEL", "NLIScorer", "find_nli_labels", "encode_nli_pairs",
-           "validate_threshold", "nli_premise", "qa_statement", "question_type", "nli_hypothesis", "default_nli_dir", "default_nli_model", "resolve_nli_model"]
+           "validate_threshold", "nli_premise", "qa_statement", "question_type", "nli_hypothesis", "default_nli_dir",
+           "default_nli_model", "resolve_nli_model"]
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +134,8 @@ def encode_nli_pairs(tokenizer, premises: Sequence[str], hypotheses: Sequence[st
     if len(premises) != len(hypotheses):
         raise RagError(f"NLI needs one hypothesis per premise: got {len(premises)} premises and {len(hypotheses)} hypotheses")
     specials = tokenizer.num_special_tokens_to_add(pair=True)
-    too_long = [i for i, h in enumerate(hypotheses) if len(tokenizer(h, add_special_tokens=False)["input_ids"]) + specials >= max_length]
+    too_long = [i for i, h in enumerate(hypotheses) if len(tokenizer(h, add_special_tokens=False)["input_ids"])
+                + specials >= max_length]
     if too_long:
         log.warning("NLI: %d hypotheses do not fit in %d tokens with their premise; cutting both (first: row %d)",
                     len(too_long), max_length, too_long[0])
@@ -163,8 +167,6 @@ class NLIScorer:
     @classmethod
     def from_pretrained(cls, name_or_path: Optional[str | os.PathLike] = None, **kw) -> "NLIScorer":
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from rag.utils.files import check_json_files, readable_model_files
 
         path = resolve_nli_model(name_or_path)
         fix = "restore the NLI model's directory (the default one: `rag nli prepare --force`), or pass another model"
@@ -208,8 +210,6 @@ class NLIScorer:
 
 def default_nli_dir() -> Path:
     """Where ``rag nli prepare`` writes the default NLI model: ``$RAG_CACHE/nli/minilm-snli``."""
-    from rag.demo.kb import cache_dir
-
     return cache_dir() / "nli" / DEFAULT_NLI_NAME
 
 

@@ -20,7 +20,8 @@ from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
 
 __all__ = ["QUESTION", "NEEDED", "FOLLOW_UP", "INTERMEDIATE", "FINAL", "StopReason", "SelfAskStep", "ParsedChain",
-           "SelfAskResult", "format_chain", "parse_chain", "next_action", "self_ask", "step_hypotheses", "chain_training_examples"]
+           "SelfAskResult", "format_chain", "parse_chain", "next_action", "self_ask", "step_hypotheses",
+           "chain_training_examples"]
 
 QUESTION = "Question:"
 NEEDED = "Are follow up questions needed here:"
@@ -73,7 +74,8 @@ class SelfAskResult:
     def provenance(self) -> dict:
         """JSON-ready record: answer, stop reason, and every (question, answer, premise) step."""
         return {"question": self.question, "answer": self.answer, "stopped": self.stopped, "reader_calls": self.reader_calls,
-                "last_output": self.last_output, "steps": [{"question": s.question, "answer": s.answer, "premise": s.premise} for s in self.steps]}
+                "last_output": self.last_output,
+                "steps": [{"question": s.question, "answer": s.answer, "premise": s.premise} for s in self.steps]}
 
 
 def format_chain(question: str, steps: Sequence[SelfAskStep | tuple[str, str]] = (), final: Optional[str] = None, *,

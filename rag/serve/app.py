@@ -10,8 +10,8 @@ Endpoints (JSON in, JSON out)::
                            -> {"kb_version", "answers": [Answer.to_dict(), ...]}
     POST /retrieve         {"questions": [...], "k"?} -> {"kb_version", "results": [[passage, ...], ...]}
     GET  /health           -> {"status": "ok", "kb_version", "kb_passages", "swaps", "history"}
-    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified fully)
-    POST /admin/swap_back  {}                                                                      (Bearer token)
+    POST /admin/swap       {"path", "allow_encoder_change"?, "allow_metric_change"?}          (Bearer token; always verified
+    fully) POST /admin/swap_back  {}                                                                      (Bearer token)
     POST /v1/chat/completions, POST /v1/completions, GET /v1/models   OpenAI-compatible (rag.serve.openai_routes)
     GET  /                 a web page: ask, see passages, posteriors, the RAG-Token heatmap; swap (rag.serve.page)
 
@@ -65,6 +65,8 @@ from typing import Iterator, Optional, Sequence, Union
 from fastapi import FastAPI
 
 import rag
+from rag.knowledge.hotswap import KnowledgeBaseSlot
+from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.serve.admin import PathRejected, admin_router, real_roots, resolve_kb_path
 from rag.serve.auth import check_admin_token, check_distinct_secrets
 from rag.serve.bodies import MAX_QUESTION_CHARS, GenerateRequest, RetrieveRequest, SwapRequest
@@ -148,8 +150,6 @@ def create_app(
         fairness_quantum: seconds of model time a request may use before a request that has used less goes first
             (:class:`~rag.serve.scheduler.ModelTurns`; ``math.inf``: first come, first served).
     """
-    from rag.knowledge.hotswap import KnowledgeBaseSlot  # torch and the index: only once a model is served
-
     if not isinstance(max_concurrency, int) or isinstance(max_concurrency, bool) or max_concurrency < 1:
         raise ConfigError(f"max_concurrency must be a positive integer, got {max_concurrency!r}")
     limits = ServeLimits() if limits is None else limits
@@ -160,8 +160,6 @@ def create_app(
     check_distinct_secrets(admin_token, api_key)
     check_number(body_timeout, "body_timeout (rag serve --body-timeout, seconds)", above=0, allow_none=True, error=ConfigError)
     if nli is not None:
-        from rag.retrobust.nli import NLIScorer, validate_threshold
-
         if not isinstance(nli, NLIScorer):
             raise ConfigError(f"nli must be a rag.retrobust.nli.NLIScorer (load it once with NLIScorer.from_pretrained), got "
                               f"{type(nli).__name__}")
@@ -228,12 +226,11 @@ def serve(app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "i
     A non-loopback `host` needs an app with an API key, unless `allow_unauthenticated` (:func:`check_bind`; refused
     before anything is bound).
 
-    `freeze_gc`: move every object alive now (the libraries and the loaded model, ~10^5-10^6
-    objects) out of the cyclic garbage collector's view (``gc.freeze``) before serving. A full
-    collection over them holds the GIL for 50-300 ms on a CPU, which every in-flight request
-    would feel — and a knowledge-base swap allocates enough to trigger one
-    (benchmarks/swap_bench.py measures it). Knowledge bases are freed by reference counting,
-    so swapped-out ones are still released.
+    `freeze_gc`: move every object alive now (the libraries and the loaded model) out of the
+    cyclic garbage collector's view (``gc.freeze``) before serving: a full collection over them
+    holds the GIL, which every in-flight request would feel, and a knowledge-base swap allocates
+    enough to trigger one (docs/benchmarks.md, "Hot swap"). Knowledge bases are freed by
+    reference counting, so swapped-out ones are still released.
     """
     import gc
 

@@ -29,7 +29,8 @@ def check_admin_token(token: Optional[str], source: str = "admin_token") -> None
         return
     if token != token.strip() or not all(33 <= ord(c) <= 126 for c in token):
         raise ConfigError(f"{source}: the admin token must be printable ASCII without spaces (whitespace-only, padded or "
-                          "non-ASCII tokens can never match a request); use e.g. `python -c 'import secrets; print(secrets.token_urlsafe(32))'`")
+                          "non-ASCII tokens can never match a request); use e.g. `python -c 'import secrets; "
+                          "print(secrets.token_urlsafe(32))'`")
 
 
 def check_distinct_secrets(admin_token: Optional[str], api_key: Optional[str], admin_source: str = "admin_token",

@@ -27,7 +27,8 @@ MAX_NEW_TOKENS = int(option_specs()["max_new_tokens"].high)
 MAX_PROMPT_TOKENS = 1 << 20
 """The ceiling of ``max_prompt_tokens``."""
 
-_CEILINGS = {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_step_rows": MAX_N_DOCS * MAX_BEAMS, "max_n_docs": MAX_N_DOCS, "max_beams": MAX_BEAMS, "max_new_tokens": MAX_NEW_TOKENS, "max_batch": MAX_QUESTIONS}
+_CEILINGS = {"max_prompt_tokens": MAX_PROMPT_TOKENS, "max_step_rows": MAX_N_DOCS * MAX_BEAMS, "max_n_docs": MAX_N_DOCS,
+             "max_beams": MAX_BEAMS, "max_new_tokens": MAX_NEW_TOKENS, "max_batch": MAX_QUESTIONS}
 
 
 @dataclass(frozen=True)

@@ -36,10 +36,13 @@ from typing import Callable, Optional, Sequence, Union
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import StreamingResponse
 
+from rag.generation.search import GenerationConfig, config_token_id, unit_hook
+from rag.models.ralm.generate import continuation_text
 from rag.serve.auth import api_key_check
 from rag.serve.openai_schema import ChatRequest, CompletionRequest, Plan, check_fields, plan_generation, question_of
 from rag.serve.requests import UNIT_ROWS, RequestRefused, RequestRunner, RequestWork, generate_one_version, step_rows
 from rag.serve.responses import SafeJSONResponse, json_safe
+from rag.serve.scoring import prepare_prompt, score_prompt
 from rag.serve.state import ServerState
 from rag.utils.errors import RagError
 
@@ -56,7 +59,8 @@ def openai_error(message: str, status: int, *, param: Optional[str] = None, code
                  headers: Optional[dict] = None) -> SafeJSONResponse:
     """OpenAI's error object with `status` (validation errors, which ``/generate`` answers with 422, are 400 here)."""
     status = 400 if status == 422 else status
-    body = {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
+    body = {"error": {"message": message,
+                      "type": ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error"),
                       "param": param, "code": code}}
     return SafeJSONResponse(body, status_code=status, headers=headers)
 
@@ -79,8 +83,6 @@ class _TokenText:
     HOLD = 4
 
     def __init__(self, tokenizer, prompt: str, emit: Callable[[str], None]):
-        from rag.models.ralm.generate import continuation_text
-
         self.tok, self.emit, self.text_of = tokenizer, emit, continuation_text
         self.stream = [0] + list(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # continuation_text skips [0]
         self.sent, self.count, self.held_since = "", 0, None
@@ -108,7 +110,8 @@ class OpenAIRoutes:
     threshold)`: the NLI back-off options of a request, as ``/generate`` resolves them.
     """
 
-    def __init__(self, pipeline, runner: RequestRunner, *, model_name: str, nli_options: Callable[[Optional[bool], Optional[float]], dict]):
+    def __init__(self, pipeline, runner: RequestRunner, *, model_name: str,
+                 nli_options: Callable[[Optional[bool], Optional[float]], dict]):
         self.pipeline, self.runner, self.model_name, self.nli_options = pipeline, runner, model_name, nli_options
         self.created = int(time.time())
 
@@ -155,8 +158,6 @@ class OpenAIRoutes:
     @property
     def eos_id(self) -> Optional[int]:
         """The generator's end-of-sequence id as decoding uses it: its generation config, its config, its tokenizer."""
-        from rag.generation.search import GenerationConfig, config_token_id
-
         eos = config_token_id(GenerationConfig(), self.pipeline.reader.generator.model, "eos_token_id", False)
         return self.tokenizer.eos_token_id if eos is None else eos
 
@@ -204,7 +205,8 @@ class OpenAIRoutes:
                 return {**head, "object": "chat.completion.chunk",
                         "choices": [{"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}]}
 
-            return await self._stream(request, [question], plan, kw, req, first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
+            return await self._stream(request, [question], plan, kw, req,
+                                      first=lambda i: chunk(i, {"role": "assistant", "content": ""}),
                                 piece=lambda i, text: chunk(i, {"content": text}), last=lambda i, finish: chunk(i, {}, finish),
                                 usage={**head, "object": "chat.completion.chunk", "choices": []})
         answers = await self.runner.run(request.receive, self._work([question], plan, kw))
@@ -220,7 +222,8 @@ class OpenAIRoutes:
         if scoring:
             return await self._score(req, request, prompts)
         if any(not isinstance(p, str) for p in prompts):
-            raise RequestRefused("token-id prompts are only scored (max_tokens 0 with echo); send text to generate", 400, param="prompt")
+            raise RequestRefused("token-id prompts are only scored (max_tokens 0 with echo); send text to generate", 400,
+                                 param="prompt")
         if req.logprobs is not None:
             raise RequestRefused("logprobs of generated tokens are not computed; use max_tokens 0 with echo to score a text, "
                                  "or drop logprobs", 400, param="logprobs")
@@ -238,7 +241,8 @@ class OpenAIRoutes:
                 return {**head, "object": "text_completion",
                         "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
-            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk, last=lambda i, finish: chunk(i, "", finish),
+            return await self._stream(request, prompts, plan, kw, req, first=None, piece=chunk,
+                                      last=lambda i, finish: chunk(i, "", finish),
                                 usage={**head, "object": "text_completion", "choices": []})
         answers = await self.runner.run(request.receive, self._work(prompts, plan, kw))
         per_prompt = len(answers) // len(prompts)
@@ -258,8 +262,6 @@ class OpenAIRoutes:
         return list(prompt)
 
     async def _score(self, req: CompletionRequest, request: Request, prompts: list) -> SafeJSONResponse:
-        from rag.serve.scoring import prepare_prompt, score_prompt
-
         check_fields(req)
         self._check_model(req.model)
         if not self.pipeline.reader.continues_prompts:
@@ -309,8 +311,6 @@ class OpenAIRoutes:
                 and kw.get("num_beams") in (None, 1) and "nli" not in kw)
 
     async def _stream(self, request: Request, prompts: list[str], plan: Plan, kw: dict, req, *, first, piece, last, usage: dict):
-        from rag.generation.search import unit_hook
-
         runner = self.runner
         work = runner.admit()  # 503 before the stream starts
         loop = asyncio.get_running_loop()

@@ -26,7 +26,8 @@ from rag.serve.bodies import check_text_tree, option_request_field, valid_unicod
 from rag.serve.requests import RequestRefused
 from rag.utils.errors import ConfigError
 
-__all__ = ["ChatRequest", "CompletionRequest", "RagOptions", "option_request_field", "IGNORED", "NEUTRAL", "Plan", "plan_generation",
+__all__ = ["ChatRequest", "CompletionRequest", "RagOptions", "option_request_field", "IGNORED", "NEUTRAL", "Plan",
+           "plan_generation",
            "check_fields", "question_of", "MAX_LOGPROBS"]
 
 MAX_LOGPROBS = 5
@@ -169,7 +170,8 @@ def question_of(req: ChatRequest) -> str:
             parts.append(valid_unicode(part["text"]))
         content = "\n".join(parts)
     if not content or not content.strip():
-        raise RequestRefused("messages[-1], the user's message, is empty; send the question as its content", 400, param="messages")
+        raise RequestRefused("messages[-1], the user's message, is empty; send the question as its content", 400,
+                             param="messages")
     return content
 
 
@@ -177,7 +179,8 @@ class Plan:
     """How one OpenAI request runs: generation options (``kw``), per-copy options (sampled ``n``: one seed each), the
     number of choices per prompt, and the NLI back-off."""
 
-    def __init__(self, kw: dict, copies: int, per_copy: Optional[list[dict]], nli: Optional[bool], nli_threshold: Optional[float]):
+    def __init__(self, kw: dict, copies: int, per_copy: Optional[list[dict]], nli: Optional[bool],
+                 nli_threshold: Optional[float]):
         self.kw, self.copies, self.per_copy, self.nli, self.nli_threshold = kw, copies, per_copy, nli, nli_threshold
 
     @property
@@ -211,9 +214,11 @@ def plan_generation(req: _Common, max_new_tokens: Optional[int]) -> Plan:
             ours["top_p"] = p
         if req.seed is not None:  # any integer, as OpenAI takes it; the sampler's seed is its value mod 2**32
             ours["seed"] = req.seed % (1 << 32)
-    clash = sorted(name for name in ours if name in kw) + (["num_return_sequences"] if req.n is not None and "num_return_sequences" in kw else [])
+    clash = sorted(name for name in ours if name in kw) + (["num_return_sequences"] if req.n is not None
+                                                           and "num_return_sequences" in kw else [])
     if clash:
-        raise RequestRefused(f"rag.{clash[0]} and {_FROM_OPENAI[clash[0]]} both set it; set it once", 400, param=f"rag.{clash[0]}")
+        raise RequestRefused(f"rag.{clash[0]} and {_FROM_OPENAI[clash[0]]} both set it; set it once", 400,
+                             param=f"rag.{clash[0]}")
     kw.update(ours)
     n = req.n or 1
     copies, per_copy = 1, None

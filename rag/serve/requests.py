@@ -21,6 +21,7 @@ import threading
 import time
 from typing import Any, Awaitable, Callable, Optional
 
+from rag.generation.search import unit_hook
 from rag.serve.limits import ServeLimits
 from rag.serve.scheduler import ModelTurns
 from rag.utils.errors import RagError
@@ -220,8 +221,6 @@ class RequestRunner:
         queue is full, 504 after the timeout; `work` (default: :meth:`admit`'s) is told to stop when the client
         disconnects (read from `receive`, the ASGI channel whose body was already read) or the time is up."""
         import anyio
-
-        from rag.generation.search import unit_hook
 
         limits, counters, turns = self.limits, self.counters, self.turns
         work = self.admit() if work is None else work

@@ -53,7 +53,8 @@ class ModelTurns:
     def __init__(self, slots: int, *, quantum: float = DEFAULT_QUANTUM):
         check_positive_int(slots, "slots (max_concurrency)", error=ConfigError)
         if quantum != math.inf:
-            check_number(quantum, "the fairness quantum (seconds; math.inf: first come, first served)", low=1e-9, error=ConfigError)
+            check_number(quantum, "the fairness quantum (seconds; math.inf: first come, first served)", low=1e-9,
+                         error=ConfigError)
         self.slots, self.quantum = slots, float(quantum)
         self._cond = threading.Condition()
         self._holding: dict[int, float] = {}  # id(request) -> when it took the turn

@@ -34,7 +34,8 @@ def window_of(model) -> int:
 def _context_id(tokenizer) -> int:
     ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     if ctx is None:
-        raise RequestRefused("the LM's tokenizer has neither a BOS nor an EOS token to read a text prompt after", 400, param="prompt")
+        raise RequestRefused("the LM's tokenizer has neither a BOS nor an EOS token to read a text prompt after", 400,
+                             param="prompt")
     return int(ctx)
 
 

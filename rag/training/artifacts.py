@@ -61,9 +61,9 @@ class RagComponents:
         return kb, resolve_generator(self.generator, self.tiny, kb, self.warm_start)
 
     def build_model(self, *, train_retrieval: bool) -> RagModel:
-        """The RagModel over the prepared components (in eval mode, as ``from_pretrained`` leaves it). Without `train_retrieval` (no step retrieves: the
-        closed-book baseline, or given contexts) the retrieval side is frozen, before DDP wraps the model (which would
-        otherwise wait for gradients that never come). Raises a clear error for a knowledge base / query-encoder
+        """The RagModel over the prepared components (in eval mode, as ``from_pretrained`` leaves it). Without `train_retrieval`
+        (no step retrieves: the closed-book baseline, or given contexts) the retrieval side is frozen, before DDP wraps the model
+        (which would otherwise wait for gradients that never come). Raises a clear error for a knowledge base / query-encoder
         dimension mismatch."""
         kb, gen = self.prepare()
         model = RagModel.from_components(self.question_encoder, gen, kb, self.rag, document_encoder=self.document_encoder)

@@ -45,6 +45,8 @@ from typing import Any, Literal, Optional, Union
 
 import pytorch_lightning as pl
 
+import rag
+from rag.knowledge.hotswap import KnowledgeBaseSlot
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, is_integer
 
@@ -144,7 +146,8 @@ def parse_schedule(spec: Union[int, str]) -> RefreshSchedule:
             if p_end is None:
                 raise ConfigError(f"{where} follows the open-ended range starting at {p_start}; only the last range may omit END")
             if start < p_end:
-                raise ConfigError(f"{where} starts at {start}, inside or before the previous range (which ends at {p_end}); ranges must ascend without overlap")
+                raise ConfigError(f"{where} starts at {start}, inside or before the previous range (which ends at {p_end}); "
+                                  f"ranges must ascend without overlap")
         ranges.append((start, end, every))
     return RefreshSchedule(tuple(ranges), spec.strip())
 
@@ -291,8 +294,6 @@ class IndexRefresh(pl.Callback):
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        from rag.knowledge.hotswap import KnowledgeBaseSlot
-
         model = _rag_model(pl_module)
         if getattr(model, "doc_encoder", None) is None:
             raise ConfigError(
@@ -401,8 +402,6 @@ class IndexRefresh(pl.Callback):
         return argv
 
     def _worker_env(self) -> dict[str, str]:
-        import rag
-
         env = dict(os.environ)
         root = str(Path(rag.__file__).resolve().parent.parent)  # so `-m rag...` works without `pip install`
         env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -428,7 +427,8 @@ class IndexRefresh(pl.Callback):
         try:
             model.doc_encoder.save_pretrained(encoder_dir)
         except Exception as e:  # noqa: BLE001 - a full disk must not stop training
-            self._record_failure(step, f"could not save the document-encoder snapshot to {encoder_dir}: {e}", time.perf_counter() - t0)
+            self._record_failure(step, f"could not save the document-encoder snapshot to {encoder_dir}: {e}",
+                                 time.perf_counter() - t0)
             return
         log_path = job_dir / "refresh.log"
         argv = self._worker_argv(job_dir / "kb", encoder_dir, str(Path(kb.path).resolve()), step)
@@ -486,7 +486,8 @@ class IndexRefresh(pl.Callback):
             # rank 0 has just verified every file's SHA-256 (self.verify); the others check sizes and finiteness
             result = self._slot.swap(path, allow_encoder_change=True, verify="size" if self.verify == "full" else self.verify)
         except RagError as e:
-            self._record_failure(step, f"rank {trainer.global_rank}: swap of rank 0's refreshed knowledge base {path} refused: {e}",
+            self._record_failure(step,
+                                 f"rank {trainer.global_rank}: swap of rank 0's refreshed knowledge base {path} refused: {e}",
                                  time.perf_counter() - t0)
             return
         self._swapped(pl_module, self._slot.current, step, result, path, time.perf_counter() - t0)
@@ -529,7 +530,8 @@ class IndexRefresh(pl.Callback):
         self.failures += 1
         serving = self._slot.version if self._slot is not None else None
         self.history.append({"step": step, "ok": False, "error": message, "seconds": round(seconds, 3)})
-        logger.error("index refresh from step %d failed after %.1f s; training continues on %s. %s", step, seconds, serving, message)
+        logger.error("index refresh from step %d failed after %.1f s; training continues on %s. %s", step, seconds, serving,
+                     message)
         if job is not None:  # keep the log for diagnosis; drop the snapshot and whatever the build left
             self._discard(job)
 

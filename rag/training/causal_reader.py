@@ -25,15 +25,21 @@ from typing import Optional, Sequence
 import pytorch_lightning as pl
 import torch
 
+from rag.demo.multihop import load_multihop
 from rag.eval.metrics import ExactMatch, TokenF1
-from rag.generators.load import as_generator
+from rag.generators.load import as_generator, load_generator
 from rag.knowledge.passages import Passage
 from rag.models.ralm.model import CausalScorer, RalmConfig, window_ids, window_start
 from rag.pipeline.exports import export_causal_reader
+from rag.pipeline.readers import RalmReader
+from rag.retrobust.selfask import chain_training_examples
+from rag.training.context_mixing import open_knowledge_base
 from rag.training.data import batch_contexts
+from rag.training.reranker import ensure_tiny_gpt2
 from rag.training.settings import Optimizer, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
+from rag.utils.files import parse_json
 from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -55,7 +61,8 @@ def reading_windows(scorer: CausalScorer, prompts: Sequence[str], answers: Seque
         raise ConfigError("the reader's tokenizer has no EOS token: set tokenizer.eos_token and save it again")
     passages = list(passages) if passages is not None else [None] * len(prompts)
     if not (len(prompts) == len(answers) == len(passages)):
-        raise ConfigError(f"{len(prompts)} prompts, {len(answers)} answers and {len(passages)} passages: give one of each per example")
+        raise ConfigError(f"{len(prompts)} prompts, {len(answers)} answers and {len(passages)} passages: give one of "
+                          f"each per example")
     docs = scorer.doc_tokens([p for p in passages if p is not None])
     out, d = [], 0
     for prompt, answer, passage in zip(prompts, answers, passages):
@@ -91,7 +98,8 @@ def answer_nll(scorer: CausalScorer, windows: Sequence[tuple[list[int], int]]) -
     the scoring In-Context RALM evaluates with (:meth:`CausalScorer.positions_logprobs`)."""
     for r, (w, n) in enumerate(windows):
         if not 1 <= n < len(w):
-            raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one token before it")
+            raise ConfigError(f"example {r}: {n} answer tokens in a window of {len(w)}; the answer needs at least one "
+                              f"token before it")
     lp, rows = scorer.positions_logprobs([w for w, _ in windows], [range(len(w) - n, len(w)) for w, n in windows])
     return -torch.zeros(len(windows), dtype=lp.dtype, device=lp.device).index_add(0, rows, lp)
 
@@ -132,7 +140,8 @@ class CausalReaderModule(pl.LightningModule):
         self.optimizer_settings = Optimizer(**optimizer)
         check_number(self.optimizer_settings.lr, "model.optimizer.lr", above=0, error=ConfigError)
         if retrieval not in (None, "dense", "bm25"):
-            raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the knowledge base has it)")
+            raise ConfigError(f"model.retrieval={retrieval!r}: choose dense or bm25 (or null: BM25 when the "
+                              f"knowledge base has it)")
         self.save_hyperparameters()
         self.lm = None  # built in configure_model()
         self.tokenizer = None
@@ -142,27 +151,23 @@ class CausalReaderModule(pl.LightningModule):
         self._ralm_reader = None
         self._chains: list[tuple[str, str]] = []
         self._rng = random.Random(seed)
-        self.metrics = torch.nn.ModuleDict({f"{stage}_{m}{s}": cls() for stage in ("val", "test") for m, cls in (("em", ExactMatch), ("f1", TokenF1))
+        self.metrics = torch.nn.ModuleDict({f"{stage}_{m}{s}": cls() for stage in ("val", "test")
+                                            for m, cls in (("em", ExactMatch), ("f1", TokenF1))
                                             for s in ("", "_no_retrieval")})
 
     # ------------------------------------------------------------------ construction
     def _knowledge_base(self):
         if self._kb is None:
-            from rag.training.context_mixing import open_knowledge_base
-
             self._kb = open_knowledge_base(self.hparams.knowledge_base)
         return self._kb
 
     def configure_model(self) -> None:
         if self.lm is not None:
             return
-        from rag.generators.load import load_generator
 
         h = self.hparams
         path = h.lm
         if path == "tiny:gpt2":
-            from rag.training.reranker import ensure_tiny_gpt2
-
             path = ensure_tiny_gpt2([p.text for p in self._knowledge_base().all_passages()])
         lm, self.tokenizer, _ = load_generator(path, kind="causal")
         self.lm = lm
@@ -174,15 +179,9 @@ class CausalReaderModule(pl.LightningModule):
 
     @staticmethod
     def _load_chains(spec: str) -> list[tuple[str, str]]:
-        from rag.retrobust.selfask import chain_training_examples
-
         if spec == "demo":
-            from rag.demo.multihop import load_multihop
-
             records = load_multihop("train")
         else:
-            from rag.utils.files import parse_json
-
             path = Path(spec)
             if not path.is_file():
                 raise ConfigError(f"model.selfask={spec!r}: no such file; give a JSONL of decomposed questions or 'demo'")
@@ -194,7 +193,8 @@ class CausalReaderModule(pl.LightningModule):
                     r = parse_json(line, f"{path}:{n}", fix="fix the line", error=ConfigError)
                     try:
                         if not (isinstance(r["question"], str) and r["answers"] and isinstance(r["follow_ups"], list)
-                                and all(isinstance(s["question"], str) and isinstance(s["answer"], str) for s in r["follow_ups"])):
+                                and all(isinstance(s["question"], str) and isinstance(s["answer"], str)
+                                        for s in r["follow_ups"])):
                             raise ValueError
                     except (ValueError, KeyError, TypeError, IndexError):
                         raise ConfigError(f"{path}:{n}: expected {{\"question\": str, \"answers\": [str, ...], \"follow_ups\": "
@@ -215,7 +215,8 @@ class CausalReaderModule(pl.LightningModule):
         return [self.hparams.prompt.format(question=q) for q in questions]
 
     # ------------------------------------------------------------------ steps
-    def loss(self, prompts: Sequence[str], answers: Sequence[str], passages: Optional[Sequence[Optional[Passage]]] = None) -> torch.Tensor:
+    def loss(self, prompts: Sequence[str], answers: Sequence[str],
+             passages: Optional[Sequence[Optional[Passage]]] = None) -> torch.Tensor:
         """Mean NLL per answer token (answer + EOS) of `answers` read after `passages` (None: no passage) and `prompts`."""
         scorer = self._require()
         windows = reading_windows(scorer, prompts, answers, passages)
@@ -264,12 +265,12 @@ class CausalReaderModule(pl.LightningModule):
         return RalmConfig(stride=h.max_new_tokens, max_length=h.max_length, doc_max_length=h.doc_max_length)
 
     def _reader(self):
-        """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being trained)."""
+        """The :class:`~rag.pipeline.readers.RalmReader` over this module's LM (built once; it reads the weights being
+        trained)."""
         if self._ralm_reader is None:
-            from rag.pipeline.readers import RalmReader
-
             h = self.hparams
-            self._ralm_reader = RalmReader(self.generator, None, self._knowledge_base(), self._reading_config(), retrieval=h.retrieval)
+            self._ralm_reader = RalmReader(self.generator, None, self._knowledge_base(), self._reading_config(),
+                                           retrieval=h.retrieval)
         return self._ralm_reader
 
     def _eval_step(self, batch: dict, stage: str) -> None:

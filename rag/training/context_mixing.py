@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.knowledge.retriever import DenseRetriever, default_query_encoder
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number
 
@@ -64,7 +65,8 @@ class ContextMixing:
             if not isinstance(p, (int, float)) or math.isnan(p) or p < 0:
                 raise ConfigError(f"{prefix}.{name}={p!r}: a probability must be a number >= 0")
         if abs(sum(probs) - 1.0) > 1e-6:
-            raise ConfigError(f"{prefix}.p_top1 + p_low + p_random = {sum(probs):.6g} ({probs[0]:g} + {probs[1]:g} + {probs[2]:g}); "
+            raise ConfigError(f"{prefix}.p_top1 + p_low + p_random = {sum(probs):.6g} ({probs[0]:g} + {probs[1]:g} + "
+                              f"{probs[2]:g}); "
                               f"they must sum to 1, e.g. 0.3333 each (the paper's mix)")
 
     @property
@@ -128,8 +130,6 @@ resolver, :func:`rag.demo.kb.resolve_knowledge_base`)."""
 
 def retrieve_rows(kb, questions: Sequence[str], k: int, query_encoder: Optional[str] = None) -> list[list[int]]:
     """Top-`k` knowledge-base rows ``(N, k)`` of each question by dense retrieval (the KB's query encoder)."""
-    from rag.knowledge.retriever import DenseRetriever, default_query_encoder
-
     if k > len(kb):
         raise ConfigError(f"data.context_mixing.top_k={k} exceeds the {len(kb)} passages of knowledge base {kb.path}")
     retriever = DenseRetriever(kb, default_query_encoder(kb, query_encoder))

@@ -11,7 +11,7 @@ import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
 from rag.eval.qa_data import OnEmpty, QADataError, QAExample, expand_answers, read_qa
-from rag.training.context_mixing import ContextMixing
+from rag.training.context_mixing import ContextMixing, open_knowledge_base, retrieve_rows, sample_context_choices
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_positive_int
 
@@ -199,7 +199,6 @@ class QADataModule(pl.LightningDataModule):
         mixing = self.context_mixing
         if mixing is None:
             return QAPairsDataset(examples)
-        from rag.training.context_mixing import open_knowledge_base, retrieve_rows, sample_context_choices
 
         kb = open_knowledge_base(mixing.knowledge_base)
         questions = list(dict.fromkeys(ex.question for ex in examples))
@@ -220,7 +219,8 @@ class QADataModule(pl.LightningDataModule):
             # Lightning's own distributed sampler always shuffles the training set; keep the file order across ranks.
             from torch.utils.data.distributed import DistributedSampler
 
-            sampler = DistributedSampler(self._datasets[split], num_replicas=trainer.world_size, rank=trainer.global_rank, shuffle=False)
+            sampler = DistributedSampler(self._datasets[split], num_replicas=trainer.world_size, rank=trainer.global_rank,
+                                         shuffle=False)
         return DataLoader(
             self._datasets[split], batch_size=self.batch_size if split == "train" else self.eval_batch_size,
             shuffle=shuffle if sampler is None else None, sampler=sampler, num_workers=self.num_workers, collate_fn=collate_qa,

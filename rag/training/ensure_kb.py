@@ -11,6 +11,11 @@ import os
 from pathlib import Path
 from typing import Optional
 
+from rag.demo import load_demo_corpus
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.manifest import MANIFEST
+from rag.knowledge.passages import load_corpus
 from rag.utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -30,22 +35,14 @@ def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *,
     (BM25 and hybrid retrieval need one).
     Safe against a concurrent build of the same path (the first one wins).
     """
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.knowledge_base import KnowledgeBase
-    from rag.knowledge.manifest import MANIFEST
-
     path = Path(path)
     if (path / MANIFEST).is_file():
         return path
     if path.exists() and any(path.iterdir()):
         raise ConfigError(f"{path} exists but is not a knowledge base (no {MANIFEST}); remove it or choose another path")
     if source == "demo":
-        from rag.demo import load_demo_corpus
-
         passages = load_demo_corpus()
     else:
-        from rag.knowledge.passages import load_corpus
-
         passages = load_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress)
     logger.info("building knowledge base %s from %s (%d passages) with %s", path, source, len(passages), encoder)
     enc = TextEncoder(encoder, role="context")

@@ -21,8 +21,11 @@ from typing import Optional, Union
 
 import torch
 
+from rag.training.causal_reader import CausalReaderModule
+from rag.training.modules import RagModule
 from rag.training.settings import upgrade_arguments
 from rag.utils.errors import ConfigError
+from rag.utils.io import check_output_dir
 
 __all__ = ["export_checkpoint"]
 
@@ -54,8 +57,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         ConfigError: not a ``rag fit`` checkpoint of a module that exports, or its knowledge base is not found.
         OutputExistsError: `directory` exists, is not empty and is not an earlier export (or `overwrite` is off).
     """
-    from rag.utils.io import check_output_dir
-
     src = Path(checkpoint)
     check_output_dir(directory, overwrite, replaces=lambda p: (p / "config.json").is_file() or (p / "rag_config.json").is_file(),
                      kind="model directory", option="DIR")
@@ -71,8 +72,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         raise ConfigError(f"{src}: not a Lightning checkpoint (a {type(ckpt).__name__}, not a dict)")
     class_path, args = _module_arguments(ckpt, src)
     if class_path == RAG_MODULE:
-        from rag.training.modules import RagModule
-
         if knowledge_base is not None:
             args["knowledge_base"] = os.fspath(knowledge_base)
         args = upgrade_arguments(class_path, args)  # a checkpoint of an earlier release: its flat options, grouped
@@ -86,8 +85,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         module.load_state_dict(ckpt["state_dict"])
         return module.export(directory, overwrite=overwrite)
     if class_path == CAUSAL_READER:
-        from rag.training.causal_reader import CausalReaderModule
-
         args = upgrade_arguments(class_path, args)
         if knowledge_base is not None:
             args["knowledge_base"] = os.fspath(knowledge_base)
@@ -95,5 +92,6 @@ def export_checkpoint(checkpoint: Union[str, os.PathLike], directory: Union[str,
         module.configure_model()
         module.load_state_dict(ckpt["state_dict"])
         return module.export(directory, overwrite=overwrite)
-    raise ConfigError(f"{src}: a checkpoint of {class_path if class_path != '?' else 'an unknown module'}; `rag export` writes RagModule and CausalReaderModule models "
+    raise ConfigError(f"{src}: a checkpoint of {class_path if class_path != '?' else 'an unknown module'}; `rag export` writes "
+                      f"RagModule and CausalReaderModule models "
                       "(REPLUG LSR writes its query encoder with model.export_dir, the NLI module with its own config)")

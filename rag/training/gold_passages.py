@@ -48,7 +48,8 @@ class GoldPassages:
             hits = [i for i, t in enumerate(texts) if needle in t]
             if len(hits) == 1:
                 self.by_answer[key] = passages[hits[0]]
-        logger.info("gold passages: %d of %d distinct training answers occur in exactly one passage", len(self.by_answer), len(wanted))
+        logger.info("gold passages: %d of %d distinct training answers occur in exactly one passage", len(self.by_answer),
+                    len(wanted))
 
     def check_ids(self, ids: Sequence[Optional[str]], where: str = "data.passage_field") -> None:
         """ConfigError naming the first id that is not a passage of the knowledge base."""

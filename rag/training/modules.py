@@ -147,7 +147,8 @@ class RagModule(pl.LightningModule):
         self.practice_settings = as_settings(reading_practice, ReadingPracticeSettings, "reading_practice")
         self.components = RagComponents(
             generator=generator, question_encoder=question_encoder, knowledge_base=knowledge_base, rag=self.rag_config,
-            document_encoder=document_encoder, build=as_settings(build_knowledge_base, KnowledgeBaseBuild, "build_knowledge_base"),
+            document_encoder=document_encoder,
+            build=as_settings(build_knowledge_base, KnowledgeBaseBuild, "build_knowledge_base"),
             tiny=TinyGenerator(**tiny), warm_start=WarmStartGenerator(**warm_start),
             lora=as_settings(generator_lora, LoraSettings, "generator_lora"))
         self.search_actors = SearchActors(RetrievalActors(**retrieval_actors))
@@ -162,7 +163,8 @@ class RagModule(pl.LightningModule):
         self.val_em, self.val_f1, self.val_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
         self.test_em, self.test_f1, self.test_recall = ExactMatch(), TokenF1(), RetrievalRecall(recall_at)
         self.generation_metrics = torch.nn.ModuleDict({f"{stage}_{name}": GENERATION_METRICS[name]()
-                                                       for stage in ("val", "test") for name in self.evaluation.generation_metrics})
+                                                       for stage in ("val", "test")
+                                                       for name in self.evaluation.generation_metrics})
         self._truncated = {"train": 0, "val": 0, "test": 0}  # contexts truncated this epoch
         self._contexts = {"train": 0, "val": 0, "test": 0}  # contexts built this epoch
         self._samples: list[tuple[str, str, list[str]]] = []
@@ -261,7 +263,8 @@ class RagModule(pl.LightningModule):
         self.log(f"{stage}/loss", loss, prog_bar=stage == "val", batch_size=len(questions), sync_dist=True)
         if out is not None:
             self._count_contexts(stage, out)
-        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1, self.test_recall)
+        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1,
+                                                                                             self.test_recall)
         retrieved = out.retrieved if out is not None else None
         if stage == "test" or self.evaluation.generate_on_validation:
             preds, retrieved = self._answer(questions)
@@ -332,7 +335,8 @@ class RagModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ epoch ends
     def _log_eval(self, stage: str) -> None:
-        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1, self.test_recall)
+        em, f1, recall = (self.val_em, self.val_f1, self.val_recall) if stage == "val" else (self.test_em, self.test_f1,
+                                                                                             self.test_recall)
         if int(em.count) > 0 or stage == "test":
             self.log(f"{stage}/em", em.compute(), prog_bar=True)
             self.log(f"{stage}/f1", f1.compute())
@@ -347,7 +351,8 @@ class RagModule(pl.LightningModule):
         for m in (em, f1, recall):
             m.reset()
         if stage == "test" and self._samples and self.trainer.is_global_zero:  # shown with the metrics, not only in logs
-            print("test samples:\n" + "\n".join(f"  Q: {q}\n     predicted: {p!r}   gold: {' | '.join(a)}" for q, p, a in self._samples[:5]))
+            print("test samples:\n"
+                  + "\n".join(f"  Q: {q}\n     predicted: {p!r}   gold: {' | '.join(a)}" for q, p, a in self._samples[:5]))
         for q, p, a in self._samples:
             logger.info("%s sample: Q: %s | predicted: %r | gold: %s", stage, q, p, a)
         self._samples.clear()

@@ -17,6 +17,7 @@ import pytorch_lightning as pl
 import torch
 import torchmetrics
 
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.retrobust.nli import encode_nli_pairs
 from rag.training.settings import Optimizer, settings_dict
 from rag.training.snli import LABELS
@@ -58,8 +59,6 @@ class NLIModule(pl.LightningModule):
             return
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from rag.knowledge.encoders import resolve_name_or_path
-
         path = resolve_name_or_path(self.hparams.encoder)
         self.tokenizer = AutoTokenizer.from_pretrained(path)
         self.model = AutoModelForSequenceClassification.from_pretrained(
@@ -78,7 +77,8 @@ class NLIModule(pl.LightningModule):
         size = len(batch["labels"])
         on_step = stage == "train"
         self.log(f"{stage}/loss", loss, prog_bar=True, batch_size=size, on_step=on_step, on_epoch=not on_step)
-        self.log(f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=stage != "train", batch_size=size, on_step=False, on_epoch=True)
+        self.log(f"{stage}/acc", self.accuracy[f"{stage}_acc"], prog_bar=stage != "train", batch_size=size, on_step=False,
+                 on_epoch=True)
         return loss
 
     @without_cudnn_attention
@@ -119,7 +119,8 @@ class NLIModule(pl.LightningModule):
             record["fit_cpu_seconds"] = self._fit_cpu_seconds  # this process's CPU time over fit (all threads)
         if self.trainer is not None and self.trainer.datamodule is not None:
             record["train_batch_size"] = getattr(self.trainer.datamodule.hparams, "batch_size", None)
-        with atomic_directory(path, overwrite=True, replaces=lambda p: (p / EXPORT_INFO).is_file(), kind="exported NLI model") as tmp:
+        with atomic_directory(path, overwrite=True, replaces=lambda p: (p / EXPORT_INFO).is_file(),
+                              kind="exported NLI model") as tmp:
             self.model.save_pretrained(tmp)
             self.tokenizer.save_pretrained(tmp)
             (tmp / EXPORT_INFO).write_text(json.dumps(record, indent=2, sort_keys=True, default=str) + "\n", encoding="utf-8")

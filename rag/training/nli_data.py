@@ -18,6 +18,7 @@ from typing import Optional, Sequence, Union
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader
 
+from rag.demo import load_demo_corpus, load_demo_qa
 from rag.retrobust.nli import nli_premise, qa_statement
 from rag.training.snli import LABELS, NLIPair, fetch_snli, load_snli, parse_snli_lines
 from rag.utils.errors import ConfigError
@@ -35,8 +36,6 @@ def elements_nli_pairs(split: str, *, kinds: Sequence[str] = ("entailment", "neu
     statement with the answer of a random same-type question about another element). `style`: see
     :func:`qa_statement`. Seeded.
     """
-    from rag.demo import load_demo_corpus, load_demo_qa
-
     unknown = set(kinds) - set(LABELS)
     if unknown:
         raise ConfigError(f"elements_nli_pairs kinds {sorted(unknown)} are not labels; choose from {', '.join(LABELS)}")
@@ -57,7 +56,8 @@ def elements_nli_pairs(split: str, *, kinds: Sequence[str] = ("entailment", "neu
             other = rng.choice([e for e in elements if e != r["element"]])
             pairs.append(NLIPair(passages[other], statement, NEUTRAL))
         if "contradiction" in kinds:
-            wrong = [o["answers"][0] for o in by_type[r["type"]] if o["element"] != r["element"] and o["answers"][0] != r["answers"][0]]
+            wrong = [o["answers"][0] for o in by_type[r["type"]] if o["element"] != r["element"]
+                     and o["answers"][0] != r["answers"][0]]
             if wrong:
                 pairs.append(NLIPair(own, qa_statement(r["question"], rng.choice(wrong), r["type"], style=style), CONTRADICTION))
     return pairs
@@ -115,7 +115,8 @@ class NLIDataModule(pl.LightningDataModule):
     def _read(self, sources: Sources) -> list[NLIPair]:
         if sources is None:
             return []
-        return [p for s in ([sources] if isinstance(sources, str) else sources) for p in read_nli_source(s, seed=self.hparams.seed)]
+        return [p for s in ([sources] if isinstance(sources, str) else sources)
+                for p in read_nli_source(s, seed=self.hparams.seed)]
 
     def setup(self, stage: Optional[str] = None) -> None:
         if self.splits:

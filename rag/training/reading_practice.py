@@ -29,6 +29,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Literal, Optional, Sequence
 
+from rag.demo import load_demo_corpus, load_demo_qa
+from rag.demo.reading_practice import ReadingPractice
 from rag.knowledge.passages import Passage
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
@@ -254,11 +256,9 @@ def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=N
     """The fixed pool of `settings`: from `knowledge_base`'s passages (with ``source: questions``, in the forms of the
     training `pairs`), or the Elements demo's practice."""
     if settings.source == "elements":
-        from rag.demo import load_demo_corpus, load_demo_qa
-        from rag.demo.reading_practice import ReadingPractice
-
         train_elements = {x["element"] for x in load_demo_qa("train")}
-        names = sorted(w.capitalize() for w in (tokenizer.get_vocab() if tokenizer is not None else ()) if w.isalpha() and len(w) > 4)
+        names = sorted(w.capitalize() for w in (tokenizer.get_vocab() if tokenizer is not None else ()) if w.isalpha()
+                       and len(w) > 4)
         base = [p for p in load_demo_corpus() if p.title in train_elements]
         return [PracticeExample(e.question, e.answer, e.passage)
                 for e in ReadingPractice(base, names, seed=settings.seed).examples(settings.pool)]

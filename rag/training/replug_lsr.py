@@ -3,10 +3,12 @@
 Per batch of inputs x with ground-truth continuations y (:class:`~rag.training.data.QADataModule` pairs: x = question,
 y = answer; or any text split into a context and its continuation):
 
-1. retrieve the top-k documents and their differentiable scores s(d, x) = q(x) · d (:class:`~rag.knowledge.scoring.RetrievalScorer`,
+1. retrieve the top-k documents and their differentiable scores s(d, x) = q(x) · d
+(:class:`~rag.knowledge.scoring.RetrievalScorer`,
    the only gradient path into the retriever);
 2. score log P_LM(y | d ∘ x) with the frozen LM — a local transformers LM or an OpenAI-compatible completions endpoint
-   (:mod:`rag.models.replug.lm_scorer`), every (LM, document, input, continuation) asked once (:class:`~rag.models.replug.lm_scorer.ScoreCache`);
+   (:mod:`rag.models.replug.lm_scorer`), every (LM, document, input, continuation) asked once
+   (:class:`~rag.models.replug.lm_scorer.ScoreCache`);
 3. minimise KL(P_R ‖ Q_LM) (:func:`rag.models.replug.lsr.lsr_loss`, temperatures γ (`retrieval_temperature`) and β);
 4. with ``train_doc_encoder`` the retrieved documents are re-embedded with gradients, and the
    :class:`~rag.training.callbacks.IndexRefresh` callback re-encodes the corpus, rebuilds the index and hot-swaps it every
@@ -29,9 +31,17 @@ import pytorch_lightning as pl
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generation.marginalize import doc_log_prior
+from rag.generators.load import load_generator
+from rag.knowledge.refresh import load_document_encoder
+from rag.knowledge.retriever import default_query_encoder
+from rag.knowledge.scoring import RetrievalScorer
 from rag.models.ralm.model import doc_text
-from rag.models.replug.lm_scorer import LMScorer, ScoreCache, document_logprobs
+from rag.models.replug.lm_scorer import CompletionsLMScorer, LMScorer, LocalLMScorer, ScoreCache, document_logprobs
 from rag.models.replug.lsr import lsr_loss
+from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
+from rag.training.ensure_kb import ensure_knowledge_base
+from rag.training.reranker import ensure_tiny_gpt2
 from rag.training.settings import KnowledgeBaseBuild, RetrieverOptimizer, as_settings, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
@@ -67,8 +77,6 @@ class LsrRetriever(torch.nn.Module):
     """
 
     def __init__(self, question_encoder, knowledge_base, settings: LsrSettings, doc_encoder=None):
-        from rag.knowledge.scoring import RetrievalScorer
-
         super().__init__()
         self.config = settings
         self.question_encoder = question_encoder
@@ -139,9 +147,11 @@ class ReplugLSRModule(pl.LightningModule):
     def __init__(self, lm: str = TINY_GPT2, lm_endpoint: Optional[str] = None, lm_endpoint_model: Optional[str] = None,
                  lm_timeout: float = 30.0, lm_max_retries: int = 3, lm_batch_size: int = 16, cache_lm_scores: bool = True,
                  question_encoder: Optional[str] = "minilm", knowledge_base: str = "kb",
-                 build_knowledge_base: Optional[KnowledgeBaseBuild] = None, k: int = 20, retrieval_temperature: float = 0.1, beta: float = 0.1,
+                 build_knowledge_base: Optional[KnowledgeBaseBuild] = None, k: int = 20, retrieval_temperature: float = 0.1,
+                 beta: float = 0.1,
                  train_doc_encoder: bool = False, document_encoder: Optional[str] = None, max_question_length: int = 64,
-                 optimizer: RetrieverOptimizer = _DEFAULT_OPTIMIZER, export_dir: Optional[str] = None, gamma: Optional[float] = None):
+                 optimizer: RetrieverOptimizer = _DEFAULT_OPTIMIZER, export_dir: Optional[str] = None,
+                 gamma: Optional[float] = None):
         super().__init__()
         if gamma is not None:
             warnings.warn("model.gamma is deprecated: it is now model.retrieval_temperature (one name for RAG, REPLUG and LSR)",
@@ -168,8 +178,6 @@ class ReplugLSRModule(pl.LightningModule):
     def _ensure_kb(self) -> str:
         h, build = self.hparams, self.build_settings
         if build is not None:
-            from rag.training.ensure_kb import ensure_knowledge_base
-
             encoder = build.encoder or h.question_encoder
             if encoder is None:
                 raise ConfigError("model.build_knowledge_base needs model.build_knowledge_base.encoder or model.question_encoder "
@@ -180,36 +188,29 @@ class ReplugLSRModule(pl.LightningModule):
     def configure_model(self) -> None:
         if self.model is not None:
             return
-        from rag.knowledge.retriever import default_query_encoder
 
         h = self.hparams
         kb = resolve_knowledge_base(self._ensure_kb())
         if h.k > len(kb):
-            raise ConfigError(f"model.k={h.k} documents per input but the knowledge base {kb.path} holds {len(kb)}; lower model.k")
+            raise ConfigError(f"model.k={h.k} documents per input but the knowledge base {kb.path} holds "
+                              f"{len(kb)}; lower model.k")
         qenc = default_query_encoder(kb, h.question_encoder)
         denc = None
         if h.train_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             denc = load_document_encoder(kb, h.document_encoder)
-        model = LsrRetriever(qenc, kb, LsrSettings(max_question_length=h.max_question_length, train_doc_encoder=h.train_doc_encoder), denc)
+        model = LsrRetriever(qenc, kb,
+                             LsrSettings(max_question_length=h.max_question_length, train_doc_encoder=h.train_doc_encoder), denc)
         self.model = model.train(self.training)
         self.lm = self._load_lm(kb)
 
     def _load_lm(self, kb) -> LMScorer:
         h = self.hparams
         if h.lm_endpoint is not None:
-            from rag.models.replug.lm_scorer import CompletionsLMScorer
-
             return CompletionsLMScorer(h.lm_endpoint, h.lm_endpoint_model, timeout=h.lm_timeout, max_retries=h.lm_max_retries,
                                        batch_size=h.lm_batch_size)
-        from rag.generators.load import load_generator
-        from rag.models.replug.lm_scorer import LocalLMScorer
 
         path = h.lm
         if path == TINY_GPT2:
-            from rag.training.reranker import ensure_tiny_gpt2
-
             path = ensure_tiny_gpt2([p.text for p in kb.all_passages()])
         model, tok, _ = load_generator(path, kind="causal")
         model.requires_grad_(False)
@@ -227,12 +228,11 @@ class ReplugLSRModule(pl.LightningModule):
         inputs, targets = batch["questions"], batch["targets"]
         retrieved, doc_scores = self.model(inputs, self.hparams.k)
         ll = lm_scores(self.lm, retrieved.passages, inputs, targets, cache=self.cache).to(doc_scores.device)
-        return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature, beta=self.hparams.beta), doc_scores, ll
+        return lsr_loss(doc_scores, ll, retrieval_temperature=self.hparams.retrieval_temperature,
+                        beta=self.hparams.beta), doc_scores, ll
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         """Under DDP, refuse to step unless every rank retrieves from the same knowledge-base version."""
-        from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
-
         check_same_knowledge_base(self.trainer, knowledge_base_of(self), self.trainer.global_step)
 
     @without_cudnn_attention
@@ -252,7 +252,6 @@ class ReplugLSRModule(pl.LightningModule):
         # how often the retriever's first document is the one the LM likes best
         self.log("val/top1_agreement", (scores.argmax(-1) == ll.argmax(-1)).float().mean(), batch_size=b)
         # log-likelihood of y under the REPLUG ensemble with the retriever's weights (temperature γ)
-        from rag.generation.marginalize import doc_log_prior
 
         mix = torch.logsumexp(doc_log_prior(scores.detach(), temperature=self.hparams.retrieval_temperature) + ll, dim=-1)
         self.log("val/replug_loglik", mix.mean(), batch_size=b)

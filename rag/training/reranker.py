@@ -29,7 +29,13 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from rag.demo import load_demo_corpus
+from rag.eval.perplexity import read_eval_texts
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood
+from rag.generators import tiny
+from rag.generators.load import load_generator
+from rag.knowledge.bm25 import BM25Retriever
+from rag.knowledge.encoders import weights_fingerprint
 from rag.models.ralm.model import (
     EvalText,
     InContextRALM,
@@ -41,10 +47,12 @@ from rag.models.ralm.model import (
     window_ids,
 )
 from rag.models.ralm.rerank import PredictiveReranker
+from rag.training.distributed import check_same_knowledge_base
 from rag.training.settings import RerankerOptimizer, decay_split, settings_dict
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
-from rag.utils.io import atomic_write_json, cache_dir
+from rag.utils.files import read_json
+from rag.utils.io import atomic_directory, atomic_write_json, cache_dir
 from rag.utils.validate import check_positive_int
 
 logger = logging.getLogger(__name__)
@@ -63,8 +71,6 @@ class RerankExample:
 
 
 def _demo_texts() -> list[EvalText]:
-    from rag.demo import load_demo_corpus
-
     return [EvalText(p.text, p.id, p.title) for p in load_demo_corpus()]
 
 
@@ -72,7 +78,6 @@ def read_training_texts(source: str) -> list[EvalText]:
     """``demo`` (the Elements passages) or anything :func:`rag.eval.perplexity.read_eval_texts` reads."""
     if source == DEMO:
         return _demo_texts()
-    from rag.eval.perplexity import read_eval_texts
 
     return read_eval_texts(source)
 
@@ -80,9 +85,6 @@ def read_training_texts(source: str) -> list[EvalText]:
 def ensure_tiny_gpt2(texts: list[str], *, d_model: int = 64, layers: int = 2, vocab_size: int = 1000, max_positions: int = 256,
                      seed: int = 0) -> str:
     """Directory of a random tiny GPT-2 whose BPE tokenizer is trained on `texts`; built once, then reused."""
-    from rag.generators import tiny
-    from rag.utils.io import atomic_directory
-
     key = json.dumps({"d": d_model, "l": layers, "v": vocab_size, "p": max_positions, "s": seed,
                       "texts": hashlib.sha256("\x00".join(texts).encode()).hexdigest(), "format": 1}, sort_keys=True)
     out = cache_dir() / "tiny" / f"gpt2-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
@@ -140,8 +142,6 @@ COLLECTION_SETTINGS = ("retrieval", "k", "stride", "query_length", "prefix_token
 def examples_key(texts: list[EvalText], model: torch.nn.Module, tokenizer, kb_version: str, settings: dict) -> dict:
     """What a set of collected examples depends on: digests of the texts, of the LM's weights and of its tokenizer,
     the knowledge base's version, and the collection settings."""
-    from rag.knowledge.encoders import weights_fingerprint
-
     text_digest = hashlib.sha256()
     for t in texts:
         text_digest.update(json.dumps([t.id, t.title, t.text]).encode("utf-8"))
@@ -168,8 +168,6 @@ def _parse_examples(rows, k: int, where: str) -> list[RerankExample]:
 def read_examples(path: str | os.PathLike, key: dict, k: int) -> Optional[tuple[list[RerankExample], list[RerankExample]]]:
     """The (train, val) examples kept in `path` when they were collected under `key`; None when the file is absent or
     was made under another key (it is then collected again and rewritten). A file that is not such a file is refused."""
-    from rag.utils.files import read_json
-
     path = Path(path)
     if not path.exists():
         return None
@@ -224,7 +222,8 @@ class RerankerDataModule(pl.LightningDataModule):
             settings, else the examples are collected and the file is (re)written, atomically. ``None``: not kept.
     """
 
-    def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO, retrieval: Literal["bm25", "dense"] = "bm25",
+    def __init__(self, texts: str = DEMO, lm: str = TINY_GPT2, knowledge_base: str = DEMO,
+                 retrieval: Literal["bm25", "dense"] = "bm25",
                  k: int = 16, stride: int = 4, query_length: int = 32, prefix_tokens: int = 32, max_length: Optional[int] = None,
                  doc_max_length: int = 256, chunks_per_text: int = 4, val_fraction: float = 0.2, batch_size: int = 8,
                  lm_batch_size: int = 8, seed: int = 0, examples_file: Optional[str] = None):
@@ -240,11 +239,9 @@ class RerankerDataModule(pl.LightningDataModule):
     def _retriever(self):
         h = self.hparams
         if h.knowledge_base == DEMO:
-            from rag.demo import load_demo_corpus
-            from rag.knowledge.bm25 import BM25Retriever
-
             if h.retrieval != "bm25":
-                raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a knowledge-base directory")
+                raise ConfigError("data.knowledge_base 'demo' is served by BM25; set data.retrieval: bm25 or give a "
+                                  "knowledge-base directory")
             self.knowledge_base = SimpleNamespace(version="demo-elements-bm25", path=DEMO)
             return BM25Retriever.from_passages(load_demo_corpus(), show_progress=False)
         retriever = open_retriever(h.retrieval, h.knowledge_base)
@@ -254,7 +251,6 @@ class RerankerDataModule(pl.LightningDataModule):
     def setup(self, stage: Optional[str] = None) -> None:
         if self.train_examples:
             return
-        from rag.generators.load import load_generator
 
         h = self.hparams
         texts = read_training_texts(h.texts)
@@ -292,7 +288,8 @@ class RerankerDataModule(pl.LightningDataModule):
         return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
 
 
-def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal", temperature: float = 1.0) -> torch.Tensor:
+def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal",
+                  temperature: float = 1.0) -> torch.Tensor:
     """Mean over the batch of Eq. 9, ``-log Σ_i p_rank(d_i|x) p_θ(y|[d_i; x])`` (``marginal``), or of the soft-label
     cross-entropy ``-Σ_i softmax(log p_θ / τ)_i log p_rank(d_i|x)`` (``soft_label``). ``scores``, ``lm_loglik``: ``(B, K)``."""
     log_rank = doc_log_prior(scores)
@@ -325,7 +322,8 @@ class PredictiveRerankerModule(pl.LightningModule):
             nothing is validated); ``last``: the last epoch's.
     """
 
-    def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32, loss: Literal["marginal", "soft_label"] = "marginal",
+    def __init__(self, encoder: str = "minilm", pair_max_length: int = 256, query_tokens: int = 32,
+                 loss: Literal["marginal", "soft_label"] = "marginal",
                  temperature: float = 1.0, rank_prior: int = 0, optimizer: RerankerOptimizer = _DEFAULT_OPTIMIZER,
                  export_dir: Optional[str] = None, export_weights: Literal["best", "last"] = "best"):
         super().__init__()
@@ -361,8 +359,6 @@ class PredictiveRerankerModule(pl.LightningModule):
 
     def on_fit_start(self) -> None:
         """Under DDP, refuse to train unless every rank retrieved its examples from the same knowledge-base version."""
-        from rag.training.distributed import check_same_knowledge_base
-
         check_same_knowledge_base(self.trainer, getattr(self.trainer.datamodule, "knowledge_base", None))
         k = getattr(getattr(self.trainer.datamodule, "hparams", None), "k", None)
         if self.hparams.rank_prior and k is not None and k != self.hparams.rank_prior:
@@ -399,7 +395,8 @@ class PredictiveRerankerModule(pl.LightningModule):
     def on_train_end(self) -> None:
         if self.best is not None:  # every rank kept the same epoch (the loss is synced): the module ends on its weights
             self.reranker.load_state_dict(self.best[2])
-            logger.info("the reranker takes the weights of epoch %d (validation loss %.4f, the lowest)", self.best[1], self.best[0])
+            logger.info("the reranker takes the weights of epoch %d (validation loss %.4f, the lowest)", self.best[1],
+                        self.best[0])
         if self.hparams.export_dir and self.trainer.is_global_zero:
             self.reranker.save(self.hparams.export_dir, overwrite=True)
             logger.info("trained reranker written to %s", self.hparams.export_dir)

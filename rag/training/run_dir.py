@@ -83,7 +83,8 @@ def hold_run_dir(root: str | os.PathLike, command: str) -> None:
         with contextlib.suppress(OSError):
             holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
         os.close(fd)
-        raise ConfigError(f"--trainer.default_root_dir {root}: another run is using this folder{f' ({holder})' if holder else ''}; "
+        raise ConfigError(f"--trainer.default_root_dir {root}: another run is using this "
+                          f"folder{f' ({holder})' if holder else ''}; "
                           "two runs would write the same logs and checkpoints — wait for it to finish, or give this run its "
                           "own folder with --trainer.default_root_dir DIR") from None
     except OSError:  # a file system without flock: run unlocked

@@ -283,7 +283,8 @@ def check_renamed(class_path: str, options: dict, where: str) -> None:
     table = RENAMED.get(class_path.rsplit(".", 1)[-1], {})
     for key, value in options.items():
         new = table.get(key)
-        if new is None and class_path.endswith("RagModule") and key in _RENAMED_VALUES and not isinstance(value, (dict, type(None))):
+        if (new is None and class_path.endswith("RagModule") and key in _RENAMED_VALUES
+                and not isinstance(value, (dict, type(None)))):
             new = _RENAMED_VALUES[key]
         if new is not None:
             raise ConfigError(f"{where}: model.{key} is now model.{new}; rename it (docs/training.md lists every option)")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Iterable, Optional
 
+from rag.demo.kb import cache_dir
 from rag.utils.checksums import sha256_file
 from rag.utils.errors import IntegrityError, RagError
 from rag.utils.files import parse_json
@@ -57,8 +58,6 @@ class NLIPair:
 
 def snli_dir() -> Path:
     """Where the SNLI pairs are cached: ``$RAG_CACHE/snli`` (else ``~/.cache/rag/snli``)."""
-    from rag.demo.kb import cache_dir
-
     return cache_dir() / "snli"
 
 

@@ -58,8 +58,8 @@ def sha256_files(paths: Sequence[Path], *, nice: Optional[int] = None) -> list[s
     holds their GIL. The child also yields the disk: it reads 1 MiB at a time without
     readahead and, after a read that was not in the page cache (``preadv`` with RWF_NOWAIT
     tells), pauses as long as that read took, so that the page faults of a server reading a
-    memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files are
-    hashed in this thread.
+    memory-mapped knowledge base are not queued behind a stream of verification reads. If the child cannot run or fails, the files
+    are hashed in this thread.
     """
     check_niceness(nice, "nice")
     paths = [Path(p) for p in paths]
@@ -98,7 +98,8 @@ def confined_path(root: Path, rel: Any, record: Path) -> Path:
         raise IntegrityError(f"{record}: file entry {rel!r} is not a relative path; restore {record.name}")
     p = Path(rel)
     if p.is_absolute() or ".." in p.parts:
-        raise IntegrityError(f"{record}: file entry {rel!r} points outside {root}; restore {record.name} (paths must stay inside it)")
+        raise IntegrityError(f"{record}: file entry {rel!r} points outside {root}; restore {record.name} (paths must "
+                             f"stay inside it)")
     full = root / p
     try:
         inside = full.resolve().is_relative_to(Path(root).resolve())

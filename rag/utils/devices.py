@@ -76,10 +76,9 @@ def without_cudnn_attention(fn: Callable) -> Callable:
     """Run `fn` with scaled-dot-product attention restricted to the flash, memory-efficient and math kernels.
 
     In float16/bfloat16 on Hopper GPUs PyTorch prefers cuDNN's attention, which builds an execution plan for every new
-    input shape: about 6 ms of CPU time per attention call (measured on an H200, torch 2.11). RAG's inputs change shape
-    at every step (retrieved passages and answers of varying length), so a bf16-autocast RAG training step took 1.0 s
-    with cuDNN attention and 0.11 s without it (benchmarks/results/gpu_bench_h200.json). float32 and CPU runs never
-    use cuDNN attention, so there it changes nothing. Used on the steps of every LightningModule, on passage encoding
+    input shape, and RAG's inputs change shape at every step (retrieved passages and answers of varying length;
+    docs/benchmarks.md, "GPU (H200)", has the cost). float32 and CPU runs never use cuDNN attention, so there it
+    changes nothing. Used on the steps of every LightningModule, on passage encoding
     and on the pipeline's generate/retrieve.
     """
 

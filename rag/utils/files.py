@@ -45,7 +45,8 @@ def regular_file(path: str | os.PathLike, what: str, *, error: type[RagError] = 
         raise error(f"{path}: is a directory, not a file ({what})")
     if not stat.S_ISREG(st.st_mode):
         kind = ("a character device" if stat.S_ISCHR(st.st_mode) else "a block device" if stat.S_ISBLK(st.st_mode)
-                else "a pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a regular file")
+                else "a pipe (FIFO)" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode)
+                else "not a regular file")
         raise error(f"{path}: is {kind}, not a regular file; {what} must be a file (a device or pipe is never read, "
                     "as it may never end) — write its content to a file first")
     return st

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from rag.utils.errors import OutputExistsError
+from rag.utils.errors import OutputExistsError, RagError
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -123,7 +123,8 @@ def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,
     if final.is_symlink() or final.exists():
         if not final.is_dir():
             what = "a broken symbolic link" if not final.exists() else "a file"
-            raise OutputExistsError(f"{final} exists and is {what}, not a {kind}; it is never replaced — choose another output path ({option})")
+            raise OutputExistsError(f"{final} exists and is {what}, not a {kind}; it is never replaced — choose another output "
+                                    f"path ({option})")
         if any(final.iterdir()):
             if not overwrite:
                 raise OutputExistsError(f"{final} already exists; choose another output path ({option}), or pass --overwrite "
@@ -140,17 +141,17 @@ def check_output_dir(final: str | os.PathLike, overwrite: bool = False, *,
 
 def _check_writable_parent(final: Path, option: str) -> None:
     """RagError unless the nearest existing ancestor of `final` is a directory this process can create directories in."""
-    from rag.utils.errors import RagError
-
     parent = final.absolute().parent
     while not parent.exists() and parent != parent.parent:
         parent = parent.parent
     if not parent.is_dir():
-        raise RagError(f"{final}: {parent} is a file, so no directory can be created under it; choose another output path ({option})")
+        raise RagError(f"{final}: {parent} is a file, so no directory can be created under it; choose another output "
+                       f"path ({option})")
     try:  # the one reliable test (permissions, read-only mounts, /proc ...): create a directory there, and remove it
         os.rmdir(tempfile.mkdtemp(prefix=f".{final.name}.probe-", dir=parent))
     except OSError as e:
-        raise RagError(f"{final}: cannot create a directory in {parent} ({e.strerror}); choose another output path ({option})") from None
+        raise RagError(f"{final}: cannot create a directory in {parent} ({e.strerror}); choose another output "
+                       f"path ({option})") from None
 
 
 @contextlib.contextmanager

@@ -30,7 +30,8 @@ SHOWN_OWNERS = ("rag", "lightning", "pytorch_lightning", "__main__")
 """Top-level packages whose own tqdm bars and log records stay visible inside :func:`quiet_libraries`: rag, the
 training loop (its progress bar, model summary and checkpoint notes) and a user's script."""
 
-_VERBOSITY_ENV = {"transformers": "TRANSFORMERS_VERBOSITY", "datasets": "DATASETS_VERBOSITY", "huggingface_hub": "HF_HUB_VERBOSITY"}
+_VERBOSITY_ENV = {"transformers": "TRANSFORMERS_VERBOSITY", "datasets": "DATASETS_VERBOSITY",
+                  "huggingface_hub": "HF_HUB_VERBOSITY"}
 """The libraries that read their verbosity from the environment when first imported (and keep their own handler)."""
 _RAG_DIR = str(Path(__file__).resolve().parents[1]) + os.sep
 
@@ -47,7 +48,8 @@ def _bar_owner(frame) -> str:
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if _package(module) != "tqdm":
-            own = frame.f_locals.get("self", frame.f_locals.get("cls")) if frame.f_code.co_name in ("__init__", "__new__") else None
+            own = frame.f_locals.get("self",
+                                     frame.f_locals.get("cls")) if frame.f_code.co_name in ("__init__", "__new__") else None
             if not (isinstance(own, tqdm.std.tqdm) or (isinstance(own, type) and issubclass(own, tqdm.std.tqdm))):
                 return module
         frame = frame.f_back

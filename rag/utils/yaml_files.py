@@ -42,7 +42,8 @@ def check_yaml_text(text: str, where: str) -> None:
             if isinstance(event, (yaml.MappingStartEvent, yaml.SequenceStartEvent)):
                 stack.append([event.anchor, 1])
                 if len(stack) > MAX_YAML_DEPTH:
-                    raise ConfigError(f"{where}: nests more than {MAX_YAML_DEPTH} levels deep (line {event.start_mark.line + 1}); "
+                    raise ConfigError(f"{where}: nests more than {MAX_YAML_DEPTH} levels deep (line "
+                                      f"{event.start_mark.line + 1}); "
                                       "a config nests a few levels")
                 continue
             if isinstance(event, (yaml.MappingEndEvent, yaml.SequenceEndEvent)):

@@ -27,7 +27,8 @@ def test_kilt():
 def test_dpr_qa_csv_and_json():
     csv = read_eval_set(FIXTURES / "dpr_nq-test.qa.csv")
     assert [(e.id, e.question, e.answers) for e in csv] == [
-        ("0", "what is the chemical symbol of argon?", ("Ar",)), ("1", "who discovered oxygen?", ("Priestley", "Joseph Priestley"))]
+        ("0", "what is the chemical symbol of argon?", ("Ar",)),
+        ("1", "who discovered oxygen?", ("Priestley", "Joseph Priestley"))]
     assert csv[0].qrels is None
     js = read_eval_set(FIXTURES / "dpr_trivia-dev.json")
     assert detect_format(FIXTURES / "dpr_trivia-dev.json") == "dpr"

@@ -25,13 +25,15 @@ ENCODER = {"name": "synthetic", "dim": 4, "fingerprint": "synthetic-4"}
 
 @pytest.fixture(scope="module")
 def beir_kb(tmp_path_factory):
-    """The BEIR fixture's corpus, plus hydrogen and one document split in two chunks, as a knowledge base (retrieved with BM25)."""
+    """The BEIR fixture's corpus, plus hydrogen and one document split in two chunks, as a knowledge base (retrieved with
+    BM25)."""
     rows = [json.loads(line) for line in (FIXTURES / "beir" / "corpus.jsonl").read_text().splitlines()]
     ps = [Passage(r["_id"], r["title"], r["text"]) for r in rows]
     ps += [Passage("elements/neon-0", "Neon", "Symbol: Ne. Noble gas."), Passage("elements/neon-1", "Neon", "Atomic number: 10."),
            Passage("elements/hydrogen", "Hydrogen", "Symbol: H. Atomic number: 1.")]
     emb = np.random.default_rng(0).standard_normal((len(ps), 4)).astype(np.float32)
-    return KnowledgeBase.from_embeddings(ps, emb, ENCODER, tmp_path_factory.mktemp("kb") / "kb", index="flat", show_progress=False)
+    return KnowledgeBase.from_embeddings(ps, emb, ENCODER, tmp_path_factory.mktemp("kb") / "kb", index="flat",
+                                         show_progress=False)
 
 
 def test_retriever_alone_on_beir(beir_kb, tmp_path):
@@ -122,7 +124,8 @@ def test_compare_two_runs(beir_kb, tmp_path):
     assert [f["id"] for f in flipped["a_wrong_b_right"] + flipped["a_right_b_wrong"]] == [recs[0]["id"]]
     recs[1]["question"] = "another question"
     (b / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    with pytest.raises(RagError, match=r"question 'helium-number' is .* but 'another question' in .*not over the same evaluation set"):
+    with pytest.raises(RagError,
+                       match=r"question 'helium-number' is .* but 'another question' in .*not over the same evaluation set"):
         compare_runs(a, b)
 
 
@@ -180,7 +183,8 @@ def test_cli_retriever_alone_json_and_the_python_name(beir_kb, tmp_path, capsys)
             "--out", str(tmp_path / "run"), "--json", "--quiet"]
     assert main(argv) == 0
     summary = json.loads(capsys.readouterr().out)
-    assert summary["questions"] == 2 and summary["settings"]["options"] == {"retrieval": "bm25"} and "ndcg@3" in summary["metrics"]
+    assert summary["questions"] == 2 and summary["settings"]["options"] == {"retrieval": "bm25"}
+    assert "ndcg@3" in summary["metrics"]
     assert main(argv) == 0  # a complete directory: the same summary, nothing run again
     assert json.loads(capsys.readouterr().out) == summary
     assert main(argv[:-4] + ["--k", "1", "--out", str(tmp_path / "run"), "--quiet"]) == 2

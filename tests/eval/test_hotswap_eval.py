@@ -143,7 +143,8 @@ def test_cli_with_a_tiny_rag_model(tmp_path, demo_passages, tiny_dpr_question_di
     for tag in "AB":
         KnowledgeBase.build([Passage(p.id, p.title, f"[{tag}] {p.text}") for p in demo_passages[:8]], enc,
                             tmp_path / f"kb_{tag}", index="flat", show_progress=False)
-    RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, tmp_path / "kb_A", n_docs=2).save_pretrained(tmp_path / "model")
+    RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, tmp_path / "kb_A",
+                             n_docs=2).save_pretrained(tmp_path / "model")
     qa = [_write_qa(tmp_path / f"qa_{t}.jsonl", [f"{t} answer {i}" for i in range(3)]) for t in "AB"]
     argv = ["hotswap-eval", "--model", str(tmp_path / "model"), "--kb", str(tmp_path / "kb_A"), "--kb", str(tmp_path / "kb_B"),
             "--data", qa[0], "--data", qa[1], "--max-new-tokens", "3", "--quiet", "--plot", str(tmp_path / "heat.png")]

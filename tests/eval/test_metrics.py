@@ -125,7 +125,8 @@ def test_bleu1_and_rouge_l_are_torchmetrics_as_a_user_calls_it():
     from rag.eval.metrics import GENERATION_METRICS, Bleu1, RougeL
 
     preds = ["the cat sat on the mat", "a quick brown fox", "who wrote hamlet", ""]
-    golds = [["the cat is on the mat", "there is a cat"], ["the quick brown fox jumps"], ["which playwright wrote hamlet"], ["x y"]]
+    golds = [["the cat is on the mat", "there is a cat"], ["the quick brown fox jumps"], ["which playwright wrote hamlet"],
+             ["x y"]]
     for ours, ref in ((Bleu1(), BLEUScore(n_gram=1)), (RougeL(), ROUGEScore(rouge_keys="rougeL", accumulate="best"))):
         ours.update(preds[:2], golds[:2])
         ours.update(preds[2:], golds[2:])  # accumulates over batches

@@ -36,7 +36,8 @@ def _random_world(seed: int, n_queries: int = 40):
 
 @pytest.fixture(scope="module")
 def pytrec_eval():
-    return pytest.importorskip("pytrec_eval", reason="pytrec_eval not installed (pip install pytrec-eval-terrier): parity skipped")
+    return pytest.importorskip("pytrec_eval",
+                               reason="pytrec_eval not installed (pip install pytrec-eval-terrier): parity skipped")
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -80,7 +81,8 @@ def test_ties_break_by_docid_descending_as_trec_eval(pytrec_eval):
 def test_graded_ndcg_by_hand():
     # ranking b (grade 2), a (grade 1): DCG = 2/log2(2) + 1/log2(3) = IDCG, so 1; reversed: (1 + 2/log2(3)) / IDCG
     assert query_metrics(["b", "a"], {"a": 1, "b": 2}, (2,))["ndcg@2"] == 1.0
-    assert query_metrics(["a", "b"], {"a": 1, "b": 2}, (2,))["ndcg@2"] == pytest.approx((1 + 2 / 1.5849625007211563) / (2 + 1 / 1.5849625007211563))
+    assert query_metrics(["a", "b"], {"a": 1, "b": 2},
+                         (2,))["ndcg@2"] == pytest.approx((1 + 2 / 1.5849625007211563) / (2 + 1 / 1.5849625007211563))
 
 
 def test_parse_ks():

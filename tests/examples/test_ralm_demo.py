@@ -66,7 +66,8 @@ def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("rst")
     for p in load_demo_corpus()[:16]:
         head = f"{p.title} --- element"
-        (root / f"{p.title.lower()}.rst.txt").write_text(f".. index:: {p.title}\n\n{head}\n{'=' * len(head)}\n\n{p.text}\n", encoding="utf-8")
+        (root / f"{p.title.lower()}.rst.txt").write_text(f".. index:: {p.title}\n\n{head}\n{'=' * len(head)}\n\n{p.text}\n",
+                                                         encoding="utf-8")
     return root
 
 
@@ -102,7 +103,8 @@ def test_prepare_only_writes_the_split_and_the_knowledge_base(demo, corpus, tiny
 def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     out, res, png = tmp_path / "out", tmp_path / "r.json", tmp_path / "r.png"
-    results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--small-lm", tiny_lm, "--out", str(out), "--results", str(res),
+    results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--small-lm", tiny_lm, "--out", str(out), "--results",
+                         str(res),
                          "--plot", str(png), "--n-eval", "2", "--text-tokens", "40", "--n-train", "5", "--chunks-per-text", "1",
                          "--train-epochs", "1", "--max-length", "128", "--doc-max-length", "48", "--strides", "16,4",
                          "--query-lengths", "8,32", "--rerank-k", "2", "--rerank-tokens", "4", "--words-per-passage", "30",
@@ -131,7 +133,8 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     for r in results["runs"][1:]:
         assert 0 < r["retrieved_chunks"] <= tokens // r["stride"]
         assert 0.0 <= r["overlap"]["8gram"] <= r["overlap"]["4gram"] <= 1.0
-    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained, plain", "trained, soft", "trained, rp"}
+    assert {r["rerank"] for r in results["runs"]} == {"none", "zero-shot", "zero-shot-small", "trained, plain", "trained, soft",
+                                                      "trained, rp"}
     # each variant trains its own reranker from the one examples file, with its own options
     trainings = {t["label"]: t for t in results["reranker_trainings"]}
     assert set(trainings) == {"plain", "soft", "rp"} and "reranker_training" not in results

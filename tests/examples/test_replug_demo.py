@@ -47,11 +47,13 @@ def test_demo_end_to_end(demo, corpus, tiny_lm, tmp_path, monkeypatch):
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     out, res, png = tmp_path / "out", tmp_path / "r.json", tmp_path / "r.png"
     ks = [1, 2, 3]
-    results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot", str(png),
+    results = demo.main(["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot",
+                         str(png),
                          "--n-eval", "2", "--text-tokens", "40", "--n-train", "3", "--lsr-pairs-per-doc", "2",
                          "--lsr-query-tokens", "8", "--lsr-target-tokens", "8", "--lsr-k", "2", "--lsr-epochs", "1",
                          "--lsr-lr", "1e-3", "--ks", ",".join(map(str, ks)), "--stride", "8", "--max-length", "64",
-                         "--doc-max-length", "24", "--words-per-passage", "30", "--qa-n", "6", "--qa-k", "2", "--qa-new-tokens", "3"])
+                         "--doc-max-length", "24", "--words-per-passage", "30", "--qa-n", "6", "--qa-k", "2", "--qa-new-tokens",
+                         "3"])
     assert json.loads(res.read_text()) == json.loads(json.dumps(results))
     assert png.stat().st_size > 1000
     from rag.knowledge.knowledge_base import KnowledgeBase
@@ -111,7 +113,8 @@ def test_prepare_only_then_measure_reuses_the_knowledge_base_and_passes_the_lsr_
 
     monkeypatch.setenv("RAG_CACHE", str(tmp_path / "cache"))
     out, res = tmp_path / "out", tmp_path / "r.json"
-    common = ["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot", str(tmp_path / "r.png"),
+    common = ["--corpus", str(corpus), "--model", tiny_lm, "--out", str(out), "--results", str(res), "--plot",
+              str(tmp_path / "r.png"),
               "--n-eval", "2", "--text-tokens", "40", "--n-train", "3", "--n-val", "2", "--lsr-pairs-per-doc", "2",
               "--lsr-query-tokens", "8", "--lsr-target-tokens", "8", "--words-per-passage", "30"]
     assert demo.main([*common, "--prepare-only"]) == {}

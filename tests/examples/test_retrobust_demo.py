@@ -67,5 +67,6 @@ def test_demo_end_to_end(demo, tmp_path, wordpiece_tokenizer):
             assert cell["n"] == 8 and cell["nli_kept_retrieval"] == 100.0  # the planted model entails everything
             assert cell["retrieval+nli"] == cell["retrieval"]
     assert r["readers"]["retrobust"]["context_kinds"]["random"] > 0 and r["readers"]["top-1"]["context_kinds"]["random"] == 0
-    assert r["selfask"]["n"] == 2 and set(r["selfask"]["with_retrieval"]["stopped"]) <= {"final_answer", "step_limit", "malformed",
+    assert r["selfask"]["n"] == 2 and set(r["selfask"]["with_retrieval"]["stopped"]) <= {"final_answer", "step_limit",
+                                                                                         "malformed",
                                                                                            "repeated_follow_up"}

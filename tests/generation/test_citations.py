@@ -32,7 +32,8 @@ def test_covering_takes_the_fewest_top_passages_reaching_the_mass():
 def test_rag_sequence_citations_follow_the_posterior_by_rank():
     a = Answer("q?", "Au", -1.0, "v1", _passages([0.15, 0.55, 0.3]))
     cites = a.citations
-    assert [(c.number, c.passage, c.id, c.first_token) for c in cites] == [(1, 1, "p1", None), (2, 2, "p2", None), (3, 0, "p0", None)]
+    assert [(c.number, c.passage, c.id, c.first_token) for c in cites] == [(1, 1, "p1", None), (2, 2, "p2", None),
+                                                                           (3, 0, "p0", None)]
     assert [c.weight for c in cites] == [0.55, 0.3, 0.15]
     assert a.cited_text == "Au [1][2][3]"
     d = a.to_dict()
@@ -57,7 +58,8 @@ def test_in_context_ralm_cites_each_passage_in_context_once_by_first_segment():
             SegmentProvenance(8, 12, "b", "B", 3.0, "v1", "q")]
     passages = [PassageProvenance("a", "A", "ta", 2.0, 1.0), PassageProvenance("b", "B", "tb", 3.0, 1.0)]
     a = Answer("p", " and so on", -3.0, "v1", passages, segments=segs)
-    assert [(c.number, c.id, c.passage, c.first_token, c.weight) for c in a.citations] == [(1, "b", 1, 0, 1.0), (2, "a", 0, 4, 1.0)]
+    assert [(c.number, c.id, c.passage, c.first_token, c.weight) for c in a.citations] == [(1, "b", 1, 0, 1.0),
+                                                                                           (2, "a", 0, 4, 1.0)]
 
 
 def test_replug_without_a_posterior_cites_by_the_ensemble_weights():

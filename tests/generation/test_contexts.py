@@ -70,7 +70,8 @@ def _hf_retriever(tokenizers, max_combined_length=300, **config_kwargs):
         n_docs=3, max_combined_length=max_combined_length, **config_kwargs,
     )
     recorder = _Recorder(gen_tok)
-    retriever = RagRetriever(config, question_encoder_tokenizer=q_tok, generator_tokenizer=recorder, index=object(), init_retrieval=False)
+    retriever = RagRetriever(config, question_encoder_tokenizer=q_tok, generator_tokenizer=recorder, index=object(),
+                             init_retrieval=False)
     return retriever, recorder
 
 
@@ -93,7 +94,8 @@ def test_strings_match_transformers_retriever(tokenizers, prefix):
 
 def test_join_literal_and_quirks():
     fmt = ContextFormat()
-    assert fmt.join('"Paris"', "Paris is  the capital.", "capital of france?") == "Paris / Paris is the capital. // capital of france?"
+    assert fmt.join('"Paris"', "Paris is  the capital.",
+                    "capital of france?") == "Paris / Paris is the capital. // capital of france?"
     # one quote stripped at each end only; three spaces collapse to two (a single replace pass)
     assert fmt.join('""x""', "a   b", "q") == '"x" / a  b // q'
     assert ContextFormat(title_sep=" | ", doc_sep=" || ", prefix="qa: ").join("T", "x", "q") == "qa: T | x || q"
@@ -123,7 +125,8 @@ def test_format_from_transformers_config():
         DPRConfig(), BartConfig(prefix="summarize: "), title_sep=" :: ", doc_sep=" ## ", prefix="ignored by transformers"
     )
     assert ContextFormat.from_hf_config(config) == ContextFormat(title_sep=" :: ", doc_sep=" ## ", prefix="summarize: ")
-    assert ContextFormat.from_hf_config(RagConfig.from_question_encoder_generator_configs(DPRConfig(), BartConfig())) == ContextFormat()
+    assert ContextFormat.from_hf_config(RagConfig.from_question_encoder_generator_configs(DPRConfig(),
+                                                                                          BartConfig())) == ContextFormat()
 
 
 def test_build_contexts_rejects_misaligned_input():

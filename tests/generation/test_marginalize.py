@@ -264,7 +264,8 @@ def test_equations_match_brute_force(seed):
     torch.testing.assert_close(rag_sequence_log_likelihood(tlp, prior, mask=mask), _brute_sequence(lp, target, mask, prior))
     torch.testing.assert_close(rag_token_log_likelihood(tlp, prior, mask=mask), _brute_token(lp, target, mask, prior))
     # losses with eps=0 are the negatives
-    torch.testing.assert_close(rag_sequence_nll(lp, target, prior, mask=mask, reduce="none"), -_brute_sequence(lp, target, mask, prior))
+    torch.testing.assert_close(rag_sequence_nll(lp, target, prior, mask=mask, reduce="none"),
+                               -_brute_sequence(lp, target, mask, prior))
     torch.testing.assert_close(rag_token_nll(lp, target, prior, mask=mask, reduce="none"), -_brute_token(lp, target, mask, prior))
 
 
@@ -289,7 +290,8 @@ def test_label_smoothing_matches_brute_force():
                 total += (1 - eps) * -marginal[target[b, i]] + eps / vocab * -sum(marginal)
         tok.append(total)
     torch.testing.assert_close(rag_sequence_nll(lp, target, prior, mask=mask, epsilon=eps, reduce="none"), torch.stack(seq))
-    torch.testing.assert_close(rag_token_nll(lp, target, prior, mask=mask, epsilon=eps, reduce="none"), torch.tensor(tok, dtype=torch.float64))
+    torch.testing.assert_close(rag_token_nll(lp, target, prior, mask=mask, epsilon=eps, reduce="none"),
+                               torch.tensor(tok, dtype=torch.float64))
 
 
 def test_token_marginal_is_a_distribution_and_matches_brute_force():
@@ -323,7 +325,8 @@ def test_single_document_equals_cross_entropy(kind, eps):
     target = torch.randint(3, 11, (3, 5), generator=g)
     target[0, 3:] = PAD
     target[2, 1:] = -100
-    got = NLL[kind](logits.log_softmax(-1), target, torch.zeros(3, 1, dtype=torch.float64), pad_token_id=PAD, epsilon=eps, reduce="sum")
+    got = NLL[kind](logits.log_softmax(-1), target, torch.zeros(3, 1, dtype=torch.float64), pad_token_id=PAD, epsilon=eps,
+                    reduce="sum")
     flat_target = target.masked_fill(target == PAD, -100).view(-1)
     expected = F.cross_entropy(logits.view(-1, 11), flat_target, ignore_index=-100, label_smoothing=eps, reduction="sum")
     torch.testing.assert_close(got, expected)
@@ -435,7 +438,8 @@ def test_exclude_bos_is_per_row_by_default(kind):
     torch.testing.assert_close(excl[1], base[1])
     assert not torch.allclose(excl[0], base[0])
     if kind == "sequence":  # transformers only excludes when every row starts with BOS
-        hf = rag_sequence_nll(lp, target, prior, mask=mask, reduce="none", exclude_bos_score=True, bos_token_id=BOS, hf_compat=True)
+        hf = rag_sequence_nll(lp, target, prior, mask=mask, reduce="none", exclude_bos_score=True, bos_token_id=BOS,
+                              hf_compat=True)
         hf_base = rag_sequence_nll(lp, target, prior, mask=mask, reduce="none", hf_compat=True)
         torch.testing.assert_close(hf, hf_base)
 
@@ -508,7 +512,8 @@ def _logits_case(seed=0, b=3, k=4, t=5, v=11):
 
 def test_target_logprobs_from_logits_equal_the_gathered_log_softmax():
     logits, labels, _, _ = _logits_case()
-    torch.testing.assert_close(target_logprobs_from_logits(logits, labels), gather_target_logprobs(logits.log_softmax(-1), labels))
+    torch.testing.assert_close(target_logprobs_from_logits(logits, labels),
+                               gather_target_logprobs(logits.log_softmax(-1), labels))
 
 
 @pytest.mark.parametrize("kind", ["sequence", "token"])

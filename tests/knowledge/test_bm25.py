@@ -94,7 +94,8 @@ def test_save_load_round_trip(index, tmp_path):
 
 def test_one_character_tokens_such_as_numbers_and_symbols_are_indexed(tmp_path):
     """bm25s's default token pattern drops "8" and "K": a question about a bare number matched nothing."""
-    passages = [Passage("a", "Oxygen", "Symbol: O. Atomic number: 8."), Passage("b", "Potassium", "Symbol: K. Atomic number: 19."),
+    passages = [Passage("a", "Oxygen", "Symbol: O. Atomic number: 8."),
+                Passage("b", "Potassium", "Symbol: K. Atomic number: 19."),
                 Passage("c", "Argon", "Symbol: Ar. Atomic number: 18.")]
     index = BM25Index.build(passages, show_progress=False)
     scores, rows = index.search(["which element is number 8?", "the symbol K"], k=1)
@@ -136,7 +137,8 @@ def test_a_title_counts_title_weight_times_and_is_kept_with_the_index(tmp_path):
 
     passages = [Passage("k", "Potassium", "Symbol: K. Softer than sodium, and it reacts with water faster than sodium does."),
                 Passage("n", "Sodium", "Symbol: Na. A soft metal that reacts with water; with chlorine it forms table salt.")]
-    assert passage_text(passages[1], 2) == "Sodium Sodium " + passages[1].text and passage_text(passages[1], 0) == passages[1].text
+    assert passage_text(passages[1], 2) == "Sodium Sodium " + passages[1].text and passage_text(passages[1],
+                                                                                                0) == passages[1].text
     assert passage_text(Passage("u", "", "no title"), 3) == "no title"
     query = ["What's the chemical symbol for sodium?"]
     # the text of Potassium mentions sodium twice: without the title's weight it wins, with it the passage about sodium does

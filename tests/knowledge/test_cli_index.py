@@ -19,7 +19,8 @@ REPO = Path(__file__).parents[2]
 @pytest.fixture(scope="module")
 def demo_kb(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("cli") / "elements"
-    assert main(["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", "minilm", "--out", str(out), "--bm25", "--quiet", "--words-per-passage", "0"]) == 0
+    assert main(["index", "build", "--corpus", str(CORPUS_PATH), "--encoder", "minilm", "--out", str(out), "--bm25", "--quiet",
+                 "--words-per-passage", "0"]) == 0
     return out
 
 
@@ -79,7 +80,8 @@ def test_console_entry_point_runs():
 
 
 def _tree(path: Path) -> dict:
-    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file()} if path.is_dir() else {".": path.read_bytes()}
+    return {str(f.relative_to(path)): f.read_bytes() for f in sorted(path.rglob("*"))
+            if f.is_file()} if path.is_dir() else {".": path.read_bytes()}
 
 
 def test_overwrite_never_destroys_an_input_or_other_data(tmp_path, tiny_bert_dir, capsys):
@@ -95,7 +97,8 @@ def test_overwrite_never_destroys_an_input_or_other_data(tmp_path, tiny_bert_dir
     build = ["index", "build", "--encoder", tiny_bert_dir, "--index", "flat", "--quiet", "--overwrite"]
     for src, out, expected in [(corpus, corpus, "destroy the input"), (folder, folder, "destroy the input"),
                                (corpus, folder, "not a knowledge base"), (corpus, other, "not a knowledge base"),
-                               (folder, folder / "kb", "inside the corpus folder"), (folder / "a.txt", folder, "destroy the input")]:
+                               (folder, folder / "kb", "inside the corpus folder"),
+                               (folder / "a.txt", folder, "destroy the input")]:
         before = {p: _tree(p) for p in (corpus, folder, other)}
         assert main([*build, "--corpus", str(src), "--out", str(out)]) == 2
         assert expected in capsys.readouterr().err
@@ -116,7 +119,8 @@ def test_corpus_folder_reads_its_data_files_and_names_what_it_skips(tmp_path, ti
     (folder / "c.csv").write_text("id,title,text\nc1,Neon,neon is a gas\n")
     (folder / "notes.md").write_text("# not read")
     out = tmp_path / "kb"
-    assert main(["index", "build", "--corpus", str(folder), "--encoder", tiny_bert_dir, "--out", str(out), "--index", "flat", "--quiet"]) == 0
+    assert main(["index", "build", "--corpus", str(folder), "--encoder", tiny_bert_dir, "--out", str(out), "--index", "flat",
+                 "--quiet"]) == 0
     assert "notes.md" in capsys.readouterr().err
     assert main(["index", "search", str(out), "metal", "-k", "3", "--json"]) == 0
     assert {p["id"] for p in json.loads(capsys.readouterr().out)["passages"]} == {"a.txt", "j1", "c1"}

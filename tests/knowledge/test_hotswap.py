@@ -203,7 +203,8 @@ def test_size_verification_misses_flipped_byte_but_full_catches_it(pipe, kbs):
         slot.swap(kbs["kb_corrupt"], verify="full")
     # verify="size" trusts same-size files: documented trade-off for very large knowledge bases.
     # size-only verification serves it, but never under the plain version id of the content it claims to be
-    assert slot.swap(kbs["kb_corrupt"], verify="size").new_version == KnowledgeBase.open(kbs["kb_b"], verify="none").version + "+unverified"
+    assert slot.swap(kbs["kb_corrupt"], verify="size").new_version == KnowledgeBase.open(kbs["kb_b"],
+                                                                                         verify="none").version + "+unverified"
 
 
 def test_unswappable_targets_are_refused(kbs):

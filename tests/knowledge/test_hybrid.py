@@ -1,4 +1,5 @@
-"""Hybrid retrieval: score fusion and reciprocal rank fusion of the dense and BM25 rankings, the prior's gradient, per-call choice."""
+"""Hybrid retrieval: score fusion and reciprocal rank fusion of the dense and BM25 rankings, the prior's gradient, the
+per-call choice."""
 
 from __future__ import annotations
 

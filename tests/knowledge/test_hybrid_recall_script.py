@@ -109,4 +109,5 @@ def test_a_models_rows_are_the_recall_of_its_own_retrieval(setup, capsys):
 def test_a_model_given_without_a_label_is_refused(setup):
     kb, root, *_ = setup
     with pytest.raises(SystemExit, match="LABEL=DIR"):
-        load().main(["--kb", kb, "--sets", str(root / "qa.jsonl"), "--model", str(root / "frozen"), "--out", str(root / "x.json")])
+        load().main(["--kb", kb, "--sets", str(root / "qa.jsonl"), "--model", str(root / "frozen"), "--out",
+                     str(root / "x.json")])

@@ -243,7 +243,8 @@ def test_k_bounds_name_k_and_corpus_size(corpus):
     spec = IndexSpec(kind="hnsw")
     index = build_index(x[:20], spec, show_progress=False)
     for k in (0, -1, 21):
-        with pytest.raises(RagError, match=rf"k \(at most the corpus size, 20 vectors\) must be an integer between 1 and 20, got {k}"):
+        with pytest.raises(RagError,
+                           match=rf"k \(at most the corpus size, 20 vectors\) must be an integer between 1 and 20, got {k}"):
             search_index(index, q, k, spec)
     scores, rows = search_index(index, q, 20, spec)
     assert sorted(rows[0].tolist()) == list(range(20))

@@ -115,7 +115,8 @@ def test_open_round_trip_with_real_encoder(tmp_path, bert_encoder, demo_passages
     assert np.array_equal(r1, r2) and np.allclose(s1, s2)
     assert reopened.encoder["fingerprint"] == bert_encoder.identity()["fingerprint"]
     assert len(reopened) == 40 and reopened.dim == bert_encoder.dim
-    np.testing.assert_allclose(np.asarray(reopened.embeddings()), bert_encoder.encode_passages(demo_passages[:40], show_progress=False), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(reopened.embeddings()),
+                               bert_encoder.encode_passages(demo_passages[:40], show_progress=False), atol=1e-5)
 
 
 @pytest.mark.parametrize("target", [EMBEDDINGS, INDEX, "passages"])
@@ -152,7 +153,8 @@ def test_bad_corpus_inputs(tmp_path):
     with pytest.raises(CorpusError, match="duplicate passage id 'x'"):
         KnowledgeBase.from_embeddings(dup, np.ones((2, 4), np.float32), ENC, tmp_path / "kb", index="flat")
     with pytest.raises(RagError, match="NaN"):
-        KnowledgeBase.from_embeddings([Passage("a", "", "a")], np.full((1, 4), np.nan, np.float32), ENC, tmp_path / "kb", index="flat")
+        KnowledgeBase.from_embeddings([Passage("a", "", "a")], np.full((1, 4), np.nan, np.float32), ENC, tmp_path / "kb",
+                                      index="flat")
     assert not (tmp_path / "kb").exists()
 
 
@@ -230,7 +232,8 @@ def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
             time.sleep(60)
         kbm.write_index = slow
         ps = [Passage(f"p{{i}}", "", "t") for i in range(50)]
-        kbm.KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {{"name": "x"}}, {str(out)!r}, index="flat", show_progress=False)
+        kbm.KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {{"name": "x"}}, {str(out)!r},
+                                          index="flat", show_progress=False)
         """
     )
     proc = subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2])
@@ -248,7 +251,8 @@ def test_killed_build_leaves_nothing_open_accepts_and_rerun_succeeds(tmp_path):
         with pytest.raises(KnowledgeBaseError):
             KnowledgeBase.open(d)
     ps = [Passage(f"p{i}", "", "t") for i in range(50)]
-    KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {"name": "x"}, out, index="flat", show_progress=False)
+    KnowledgeBase.from_embeddings(ps, np.random.rand(50, 8).astype("float32"), {"name": "x"}, out, index="flat",
+                                  show_progress=False)
     assert len(KnowledgeBase.open(out)) == 50 and not list(tmp_path.glob(".kb.tmp-*"))
 
 

@@ -256,7 +256,9 @@ def test_undecodable_bytes_in_large_tsv(tmp_path):
 
 
 def test_duplicate_ids_name_both_locations(tmp_path):
-    path = _jsonl(tmp_path / "dup.jsonl", [{"id": "a", "title": "", "text": "x"}, {"id": "b", "title": "", "text": "y"}, {"id": "a", "title": "", "text": "z"}])
+    path = _jsonl(tmp_path / "dup.jsonl",
+                  [{"id": "a", "title": "", "text": "x"}, {"id": "b", "title": "", "text": "y"},
+                   {"id": "a", "title": "", "text": "z"}])
     with pytest.raises(CorpusError) as e:
         load_corpus(path, show_progress=False)
     msg = str(e.value)
@@ -293,7 +295,8 @@ def test_ragged_tsv_row_and_wrong_field_type(tmp_path):
 
 
 def test_empty_text_skipped_with_warning_but_all_empty_errors(tmp_path):
-    path = _jsonl(tmp_path / "e.jsonl", [{"title": "a", "text": "real words"}, {"title": "b", "text": "  "}, {"title": "c", "text": None}])
+    path = _jsonl(tmp_path / "e.jsonl",
+                  [{"title": "a", "text": "real words"}, {"title": "b", "text": "  "}, {"title": "c", "text": None}])
     with pytest.warns(EmptyDocumentsWarning, match=r"skipped 2 of 3 .*e\.jsonl:2"):
         passages = load_corpus(path, show_progress=False)
     assert [p.title for p in passages] == ["a"]

@@ -33,7 +33,8 @@ def setup(tiny_bert_dir, demo_passages, tmp_path_factory):
     from rag.knowledge.encoders import TextEncoder
 
     enc = TextEncoder(tiny_bert_dir, pooling="mean")
-    kb = KnowledgeBase.build(demo_passages[:20], enc, tmp_path_factory.mktemp("scoring") / "kb", index="flat", show_progress=False)
+    kb = KnowledgeBase.build(demo_passages[:20], enc, tmp_path_factory.mktemp("scoring") / "kb", index="flat",
+                             show_progress=False)
     return enc, kb
 
 

@@ -66,7 +66,8 @@ def test_merged_shards_equal_a_one_shot_build(built, tmp_path, capsys):
     assert set(merged.manifest.files) == set(one.manifest.files) and merged.verified == "full"
     again = merge_shards(tmp_path / "again", shards[::-1], show_progress=False)
     assert again.version == merged.version and again.manifest.files["embeddings.npy"] == merged.manifest.files["embeddings.npy"]
-    assert [m["version"] for m in merged.manifest.build["merged_shards"]] == [KnowledgeBase.open(built / f"shard{i}").version for i in range(N)]
+    assert [m["version"] for m in merged.manifest.build["merged_shards"]] == [KnowledgeBase.open(built / f"shard{i}").version
+                                                                              for i in range(N)]
     assert not list(tmp_path.glob(".merged.*"))  # the scratch embeddings are gone
 
 
@@ -143,7 +144,8 @@ def test_every_shard_claiming_a_huge_count_names_a_few_missing_ones(built, tmp_p
     n = 10**9  # consistent records (start/stop of slice i of 10^9 passages) still leave 10^9 - 3 shards missing
     bad = [_tampered(built, tmp_path, i, lambda s, i=i: s.update(count=n, corpus_passages=n, start=i * n // n, stop=(i + 1)))
            for i in range(N)]
-    with pytest.raises(KnowledgeBaseError, match=r"shard\(s\) 3/1000000000, 4/1000000000, .*, \.\.\. missing: got 3 of 1000000000"):
+    with pytest.raises(KnowledgeBaseError,
+                       match=r"shard\(s\) 3/1000000000, 4/1000000000, .*, \.\.\. missing: got 3 of 1000000000"):
         merge_shards(tmp_path / "m", bad, show_progress=False)
 
 

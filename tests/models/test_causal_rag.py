@@ -133,7 +133,8 @@ def test_rag_sequence_thorough_scores_are_eq1_of_the_returned_answers(gpt2_dir, 
 
     model = make(gpt2_dir, kb_dir).eval()
     eos = model.generator_tokenizer.eos_token_id
-    found = generate_for_questions(model, QUESTIONS, GenerationConfig(max_new_tokens=max_new_tokens, num_beams=2, eos_token_id=eos),
+    found = generate_for_questions(model, QUESTIONS,
+                                   GenerationConfig(max_new_tokens=max_new_tokens, num_beams=2, eos_token_id=eos),
                                    marginalization="sequence", decoding="thorough")
     retrieved, scores = found.inputs.retrieved, found.inputs.doc_scores
     prompts = prompt_rows(model, QUESTIONS, retrieved.passages)

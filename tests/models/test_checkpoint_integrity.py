@@ -116,7 +116,8 @@ def test_config_without_a_generator_entry_is_a_config_error(ckpt, capsys):
         RagModel.from_pretrained(ckpt)
 
 
-def test_knowledge_base_is_referenced_relative_to_a_checkpoint_near_it(saved, kb_dir, tmp_path, tiny_dpr_question_dir, tiny_bart_dir):
+def test_knowledge_base_is_referenced_relative_to_a_checkpoint_near_it(saved, kb_dir, tmp_path, tiny_dpr_question_dir,
+                                                                       tiny_bart_dir):
     """Saved next to its knowledge base, a checkpoint records a relative path: the pair moves as one."""
     home = tmp_path / "project"
     shutil.copytree(kb_dir, home / "kb")

@@ -216,14 +216,16 @@ def test_real_conversion(tmp_path_factory, monkeypatch):
     gguf_path = find_gguf()
     report = verify_tokenizer(tok, gguf_path, texts=_real_lines() + list(demo_lm._TRICKY_TEXTS))
     assert report["special_tokens"]["bos"]["token"] == "<|im_start|>" and report["special_tokens"]["eos"]["token"] == "<|im_end|>"
-    assert tok.convert_ids_to_tokens(tok.encode("<|im_start|>user\n<|im_end|>", add_special_tokens=False)) == ["<|im_start|>", "user", "Ċ", "<|im_end|>"]
+    assert tok.convert_ids_to_tokens(tok.encode("<|im_start|>user\n<|im_end|>",
+                                                add_special_tokens=False)) == ["<|im_start|>", "user", "Ċ", "<|im_end|>"]
     assert _pieces(tok, "In 2024") == ["In", "Ġ", "2", "0", "2", "4"]
     # Independent check of vocabulary and merges: where no digit occurs, transformers' own GGUF tokenizer (which lacks only
     # the digit split) must give the same ids.
     hf = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     no_digits = [ln for ln in _real_lines() if not any(c.isnumeric() for c in ln)]
     assert len(no_digits) > 200
-    assert [tok.encode(t, add_special_tokens=False) for t in no_digits] == [hf.encode(t, add_special_tokens=False) for t in no_digits]
+    assert [tok.encode(t, add_special_tokens=False) for t in no_digits] == [hf.encode(t, add_special_tokens=False)
+                                                                            for t in no_digits]
 
     prompt = torch.tensor([tok.encode("The capital of France is", add_special_tokens=False)])
     with torch.no_grad():

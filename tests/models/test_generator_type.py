@@ -37,7 +37,8 @@ def test_each_family_is_its_own_generator(gpt2_dir, tiny_bart_dir, tiny_dpr_ques
     assert (causal.generator_kind, causal.is_causal, causal.lm.sequence_convention) == ("causal", True, "paper")
     assert (seq2seq.generator_kind, seq2seq.is_causal, seq2seq.lm.sequence_convention) == ("seq2seq", False, "transformers")
     assert causal.lm.model is causal.generator and causal.lm.tokenizer is causal.generator_tokenizer
-    assert causal.decoder_start_token_id is None and seq2seq.decoder_start_token_id == seq2seq.generator.config.decoder_start_token_id
+    assert causal.decoder_start_token_id is None
+    assert seq2seq.decoder_start_token_id == seq2seq.generator.config.decoder_start_token_id
 
 
 def test_the_causal_generator_owns_its_caches_and_a_replaced_generator_starts_empty(gpt2_dir, tiny_kb_dir):

@@ -217,7 +217,8 @@ def test_reduced_loss_and_gradients_match_transformers(setup, imported, referenc
     ours.loss.backward()
     theirs.loss.backward()
     # the query encoder learns, identically, in both
-    assert assert_grads_close(dict(m.question_encoder.model.named_parameters()), hf.question_encoder.named_parameters(), "query encoder") > 0
+    assert assert_grads_close(dict(m.question_encoder.model.named_parameters()), hf.question_encoder.named_parameters(),
+                              "query encoder") > 0
     assert assert_grads_close(dict(m.generator.named_parameters()), hf.generator.named_parameters(), "generator") > 0
 
 
@@ -297,7 +298,8 @@ def test_hf_compat_loss_uses_transformers_documented_label_convention(setup, imp
     with torch.no_grad():
         ours = m(QUESTIONS, ANSWERS).loss
         documented, _ = hf_loss(hf, m, setup, QUESTIONS, ANSWERS)
-        prepended = hf(**_question_inputs(setup), labels=hf_labels(setup["gtok"], hf.config.generator.decoder_start_token_id, ANSWERS),
+        prepended = hf(**_question_inputs(setup),
+                       labels=hf_labels(setup["gtok"], hf.config.generator.decoder_start_token_id, ANSWERS),
                        reduce_loss=False).loss
     torch.testing.assert_close(ours, documented.loss, atol=1e-5, rtol=1e-5)
     assert (ours - prepended).abs().max() > 0.5  # the two conventions really differ on these answers

@@ -131,6 +131,7 @@ def test_rag_generate_and_serve_take_the_exported_directory(exported, capsys):
     from rag.pipeline.api import load
 
     with background_server(create_app(load(out))) as url:
-        r = httpx.post(f"{url}/generate", json={"questions": [QUESTIONS[1]], "max_new_tokens": 3, "retrieval": "dense"}, timeout=60)
+        r = httpx.post(f"{url}/generate", json={"questions": [QUESTIONS[1]], "max_new_tokens": 3, "retrieval": "dense"},
+                       timeout=60)
     assert r.status_code == 200, r.text
     assert len(r.json()["answers"][0]["passages"]) == 2

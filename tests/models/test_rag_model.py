@@ -380,7 +380,8 @@ def test_unchanged_query_encoder_is_saved_by_reference_and_verified_on_load(tmp_
     altered.save_pretrained(qdir, overwrite=True)
     with pytest.raises(IntegrityError, match="fingerprint"):
         RagModel.from_pretrained(tmp_path / "ckpt")
-    assert RagModel.from_pretrained(tmp_path / "ckpt", verify="none").question_encoder.identity()["fingerprint"] != entry["fingerprint"]
+    assert RagModel.from_pretrained(tmp_path / "ckpt",
+                                    verify="none").question_encoder.identity()["fingerprint"] != entry["fingerprint"]
     shutil.rmtree(qdir)
     with pytest.raises(ConfigError, match="references the query encoder"):
         RagModel.from_pretrained(tmp_path / "ckpt")

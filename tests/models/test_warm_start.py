@@ -178,7 +178,8 @@ def test_generator_loss_on_the_retrieved_passage_equals_the_rag_loss_with_one_do
         model = RagModel(TextEncoder(tiny_bert_dir), gen, tok, kb, RagModelConfig(n_docs=1, marginalization=marg)).eval()
         retrieved, _ = model.retrieve(questions, n_docs=1)
         top = [ps[0] for ps in retrieved.passages]
-        torch.testing.assert_close(model.generator_loss(questions, answers, top), model(questions, answers).loss, rtol=0, atol=1e-5)
+        torch.testing.assert_close(model.generator_loss(questions, answers, top), model(questions, answers).loss, rtol=0,
+                                   atol=1e-5)
     # closed book: the question alone is the input
     enc = tok(questions, padding=True, return_tensors="pt")
     lab = tok(answers, padding=True, return_tensors="pt")

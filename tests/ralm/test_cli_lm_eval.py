@@ -28,7 +28,8 @@ def kbs(tmp_path_factory, demo_passages, minilm_path):
 @pytest.fixture(scope="module")
 def data(tmp_path_factory, demo_passages):
     p = tmp_path_factory.mktemp("lm_eval_data") / "eval.jsonl"
-    p.write_text("".join(json.dumps({"id": q.id, "title": q.title, "text": q.text}) + "\n" for q in demo_passages[:3]), encoding="utf-8")
+    p.write_text("".join(json.dumps({"id": q.id, "title": q.title, "text": q.text}) + "\n" for q in demo_passages[:3]),
+                 encoding="utf-8")
     return str(p)
 
 
@@ -94,7 +95,8 @@ def test_cli_lm_eval_replug_ensemble(capsys, tiny_gpt2_dir, kbs, data):
     top = json.loads(out)
     assert top["settings"]["ensemble"] == 3 and top["settings"]["retrieval_temperature"] == 2.0 and top["bits_per_byte"] > 0
     code, out, err = _run(capsys, base + ["--ensemble", "3", "--temperature", "2"])  # the deprecated alias works, and says so
-    assert code == 0 and json.loads(out) == top and "FutureWarning: --temperature is deprecated: use --retrieval-temperature" in err
+    assert code == 0 and json.loads(out) == top
+    assert "FutureWarning: --temperature is deprecated: use --retrieval-temperature" in err
     code, out, _ = _run(capsys, base + ["--ensemble", "3", "--random-docs"])
     rnd = json.loads(out)
     assert code == 0 and rnd["settings"]["random_docs"] is True and rnd["bits_per_byte"] != top["bits_per_byte"]

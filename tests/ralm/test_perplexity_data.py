@@ -17,7 +17,8 @@ def test_jsonl_text_and_datasets_sources(tmp_path):
     import datasets
 
     j = tmp_path / "a.jsonl"
-    j.write_text(json.dumps({"id": 7, "title": "Tin", "text": "Tin is soft."}) + "\n\n" + json.dumps({"text": "Lead."}) + "\n", encoding="utf-8")
+    j.write_text(json.dumps({"id": 7, "title": "Tin", "text": "Tin is soft."}) + "\n\n" + json.dumps({"text": "Lead."}) + "\n",
+                 encoding="utf-8")
     assert read_eval_texts(j) == [EvalText("Tin is soft.", "7", "Tin"), EvalText("Lead.")]
     assert read_eval_texts(j, limit=1) == [EvalText("Tin is soft.", "7", "Tin")]
     t = tmp_path / "wiki.txt"

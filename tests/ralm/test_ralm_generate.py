@@ -37,7 +37,8 @@ class Fixed:
     def retrieve(self, queries, k):
         self.calls.append(list(queries))
         n = len(queries)
-        return Retrieved(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), [[self.passage] for _ in queries], None, "fixed-v1")
+        return Retrieved(torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1), [[self.passage] for _ in queries], None,
+                         "fixed-v1")
 
 
 def _user_window(tok, passage, prompt, doc_max_length):
@@ -69,7 +70,8 @@ def test_batch_equals_transformers_generate_left_padded(lm, demo_passages):
     width = max(map(len, rows))
     ids = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in rows])
     mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=tok.pad_token_id)
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                         pad_token_id=tok.pad_token_id)
     assert [c.token_ids for c in found] == ref[:, width:].tolist()
 
 
@@ -138,7 +140,8 @@ def test_sampling_is_seeded_and_beams_carry_provenance(lm, bm25):
     assert [c.token_ids for c in a] == [c.token_ids for c in b]
     assert [[s.passage_id for s in c.segments] for c in a] == [[s.passage_id for s in c.segments] for c in b]
     greedy = ralm_generate(ralm, PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8))
-    beams = ralm_generate(ralm, PROMPTS, GenerationConfig(max_new_tokens=8, min_new_tokens=8, num_beams=3, num_return_sequences=2))
+    beams = ralm_generate(ralm, PROMPTS,
+                          GenerationConfig(max_new_tokens=8, min_new_tokens=8, num_beams=3, num_return_sequences=2))
     assert len(beams) == 4
     for c in beams:  # each hypothesis' documents are those its own prefixes retrieve
         stream = [tok.bos_token_id] + tok(c.prompt, add_special_tokens=False)["input_ids"]

@@ -61,7 +61,8 @@ def test_load_recognises_a_causal_lm_and_generates_with_provenance(pipe, kbs, lm
     from rag.models.ralm.generate import ralm_generate
     from rag.models.ralm.model import InContextRALM, RalmConfig
 
-    assert isinstance(pipe, RagPipeline) and isinstance(pipe.reader, RalmReader) and (pipe.method, pipe.generator_kind) == ("ralm", "causal")
+    assert isinstance(pipe, RagPipeline) and isinstance(pipe.reader, RalmReader) and (pipe.method,
+                                                                                      pipe.generator_kind) == ("ralm", "causal")
     assert checkpoint_generator_kind("smollm2") == "causal"  # the demo LM alias (not converted here)
     answers = pipe.generate(PROMPTS, max_new_tokens=9, min_new_tokens=9)
     kb = kbs["A"]
@@ -177,10 +178,13 @@ def test_cli_generate(capsys, gpt2_512, kbs):
     out = capsys.readouterr().out
     assert code == 0
     got = json.loads(out.strip().splitlines()[-1])
-    expected = rag.load(gpt2_512, knowledge_base=kbs["A"].path, stride=4, query_length=8).generate([PROMPTS[0]], max_new_tokens=6)[0]
+    expected = rag.load(gpt2_512, knowledge_base=kbs["A"].path, stride=4, query_length=8).generate([PROMPTS[0]],
+                                                                                                   max_new_tokens=6)[0]
     assert got["text"] == expected.text and got["kb_version"] == kbs["A"].version
-    assert [(s["start"], s["end"], s["passage_id"]) for s in got["segments"]] == [(s.start, s.end, s.passage_id) for s in expected.segments]
-    code = main(["generate", "--model", gpt2_512, "--kb", str(kbs["A"].path), PROMPTS[0], "--retrieval", "dense", "--max-new-tokens", "5"])
+    assert [(s["start"], s["end"], s["passage_id"]) for s in got["segments"]] == [(s.start, s.end, s.passage_id)
+                                                                                  for s in expected.segments]
+    code = main(["generate", "--model", gpt2_512, "--kb", str(kbs["A"].path), PROMPTS[0], "--retrieval", "dense",
+                 "--max-new-tokens", "5"])
     text = capsys.readouterr().out
     assert code == 0 and "tokens   0-4" in text and kbs["A"].version in text
     assert main(["generate", "--model", gpt2_512, "--kb", str(kbs["A"].path), PROMPTS[0], "--marginalization", "token"]) == 2
@@ -229,4 +233,5 @@ def test_python_reader_from_components(lm, kbs):
     [b] = pipe.generate(PROMPTS[:1], max_new_tokens=5, min_new_tokens=5, retrieval="dense")
     assert a.tokens == b.tokens and [s.passage_id for s in a.segments] == [s.passage_id for s in b.segments]
     with torch.no_grad():
-        assert pipe.retrieve(["argon"], k=1)[0].passages[0].id == pipe.retrieve(["argon"], k=1, retrieval="dense")[0].passages[0].id
+        assert pipe.retrieve(["argon"], k=1)[0].passages[0].id == pipe.retrieve(["argon"], k=1,
+                                                                                retrieval="dense")[0].passages[0].id

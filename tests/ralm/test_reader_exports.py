@@ -35,7 +35,8 @@ def _readers(tiny_gpt2_dir, kb):
     model, tok, _ = load_generator(tiny_gpt2_dir, kind="causal")
     ralm = RalmReader(model, tok, kb.path, RalmConfig(**SETTINGS), retrieval="bm25")
     replug = RalmReader(model, tok, kb.path, RalmConfig(**SETTINGS, ensemble=3, retrieval_temperature=0.5), retrieval="bm25")
-    causal_rag = RagReader(RagModel.from_components(None, tiny_gpt2_dir, kb.path, RagModelConfig(n_docs=2, max_context_length=96)))
+    causal_rag = RagReader(RagModel.from_components(None, tiny_gpt2_dir, kb.path,
+                                                    RagModelConfig(n_docs=2, max_context_length=96)))
     return {"ralm": ralm, "replug": replug, "causal_rag": causal_rag}
 
 

@@ -61,7 +61,8 @@ def test_ensemble_answers_carry_k_weighted_documents_and_match_replug_generate(p
             lam = torch.softmax(scores[i] / 0.5, 0)
             assert [p.prior for p in a.passages] == pytest.approx(lam.tolist(), abs=1e-6)
             assert [p.score for p in a.passages] == pytest.approx(scores[i].tolist())
-            assert a.tokens == tok.convert_ids_to_tokens(seqs[i, -6:].tolist()) and a.score == pytest.approx(float(loglik[i]), abs=1e-4)
+            assert a.tokens == tok.convert_ids_to_tokens(seqs[i, -6:].tolist())
+            assert a.score == pytest.approx(float(loglik[i]), abs=1e-4)
             assert json.dumps(a.to_dict())
 
 
@@ -91,7 +92,8 @@ def test_bad_ensemble_input_names_the_option(pipe, kb):
 def test_cli_generate_ensemble_json(capsys, tiny_gpt2_dir, kb):
     from rag.cli import main
 
-    base = ["generate", "--model", tiny_gpt2_dir, "--kb", str(kb.path), "--doc-max-length", "24", "--max-length", "96", PROMPTS[0]]
+    base = ["generate", "--model", tiny_gpt2_dir, "--kb", str(kb.path), "--doc-max-length", "24", "--max-length", "96",
+            PROMPTS[0]]
     code = main(base + ["--ensemble", "2", "--retrieval-temperature", "2", "--max-new-tokens", "5", "--json"])
     out = capsys.readouterr().out
     assert code == 0
@@ -109,7 +111,8 @@ def test_cli_generate_ensemble_json(capsys, tiny_gpt2_dir, kb):
 def test_serve_generate_ensemble_is_bounded(pipe, kb):
     app = create_app(pipe, limits=ServeLimits(request_timeout=None, max_n_docs=3))
     with background_server(app) as url, httpx.Client(base_url=url, timeout=120) as client:
-        r = client.post("/generate", json={"questions": PROMPTS[:1], "ensemble": 2, "retrieval_temperature": 0.5, "max_new_tokens": 4})
+        r = client.post("/generate",
+                        json={"questions": PROMPTS[:1], "ensemble": 2, "retrieval_temperature": 0.5, "max_new_tokens": 4})
         assert r.status_code == 200, r.text
         [a] = r.json()["answers"]
         want = pipe.generate(PROMPTS[:1], ensemble=2, retrieval_temperature=0.5, max_new_tokens=4)[0]

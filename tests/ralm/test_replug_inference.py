@@ -38,7 +38,8 @@ def test_options_equal_scores_mean_and_weights(lm, marginalization):
     for scores, tau in (([1.0, 1.0, 1.0], 1.0), ([2.0, 0.5, -1.0], 0.5), ([2.0, 0.5, -1.0], 3.0)):
         lam = np.exp(np.asarray(scores) / tau)
         lam /= lam.sum()
-        got = replug_score_options(scorer, QUESTION, OPTIONS, DOCS, scores, retrieval_temperature=tau, marginalization=marginalization)
+        got = replug_score_options(scorer, QUESTION, OPTIONS, DOCS, scores, retrieval_temperature=tau,
+                                   marginalization=marginalization)
         for o, rows in enumerate(per_doc):
             p = np.exp(np.stack(rows))  # (k, T)
             want = np.log(lam @ p).sum() if marginalization == "token" else math.log(lam @ p.prod(1))

@@ -45,7 +45,8 @@ def test_endpoint_scores_equal_the_local_lm_and_the_cache_never_asks_twice(lm, s
     for a, b in zip(got, want):
         np.testing.assert_allclose(a, b, atol=1e-5)
     cache = ScoreCache()
-    docs, xs, ys = ["Hydrogen is light.", "Helium is inert."], ["The lightest element is", "The lightest element is"], [" hydrogen."] * 2
+    docs, xs, ys = ["Hydrogen is light.", "Helium is inert."], ["The lightest element is",
+                                                                "The lightest element is"], [" hydrogen."] * 2
     first = document_logprobs(remote, docs, xs, ys, cache=cache)
     sent = remote.requests
     again = document_logprobs(remote, docs, xs, ys, cache=cache)

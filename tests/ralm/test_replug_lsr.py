@@ -96,7 +96,8 @@ def test_toy_run_moves_the_retriever_toward_the_helpful_document(small_kb, minil
 
 def test_endpoint_failure_stops_training(small_kb, minilm_path, server):
     url, _ = server
-    m = ReplugLSRModule(lm_endpoint=url, lm_endpoint_model="nologprobs", question_encoder=minilm_path, knowledge_base=small_kb, k=2)
+    m = ReplugLSRModule(lm_endpoint=url, lm_endpoint_model="nologprobs", question_encoder=minilm_path, knowledge_base=small_kb,
+                        k=2)
     m.configure_model()
     with pytest.raises(LMEndpointError, match="no prompt log-probs"):
         m._loss({"questions": [QUESTION], "targets": [ANSWER]})
@@ -106,7 +107,8 @@ def test_endpoint_failure_stops_training(small_kb, minilm_path, server):
 
 
 def test_bad_settings_are_named(small_kb, minilm_path, tiny_gpt2_dir):
-    for kw, match in (({"k": 0}, "model.k"), ({"retrieval_temperature": 0.0}, "model.retrieval_temperature"), ({"beta": -0.1}, "model.beta"),
+    for kw, match in (({"k": 0}, "model.k"), ({"retrieval_temperature": 0.0}, "model.retrieval_temperature"),
+                      ({"beta": -0.1}, "model.beta"),
                       ({"lm_endpoint": "http://x/v1"}, "lm_endpoint_model")):
         with pytest.raises(ConfigError, match=match):
             ReplugLSRModule(**kw)

@@ -62,7 +62,8 @@ def test_a_smaller_reranking_lm_with_its_own_tokenizer(lm, bm25, demo_passages, 
 
     model, tok = lm
     small_tok = tiny.train_bpe_tokenizer(tiny.sample_texts(), vocab_size=350)
-    small_dir = tiny.save(tiny.tiny_gpt2(small_tok, d_model=16, layers=1, max_positions=128, seed=3), small_tok, tmp_path / "small")
+    small_dir = tiny.save(tiny.tiny_gpt2(small_tok, d_model=16, layers=1, max_positions=128, seed=3), small_tok,
+                          tmp_path / "small")
     sm, st, _ = load_generator(small_dir, kind="causal")
     reranker = LMReranker(CausalScorer(sm, st, max_length=64, doc_max_length=24), rerank_tokens=4)
     ralm = InContextRALM(model, tok, bm25, RalmConfig(stride=4, query_length=8, k=3, **SMALL), reranker)

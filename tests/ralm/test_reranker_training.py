@@ -137,7 +137,8 @@ def test_lm_eval_refuses_a_rank_prior_reranker_at_another_k(capsys, tiny_bert_di
     from rag.knowledge.knowledge_base import KnowledgeBase
     from rag.models.ralm.rerank import PredictiveReranker
 
-    KnowledgeBase.build(demo_passages[:12], TextEncoder(tiny_bert_dir), tmp_path / "kb", index="flat", bm25=True, show_progress=False)
+    KnowledgeBase.build(demo_passages[:12], TextEncoder(tiny_bert_dir), tmp_path / "kb", index="flat", bm25=True,
+                        show_progress=False)
     PredictiveReranker(tiny_bert_dir, max_length=48, query_tokens=8, rank_prior=3).save(tmp_path / "rr")
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": demo_passages[20].text, "id": demo_passages[20].id}) + "\n", encoding="utf-8")
@@ -217,8 +218,10 @@ def test_rank_prior_must_match_the_datas_k(tiny_bert_dir, tiny_gpt2_dir, demo_pa
     import pytorch_lightning as pl
 
     texts = tmp_path / "t.jsonl"
-    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:4]), encoding="utf-8")
-    data = RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8, prefix_tokens=8,
+    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:4]),
+                     encoding="utf-8")
+    data = RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8,
+                              prefix_tokens=8,
                               max_length=96, doc_max_length=40, chunks_per_text=1, val_fraction=0.0, batch_size=4)
     module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8, rank_prior=4)
     with pytest.raises(ConfigError, match=r"model.rank_prior=4 but data.k=3.*set model.rank_prior to 3"):
@@ -243,7 +246,8 @@ def test_exported_reranker_serves_lm_eval(tiny_bert_dir, tiny_gpt2_dir, bm25, lm
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": demo_passages[5].text, "id": demo_passages[5].id}) + "\n", encoding="utf-8")
     kb_free = ["--retrieval", "none"]  # the CLI refuses --rerank without retrieval, and without --rerank-model for trained
-    assert main(["lm-eval", "--model", tiny_gpt2_dir, "--data", str(data), "--rerank", "trained", *kb_free, "--max-length", "96"]) == 2
+    assert main(["lm-eval", "--model", tiny_gpt2_dir, "--data", str(data), "--rerank", "trained", *kb_free, "--max-length",
+                 "96"]) == 2
     assert "--retrieval" in capsys.readouterr().err
 
 
@@ -251,8 +255,10 @@ def test_datamodule_fast_dev_run(tiny_bert_dir, tiny_gpt2_dir, demo_passages, tm
     import pytorch_lightning as pl
 
     texts = tmp_path / "t.jsonl"
-    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:10]), encoding="utf-8")
-    data = RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8, prefix_tokens=8,
+    texts.write_text("".join(json.dumps({"id": p.id, "title": p.title, "text": p.text}) + "\n" for p in demo_passages[:10]),
+                     encoding="utf-8")
+    data = RerankerDataModule(texts=str(texts), lm=tiny_gpt2_dir, knowledge_base="demo", k=3, stride=4, query_length=8,
+                              prefix_tokens=8,
                               max_length=96, doc_max_length=40, chunks_per_text=1, val_fraction=0.3, batch_size=4)
     module = PredictiveRerankerModule(encoder=tiny_bert_dir, pair_max_length=48, query_tokens=8)
     pl.Trainer(fast_dev_run=True, default_root_dir=str(tmp_path), **QUIET).fit(module, data)

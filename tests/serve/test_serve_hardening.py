@@ -129,8 +129,8 @@ def test_every_unit_of_causal_rag_sequence_work_is_at_most_one_bounded_forward(c
 
 def test_scoring_reads_a_long_prompt_in_windows_that_are_units_with_the_one_pass_log_probs(serve_layout, tiny_gpt2_dir):
     """Window by window (each continuing the cache of the ones before) gives the one-pass log-probs and top
-    alternatives up to float32 rounding of other batch shapes (the REPLUG scorer tests' 2e-5); each window is one forward of at most
-    `window` + 1 tokens (its logits bound the memory) and a unit boundary lies between two windows."""
+    alternatives up to float32 rounding of other batch shapes (the REPLUG scorer tests' 2e-5); each window is one forward of at
+    most `window` + 1 tokens (its logits bound the memory) and a unit boundary lies between two windows."""
     import rag
     from rag.serve.scoring import score_prompt
 

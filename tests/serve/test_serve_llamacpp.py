@@ -54,7 +54,8 @@ def _llamacpp_server():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([python, "-m", "llama_cpp.server", "--model", str(find_gguf()), "--host", "127.0.0.1", "--port",
-                             str(port), "--logits_all", "true", "--n_ctx", "2048", "--model_alias", "smollm2", "--n_threads", "1"],
+                             str(port), "--logits_all", "true", "--n_ctx", "2048", "--model_alias", "smollm2", "--n_threads",
+                             "1"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}/v1"
     try:

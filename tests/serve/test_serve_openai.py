@@ -82,7 +82,8 @@ def test_chat_answers_as_generate_with_provenance_in_the_rag_field(rag_server, s
 def test_n_and_rag_options_map_onto_the_schema(rag_server):
     url, _ = rag_server
     client = _client(url)
-    got = client.chat.completions.create(model="tiny", n=2, max_completion_tokens=3, messages=[{"role": "user", "content": QUESTION}],
+    got = client.chat.completions.create(model="tiny", n=2, max_completion_tokens=3,
+                                         messages=[{"role": "user", "content": QUESTION}],
                                          extra_body={"rag": {"marginalization": "token", "n_docs": 2}})
     want = _generate(url, [QUESTION], num_return_sequences=2, num_beams=2, max_new_tokens=3, marginalization="token", n_docs=2)
     assert [c.message.content for c in got.choices] == [a["text"] for a in want["answers"]]
@@ -282,7 +283,8 @@ def test_openai_routes_share_the_queue_and_the_deadline(serve_layout):
 
     import rag
 
-    with serving(rag.load(serve_layout["model"]), max_concurrency=1, limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
+    with serving(rag.load(serve_layout["model"]), max_concurrency=1,
+                 limits=ServeLimits(request_timeout=0.5, max_queue=0)) as (url, app):
         gate = GatedKB(app.state.slot.current, parks=lambda n: n == 1)
         app.state.slot.swap(gate)
         client = _client(url)

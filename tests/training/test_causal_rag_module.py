@@ -68,8 +68,10 @@ def test_the_causal_recipe_trains_lora_and_the_query_encoder_and_exports_the_ada
 def test_a_resumed_run_spends_the_budget_it_had_left(make_module, make_data, trainer_kw, tmp_path):
     first = CpuBudget(minutes=60)
     ckpt_cb = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", save_last=True, save_top_k=0, every_n_train_steps=1)
-    pl.Trainer(max_steps=2, limit_val_batches=0, callbacks=[first, ckpt_cb], **trainer_kw).fit(make_module(), datamodule=make_data())
-    spent = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu", weights_only=True)["callbacks"]["CpuBudget"]["used_seconds"]
+    pl.Trainer(max_steps=2, limit_val_batches=0, callbacks=[first, ckpt_cb], **trainer_kw).fit(make_module(),
+                                                                                               datamodule=make_data())
+    spent = torch.load(tmp_path / "ckpt" / "last.ckpt", map_location="cpu",
+                       weights_only=True)["callbacks"]["CpuBudget"]["used_seconds"]
     assert spent > 0
     again = CpuBudget(minutes=spent / 60)  # a budget the first run had already spent
     trainer = pl.Trainer(max_steps=50, limit_val_batches=0, callbacks=[again], **trainer_kw)

@@ -130,7 +130,8 @@ def test_answer_under_a_given_passage_equals_ralm_reader_generation(module):
         opt.zero_grad()
         loss.backward()
         opt.step()
-    reader = RalmReader(module.lm, module.tokenizer, kb, RalmConfig(stride=6, doc_max_length=24, max_length=module.scorer.max_length),
+    reader = RalmReader(module.lm, module.tokenizer, kb,
+                        RalmConfig(stride=6, doc_max_length=24, max_length=module.scorer.max_length),
                         retrieval="dense")
     with_r, without = reader.generate_with_and_without_retrieval(module.prompts(qs), max_new_tokens=6)
     expected = [first_line(a.text) for a in with_r]
@@ -195,7 +196,9 @@ def test_reader_trained_on_mixed_contexts_is_less_hurt_by_random_ones(tmp_path):
 
     def nll(scorer: CausalScorer, shift: int) -> float:  # mean NLL of the right code (+ EOS) with passage (i + shift) % 12
         with torch.no_grad():
-            return float(answer_nll(scorer, reading_windows(scorer, prompts, codes, [passages[(i + shift) % 12] for i in range(12)])).mean())
+            return float(answer_nll(scorer,
+                                    reading_windows(scorer, prompts, codes,
+                                                    [passages[(i + shift) % 12] for i in range(12)])).mean())
 
     top1_only = train(ContextMixing(top_k=2, p_top1=1.0, p_low=0.0, p_random=0.0))
     mixed = train(ContextMixing(top_k=2, low_rank_start=1))
@@ -258,11 +261,13 @@ def test_rag_fit_trains_and_exports_a_reader_rag_generate_reads(tmp_path, monkey
           "--trainer.limit_val_batches", "1", "--trainer.enable_progress_bar", "false"])
     run = tmp_path / "runs" / "retrobust_reader_tiny"
     rows = list(csv.DictReader(open(next(run.rglob("metrics.csv")))))
-    assert any(r.get("val/em") not in (None, "") for r in rows) and any(r.get("val/em_no_retrieval") not in (None, "") for r in rows)
+    assert any(r.get("val/em") not in (None, "") for r in rows) and any(r.get("val/em_no_retrieval") not in (None, "")
+                                                                        for r in rows)
     assert (run / "reader" / "config.json").is_file()
     capsys.readouterr()
     kb = ensure_demo_kb(show_progress=False)
     assert main(["generate", "--model", str(run / "reader"), "--kb", str(kb.path), "--doc-max-length", "64", "--stride", "8",
-                 "--max-new-tokens", "3", "--retrieval", "dense", "--json", "Question: what is the symbol of gold?\nAnswer:"]) == 0
+                 "--max-new-tokens", "3", "--retrieval", "dense", "--json",
+                 "Question: what is the symbol of gold?\nAnswer:"]) == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["passages"] and out["kb_version"]

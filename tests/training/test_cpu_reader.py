@@ -65,7 +65,8 @@ def test_pretraining_steps_train_the_generator_alone_then_rag_takes_over(make_mo
     """reading_practice.pretrain_steps: the first steps read practice alone at pretrain_lr (nothing retrieved: the query
     encoder stays put, its learning rate 0); then the RAG loss and the configured learning rates take over."""
     module = make_module(reading_practice={"per_step": 2, "pool": 20, "pretrain_steps": 2, "pretrain_batch": 3,
-                                           "pretrain_lr": 5e-3}, optimizer={"query_encoder_lr": 1e-3, "lr": 2e-3, "schedule": "constant"})
+                                           "pretrain_lr": 5e-3},
+                         optimizer={"query_encoder_lr": 1e-3, "lr": 2e-3, "schedule": "constant"})
     seen = []
 
     class Watch(pl.Callback):

@@ -26,7 +26,8 @@ CONFIGS = REPO / "lightning_configs"
 STEPS = 3
 
 _PAPER = ["--model.generator", "tiny:bart", "--model.question_encoder", "minilm", "--model.knowledge_base", ".cache/demo_kb",
-          "--model.build_knowledge_base.corpus", "demo", "--model.build_knowledge_base.index", "flat", "--trainer.precision", "32-true",
+          "--model.build_knowledge_base.corpus", "demo", "--model.build_knowledge_base.index", "flat", "--trainer.precision",
+          "32-true",
           "--trainer.accumulate_grad_batches", "1", "--data.num_workers", "0", "--data.train", "demo:train", "--data.val",
           "demo:dev", "--data.test", "demo:test", "--data.batch_size", "4", "--data.eval_batch_size", "8",
           "--data.max_eval_examples", "8", "--model.rag.max_context_length", "64", "--model.decoding.num_beams", "1"]

@@ -39,7 +39,8 @@ def run(tmp_path_factory, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir) -> 
     """A 2-step `rag fit` on the tiny models with a frozen query encoder, a checkpoint and an export at the end."""
     root = tmp_path_factory.mktemp("export_run")
     path = _fit(root, (tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir), seed=7, steps=2,
-                module={"decoding": {"max_new_tokens": 3, "sequence_decoding": "fast"}, "evaluation": {"recall_at": [1, 2]}}, data={"test": "demo:test", "predict": "demo:test"})
+                module={"decoding": {"max_new_tokens": 3, "sequence_decoding": "fast"}, "evaluation": {"recall_at": [1, 2]}},
+                data={"test": "demo:test", "predict": "demo:test"})
     return {"root": root, "config": path, "ckpt": root / "ckpt" / "last.ckpt", "exported": root / "exported"}
 
 

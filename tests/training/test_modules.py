@@ -73,7 +73,8 @@ def test_optimizer_groups_and_schedule(make_module, make_data, trainer_kw):
     assert by_name["generator"]["weight_decay"] == 0.01 and by_name["generator_no_decay"]["weight_decay"] == 0.0
     groups = module.model.parameter_groups()
     ids = lambda ps: {id(p) for p in ps}  # noqa: E731
-    assert ids(by_name["query_encoder"]["params"]) | ids(by_name["query_encoder_no_decay"]["params"]) == ids(groups["query_encoder"])
+    query_encoder = ids(by_name["query_encoder"]["params"]) | ids(by_name["query_encoder_no_decay"]["params"])
+    assert query_encoder == ids(groups["query_encoder"])
     assert ids(by_name["generator"]["params"]) | ids(by_name["generator_no_decay"]["params"]) == ids(groups["generator"])
     sched = trainer.lr_scheduler_configs[0].scheduler
     assert sched.lr_lambdas[0].keywords == {"warmup_steps": 2, "total_steps": 3}
@@ -149,7 +150,8 @@ def test_tiny_generator_is_built_once_and_cached(tiny_kb_dir, tmp_path, monkeypa
     mtime = (tmp_path / path / "config.json").stat().st_mtime_ns
     assert ensure_tiny_generator("bart", spec, tiny_kb_dir) == path  # cached: same directory, not rebuilt
     assert (tmp_path / path / "config.json").stat().st_mtime_ns == mtime
-    assert ensure_tiny_generator("bart", TinyGenerator(d_model=16, layers=1, heads=2, ffn=32, vocab_size=400, seed=1), tiny_kb_dir) != path
+    assert ensure_tiny_generator("bart", TinyGenerator(d_model=16, layers=1, heads=2, ffn=32, vocab_size=400, seed=1),
+                                 tiny_kb_dir) != path
 
 
 def test_bf16_mixed_precision_and_clipping(make_module, make_data, trainer_kw):

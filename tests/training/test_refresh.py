@@ -160,7 +160,8 @@ def test_rerank_keeps_top_k_of_l_by_fresh_scores(make_model, train_doc_encoder):
     kb = m.knowledge_base
     _, stale_rows = kb.search(q, L)  # (B, L) candidates from the stale index
     cand = kb.get_passages(stale_rows)
-    fresh = torch.from_numpy(m.doc_encoder.encode_passages([p for ps in cand for p in ps], show_progress=False)).view(len(QUESTIONS), L, -1)
+    fresh = torch.from_numpy(m.doc_encoder.encode_passages([p for ps in cand for p in ps],
+                                                           show_progress=False)).view(len(QUESTIONS), L, -1)
     fresh_scores = torch.einsum("bd,bld->bl", q, fresh)
     expected = np.take_along_axis(stale_rows, fresh_scores.argsort(dim=1, descending=True)[:, :K].numpy(), axis=1)
     assert retrieved.rows.tolist() == expected.tolist()
@@ -184,7 +185,8 @@ def test_manifest_encoder_with_other_weights_is_refused(tmp_path, tiny_dpr_conte
 
     enc = TextEncoder(tiny_dpr_context_dir, role="context")
     enc.save_pretrained(tmp_path / "enc")
-    kb = KnowledgeBase.build(demo_passages[:10], TextEncoder(str(tmp_path / "enc")), tmp_path / "kb", index="flat", show_progress=False)
+    kb = KnowledgeBase.build(demo_passages[:10], TextEncoder(str(tmp_path / "enc")), tmp_path / "kb", index="flat",
+                             show_progress=False)
     changed = TextEncoder(str(tmp_path / "enc"))
     _perturb(changed, 0.1, seed=1)
     changed.save_pretrained(tmp_path / "enc")  # the name now loads other weights than built the index
@@ -226,7 +228,8 @@ def test_build_refreshed_kb_reencodes_with_the_snapshot(tmp_path, tiny_kb_dir, t
     assert Path(new.encoder["name"]) == tmp_path / "snap" and new.manifest.build["refresh_step"] == 7
     assert new.index_spec == old.index_spec and new.manifest.query_encoder == old.manifest.query_encoder
     assert [p.id for p in new.all_passages()] == [p.id for p in old.all_passages()]  # rows keep their meaning
-    np.testing.assert_allclose(new.embeddings(), enc.encode_passages(old.all_passages(), show_progress=False), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(new.embeddings(), enc.encode_passages(old.all_passages(), show_progress=False), rtol=1e-5,
+                               atol=1e-6)
 
 
 # ---------------------------------------------------------------------------- training with refreshes
@@ -359,7 +362,8 @@ def test_failed_build_is_logged_and_training_goes_on_with_the_old_index(make_mod
     assert trainer.global_step == 3 and refresh.swaps == 0 and refresh.failures == 1
     assert module.model.knowledge_base.version == old.version and probe.versions == [old.version] * 3
     assert "index refresh from step 1 failed" in caplog.text and f"training continues on {old.version}" in caplog.text
-    assert ("exit status 3" in caplog.text and "injected failure" in caplog.text) if exit_code else "no complete knowledge base" in caplog.text
+    assert ("exit status 3" in caplog.text
+            and "injected failure" in caplog.text) if exit_code else "no complete knowledge base" in caplog.text
     _assert_nothing_half_built(tmp_path / "refresh" / "step-00000001")
 
 

@@ -48,7 +48,8 @@ def test_no_shipped_config_fixes_an_output_path(path):
         for key in ("dirpath", "output_dir"):
             outputs.append((f"{cb['class_path']}.{key}", cb.get("init_args", {}).get(key)))
     init = cfg["model"]["init_args"]
-    for key, value in (("export_dir", init.get("export_dir")), ("evaluation.predictions_file", (init.get("evaluation") or {}).get("predictions_file"))):
+    for key, value in (("export_dir", init.get("export_dir")),
+                       ("evaluation.predictions_file", (init.get("evaluation") or {}).get("predictions_file"))):
         outputs.append((f"model.{key}", value))
     for what, value in outputs:
         assert value is None or value.startswith(RUN_DIR), f"{path.name}: {what} = {value!r} is fixed"
@@ -86,7 +87,8 @@ def test_a_second_run_in_the_same_folder_is_refused(tmp_path, capsys):
         code = main(["fit", "--config", str(REPO / "lightning_configs" / "tiny_cpu.yaml"), "--trainer.default_root_dir",
                      str(root)])
         err = capsys.readouterr().err
-        assert code == 2 and f"--trainer.default_root_dir {root}: another run is using this folder (rag fit, pid {holder.pid})" in err
+        assert code == 2
+        assert f"--trainer.default_root_dir {root}: another run is using this folder (rag fit, pid {holder.pid})" in err
         assert "Traceback" not in err and not (root / "logs").exists()
     finally:
         holder.kill()
@@ -115,7 +117,8 @@ def test_a_run_releases_its_folder_and_ddp_ranks_take_none(tmp_path, monkeypatch
 
 
 @pytest.mark.parametrize("extra, unused", [([], False), (["--model.reading_practice.pretrain_steps", "5"], True),
-                                           (["--model.reading_practice.pretrain_steps", "5", "--model.closed_book", "true"], False)])
+                                           (["--model.reading_practice.pretrain_steps", "5", "--model.closed_book", "true"],
+                                            False)])
 def test_ddp_searches_for_unused_parameters_only_when_some_steps_leave_some_unused(tmp_path, monkeypatch, extra, unused):
     """cpu_reader.yaml with the reader's pre-training: its first steps train the generator alone, the query encoder
     after that; every other run uses plain DDP (faster, and a parameter that is never used is an error there)."""

@@ -58,7 +58,8 @@ def test_fetch_writes_the_cache_and_checks_the_checksum(tmp_path, monkeypatch, m
 def test_qa_statements():
     assert qa_statement("what is the chemical symbol of selenium?", "Se", "symbol") == "The chemical symbol of selenium is Se."
     assert qa_statement("in what year was argon discovered?", "1894", "year") == "Argon was discovered in 1894."
-    assert qa_statement("which element has the symbol Fe?", "Iron", "name_from_symbol") == "The element with the symbol Fe is Iron."
+    assert qa_statement("which element has the symbol Fe?", "Iron",
+                        "name_from_symbol") == "The element with the symbol Fe is Iron."
     assert qa_statement("who wrote Hamlet?", "Shakespeare") == "Q: who wrote Hamlet? A: Shakespeare"
     assert qa_statement("what is the atomic number of iron?", "26", "atomic_number", style="qa") == \
         "Q: what is the atomic number of iron? A: 26"

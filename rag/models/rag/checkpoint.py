@@ -26,14 +26,18 @@ from typing import Literal, TypeVar, Union
 
 from torch import nn
 
-from rag.demo.kb import KNOWLEDGE_BASE_NAMES, resolve_knowledge_base
+from rag.demo.kb import KNOWLEDGE_BASE_NAMES, demo_kb_path, resolve_knowledge_base
+from rag.generators.load import load_generator
 from rag.generators.lora import ADAPTER_FILES, base_identity, base_model_of, is_adapter, load_adapter
+from rag.generators.warm_start import is_warm_start, save_generator
+from rag.knowledge.encoders import TextEncoder, check_fingerprint, resolve_name_or_path
+from rag.knowledge.retriever import check_compatible
 from rag.models.rag.config import RagModelConfig, check_overrides
 from rag.utils.checksums import confined_path, file_checksums, verify_files
 from rag.utils.errors import ConfigError, IntegrityError, RagError
-from rag.utils.files import read_json
+from rag.utils.files import read_json, readable_model_files
 from rag.utils.hub import resolve_recorded_name
-from rag.utils.io import atomic_directory, atomic_write_json
+from rag.utils.io import atomic_directory, atomic_write_json, check_output_dir
 
 _Model = TypeVar("_Model", bound=nn.Module)
 """A RagModel (or a subclass): written and rebuilt here by what it holds, not by importing its module, which imports this."""
@@ -110,15 +114,14 @@ def check_knowledge_base_version(root: Path, kb, kb_ref: dict) -> None:
         logger.info("%s: knowledge base %s (%s) is a rebuild of the one the model was saved with (%s): same passages and "
                     "encoder", root, kb.path, kb.version, kb_ref["version"])
     else:
-        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version, kb_ref["version"])
+        logger.warning("%s: knowledge base %s is version %s; the model was saved with %s", root, kb.path, kb.version,
+                       kb_ref["version"])
 
 
 def save_rag_model(model: nn.Module, path: Union[str, os.PathLike], overwrite: bool = False, *,
                    reference_query_encoder: bool = False) -> None:
     """Write `model` as a checkpoint directory (see :meth:`RagModel.save_pretrained
     <rag.models.rag.model.RagModel.save_pretrained>` for the options and errors)."""
-    from rag.generators.warm_start import is_warm_start, save_generator
-
     path = Path(path)
     if path.exists():
         if not path.is_dir():
@@ -196,8 +199,6 @@ def knowledge_base_reference(kb_path: Path, checkpoint: Path) -> dict:
     demo knowledge base; else ``path``, relative to the `checkpoint` directory when the knowledge base lies inside
     it or near it (sharing an ancestor at most two levels up), otherwise absolute, and ``saved_at``, its absolute
     path when saved (tried second, so that a checkpoint copied alone still finds it on the same machine)."""
-    from rag.demo.kb import demo_kb_path
-
     kb_abs = Path(kb_path).resolve()
     if kb_abs == demo_kb_path().resolve():
         return {"name": "demo", "path": None}
@@ -213,7 +214,8 @@ def referenced_knowledge_base(root: Path, kb_ref: dict):
     relative to the checkpoint. It is an external artefact, opened and verified against its own manifest.
     ConfigError when it is not here, saying to pass ``--kb`` (CLI) / ``knowledge_base=`` (Python)."""
     cfg_file = root / CHECKPOINT_CONFIG
-    how = "pass one with `--kb <directory>` (rag generate / rag serve) or knowledge_base=<directory> (rag.load, RagModel.from_pretrained)"
+    how = ("pass one with `--kb <directory>` (rag generate / rag serve) or knowledge_base=<directory> (rag.load, "
+           "RagModel.from_pretrained)")
     name = kb_ref.get("name")
     if name is not None:
         if name not in WELL_KNOWN_KBS:
@@ -246,8 +248,6 @@ def _sort_adapter_modules(config_file: Path) -> None:
 def save_model_directory(model: nn.Module, directory: Union[str, os.PathLike], *, overwrite: bool = False) -> Path:
     """Write a trained :class:`~rag.models.rag.model.RagModel` as a model directory, its query encoder referenced by name
     when its weights are still those the name loads (else copied)."""
-    from rag.utils.io import check_output_dir
-
     check_output_dir(directory, overwrite, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                      option="DIR")
     try:
@@ -263,8 +263,6 @@ def save_model_directory(model: nn.Module, directory: Union[str, os.PathLike], *
 def referenced_query_encoder(qenc) -> dict:
     """The ``rag_config.json`` entry that references the query encoder `qenc` by name instead of
     copying it; RagError unless loading that name reproduces the current weights exactly."""
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint
-
     identity = qenc.identity()
     try:
         fresh = TextEncoder(qenc.name_or_path, pooling=qenc.pooling, normalize=qenc.normalize, max_length=qenc.max_length)
@@ -294,26 +292,26 @@ def load_rag_model(
 ) -> _Model:
     """Load a checkpoint directory as a `cls` (a RagModel class); see :meth:`RagModel.from_pretrained
     <rag.models.rag.model.RagModel.from_pretrained>` for the options and errors. Returned in eval mode."""
-    from rag.generators.load import load_generator
-    from rag.knowledge.encoders import TextEncoder
-    from rag.knowledge.retriever import check_compatible
-
     root = resolve_checkpoint_dir(path, "RagModel checkpoint")
     cfg_file = root / CHECKPOINT_CONFIG
     if not cfg_file.is_file():
         hint = (" It looks like a transformers RAG checkpoint: load it with rag.models.rag.hf_compat.load_hf_rag"
                 if is_hf_rag_checkpoint(root) else "")
-        raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with RagModel.save_pretrained).{hint}")
+        raise ConfigError(f"{cfg_file}: missing; {root} is not a RagModel checkpoint (save one with "
+                          f"RagModel.save_pretrained).{hint}")
     meta = read_json(cfg_file, fix="restore the checkpoint")
     if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
-        raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} (expected {CHECKPOINT_FORMAT})")
+        raise ConfigError(f"{cfg_file}: unknown checkpoint format {meta.get('format') if isinstance(meta, dict) else meta!r} "
+                          f"(expected {CHECKPOINT_FORMAT})")
     gen_meta, qenc_meta, denc_meta = (_entry(meta, k, cfg_file) for k in ("generator", "question_encoder", "doc_encoder"))
     if gen_meta is None:
         raise ConfigError(f"{cfg_file}: has no 'generator' entry (e.g. {{\"dir\": \"{GENERATOR_DIR}\"}}); the file was edited or "
                           "written by something else — restore it or save the model again with RagModel.save_pretrained")
     # Component directories read from the file stay inside the checkpoint; every file in them is checksummed.
     gen_dir = confined_path(root, gen_meta.get("dir", GENERATOR_DIR), cfg_file)
-    qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root, (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR), cfg_file)
+    qenc_dir = None if (qenc_meta or {}).get("reference") else confined_path(root,
+                                                                             (qenc_meta or {}).get("dir", QUESTION_ENCODER_DIR),
+                                                                             cfg_file)
     denc_dir = confined_path(root, denc_meta.get("dir", DOC_ENCODER_DIR), cfg_file) if denc_meta else None
     loaded = [d.relative_to(root).as_posix() for d in (gen_dir, qenc_dir, denc_dir) if d is not None]
     adapter = _entry(gen_meta, "adapter", cfg_file)
@@ -350,15 +348,14 @@ def _entry(meta: dict, key: str, cfg_file: Path):
     """``meta[key]``: None when absent or null, else it must be a JSON object."""
     value = meta.get(key)
     if value is not None and not isinstance(value, dict):
-        raise ConfigError(f"{cfg_file}: field {key!r} must be an object, got {type(value).__name__}; restore the file or save the model again")
+        raise ConfigError(f"{cfg_file}: field {key!r} must be an object, got {type(value).__name__}; restore the file or save "
+                          f"the model again")
     return value
 
 
 def readable_weights(record: Path):
     """Turn a weights or config file that cannot be parsed (garbage in ``model.safetensors``, a truncated
     ``config.json``) into an IntegrityError naming that file of the checkpoint, instead of the parser's own exception."""
-    from rag.utils.files import readable_model_files
-
     return readable_model_files(record.parent, "a component file of the RAG checkpoint",
                                 "the checkpoint is damaged — restore it, or save the model again (load with verify='full' to "
                                 "find the altered file)")
@@ -367,8 +364,6 @@ def readable_weights(record: Path):
 def _load_query_encoder(root: Path, entry: dict, verify: str, qdir: Path | None = None):
     """The checkpoint's query encoder: its saved copy (in `qdir`), or the encoder it references by name, whose
     weights fingerprint must then equal the recorded one (unless ``verify="none"``)."""
-    from rag.knowledge.encoders import TextEncoder, check_fingerprint, resolve_name_or_path
-
     if not entry.get("reference"):
         return TextEncoder.from_pretrained(qdir if qdir is not None else root / QUESTION_ENCODER_DIR)
     cfg_file = root / CHECKPOINT_CONFIG

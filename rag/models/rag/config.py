@@ -83,7 +83,8 @@ class RagModelConfig:
     optionally ``{title}``); it is the user message of the tokenizer's chat template when there is one
     (:mod:`rag.generation.prompts`). p(y | x, z) is the LM's likelihood of the answer tokens (and EOS) after it."""
     closed_book_template: str = DEFAULT_CLOSED_BOOK_TEMPLATE
-    """Causal generators: the prompt without a passage (closed-book answers, RetRobust's no-retrieval answers), with ``{question}``."""
+    """Causal generators: the prompt without a passage (closed-book answers, RetRobust's no-retrieval answers), with
+    ``{question}``."""
     system_prompt: Optional[str] = None
     """Causal generators with a chat template: its system message (None: the chat template's own default)."""
     chat_template: bool = True
@@ -150,7 +151,8 @@ class RagModelConfig:
             check_generation_settings(self.generation, "RagModelConfig.generation")
         if self.retrieval != "dense" and self.uses_doc_encoder:
             raise ConfigError(
-                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (they re-rank the index's own neighbours); "
+                "RagModelConfig.train_doc_encoder / rerank_candidates need dense retrieval (they re-rank the index's "
+                "own neighbours); "
                 "set retrieval: dense or disable them"
             )
 

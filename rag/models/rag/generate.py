@@ -23,13 +23,16 @@ from rag.generation.decoding import (
     encode_contexts,
     rag_sequence_generate,
     rag_token_generate,
+    teacher_forced_logprobs,
 )
+from rag.generation.detokenize import decode_answer, lowercases, restore_case
 from rag.generation.options import FALLBACK_DEFAULTS
 from rag.generation.spans import PassageSpans, TokenTexts
 from rag.generators import seq2seq
 from rag.utils.errors import ConfigError
 
-__all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book", "no_retrieval_contexts", "unmasked_contexts"]
+__all__ = ["RagGeneration", "generate_for_questions", "answers_with_provenance", "closed_book_answers", "generate_closed_book",
+           "no_retrieval_contexts", "unmasked_contexts"]
 
 
 @dataclass(frozen=True)
@@ -170,8 +173,6 @@ def unmasked_contexts(generator, tokenizer, context_input_ids: Tensor, context_a
 
 def closed_book_answers(model, questions: Sequence[str], out: GenerationOutput, n_ret: int, kb_version: str) -> list[Answer]:
     """Answers decoded without a passage: text, log p(y|x), tokens; no passages."""
-    from rag.generation.detokenize import decode_answer, lowercases, restore_case
-
     tok = model.generator_tokenizer
     special = set(tok.all_special_ids)
     uncased = lowercases(tok)
@@ -192,9 +193,6 @@ def answers_with_provenance(model, questions: Sequence[str], inputs, contexts, o
                             marg: str) -> list[Answer]:
     """One :class:`Answer` per returned sequence with its passages' prior p(z|x) and posterior p(z|x,y) and, for
     RAG-Token, the per-token document posterior (Figure 2), from one teacher-forced pass on the stored encoder states."""
-    from rag.generation.decoding import teacher_forced_logprobs
-    from rag.generation.detokenize import decode_answer, lowercases, restore_case
-
     tok = model.generator_tokenizer
     batch, k = inputs.doc_scores.shape
     log_prior = torch.log_softmax(model.retrieval_logits(inputs.doc_scores).float(), dim=1)
@@ -227,7 +225,9 @@ def answers_with_provenance(model, questions: Sequence[str], inputs, contexts, o
             post = [float("nan")] * k
         if uncased:  # take the answer's casing from the passages it was read from, best first
             order = sorted(range(k), key=lambda j: -(post[j] if not math.isnan(post[j]) else prior[b, j].item()))
-            text = restore_case(text, [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}" for j in order])
+            text = restore_case(text,
+                                [f"{inputs.retrieved.passages[b][j].title} {inputs.retrieved.passages[b][j].text}"
+                                 for j in order])
         if marg == "token" and token_lp is not None and keep:
             real = torch.tensor(keep, dtype=torch.long, device=seqs.device)
             per_tok = log_prior[b][:, None] + token_lp[r][:, real]  # (K, T)

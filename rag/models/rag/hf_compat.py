@@ -18,8 +18,8 @@ scores ``labels=tokenizer(text_target=answer).input_ids`` (fed ``<s> …``, scor
 :func:`rag.generation.marginalize.hf_label_convention`), and the loss is transformers' ``get_nll``, quirks
 included (see :mod:`rag.generation.marginalize`). RAG-Sequence's per-passage search runs as transformers runs it
 (``mask_padded_contexts=False``: contexts padded to ``max_combined_length``, no attention mask, so padded contexts
-attend to their pads; pass ``mask_padded_contexts=True`` as an override to mask them). The decoding settings stored with the checkpoint
-(:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
+attend to their pads; pass ``mask_padded_contexts=True`` as an override to mask them). The decoding settings stored with the
+checkpoint (:func:`stored_generation_settings`) become the pipeline's defaults. Weight shard names read from
 ``model.safetensors.index.json`` must stay inside the checkpoint directory.
 
 Separate DPR and BART checkpoints need no importer: use ``RagModel.from_components``.
@@ -35,7 +35,11 @@ import tempfile
 from pathlib import Path
 from typing import Optional, Union
 
+from rag.knowledge.encoders import TextEncoder
 from rag.models.rag.checkpoint import is_hf_rag_checkpoint, open_knowledge_base, resolve_checkpoint_dir
+from rag.models.rag.config import RagModelConfig, check_overrides
+from rag.models.rag.model import RagModel
+from rag.utils.checksums import confined_path
 from rag.utils.errors import ConfigError, IntegrityError, RagError
 from rag.utils.files import check_json_files, read_json
 
@@ -57,8 +61,6 @@ def rag_config_from_hf(hf_config, marginalization: Optional[str] = None, generat
     pass ``reduce_loss=False`` for per-example losses. `generation`: the checkpoint's decoding options
     (:func:`stored_generation_settings`), kept as the pipeline's defaults.
     """
-    from rag.models.rag.config import RagModelConfig, check_overrides
-
     if marginalization is None:
         archs = [a for a in (getattr(hf_config, "architectures", None) or []) if a in _ARCHITECTURES]
         if not archs:
@@ -136,8 +138,6 @@ def _load_state_dict(root: Path) -> dict:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    from rag.utils.checksums import confined_path
-
     single = root / "model.safetensors"
     index = root / "model.safetensors.index.json"
     legacy = root / "pytorch_model.bin"
@@ -160,8 +160,10 @@ def _load_state_dict(root: Path) -> dict:
             except Exception as e:  # torch raises its unpickler's own error types for damaged or disallowed content
                 raise RuntimeError(f"{legacy.name}: {e}") from e
     except (OSError, ValueError, KeyError, TypeError, RuntimeError, EOFError, UnicodeDecodeError, SafetensorError) as e:
-        raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the checkpoint again") from e
-    raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the checkpoint is incomplete")
+        raise IntegrityError(f"{root}: cannot read the RAG weights ({type(e).__name__}: {e}); download the "
+                             f"checkpoint again") from e
+    raise IntegrityError(f"{root}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin; the "
+                         f"checkpoint is incomplete")
 
 
 def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike]) -> tuple[Path, Path]:
@@ -194,7 +196,8 @@ def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike])
                 # clone: legacy .bin files share storage between tied weights, which safetensors refuses
                 sub[name[len(part) + 1:]] = tensor.detach().clone().contiguous()
         if not sub:
-            raise IntegrityError(f"{root}: the weights hold no '{part}.*' tensors; the checkpoint is incomplete or not a RAG model")
+            raise IntegrityError(f"{root}: the weights hold no '{part}.*' tensors; the checkpoint is incomplete or "
+                                 f"not a RAG model")
         tmp = out / f"{part}.raw"
         tmp.mkdir(parents=True, exist_ok=True)
         getattr(hf_config, part).save_pretrained(tmp)
@@ -223,9 +226,6 @@ def split_hf_rag(src: Union[str, os.PathLike], out_dir: Union[str, os.PathLike])
 
 def _assemble(src: Path, work: Path, knowledge_base, marginalization: Optional[str], overrides: dict):
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer, RagConfig
-
-    from rag.knowledge.encoders import TextEncoder
-    from rag.models.rag.model import RagModel
 
     check_json_files(src, fix="download the checkpoint again")  # transformers parses them without bounds
     hf_config = RagConfig.from_pretrained(src)

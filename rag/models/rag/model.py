@@ -58,8 +58,15 @@ import torch
 from torch import nn
 
 from rag.generation.buckets import DEFAULT_MAX_BUCKETS
+from rag.generation.contexts import build_contexts, focus_on_question
+from rag.generation.marginalize import hf_label_convention, rag_nll_from_logits
 from rag.generators.base import Generator
 from rag.generators.load import as_generator, load_generator
+from rag.generators.warm_start import is_warm_start
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.passages import Passage
+from rag.knowledge.refresh import load_document_encoder
+from rag.knowledge.retriever import default_query_encoder
 from rag.knowledge.scoring import RetrievalScorer
 from rag.knowledge.types import Retrieved, Retriever
 from rag.models.rag.batch import RagInputs, RagOutput
@@ -73,7 +80,6 @@ _LOG_TAU_MIN, _LOG_TAU_MAX = math.log(0.01), math.log(100.0)  # a learned retrie
 if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
-    from rag.knowledge.encoders import TextEncoder
     from rag.knowledge.knowledge_base import KnowledgeBase
 
 __all__ = ["RagModelConfig", "RagOutput", "RagInputs", "RagModel", "CHECKPOINT_CONFIG", "CHECKPOINT_FORMAT"]
@@ -115,15 +121,16 @@ class RagModel(nn.Module):
                  retriever: Union[Retriever, "KnowledgeBase"], config: Optional[RagModelConfig] = None,
                  doc_encoder: Optional["TextEncoder"] = None):
         super().__init__()
-        from rag.knowledge.encoders import TextEncoder
 
         config = RagModelConfig() if config is None else config
         if not isinstance(config, RagModelConfig):
             raise ConfigError(f"config must be a RagModelConfig, got {type(config).__name__}")
         if not isinstance(question_encoder, TextEncoder):
-            raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got {type(question_encoder).__name__}")
+            raise ConfigError(f"question_encoder must be a rag.knowledge.encoders.TextEncoder, got "
+                              f"{type(question_encoder).__name__}")
         if not isinstance(generator, nn.Module):
-            raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got {type(generator).__name__}")
+            raise ConfigError(f"generator must be a transformers seq2seq (BART, T5) or causal (GPT-2, Llama) model, got "
+                              f"{type(generator).__name__}")
         lm = as_generator(generator, generator_tokenizer)
         if config.hf_compat and not lm.transformers_rag:
             raise ConfigError("RagModelConfig.hf_compat reproduces transformers' RAG, whose generator is seq2seq; a causal "
@@ -180,9 +187,6 @@ class RagModel(nn.Module):
         `config_overrides` replace fields of `config` (e.g. ``n_docs=10``). The knowledge base's
         dimension is checked against the query encoder here, not mid-epoch.
         """
-        from rag.knowledge.encoders import TextEncoder
-        from rag.knowledge.retriever import default_query_encoder
-
         config = RagModelConfig() if config is None else config
         if config_overrides:
             config = dataclasses.replace(config, **check_overrides(config_overrides))
@@ -194,8 +198,6 @@ class RagModel(nn.Module):
         gen, tok, _ = load_generator(generator)
         denc = None
         if document_encoder is not None and config.uses_doc_encoder:
-            from rag.knowledge.refresh import load_document_encoder
-
             denc = load_document_encoder(kb, document_encoder)
         return cls(qenc, gen, tok, kb, config, doc_encoder=denc)
 
@@ -260,8 +262,6 @@ class RagModel(nn.Module):
 
     def train(self, mode: bool = True) -> "RagModel":
         """Set train/eval mode; a frozen query encoder stays in eval mode (deterministic retrieval)."""
-        from rag.generators.warm_start import is_warm_start
-
         super().train(mode)
         if is_warm_start(self.generator):  # its frozen encoder stays deterministic (and cacheable)
             self.generator.get_encoder().eval()
@@ -332,7 +332,8 @@ class RagModel(nn.Module):
         return self.scoring.score(questions, self._n_docs(n_docs), device=_device_of(self.generator))
 
     # ------------------------------------------------------------------ contexts
-    def context_strings(self, questions: Sequence[str], retrieved: Retrieved, question_input_ids: Optional[torch.Tensor] = None) -> list:
+    def context_strings(self, questions: Sequence[str], retrieved: Retrieved,
+                        question_input_ids: Optional[torch.Tensor] = None) -> list:
         """The B·K generator inputs "title / text // question" (row ``b*K + k``), as
         :class:`~rag.generation.contexts.Context` strings that know where the question starts.
 
@@ -340,8 +341,6 @@ class RagModel(nn.Module):
         tokenizer, as transformers' ``RagRetriever`` does: the query-encoder ids (``question_input_ids``
         ``(B, Lq)``, tokenized here if None) decoded with ``skip_special_tokens=True``.
         """
-        from rag.generation.contexts import build_contexts
-
         questions = self._questions_as_read(list(questions), question_input_ids)
         return build_contexts(questions, self.reading_passages(questions, retrieved.passages), self.context_format)
 
@@ -360,8 +359,6 @@ class RagModel(nn.Module):
         (``config.passage_focus``; :func:`~rag.generation.contexts.focus_on_question`)."""
         if self.config.passage_focus == "none":
             return passages
-        from rag.generation.contexts import focus_on_question
-        from rag.knowledge.passages import Passage
 
         def focused(p, q):
             text = focus_on_question(p.text, q)
@@ -445,7 +442,8 @@ class RagModel(nn.Module):
             ConfigError: a referenced query encoder cannot be loaded by its name.
             KnowledgeBaseError: the knowledge base is missing or incompatible.
         """
-        return load_rag_model(cls, path, knowledge_base, verify=verify, allow_encoder_change=allow_encoder_change, **config_overrides)
+        return load_rag_model(cls, path, knowledge_base, verify=verify, allow_encoder_change=allow_encoder_change,
+                              **config_overrides)
 
     # ------------------------------------------------------------------ loss
     def tokenize_targets(self, targets: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -466,8 +464,6 @@ class RagModel(nn.Module):
         (:func:`~rag.generation.marginalize.hf_label_convention`: ``<s> …`` fed, scored from the second token).
         T5-style targets (no BOS) are scored the same way under both conventions (transformers' fine-tuning
         script prepends the start token for them)."""
-        from rag.generation.marginalize import hf_label_convention
-
         labels, label_mask = self.tokenize_targets(targets)
         bos = self.bos_token_id
         if self.config.hf_compat and bos is not None and labels.shape[1] > 1 and bool((labels[:, 0] == bos).all()):
@@ -496,7 +492,8 @@ class RagModel(nn.Module):
         loss = self.loss_from_logits(logits, labels, label_mask, self.retrieval_logits(inputs.doc_scores))
         return RagOutput(loss=loss, doc_scores=inputs.doc_scores, retrieved=inputs.retrieved, n_truncated=inputs.n_truncated)
 
-    def generator_loss(self, questions: Sequence[str], targets: Sequence[str], passages: Optional[Sequence] = None) -> torch.Tensor:
+    def generator_loss(self, questions: Sequence[str], targets: Sequence[str],
+                       passages: Optional[Sequence] = None) -> torch.Tensor:
         """The configured loss of the generator alone, one given input per target (no retrieval, prior 1).
 
         With `passages` (one object with ``title`` and ``text`` per question) the input is the
@@ -517,7 +514,8 @@ class RagModel(nn.Module):
         scores = torch.zeros(len(questions), 1, device=device)
         inputs = RagInputs(ids.to(device), mask.to(device), scores, None, n_truncated, strings)
         decoder_inputs, labels, label_mask = self.training_targets(targets)
-        return self.loss_from_logits(self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs), labels, label_mask, scores)
+        return self.loss_from_logits(self.generator_logits(inputs, labels, decoder_input_ids=decoder_inputs), labels, label_mask,
+                                     scores)
 
     def generator_logits(self, inputs: RagInputs, labels: torch.Tensor, *, max_buckets: int = DEFAULT_MAX_BUCKETS,
                          decoder_input_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -536,15 +534,14 @@ class RagModel(nn.Module):
         return self.lm.teacher_forced(inputs.context_input_ids, inputs.context_attention_mask, labels,
                                       inputs.doc_scores.shape[1], decoder_input_ids=decoder_input_ids, max_buckets=max_buckets)
 
-    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor, doc_scores: torch.Tensor) -> torch.Tensor:
+    def loss_from_logits(self, logits: torch.Tensor, labels: torch.Tensor, label_mask: torch.Tensor,
+                         doc_scores: torch.Tensor) -> torch.Tensor:
         """The configured RAG loss from generator logits ``(B, K, T, V)``, targets ``labels`` ``(B, T)``
         with ``label_mask`` ``(B, T)`` (True on real tokens) and ``doc_scores`` ``(B, K)``.
 
         A thin call of :func:`rag.generation.marginalize.rag_nll_from_logits` with this model's options
         (without label smoothing only the target tokens' log-probabilities are computed).
         """
-        from rag.generation.marginalize import rag_nll_from_logits
-
         cfg = self.config
         return rag_nll_from_logits(
             logits, labels, label_mask, doc_scores,

@@ -116,7 +116,8 @@ class RetrievingDecoder:
         self.retrieval_calls += 1
         best = np.zeros(len(new), dtype=np.int64)
         if reranker is not None:
-            best = np.asarray(reranker.scores(self.ralm, [(list(p), len(p), list(ps)) for p, ps in zip(new, r.passages)])).argmax(axis=1)
+            best = np.asarray(reranker.scores(self.ralm,
+                                              [(list(p), len(p), list(ps)) for p, ps in zip(new, r.passages)])).argmax(axis=1)
         for i, (p, q) in enumerate(zip(new, queries)):
             j = int(best[i])
             self.hits[p] = (r.passages[i][j], float(r.scores[i, j]), r.kb_version, q)
@@ -198,7 +199,8 @@ def ralm_generate(ralm: InContextRALM, prompts: Sequence[str], config: Generatio
     eos = scorer.tokenizer.eos_token_id if eos is None else eos
     if eos is None:
         raise ConfigError("the LM has no EOS token id; set tokenizer.eos_token or pass eos_token_id")
-    config = replace(config, eos_token_id=int(eos), pad_token_id=config.pad_token_id if config.pad_token_id is not None else scorer.pad_id)
+    config = replace(config, eos_token_id=int(eos), pad_token_id=config.pad_token_id if config.pad_token_id is not None
+                     else scorer.pad_id)
     width = max(len(s) for s in streams)
     start = torch.full((len(streams), width), scorer.pad_id, dtype=torch.long)
     for i, s in enumerate(streams):

@@ -20,11 +20,13 @@ import numpy as np
 import torch
 
 from rag.demo.kb import resolve_knowledge_base
+from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
 from rag.generators.causal import doc_text
 from rag.generators.load import as_generator, check_generator_kind
 from rag.knowledge.passages import Passage
 from rag.knowledge.retriever import Retrieved
 from rag.knowledge.retriever_kinds import retriever_for_kind
+from rag.models.ralm.prefix_scoring import score_after_documents
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_bool, check_number
 
@@ -188,7 +190,8 @@ def retrieve_excluding(retriever, queries: Sequence[str], k: int,
         r: Retrieved = retriever.retrieve([queries[i] for i in todo], fetch)
         again = []
         for row, i in enumerate(todo):
-            keep = [(p, float(s)) for p, s in zip(r.passages[row], r.scores[row].tolist()) if exclude[i] is None or not exclude[i](p)]
+            keep = [(p, float(s)) for p, s in zip(r.passages[row], r.scores[row].tolist()) if exclude[i] is None
+                    or not exclude[i](p)]
             if len(keep) >= k or (n is not None and fetch >= n):
                 if len(keep) < k:
                     raise RagError(
@@ -210,7 +213,8 @@ def random_passages(retriever, n_queries: int, k: int, exclude: Sequence[Optiona
     kb = getattr(retriever, "knowledge_base", None)
     lookup = kb.get_passages if kb is not None else getattr(getattr(retriever, "_source", None), "lookup", None)
     if n is None or lookup is None:
-        raise ConfigError(f"--random-docs needs a retriever over a knowledge base of known size; {type(retriever).__name__} has none")
+        raise ConfigError(f"--random-docs needs a retriever over a knowledge base of known size; "
+                          f"{type(retriever).__name__} has none")
     if k > n:
         raise ConfigError(f"--ensemble {k} random documents per chunk but the knowledge base holds {n}; lower --ensemble")
     rng = np.random.default_rng(seed)
@@ -225,7 +229,8 @@ def random_passages(retriever, n_queries: int, k: int, exclude: Sequence[Optiona
                 keep = keep[:k]
                 break
         if len(keep) < k:
-            raise RagError(f"only {len(keep)} passages remain after excluding the evaluated text's own document; lower --ensemble "
+            raise RagError(f"only {len(keep)} passages remain after excluding the evaluated text's own document; "
+                           f"lower --ensemble "
                            "or pass --no-exclude-own")
         out.append(keep)
     return out
@@ -237,7 +242,8 @@ def open_retriever(kind: str, kb_path):
     if kind == "none":
         return None
     if kb_path is None:
-        raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass --retrieval none")
+        raise ConfigError(f"--retrieval {kind} needs --kb DIR (a knowledge base from `rag index build`), or pass "
+                          f"--retrieval none")
     return retriever_for_kind(kind, resolve_knowledge_base(kb_path))
 
 
@@ -305,7 +311,8 @@ class CausalScorer:
         x = torch.tensor([[self.ctx_id] * 4], device=self.device)
         with torch.no_grad():
             try:
-                ok = torch.allclose(head(base(input_ids=x).last_hidden_state).float(), self.model(input_ids=x).logits.float(), atol=1e-4, rtol=1e-4)
+                ok = torch.allclose(head(base(input_ids=x).last_hidden_state).float(), self.model(input_ids=x).logits.float(),
+                                    atol=1e-4, rtol=1e-4)
             except (TypeError, AttributeError, RuntimeError):
                 ok = False
         return (base, head) if ok else None
@@ -325,14 +332,16 @@ class CausalScorer:
         if self.head_split is None:
             return torch.log_softmax(states.float(), -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
         head = self.head_split[1]
-        return torch.cat([torch.log_softmax(head(states[k:k + HEAD_ROWS]).float(), -1).gather(-1, targets[k:k + HEAD_ROWS, None]).squeeze(-1)
-                          for k in range(0, len(targets), HEAD_ROWS)])
+        rows = range(0, len(targets), HEAD_ROWS)
+        return torch.cat([torch.log_softmax(head(states[k:k + HEAD_ROWS]).float(), -1)
+                          .gather(-1, targets[k:k + HEAD_ROWS, None]).squeeze(-1) for k in rows])
 
     def score(self, windows: Sequence[Sequence[int]], n_scored: Sequence[int], *, progress=None) -> list[np.ndarray]:
         """log p of the last ``n_scored[i]`` tokens of ``windows[i]`` given the tokens before them: ``(n_scored[i],)`` each."""
         return self.score_positions(windows, [range(len(w) - m, len(w)) for w, m in zip(windows, n_scored)], progress=progress)
 
-    def positions_logprobs(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def positions_logprobs(self, windows: Sequence[Sequence[int]],
+                           positions: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """One right-padded pass over `windows` (gradients flow when enabled): log p(window[t] | window[:t]) at each ``t``
         of ``positions[i]`` (every ``t >= 1``), concatenated ``(rows,)`` float32, and each row's window index ``(rows,)``.
 
@@ -358,7 +367,8 @@ class CausalScorer:
         return self.target_logprobs(states, ids[r_t, c_t]), r_t
 
     @torch.no_grad()
-    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
+    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
+                        progress=None) -> list[np.ndarray]:
         """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]`` (every ``t >= 1``): a float64 array per window.
 
         Windows are sorted by length and run ``batch_size`` at a time (:meth:`positions_logprobs`), the LM head
@@ -406,7 +416,8 @@ class InContextRALM:
     endpoint, :class:`~rag.models.replug.lm_scorer.RemoteCausalScorer`, which scores whole windows: ``scorer.whole_windows``).
     """
 
-    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None, reranker: Optional[DocumentScorer] = None,
+    def __init__(self, model, tokenizer, retriever=None, config: Optional[RalmConfig] = None,
+                 reranker: Optional[DocumentScorer] = None,
                  *, scorer: Optional[CausalScorer] = None):
         self.config = config or RalmConfig()
         self.config.check()
@@ -415,7 +426,8 @@ class InContextRALM:
             batch_size=self.config.batch_size)
         self.retriever, self.reranker = retriever, reranker
         if self.config.ensemble is not None and (reranker is not None or retriever is None):
-            raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval (--retrieval bm25|dense) "
+            raise ConfigError("--ensemble (REPLUG) mixes the top-K retrieved documents: it needs retrieval "
+                              "(--retrieval bm25|dense) "
                               "and no --rerank")
         fixed_k = getattr(reranker, "rank_prior", 0)  # a reranker that learned one bias per retriever rank
         if fixed_k and fixed_k != self.config.k:
@@ -425,7 +437,8 @@ class InContextRALM:
         if need > self.scorer.max_length:
             raise ConfigError(
                 f"a document of up to {self.config.doc_max_length} tokens (--doc-max-length) + a stride of {self.config.stride} "
-                f"tokens (--stride) + 1 prefix token need {need} positions and cannot fit the LM's window of {self.scorer.max_length} "
+                f"tokens (--stride) + 1 prefix token need {need} positions and cannot fit the LM's window of "
+                f"{self.scorer.max_length} "
                 "(--max-length); lower --doc-max-length or --stride"
             )
 
@@ -472,7 +485,8 @@ class InContextRALM:
                 stream = self.scorer.stream(t.text)
                 n = len(stream) - 1
                 if n < 1 or (self.retriever is not None and n < cfg.stride):
-                    raise RagError(f"text {t.id or repr(t.text[:40])}: {n} tokens, shorter than one stride (--stride {cfg.stride}); "
+                    raise RagError(f"text {t.id or repr(t.text[:40])}: {n} tokens, shorter than one stride (--stride "
+                                   f"{cfg.stride}); "
                                    "use a smaller --stride or drop the text")
                 group.append((t, stream))
                 n_queries += (n - 1) // self.stride
@@ -492,12 +506,14 @@ class InContextRALM:
         if cfg.ensemble is not None:
             n = _corpus_size(self.retriever)
             if n is not None and cfg.ensemble > n:
-                raise ConfigError(f"--ensemble {cfg.ensemble} documents per chunk but the knowledge base holds {n}; lower --ensemble")
+                raise ConfigError(f"--ensemble {cfg.ensemble} documents per chunk but the knowledge base holds {n}; "
+                                  f"lower --ensemble")
             if cfg.random_docs:
                 picks = random_passages(self.retriever, len(flat), cfg.ensemble, guards, seed=cfg.seed)
                 return {(g, j): (ps, None) for (g, j, _), ps in zip(flat, picks)}
             cands = retrieve_excluding(self.retriever, [q for _, _, q in flat], cfg.ensemble, guards)
-            return {(g, j): ([p for p, _ in c], np.asarray([s for _, s in c], dtype=np.float64)) for (g, j, _), c in zip(flat, cands)}
+            return {(g, j): ([p for p, _ in c], np.asarray([s for _, s in c], dtype=np.float64))
+                    for (g, j, _), c in zip(flat, cands)}
         k = cfg.k if self.reranker is not None else 1
         cands = retrieve_excluding(self.retriever, [q for _, _, q in flat], k, guards)
         if self.reranker is not None:
@@ -539,17 +555,17 @@ class InContextRALM:
         per_chunk = self._mix(plans, chosen, per_doc)
         for g, ((t, stream), (spans, _)) in enumerate(zip(group, plans)):
             lp = np.concatenate([per_chunk[(g, j)] for j in range(len(spans))])
-            doc_ids = [None if (g, j) not in chosen else (chosen[(g, j)][0][0].id if cfg.ensemble is None else [p.id for p in chosen[(g, j)][0]])
+            doc_ids = [None if (g, j) not in chosen
+                       else (chosen[(g, j)][0][0].id if cfg.ensemble is None else [p.id for p in chosen[(g, j)][0]])
                        for j in range(len(spans))]
-            yield TextScore(t.id, lp, np.asarray(stream[1:], dtype=np.int64), len(t.text.split()), len(t.text.encode("utf-8")), doc_ids)
+            yield TextScore(t.id, lp, np.asarray(stream[1:], dtype=np.int64), len(t.text.split()), len(t.text.encode("utf-8")),
+                            doc_ids)
 
     def _score_windows(self, group, items, bar) -> list[np.ndarray]:
         """Log-probabilities of the windows ``doc ∘ stream[c:b]`` of `items` (``((g, doc key, c), (doc, chunks))``) at
         their chunks' positions. Windows after a document share its keys and values
         (:func:`~rag.models.ralm.prefix_scoring.score_after_documents`: a document retrieved for several texts or cuts runs
         through the LM once per block); windows without one (the first chunk) are scored whole."""
-        from rag.models.ralm.prefix_scoring import score_after_documents
-
         out: list = [None] * len(items)
         plain, after, doc_index, docs = [], [], {}, []
         for n, ((g, key, c), (doc, chunks)) in enumerate(items):
@@ -563,11 +579,13 @@ class InContextRALM:
                 docs.append(list(doc))
             after.append((n, (doc_index[key], suffix, positions)))
         if plain:
-            for (n, _, _), lp in zip(plain, self.scorer.score_positions([w for _, w, _ in plain], [p for *_, p in plain], progress=bar)):
+            for (n, _, _), lp in zip(plain,
+                                     self.scorer.score_positions([w for _, w, _ in plain], [p for *_, p in plain], progress=bar)):
                 out[n] = lp
         if after and getattr(self.scorer, "whole_windows", False):  # a black-box LM shares no keys/values: doc ∘ suffix each
             windows = [(docs[d] + list(suffix), positions) for _, (d, suffix, positions) in after]
-            for (n, _), lp in zip(after, self.scorer.score_positions([w for w, _ in windows], [p for _, p in windows], progress=bar)):
+            for (n, _), lp in zip(after,
+                                  self.scorer.score_positions([w for w, _ in windows], [p for _, p in windows], progress=bar)):
                 out[n] = lp
         elif after:
             for (n, _), lp in zip(after, score_after_documents(self.scorer, docs, [w for _, w in after], progress=bar)):
@@ -576,10 +594,8 @@ class InContextRALM:
 
     def _mix(self, plans, chosen, per_doc) -> dict[tuple[int, int], np.ndarray]:
         """Per chunk, the log-probabilities of its tokens: its one window's, or (REPLUG) the per-token mixture
-        log Σ_d λ(d, x) p(y | d ∘ x) of its documents' windows (:func:`~rag.generation.marginalize.token_marginal_target_logprobs`),
-        all chunks of the group in one call."""
-        from rag.generation.marginalize import doc_log_prior, token_marginal_target_logprobs
-
+        log Σ_d λ(d, x) p(y | d ∘ x) of its documents' windows
+        (:func:`~rag.generation.marginalize.token_marginal_target_logprobs`), all chunks of the group in one call."""
         out: dict[tuple[int, int], np.ndarray] = {}
         mixed = []
         for g, (spans, _) in enumerate(plans):

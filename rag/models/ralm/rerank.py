@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.knowledge.passages import Passage
 from rag.models.ralm.model import CausalScorer, InContextRALM, doc_text, window_ids
 from rag.utils.errors import ConfigError, IntegrityError
@@ -72,8 +73,10 @@ class LMReranker:
         scorer, streams = self._streams(ralm, requests)
         if scorer.doc_max_length + self.rerank_tokens + 1 > scorer.max_length:
             raise ConfigError(
-                f"zero-shot reranking reads a document of up to {scorer.doc_max_length} tokens + {self.rerank_tokens} prefix tokens "
-                f"(--rerank-tokens) + 1, more than the reranking LM's window of {scorer.max_length}; lower --rerank-tokens or --doc-max-length"
+                f"zero-shot reranking reads a document of up to {scorer.doc_max_length} tokens + {self.rerank_tokens} "
+                f"prefix tokens "
+                f"(--rerank-tokens) + 1, more than the reranking LM's window of {scorer.max_length}; lower --rerank-tokens or "
+                f"--doc-max-length"
             )
         k = len(requests[0][2]) if requests else 0
         windows, n_scored = [], []
@@ -113,8 +116,6 @@ class PredictiveReranker(nn.Module):
         super().__init__()
         from transformers import AutoModel, AutoTokenizer
 
-        from rag.knowledge.encoders import resolve_name_or_path
-
         check_positive_int(max_length, "max_length (the reranker's pair_max_length)", error=ConfigError)
         check_positive_int(query_tokens, "query_tokens", error=ConfigError)
         path = resolve_name_or_path(encoder)
@@ -125,7 +126,8 @@ class PredictiveReranker(nn.Module):
                 self.encoder = AutoModel.from_pretrained(path)
                 self.tokenizer = AutoTokenizer.from_pretrained(path)
         except (OSError, ValueError) as e:
-            raise ConfigError(f"cannot load the reranker encoder {encoder!r}: {e}; pass a BERT-family directory or 'minilm'") from e
+            raise ConfigError(f"cannot load the reranker encoder {encoder!r}: {e}; pass a BERT-family "
+                              f"directory or 'minilm'") from e
         self.tokenizer.truncation_side = "right"
         pooler = getattr(self.encoder, "pooler", None)
         if isinstance(pooler, nn.Module):  # the head reads the [CLS] state, never the pooler: frozen (DDP needs no search)
@@ -171,7 +173,8 @@ class PredictiveReranker(nn.Module):
         was = self.training
         self.eval()
         prefixes = ralm.tokenizer.batch_decode([s[max(1, a - self.query_tokens):a] for s, a, _ in requests])
-        out = [self(prefixes[i:i + batch_size], [[doc_text(p) for p in c] for _, _, c in requests[i:i + batch_size]]).float().cpu()
+        out = [self(prefixes[i:i + batch_size],
+                    [[doc_text(p) for p in c] for _, _, c in requests[i:i + batch_size]]).float().cpu()
                for i in range(0, len(requests), batch_size)]
         self.train(was)
         return torch.cat(out).numpy() if out else np.zeros((0, 0))
@@ -214,7 +217,8 @@ class PredictiveReranker(nn.Module):
         rank_prior = settings.get("rank_prior", 0)  # absent in directories written before the option
         if not isinstance(rank_prior, int) or isinstance(rank_prior, bool) or rank_prior < 0:
             raise IntegrityError(f"{settings_file}: field 'rank_prior' must be an integer >= 0, got {rank_prior!r}; {fix}")
-        model = cls(str(d / "encoder"), max_length=settings["max_length"], query_tokens=settings["query_tokens"], rank_prior=rank_prior)
+        model = cls(str(d / "encoder"), max_length=settings["max_length"], query_tokens=settings["query_tokens"],
+                    rank_prior=rank_prior)
         with readable_model_files(d, "the reranker's head", fix):
             tensors = load_file(str(d / HEAD_FILE))
             bias = tensors.pop("rank_bias", None)

@@ -26,10 +26,12 @@ import torch
 from torch import Tensor
 
 from rag.generation.answers import Answer, PassageProvenance, through_eos
+from rag.generation.causal import CausalLMDecoder, CausalPrompts
 from rag.generation.decoding import token_marginal_search
 from rag.generation.marginalize import doc_log_prior, rag_sequence_log_likelihood, rag_token_log_likelihood
 from rag.generation.prompts import left_pad
 from rag.generation.search import GenerationConfig, config_token_id, resolve_spec
+from rag.generators.load import check_generator_kind
 from rag.models.ralm.generate import check_new_token_lengths, continuation_text
 from rag.models.ralm.model import window_start
 from rag.models.replug.lm_scorer import LMScorer, ScoreCache, check_text, document_logprobs
@@ -118,8 +120,6 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
         sequences ``(B * num_return_sequences, T)`` — x's tokens (left-padded, after the BOS/EOS context token) followed by
         the generated ones — and their scores (log-likelihood under the mixture, or the length-penalised beam score).
     """
-    from rag.generators.load import check_generator_kind
-
     check_generator_kind(model, "causal", "replug_generate")
     for x in inputs:
         check_text(x, "an input text")
@@ -133,7 +133,8 @@ def replug_generate(model, tokenizer, inputs: Sequence[str], documents: Sequence
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos
     x_tok = [[ctx] + list(t) for t in tokenizer(list(inputs), add_special_tokens=False)["input_ids"]]
     flat_docs = [d for ds in documents for d in ds]
-    d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True, max_length=doc_max_length)["input_ids"] if flat_docs else []
+    d_tok = tokenizer(flat_docs, add_special_tokens=False, truncation=True,
+                      max_length=doc_max_length)["input_ids"] if flat_docs else []
     # the context token separates document and input, as In-Context RALM's windows do
     windows = [[list(d_tok[i * k + j]) + x_tok[i] for j in range(k)] for i in range(b)]
     return replug_search(model, x_tok, windows, prior, config, pad=pad, rng=rng)
@@ -153,8 +154,6 @@ def replug_search(model, streams: Sequence[Sequence[int]], windows: Sequence[Seq
     Returns:
         ``(B * num_return_sequences, T)`` sequences and their scores, as :func:`replug_generate`.
     """
-    from rag.generation.causal import CausalLMDecoder, CausalPrompts
-
     b, k = log_prior.shape
     if len(windows) != b or any(len(w) != k for w in windows):
         raise RagError(f"windows must be {b} lists of {k} token lists, one per (input, document)")
@@ -190,7 +189,8 @@ def replug_answers(ralm, prompts: list[str], config, rng, kb_version: str) -> li
     k, L, new = cfg.ensemble, scorer.max_length, config.max_new_tokens
     if max(map(len, docs)) + new + 1 > L:
         raise ConfigError(f"REPLUG generation reads every document, at least one prompt token and all {new} new tokens in one "
-                          f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length ({cfg.doc_max_length})")
+                          f"window of {L} tokens (--max-length); lower --max-new-tokens or --doc-max-length "
+                          f"({cfg.doc_max_length})")
     windows = [[docs[i * k + j] + s[window_start(len(s), len(s) + new, len(docs[i * k + j]), L):] for j in range(k)]
                for i, s in enumerate(streams)]
     eos = tok.eos_token_id if config.eos_token_id is None else config.eos_token_id

@@ -28,14 +28,19 @@ from typing import Optional, Protocol, Sequence, runtime_checkable
 import numpy as np
 import torch
 
+from rag.generation.causal import continuation_logprobs
 from rag.generators.causal import CausalGenerator
+from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
+from rag.generators.load import check_generator_kind
+from rag.knowledge.encoders import resolve_name_or_path
 from rag.models.ralm.model import DEFAULT_MAX_LENGTH, CausalScorer
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, check_positive_int
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LMScorer", "LocalLMScorer", "CompletionsLMScorer", "RemoteCausalScorer", "LMEndpointError", "ScoreCache", "replug_prompt",
+__all__ = ["LMScorer", "LocalLMScorer", "CompletionsLMScorer", "RemoteCausalScorer", "LMEndpointError", "ScoreCache",
+           "replug_prompt",
            "document_logprobs", "check_text"]
 
 PROMPT_SEP = "\n\n"
@@ -82,8 +87,6 @@ class LocalLMScorer:
     """
 
     def __init__(self, model, tokenizer, *, batch_size: int = 8, max_length: Optional[int] = None, name: Optional[str] = None):
-        from rag.generators.load import check_generator_kind
-
         check_generator_kind(model, "causal", "LocalLMScorer")
         self.model, self.tokenizer = model.eval(), tokenizer
         ctx = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
@@ -115,8 +118,6 @@ class LocalLMScorer:
 
     @torch.no_grad()
     def continuation_logprobs(self, prompts: Sequence[str], continuations: Sequence[str]) -> list[np.ndarray]:
-        from rag.generation.causal import continuation_logprobs
-
         if len(prompts) != len(continuations):
             raise RagError(f"{len(prompts)} prompts but {len(continuations)} continuations; give one continuation per prompt")
         ps, cs = self._tokens(prompts), self._tokens(continuations)
@@ -182,7 +183,8 @@ class CompletionsLMScorer:
         check_positive_int(batch_size, "batch_size", error=ConfigError)
         check_number(max_tokens, "max_tokens", integer=True, low=0, error=ConfigError)
         self.url = base_url.rstrip("/") + "/completions"
-        self.model, self.timeout, self.max_retries, self.backoff, self.batch_size = model, float(timeout), max_retries, float(backoff), batch_size
+        self.model, self.timeout, self.max_retries = model, float(timeout), max_retries
+        self.backoff, self.batch_size = float(backoff), batch_size
         self.max_tokens = max_tokens
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._client = httpx.Client(timeout=self.timeout, headers=headers, transport=transport)
@@ -217,7 +219,8 @@ class CompletionsLMScorer:
                 last = f"answered HTTP {r.status_code}: {r.text[:200]!r}"
                 continue
             if r.status_code >= 400:
-                raise LMEndpointError(f"the LM endpoint {self.url} refused the request with HTTP {r.status_code}: {r.text[:300]!r}; "
+                raise LMEndpointError(f"the LM endpoint {self.url} refused the request with HTTP {r.status_code}: "
+                                      f"{r.text[:300]!r}; "
                                       f"check the model name {self.model!r} and that it accepts echo=True with logprobs")
             try:
                 return r.json()
@@ -259,26 +262,32 @@ class CompletionsLMScorer:
                 lp = choice.get("logprobs")
                 values = lp.get("token_logprobs") if isinstance(lp, dict) else None
                 if not isinstance(values, list) or len(values) < len(w):
-                    raise LMEndpointError(f"the LM endpoint {self.url} returned {len(values) if isinstance(values, list) else 'no'} "
+                    raise LMEndpointError(f"the LM endpoint {self.url} returned "
+                                          f"{len(values) if isinstance(values, list) else 'no'} "
                                           f"token log-probs for window {lo + i} of {len(w)} tokens; it must support token-id "
                                           "prompts with echo=True and logprobs")
                 picked = [values[t] for t in pos]
                 if any(v is None or not isinstance(v, (int, float)) or not math.isfinite(v) for v in picked):
-                    raise LMEndpointError(f"the LM endpoint {self.url} returned a missing or non-finite log-prob in window {lo + i}")
+                    raise LMEndpointError(f"the LM endpoint {self.url} returned a missing or non-finite log-prob in "
+                                          f"window {lo + i}")
                 out.append(np.asarray(picked, dtype=np.float64))
         return out
 
     def _continuation(self, choice: dict, prompt: str, cont: str, i: int) -> np.ndarray:
         lp = choice.get("logprobs") if isinstance(choice, dict) else None
-        if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"), list) or not isinstance(lp.get("text_offset"), list):
-            raise LMEndpointError(f"the LM endpoint {self.url} returned no prompt log-probs (choice {i} has no logprobs.token_logprobs / "
-                                  "text_offset); it must support echo=True with logprobs=1 (vLLM's completions API does, chat APIs do not)")
+        if not isinstance(lp, dict) or not isinstance(lp.get("token_logprobs"),
+                                                      list) or not isinstance(lp.get("text_offset"), list):
+            raise LMEndpointError(f"the LM endpoint {self.url} returned no prompt log-probs (choice {i} has no "
+                                  f"logprobs.token_logprobs / "
+                                  "text_offset); it must support echo=True with logprobs=1 (vLLM's completions API does, "
+                                  "chat APIs do not)")
         offsets, values = lp["text_offset"], lp["token_logprobs"]
         if len(offsets) != len(values):
             raise LMEndpointError(f"the LM endpoint {self.url} returned {len(values)} token log-probs but {len(offsets)} offsets")
         start = len(prompt)
         if start not in offsets:
-            raise LMEndpointError(f"pair {i}: the endpoint's tokenizer merged the end of the prompt with the start of the continuation "
+            raise LMEndpointError(f"pair {i}: the endpoint's tokenizer merged the end of the prompt with the start of "
+                                  f"the continuation "
                                   f"{cont[:30]!r} into one token, so the continuation's log-prob cannot be separated; start the "
                                   "continuation with a space or end the prompt with a newline")
         picked = [v for o, v in zip(offsets, values) if start <= o < start + len(cont)]
@@ -325,9 +334,6 @@ class RemoteCausalScorer(CausalScorer):
 
         from transformers import AutoConfig, AutoTokenizer
 
-        from rag.generators.demo_lm import DEMO_LM_NAMES, prepare_demo_lm
-        from rag.knowledge.encoders import resolve_name_or_path
-
         if os.fspath(path) in DEMO_LM_NAMES and not os.path.isdir(os.fspath(path)):
             path = prepare_demo_lm()
         src = resolve_name_or_path(os.fspath(path))
@@ -345,7 +351,8 @@ class RemoteCausalScorer(CausalScorer):
 
     head_split = None
 
-    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *, progress=None) -> list[np.ndarray]:
+    def score_positions(self, windows: Sequence[Sequence[int]], positions: Sequence[Sequence[int]], *,
+                        progress=None) -> list[np.ndarray]:
         """log p(window[t] | window[:t]) at each ``t`` of ``positions[i]``, from the endpoint."""
         for i, (w, pos) in enumerate(zip(windows, positions)):
             pos = list(pos)
@@ -408,7 +415,8 @@ def document_logprobs(lm: LMScorer, documents: Sequence[str], texts: Sequence[st
     """log p(y_t | d ∘ x, y_<t) per (document, input, continuation) triple (REPLUG §3.2 / LSR §4.2), asking `lm` only for the
     triples `cache` does not hold. Raises (never returns a partial or made-up score) when the LM fails."""
     if not (len(documents) == len(texts) == len(continuations)):
-        raise RagError(f"{len(documents)} documents, {len(texts)} inputs and {len(continuations)} continuations; give one of each per pair")
+        raise RagError(f"{len(documents)} documents, {len(texts)} inputs and {len(continuations)} continuations; give one "
+                       f"of each per pair")
     for x in texts:
         check_text(x, "an input text")
     for y in continuations:

@@ -24,7 +24,8 @@ from rag.utils.validate import check_number
 __all__ = ["lsr_loss"]
 
 
-def lsr_loss(doc_scores: Tensor, lm_loglik: Tensor, *, retrieval_temperature: float = 0.1, beta: float = 0.1, doc_mask: Optional[Tensor] = None,
+def lsr_loss(doc_scores: Tensor, lm_loglik: Tensor, *, retrieval_temperature: float = 0.1, beta: float = 0.1,
+             doc_mask: Optional[Tensor] = None,
              reduce: Reduction = "mean") -> Tensor:
     """KL(P_R ‖ Q_LM) of REPLUG LSR (§4.3), averaged over the batch.
 
