@@ -11,12 +11,13 @@ import math
 import pytest
 import torch
 
+from rag.generation.options import FALLBACK_DEFAULTS
 from rag.pipeline.api import RagPipeline, RalmReader
-from rag.pipeline.readers import DEFAULT_NO_REPEAT_NGRAM
 from rag.retrobust.backoff import check_steps
 from rag.retrobust.nli import NLIScorer
 from rag.utils.errors import ConfigError, RagError
 
+DEFAULT_NO_REPEAT_NGRAM = FALLBACK_DEFAULTS["no_repeat_ngram_size"]
 NLI_LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}
 QUESTIONS = ["what is the atomic number of argon?", "which element has the symbol He?"]
 PROMPTS = ["The capital of France is", "Oxygen was discovered by"]
