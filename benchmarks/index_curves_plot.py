@@ -50,7 +50,7 @@ def main(argv=None) -> int:
                 pts = [s for s in big["sweep"] if s["rescore"] == rescore]
                 axes[2].plot([s["recall_at_10"] for s in pts], [s["qps"] for s in pts], "o-",
                              label=f"{spec}{' +rescore' + str(rescore) if rescore else ''} (N={big['n']:,})")
-    axes[0].set(xscale="log", yscale="log", xlabel="N vectors", ylabel="build seconds (1 thread)", title="build time")
+    axes[0].set(xscale="log", yscale="log", xlabel="N vectors", ylabel="build s (threads as in the JSON)", title="build time")
     axes[1].set(xscale="log", yscale="log", xlabel="N vectors", ylabel="MiB", title="peak RSS beyond imports + index")
     axes[2].set(yscale="log", xlabel="recall@10 vs exact", ylabel="queries/s (1 thread, batch)", title="search sweep (real)")
     axes[2].axvline(0.95, color="grey", lw=0.8)
