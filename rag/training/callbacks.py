@@ -47,6 +47,7 @@ import pytorch_lightning as pl
 
 import rag
 from rag.knowledge.hotswap import KnowledgeBaseSlot
+from rag.knowledge.ray_pool import check_reachable
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_number, is_integer
 
@@ -222,6 +223,10 @@ class IndexRefresh(pl.Callback):
         at_train_end: a build still running when training ends: ``wait`` for it and swap it in (the
             final model then matches its index) or ``cancel`` it.
         keep: refreshed knowledge bases kept on disk (the serving one always is); older ones are deleted.
+        ray_address: re-encode on Ray workers (``rag.knowledge.refresh --ray``): the cluster's address
+            (``host:port``, ``ray://host:port``, ``auto``), or ``""`` for a local Ray the build starts. A
+            ``host:port`` that does not answer fails at fit start, naming it. None: encode in the build process.
+        ray_workers: Ray tasks the re-encoding is split over (one contiguous slice of the passages each).
     """
 
     def __init__(
@@ -237,10 +242,13 @@ class IndexRefresh(pl.Callback):
         verify: Literal["full", "size", "none"] = "full",
         at_train_end: Literal["wait", "cancel"] = "wait",
         keep: int = 2,
+        ray_address: Optional[str] = None,
+        ray_workers: int = 2,
     ) -> None:
         super().__init__()
         self.schedule = parse_schedule(every)
-        for name, v, lo in (("batch_size", batch_size, 1), ("worker_threads", worker_threads, 0), ("keep", keep, 1)):
+        for name, v, lo in (("batch_size", batch_size, 1), ("worker_threads", worker_threads, 0), ("keep", keep, 1),
+                            ("ray_workers", ray_workers, 1)):
             check_number(v, f"IndexRefresh.{name}", integer=True, low=lo, error=ConfigError)
         check_number(worker_nice, "IndexRefresh.worker_nice", integer=True, low=0, high=19, error=ConfigError)
         if verify not in ("full", "size", "none"):
@@ -263,6 +271,11 @@ class IndexRefresh(pl.Callback):
         self.verify = verify
         self.at_train_end = at_train_end
         self.keep = keep
+        if ray_address is not None and not isinstance(ray_address, str):
+            raise ConfigError(f"IndexRefresh.ray_address={ray_address!r}; give host:port, ray://host:port, auto, or '' "
+                              f"for a local Ray")
+        self.ray_address = ray_address
+        self.ray_workers = ray_workers
 
         self.started = 0
         """Refresh builds started (this session)."""
@@ -294,6 +307,8 @@ class IndexRefresh(pl.Callback):
 
     # ------------------------------------------------------------------ lifecycle hooks
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.ray_address:  # an address that does not answer fails now, not at the first refresh
+            check_reachable(self.ray_address, 5.0, ConfigError, "IndexRefresh.ray_address")
         model = _rag_model(pl_module)
         if getattr(model, "doc_encoder", None) is None:
             raise ConfigError(
@@ -399,6 +414,8 @@ class IndexRefresh(pl.Callback):
         ]
         if self.index:
             argv += ["--index", self.index]
+        if self.ray_address is not None:
+            argv += ["--ray", *([self.ray_address] if self.ray_address else []), "--workers", str(self.ray_workers)]
         return argv
 
     def _worker_env(self) -> dict[str, str]:

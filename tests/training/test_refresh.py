@@ -73,6 +73,27 @@ def test_callback_validates_its_arguments():
         IndexRefresh(every=5, worker_command="python -m x")
     with pytest.raises(ConfigError, match="part 'x'"):
         IndexRefresh(every="x")
+    with pytest.raises(ConfigError, match="ray_workers"):
+        IndexRefresh(every=5, ray_address="auto", ray_workers=0)
+
+
+def test_an_unreachable_ray_address_fails_at_fit_start_and_in_the_worker_naming_it(tmp_path, capsys):
+    import socket
+
+    from rag.knowledge import refresh as refresh_worker
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there now
+    with pytest.raises(ConfigError, match=rf"IndexRefresh.ray_address: Ray cluster at 127.0.0.1:{port} is not reachable"):
+        IndexRefresh(every=5, ray_address=f"127.0.0.1:{port}").on_fit_start(None, None)
+    argv = ["--knowledge-base", str(tmp_path / "kb"), "--encoder", str(tmp_path / "enc"), "--out", str(tmp_path / "out")]
+    assert refresh_worker.main([*argv, "--ray", f"127.0.0.1:{port}", "--workers", "2"]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"--ray: Ray cluster at 127.0.0.1:{port} is not reachable" in err[0]
+    assert refresh_worker.main([*argv, "--workers", "2"]) == 1
+    assert "--workers 2: only means something with --ray" in capsys.readouterr().err
 
 
 def test_yaml_example_parses_with_the_callback(tmp_path, monkeypatch):
