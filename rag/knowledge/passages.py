@@ -192,11 +192,15 @@ def fit_passages(passages: Iterable[Passage], budget: Callable[[Passage], int],
                 continue
             words, a = sentence.split(), 0  # a sentence over budget: the longest runs of words that fit
             while a < len(words):
-                b = a + 1
-                while b < len(words) and count([" ".join(words[a:b + 1])])[0] <= room:
-                    b += 1
-                units.append(" ".join(words[a:b]))
-                a = b
+                low, high = a + 1, min(len(words), a + room)  # a word is at least one token: a run fits at most `room`
+                while low < high:  # binary search: the last end b whose run words[a:b] fits (a lone word always goes)
+                    mid = (low + high + 1) // 2
+                    if count([" ".join(words[a:mid])])[0] <= room:
+                        low = mid
+                    else:
+                        high = mid - 1
+                units.append(" ".join(words[a:low]))
+                a = low
         chunks, current = [], ""
         for unit in units:
             joined = f"{current} {unit}" if current else unit

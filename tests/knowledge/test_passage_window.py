@@ -29,6 +29,12 @@ def test_fit_passages_cuts_at_sentence_ends_keeps_order_title_and_every_word():
     assert " ".join(q.text for q in out[:-1]).split() == text.split()  # nothing lost, nothing repeated
 
 
+def test_a_sentence_over_the_budget_is_cut_at_words_into_the_fewest_pieces():
+    words = [f"w{i}" for i in range(1000)]
+    out = list(fit_passages([Passage("d", "T", " ".join(words))], lambda _: 7, WORDS))
+    assert [len(p.text.split()) for p in out] == [7] * 142 + [6] and " ".join(p.text for p in out).split() == words
+
+
 def test_fit_passages_keeps_a_passage_that_fits_unchanged():
     p = Passage("x", "T", "a b c. d e.")
     assert list(fit_passages([p], lambda _: 5, WORDS)) == [p]
