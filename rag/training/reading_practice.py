@@ -143,6 +143,8 @@ _VERB_PREP = re.compile(r"^(?P<subject>[^,]{1,40}?) (?P<aux>is|are|was|were) (?P
                         r"(?:used|found|obtained|separated|produced|made|extracted|named|employed|present|prepared|known)) "
                         r"(?P<prep>in|for|as|from|by|with|on|after|to) (?P<answer>[a-z][\w-]*(?: [\w-]+){0,5}?)"
                         r"(?=[,.;:]| and | or | which | to | in | of | with | from | as |$)")
+MAX_CLOZE_SENTENCE_WORDS = 60
+"""Longer sentences (or text without sentence ends) make no cloze question: each question is the whole sentence."""
 _PRONOUN = re.compile(r"^(It|Its|This element|The element)\b")
 _FRAGMENT = re.compile(r"^(?:(?:First|Later|Also|Originally|Independently) [a-z]+ed|[A-Z][a-z]+ed)\b")
 _BY_NAME = re.compile(r"^(?P<subject>.+?) (?:was|were) (?P<verb>(?:first |later |also |independently )?[a-z]+ed) by "
@@ -162,7 +164,7 @@ def _subject(sentence: str, title: str) -> str:
 def _cloze_pairs(sentence: str, title: str, max_answer_words: int) -> list[tuple[str, str]]:
     """The (question, answer) pairs of one sentence (see the module docstring), answers as they stand in it."""
     body = _subject(sentence.strip().rstrip(".!?").strip(), title)
-    if len(body.split()) < 4:
+    if not 4 <= len(body.split()) <= MAX_CLOZE_SENTENCE_WORDS:
         return []
     out = []
     m = _VERB_PREP.match(body)
@@ -192,12 +194,18 @@ def _cloze_pairs(sentence: str, title: str, max_answer_words: int) -> list[tuple
 def cloze_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_answer_words: int = 24) -> list[PracticeExample]:
     """Up to `n` cloze question-answer pairs from `passages`' sentences (see the module docstring), each with its own
     passage; deterministic for `seed` (every passage's pairs, in a seeded order). Empty when no sentence yields one."""
+    rng = random.Random(seed)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
     found = []
-    for p in passages:
+    for i in order:  # passages in a seeded order until `n` pairs are found: a large corpus is not read whole
+        p = passages[i]
         for sentence in _CLOZE_SENTENCE.split(p.text.strip()):
             for question, answer in _cloze_pairs(sentence, p.title.strip(), max_answer_words):
                 found.append(PracticeExample(question, answer, p))
-    random.Random(seed).shuffle(found)
+        if len(found) >= n:
+            break
+    rng.shuffle(found)
     return found[:n]
 
 

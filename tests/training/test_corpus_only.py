@@ -45,6 +45,20 @@ def test_cloze_pairs_are_deterministic_and_capped():
     assert cloze_practice([Passage("x", "X", "nothing to ask about here at all")], 10) == []
 
 
+def test_cloze_pairs_are_bounded_by_the_sentence_and_the_pool():
+    assert cloze_practice([Passage("x", "X", " ".join(f"it has {i} parts" for i in range(5000)))], 10) == []
+
+    class Counted(list):
+        read = 0
+
+        def __getitem__(self, i):
+            Counted.read += 1
+            return list.__getitem__(self, i)
+
+    corpus = Counted(Passage(f"o{i}", "Oxygen", OXYGEN.text) for i in range(1000))
+    assert len(cloze_practice(corpus, 5)) == 5 and Counted.read <= 5  # passages read until 5 pairs are found
+
+
 def test_the_mix_ratio_sets_practice_examples_per_real_pair():
     assert ReadingPracticeSettings(per_step=4).examples_per_step(8) == 4
     assert ReadingPracticeSettings(mix_ratio=0.5).examples_per_step(4) == 2
