@@ -84,7 +84,7 @@ def asks_corpus_only(argv: Sequence[str]) -> bool:
 def corpus_only(config, asked: bool = False) -> bool:
     """The corpus-only recipe: a QADataModule without training pairs of its own — ``data.train`` unset, or the demo's
     (a recipe's default) when the command line named a knowledge base and no training data (`asked`) — trains on cloze
-    pairs made from ``model.knowledge_base`` (``data.knowledge_base``; demo validation and test sets are dropped with
+    pairs made from ``model.knowledge_base`` (``data.self_supervised_kb``; demo validation and test sets are dropped with
     it). Sets those fields in `config` and returns True when so."""
     model, data = config.get("model"), config.get("data")
     minit = model.get("init_args") if model is not None else None
@@ -92,7 +92,7 @@ def corpus_only(config, asked: bool = False) -> bool:
     if minit is None or dinit is None or not str(data.get("class_path", "")).endswith("QADataModule"):
         return False
     kb = minit.get("knowledge_base")
-    if not isinstance(kb, str) or not kb or dinit.get("knowledge_base") is not None or dinit.get("data_dir") is not None:
+    if not isinstance(kb, str) or not kb or dinit.get("self_supervised_kb") is not None or dinit.get("data_dir") is not None:
         return False
     demo = lambda v: isinstance(v, str) and v.startswith("demo:")  # noqa: E731
     train = dinit.get("train")
@@ -101,7 +101,7 @@ def corpus_only(config, asked: bool = False) -> bool:
     for split in ("train", "val", "test"):
         if dinit.get(split) is None or demo(dinit.get(split)):
             dinit[split] = None
-    dinit["knowledge_base"] = kb
+    dinit["self_supervised_kb"] = kb
     return True
 
 

@@ -115,7 +115,7 @@ class QADataModule(pl.LightningDataModule):
             retrieving. A decoder-only reader reads the same fields (one passage per question).
         passage_field: the record field naming the knowledge-base passage that holds the answer (JSONL / datasets);
             training batches then carry ``passage_ids`` (RagModule's ``gold_passage`` loss reads them).
-        knowledge_base: the corpus-only recipe: with no `train` data, the training pairs are cloze questions made from
+        self_supervised_kb: the corpus-only recipe: with no `train` data, the training pairs are cloze questions made from
             this knowledge base's passages (:func:`~rag.training.reading_practice.cloze_practice`), and validation
             (when `val` is not given) the pairs of passages held out from them. `rag fit` sets it from
             ``model.knowledge_base`` when no ``--data.train`` is given for a knowledge base other than the demo's.
@@ -140,7 +140,7 @@ class QADataModule(pl.LightningDataModule):
         shuffle: bool = True,
         context_mixing: Optional[ContextMixing] = None,
         passage_field: Optional[str] = None,
-        knowledge_base: Optional[str] = None,
+        self_supervised_kb: Optional[str] = None,
         self_supervised_pairs: int = 4000,
         self_supervised_val: int = 64,
     ) -> None:
@@ -169,7 +169,7 @@ class QADataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.shuffle = shuffle
         self.context_mixing = context_mixing
-        self.knowledge_base = knowledge_base
+        self.knowledge_base = self_supervised_kb
         self._datasets: dict[str, Dataset] = {}
 
     @property

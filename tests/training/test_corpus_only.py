@@ -74,7 +74,7 @@ def _kb(passages, root) -> str:
 
 
 def test_the_data_of_a_knowledge_base_alone_is_its_cloze_pairs_with_held_out_passages(demo_passages, tmp_path, caplog):
-    dm = QADataModule(knowledge_base=_kb(demo_passages[:40], tmp_path), batch_size=2, self_supervised_val=8)
+    dm = QADataModule(self_supervised_kb=_kb(demo_passages[:40], tmp_path), batch_size=2, self_supervised_val=8)
     with caplog.at_level(logging.WARNING, logger="rag.training.data"):
         dm.setup("fit")
     train, val = dm.train_pairs, dm._datasets["val"]
@@ -90,14 +90,14 @@ def test_a_knowledge_base_that_yields_no_pair_is_one_line(tmp_path):
     kb = _kb([Passage("a", "A", "nothing to ask about here"), Passage("b", "B", "nor here either")], tmp_path)
     with pytest.raises(ConfigError, match=r"^model.knowledge_base .*: none of its 2 passages .* give question-answer pairs "
                                           r"with --data.train$"):
-        QADataModule(knowledge_base=kb).setup("fit")
+        QADataModule(self_supervised_kb=kb).setup("fit")
 
 
 def test_an_empty_knowledge_base_is_one_line(tmp_path, monkeypatch):
     kb = _kb([Passage("a", "A", "x")], tmp_path)
     monkeypatch.setattr(KnowledgeBase, "all_passages", lambda self: [])
     with pytest.raises(ConfigError, match=r"^model.knowledge_base .* holds no passage, .*rag index build --corpus"):
-        QADataModule(knowledge_base=kb).setup("fit")
+        QADataModule(self_supervised_kb=kb).setup("fit")
 
 
 def test_rag_fit_reads_a_knowledge_base_without_training_data_as_the_corpus_only_recipe():
@@ -108,8 +108,8 @@ def test_rag_fit_reads_a_knowledge_base_without_training_data_as_the_corpus_only
     cfg["model"]["init_args"]["knowledge_base"] = "KB"
     assert not corpus_only(cfg, asked=False) and cfg["data"]["init_args"]["train"] == "demo:train"
     assert corpus_only(cfg, asked=True)
-    assert {k: cfg["data"]["init_args"][k] for k in ("train", "val", "test", "knowledge_base")} == \
-        {"train": None, "val": None, "test": None, "knowledge_base": "KB"}
+    assert {k: cfg["data"]["init_args"][k] for k in ("train", "val", "test", "self_supervised_kb")} == \
+        {"train": None, "val": None, "test": None, "self_supervised_kb": "KB"}
 
 
 def test_the_corpus_only_recipe_trains(tmp_path, demo_passages, bpe_tokenizer, build_hybrid_kb):
@@ -127,7 +127,8 @@ def test_the_corpus_only_recipe_trains(tmp_path, demo_passages, bpe_tokenizer, b
     init["rag"].update(max_context_length=64)
     cfg["data"]["init_args"].update(max_eval_examples=4, eval_batch_size=4)
     cfg["trainer"].update(max_steps=2, val_check_interval=2, limit_val_batches=1, default_root_dir=str(tmp_path / "run"),
-                          enable_progress_bar=False, logger=False, enable_checkpointing=False, callbacks=[])
+                          enable_progress_bar=False, enable_checkpointing=False, callbacks=[])  # the CSV logger kept:
+    # it merges the model's and the data's hyperparameters, which must not share a name with different values
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(cfg))
     cli = make_cli(["fit", "--config", str(path), "--model.knowledge_base", kb])
