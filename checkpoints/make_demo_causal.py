@@ -30,7 +30,6 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 CONFIG = REPO / "lightning_configs" / "cpu_causal_reader.yaml"
-ANSWER_CONTEXT_LENGTH = 256
 
 
 def train(out: Path, threads: int) -> None:
@@ -46,13 +45,15 @@ def train(out: Path, threads: int) -> None:
 
 def answer_settings(out: Path) -> None:
     """How the checkpoint at `out` answers (checkpoints/README.md): trained on prompts of 160 tokens (cheaper steps), it
-    answers with 256 so that every Elements passage is read whole (160 cuts the end of the longer ones, where the
-    discoverer and the year are); and extractively, each answer a span of a passage read (chosen on demo:dev and
-    demo:natural_dev: the reader otherwise names a famous discoverer no passage holds, or stops inside a number)."""
+    answers with the window that reads every Elements passage whole with a question of 32 tokens (160 cuts the end of
+    the longer ones, where the discoverer and the year are; rag.cli.passage_window.demo_reader_window); and extractively, each
+    answer a span of a passage read (chosen on demo:dev and demo:natural_dev: the reader otherwise names a famous discoverer no
+    passage holds, or stops inside a number)."""
+    from rag.cli.passage_window import demo_reader_window
     from rag.utils.io import atomic_write_json
 
     meta = json.loads((out / "rag_config.json").read_text())
-    meta["config"]["max_context_length"] = ANSWER_CONTEXT_LENGTH
+    meta["config"]["max_context_length"] = demo_reader_window()
     meta["config"].setdefault("generation", {})["extractive"] = True
     atomic_write_json(out / "rag_config.json", meta)
 

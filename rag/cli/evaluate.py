@@ -77,5 +77,9 @@ def cmd_evaluate(args) -> int:
         print(to_json(summary))
     else:
         sys.stdout.write(markdown(summary))
+        cut = summary.get("cut_prompts") or {}
+        if cut.get("prompts"):  # what the reader's window still cut, counted over this run's questions
+            print(f"\nreader prompts cut to the window (max_context_length={'/'.join(map(str, cut['max_context_length']))}): "
+                  f"{cut['cut']} of {cut['prompts']} ({cut['fraction']:.1%}), over {cut['questions']} questions")
         print(f"\nresults: {args.out} (records.jsonl, summary.json, results.md, plots/)")
     return 0

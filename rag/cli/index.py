@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import IO, Iterator, Optional
 
+from rag.cli.passage_window import fit_to_window, load_tokenizer
 from rag.knowledge.build import parse_memory
 from rag.knowledge.documents import check_sources
 from rag.knowledge.encoders import TextEncoder
@@ -46,6 +47,11 @@ def add_parser(sub) -> None:
                    help="encoder queries should use by default (e.g. the DPR question encoder paired with a DPR context encoder)")
     b.add_argument("--words-per-passage", type=int, default=100,
                    help="split documents into passages of this many words; 0 = keep documents whole (default: 100)")
+    b.add_argument("--max-passage-tokens", type=int, default=None, metavar="N",
+                   help="split passages further so each reader prompt (template, title, passage, a 32-token "
+                        "question) fits N tokens")
+    b.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="with --max-passage-tokens: the reader's tokenizer (default: the demo reader's)")
     b.add_argument("--min-tail-words", type=int, default=None,
                    help="a document's last piece shorter than this joins the passage before it instead of standing alone "
                         "(default: a fifth of --words-per-passage; 0 = never)")
@@ -154,7 +160,13 @@ def cmd_build(args) -> int:
     # Everything checkable is checked before the corpus is read and encoded (hours on a large corpus).
     spec = IndexSpec.parse(args.index)
     shard = parse_shard(args.shard) if args.shard is not None else None
-    check_positive(args, "batch_size", "max_length", "max_document_chars", "workers")
+    check_positive(args, "batch_size", "max_length", "max_document_chars", "workers", "max_passage_tokens")
+    if args.tokenizer is not None and args.max_passage_tokens is None:
+        raise ConfigError(f"--tokenizer {args.tokenizer}: only means something with --max-passage-tokens N; add it or "
+                          f"drop --tokenizer")
+    tokenizer = load_tokenizer(args.tokenizer) if args.max_passage_tokens else None
+    if tokenizer is not None:  # a window below the template is refused before the corpus is read
+        fit_to_window([], args.max_passage_tokens, tokenizer, args.tokenizer or "smollm2")
     if args.max_memory is not None:
         parse_memory(args.max_memory)
     if args.workers is not None and args.ray is None:
@@ -190,6 +202,9 @@ def cmd_build(args) -> int:
     )
     build_info = {"corpus": [str(c) for c in args.corpus], "words_per_passage": args.words_per_passage,
                   "min_tail_words": args.min_tail_words}
+    if tokenizer is not None:
+        passages, build_info["passage_tokens"] = fit_to_window(passages, args.max_passage_tokens, tokenizer, args.tokenizer
+                                                               or "smollm2")
     if args.ray is not None:
         kb = build_on_ray(passages, encoder, args.out, workers=args.workers or 2, address=args.ray or None, index=spec,
                           batch_size=args.batch_size, device=args.device, dtype=getattr(torch, args.dtype) if args.dtype

@@ -77,7 +77,37 @@ def _check_data_files(data, subcommand: str) -> None:
                                   "demo:train|dev|test")
 
 
-def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA):
+def asks_corpus_only(argv: Sequence[str]) -> bool:
+    """Whether the command line names a knowledge base (``--model.knowledge_base``) but no ``--data.train``."""
+    names = {a.partition("=")[0] for a in argv}
+    return "--model.knowledge_base" in names and not any(n in names for n in ("--data.train", "--data.data_dir"))
+
+
+def corpus_only(config, asked: bool = False) -> bool:
+    """The corpus-only recipe: a QADataModule without training pairs of its own — ``data.train`` unset, or the demo's
+    (a recipe's default) when the command line named a knowledge base and no training data (`asked`) — trains on cloze
+    pairs made from ``model.knowledge_base`` (``data.self_supervised_kb``; demo validation and test sets are dropped with
+    it). Sets those fields in `config` and returns True when so."""
+    model, data = config.get("model"), config.get("data")
+    minit = model.get("init_args") if model is not None else None
+    dinit = data.get("init_args") if data is not None else None
+    if minit is None or dinit is None or not str(data.get("class_path", "")).endswith("QADataModule"):
+        return False
+    kb = minit.get("knowledge_base")
+    if not isinstance(kb, str) or not kb or dinit.get("self_supervised_kb") is not None or dinit.get("data_dir") is not None:
+        return False
+    demo = lambda v: isinstance(v, str) and v.startswith("demo:")  # noqa: E731
+    train = dinit.get("train")
+    if train is not None and not (demo(train) and asked):
+        return False
+    for split in ("train", "val", "test"):
+        if dinit.get(split) is None or demo(dinit.get(split)):
+            dinit[split] = None
+    dinit["self_supervised_kb"] = kb
+    return True
+
+
+def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA, asked_corpus_only: bool = False):
     """LightningCLI whose model and data default to `model_class` and `data_class` (the classes the command line
     chooses, else RagModule and QADataModule), so that `rag fit --print_config` and `rag fit --help` show their options.
     The default is the chosen class itself: a default of another class would lend the chosen one its defaults for the
@@ -122,6 +152,8 @@ def _cli_class(model_class: str = DEFAULT_MODEL, data_class: str = DEFAULT_DATA)
                         config[key] = expand_run_dir(config[key], str(root))
                 if self.subcommand:
                     hold_run_dir(root, self.subcommand)
+            if self.subcommand == "fit":
+                corpus_only(config, asked_corpus_only)
             if self.subcommand:
                 _check_data_files(config.get("data"), self.subcommand)
 
@@ -169,7 +201,7 @@ def make_cli(args: Optional[Sequence[str]] = None, *, run: bool = True):
     pl, _ = _imports()
     # Option help from the dataclass fields' own docstrings (RagModelConfig, ContextMixing, ...), not only from Args:.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    return _cli_class(_class_in(argv, "model"), _class_in(argv, "data"))(
+    return _cli_class(_class_in(argv, "model"), _class_in(argv, "data"), asks_corpus_only(argv))(
         model_class=pl.LightningModule,
         datamodule_class=pl.LightningDataModule,
         subclass_mode_model=True,

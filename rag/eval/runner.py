@@ -49,6 +49,7 @@ from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.pipeline.api import RagPipeline, load
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.io import atomic_write_json, to_json
+from rag.utils.truncation import counting_cut_prompts
 from rag.utils.validate import check_positive_int
 
 __all__ = ["evaluate", "EvalResumeError", "read_records", "summarize", "markdown", "MAX_COVERAGE_CHECK"]
@@ -109,7 +110,7 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     bar = tqdm(total=len(examples), initial=len(examples) - len(todo), desc="evaluate", unit="q", file=sys.stderr,
                disable=not progress, dynamic_ncols=True)
     try:
-        with open(out / "records.jsonl", "a", encoding="utf-8") as f:
+        with open(out / "records.jsonl", "a", encoding="utf-8") as f, counting_cut_prompts() as cut:
             for start in range(0, len(todo), batch_size):
                 batch = todo[start:start + batch_size]
                 _seed_everything(seed + len(examples) - len(todo) + start)
@@ -122,6 +123,7 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
         bar.close()
     records = read_records(out)
     summary = summarize(records, settings, coverage=system.coverage(examples))
+    summary["cut_prompts"] = {**cut.to_dict(), "questions": len(todo)}  # the reader prompts of this run's questions
     write_report(out, summary, records)
     atomic_write_json(summary_path, summary)  # last: its presence says the run is complete
     return summary

@@ -14,7 +14,8 @@ Passage id rule (deterministic; the same input always gives the same ids):
   otherwise it is a content hash, the first 16 hex digits of
   ``sha1(title + "\\0" + text)`` (never the row number, so re-ordering rows keeps ids);
 * a document that yields exactly one passage keeps the document id unchanged;
-* a document split into n > 1 passages gives ``"<doc id>-0"`` ... ``"<doc id>-<n-1>"``.
+* a document split into n > 1 passages gives ``"<doc id>-0"`` ... ``"<doc id>-<n-1>"``;
+* a passage cut further to fit a reader's token window (:func:`fit_passages`) gives ``"<passage id>-<k>"`` likewise.
 
 DPR ``psgs_w100`` rows are already 100-word passages: they are never split and keep
 their ids. Documents whose text is empty (or only whitespace) are skipped with a
@@ -27,9 +28,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import warnings
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 from rag.knowledge.documents import Document, is_dataset, read_documents
 from rag.utils.errors import ConfigError, CorpusError
@@ -42,6 +44,8 @@ __all__ = [
     "iter_corpus",
     "load_corpus",
     "content_id",
+    "fit_passages",
+    "passage_token_lengths",
 ]
 
 
@@ -57,6 +61,9 @@ class Passage:
     id: str
     title: str
     text: str
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
 class EmptyDocumentsWarning(UserWarning):
@@ -147,6 +154,63 @@ def split_passages(documents: Iterable[Document], words_per_passage: int | None 
         counter.see(doc, len(passages))
         yield from passages
     counter.warn()
+
+
+def passage_token_lengths(passages: Sequence[Passage], count: Callable[[Sequence[str]], list[int]]) -> list[int]:
+    """The token length of each passage's text, ``count`` being a tokenizer's batch length (texts -> lengths)."""
+    out: list[int] = []
+    for i in range(0, len(passages), 256):
+        out += [int(n) for n in count([p.text for p in passages[i:i + 256]])]
+    return out
+
+
+def _pieces(text: str) -> list[str]:
+    """A text's sentences (the cut points tried first), in order."""
+    return [s for s in _SENTENCE_END.split(text.strip()) if s]
+
+
+def fit_passages(passages: Iterable[Passage], budget: Callable[[Passage], int],
+                 count: Callable[[Sequence[str]], list[int]]) -> Iterator[Passage]:
+    """`passages`, each longer than ``budget(passage)`` tokens of text (``count``: texts -> token lengths) cut into
+    consecutive passages that fit: whole sentences first, a sentence longer than the budget at word boundaries. A
+    passage that fits is kept as is; the pieces of passage ``p`` are ``p~0``, ``p~1``, ... with its title.
+
+    Raises:
+        ConfigError: a budget below 1 token (the reader's window leaves no room for the passage's text).
+    """
+    for p in passages:
+        room = int(budget(p))
+        if room < 1:
+            raise ConfigError(f"passage {p.id!r}: the window leaves {room} tokens for its text; raise the window")
+        if count([p.text])[0] <= room:
+            yield p
+            continue
+        units: list[str] = []
+        for sentence in _pieces(p.text):
+            if count([sentence])[0] <= room:
+                units.append(sentence)
+                continue
+            words, a = sentence.split(), 0  # a sentence over budget: the longest runs of words that fit
+            while a < len(words):
+                low, high = a + 1, min(len(words), a + room)  # a word is at least one token: a run fits at most `room`
+                while low < high:  # binary search: the last end b whose run words[a:b] fits (a lone word always goes)
+                    mid = (low + high + 1) // 2
+                    if count([" ".join(words[a:mid])])[0] <= room:
+                        low = mid
+                    else:
+                        high = mid - 1
+                units.append(" ".join(words[a:low]))
+                a = low
+        chunks, current = [], ""
+        for unit in units:
+            joined = f"{current} {unit}" if current else unit
+            if current and count([joined])[0] > room:
+                chunks.append(current)
+                joined = unit
+            current = joined
+        chunks.append(current)
+        for k, chunk in enumerate(chunks):
+            yield Passage(f"{p.id}-{k}", p.title, chunk)
 
 
 # --------------------------------------------------------------------------- corpus

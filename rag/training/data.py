@@ -10,8 +10,10 @@ from typing import Any, Optional, Sequence
 import pytorch_lightning as pl
 from torch.utils.data import DataLoader, Dataset
 
+from rag.demo.kb import resolve_knowledge_base
 from rag.eval.qa_data import OnEmpty, QADataError, QAExample, expand_answers, read_qa
 from rag.training.context_mixing import ContextMixing, open_knowledge_base, retrieve_rows, sample_context_choices
+from rag.training.reading_practice import cloze_practice
 from rag.utils.errors import ConfigError, RagError
 from rag.utils.validate import check_positive_int
 
@@ -113,6 +115,12 @@ class QADataModule(pl.LightningDataModule):
             retrieving. A decoder-only reader reads the same fields (one passage per question).
         passage_field: the record field naming the knowledge-base passage that holds the answer (JSONL / datasets);
             training batches then carry ``passage_ids`` (RagModule's ``gold_passage`` loss reads them).
+        self_supervised_kb: the corpus-only recipe: with no `train` data, the training pairs are cloze questions made from
+            this knowledge base's passages (:func:`~rag.training.reading_practice.cloze_practice`), and validation
+            (when `val` is not given) the pairs of passages held out from them. `rag fit` sets it from
+            ``model.knowledge_base`` when no ``--data.train`` is given for a knowledge base other than the demo's.
+        self_supervised_pairs: the most cloze pairs made for the corpus-only recipe.
+        self_supervised_val: about how many of them (whole passages' pairs) are held out for validation.
     """
 
     def __init__(
@@ -132,12 +140,16 @@ class QADataModule(pl.LightningDataModule):
         shuffle: bool = True,
         context_mixing: Optional[ContextMixing] = None,
         passage_field: Optional[str] = None,
+        self_supervised_kb: Optional[str] = None,
+        self_supervised_pairs: int = 4000,
+        self_supervised_val: int = 64,
     ) -> None:
         super().__init__()
         if context_mixing is not None:
             context_mixing.validate()
         for name, v in (("batch_size", batch_size), ("eval_batch_size", eval_batch_size),
-                        ("max_eval_examples", max_eval_examples)):
+                        ("max_eval_examples", max_eval_examples), ("self_supervised_pairs", self_supervised_pairs),
+                        ("self_supervised_val", self_supervised_val)):
             if v is not None:
                 check_positive_int(v, f"data.{name}", error=ConfigError)
         if on_empty not in ("skip", "error"):
@@ -157,6 +169,7 @@ class QADataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.shuffle = shuffle
         self.context_mixing = context_mixing
+        self.knowledge_base = self_supervised_kb
         self._datasets: dict[str, Dataset] = {}
 
     @property
@@ -177,8 +190,52 @@ class QADataModule(pl.LightningDataModule):
             passage_field=self.hparams.get("passage_field") if split == "train" else None,
         )
 
+    @property
+    def corpus_only(self) -> bool:
+        """Whether the training pairs are made from the knowledge base (no `train` data given)."""
+        return self.sources["train"] is None and self.knowledge_base is not None
+
+    def _self_supervised(self) -> tuple[list[QAExample], list[QAExample]]:
+        """The cloze pairs of the knowledge base's passages: (training, validation), split by passage."""
+        kb = resolve_knowledge_base(self.knowledge_base, verify="size")
+        passages = kb.all_passages()
+        where = f"model.knowledge_base {kb.path}"
+        if not passages:
+            raise ConfigError(f"{where} holds no passage, and without --data.train the corpus-only recipe trains on its "
+                              "passages; build it from a corpus with text (rag index build --corpus ...)")
+        found = cloze_practice(passages, self.hparams.self_supervised_pairs, seed=0, max_answer_words=24)
+        if not found:
+            raise ConfigError(f"{where}: none of its {len(passages)} passages has a sentence that yields a self-supervised "
+                              "pair (a year, number, name or 'used in ...' phrase to ask about); give question-answer pairs "
+                              "with --data.train")
+        examples = [QAExample(e.question, (e.answer,), f"{where}, passage {e.passage.id}", passage_id=e.passage.id)
+                    for e in found]
+        order = list(dict.fromkeys(e.passage_id for e in examples))  # seeded order of first appearance
+        want = min(self.hparams.self_supervised_val, len(examples) // 5) if self.sources["val"] is None else 0
+        count: dict[str, int] = {}
+        for e in examples:
+            count[e.passage_id] = count.get(e.passage_id, 0) + 1
+        held: set = set()
+        taken = 0
+        for pid in order:
+            if taken >= want:
+                break
+            held.add(pid)
+            taken += count[pid]
+        train = [e for e in examples if e.passage_id not in held]
+        val = [e for e in examples if e.passage_id in held]
+        logger.warning("no --data.train: training on %d self-supervised cloze pairs made from the %d passages of %s "
+                       "(%d pairs of %d held-out passages validate)", len(train), len(passages), kb.path, len(val), len(held))
+        return train, val
+
     def setup(self, stage: Optional[str] = None) -> None:
         splits = {"fit": ("train", "val"), "validate": ("val",), "test": ("test",), "predict": ("predict",)}
+        if self.corpus_only and stage in ("fit", None) and "train" not in self._datasets:
+            train, val = self._self_supervised()
+            self._datasets["train"] = QAPairsDataset(train)
+            if val:
+                self._datasets["val"] = QAEvalDataset(val[: self.max_eval_examples] if self.max_eval_examples else val)
+                self.sources["val"] = f"{self.knowledge_base} (held-out cloze pairs)"
         for split in splits.get(stage or "", ("train", "val", "test")):
             if split in self._datasets:
                 continue

@@ -246,7 +246,7 @@ class RagModule(pl.LightningModule):
                                             [golds[i] for i in found])
                 total, weight = total + gold * len(found), weight + len(found)
         if self._practice:
-            practice, n = self._practice_loss(self.practice_settings.per_step)
+            practice, n = self._practice_loss(self.practice_settings.examples_per_step(n_real))
             total, weight = total + practice * n, weight + n
         return total / weight
 

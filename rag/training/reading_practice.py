@@ -8,6 +8,13 @@ asks one of
 * ``what is NAME?`` -> the passage's first sentence (definition-style corpora: dictionaries, glossaries, manuals);
 * ``which term is described as "…"?`` -> NAME, quoting a few words of a later sentence;
 
+or, with ``source: cloze``, cloze questions made from the passages' own sentences (:func:`cloze_practice`, after Lewis
+et al. 2019, "Unsupervised Question Answering by Cloze Translation", with rule-based translation): a sentence's year,
+number, name or the noun phrase after a verb and preposition ("used in ...") is the answer, and the sentence with that
+span replaced by a wh-phrase (fronted where the rule knows how, "What is Oxygen used in?") and its leading "It" by the
+passage's title is the question; the passage keeps its real title (the pairs teach reading free-form questions about
+the corpus itself, the corpus-only recipe's training data);
+
 or, with ``source: questions``, the training questions' own forms applied to other passages (for corpora whose passages
 hold many short entries: glossaries, catalogues, tables): where a training answer occurs in one passage next to words of
 its question (the key: "What does NCB stand for?" and "... NCB: National Computer Board. ..."), the question with
@@ -35,8 +42,8 @@ from rag.knowledge.passages import Passage
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
 
-__all__ = ["ReadingPracticeSettings", "PracticeExample", "QuestionForm", "corpus_practice", "find_question_forms",
-           "question_form_practice", "practice_pool"]
+__all__ = ["ReadingPracticeSettings", "PracticeExample", "QuestionForm", "corpus_practice", "cloze_practice",
+           "find_question_forms", "question_form_practice", "practice_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +57,16 @@ _SENTENCE = re.compile(r"(?<=[.!?])\s+")
 class ReadingPracticeSettings:
     """Reading practice mixed into every training step (RagModule ``model.reading_practice``)."""
 
-    source: Literal["corpus", "questions", "elements"] = "corpus"
-    """``corpus``: examples built from the knowledge base's passages (any corpus); ``questions``: the training
-    questions' forms applied to other passages (passages of many short entries; corpus practice where no form is
-    found); ``elements``: the Elements demo's."""
+    source: Literal["corpus", "cloze", "questions", "elements"] = "corpus"
+    """``corpus``: examples built from the knowledge base's passages (any corpus); ``cloze``: cloze questions made from
+    the passages' sentences (free-form questions, :func:`cloze_practice`); ``questions``: the training questions' forms
+    applied to other passages (passages of many short entries; corpus practice where no form is found); ``elements``:
+    the Elements demo's."""
     per_step: int = 4
     """Practice examples per training step, beside the batch's real QA pairs (each weighs as one pair)."""
+    mix_ratio: Optional[float] = None
+    """Practice examples per real pair of a step (0.5: one for every two pairs; at least one a step), in place of
+    ``per_step``; None: ``per_step``."""
     pool: int = 4000
     """Size of the fixed pool the examples are drawn from (built once, seeded)."""
     max_answer_words: int = 24
@@ -73,8 +84,16 @@ class ReadingPracticeSettings:
         for name, low in (("per_step", 1), ("pool", 1), ("max_answer_words", 1), ("pretrain_steps", 0), ("pretrain_batch", 1)):
             check_number(getattr(self, name), f"model.reading_practice.{name}", integer=True, low=low, error=ConfigError)
         check_number(self.pretrain_lr, "model.reading_practice.pretrain_lr", above=0, error=ConfigError)
-        if self.source not in ("corpus", "questions", "elements"):
-            raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus, questions or elements")
+        if self.mix_ratio is not None:
+            check_number(self.mix_ratio, "model.reading_practice.mix_ratio", above=0, high=64, error=ConfigError)
+        if self.source not in ("corpus", "cloze", "questions", "elements"):
+            raise ConfigError(f"model.reading_practice.source={self.source!r}: choose corpus, cloze, questions or elements")
+
+    def examples_per_step(self, real_pairs: int) -> int:
+        """How many practice examples go beside `real_pairs` real pairs in one step (``mix_ratio``, else ``per_step``)."""
+        if self.mix_ratio is None:
+            return self.per_step
+        return max(1, round(self.mix_ratio * real_pairs))
 
 
 @dataclass(frozen=True)
@@ -117,6 +136,79 @@ def corpus_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_a
             question, answer = f"what is {name}?", first
         out.append(PracticeExample(question, answer, Passage(id=f"practice/{len(out)}", title=name, text=text)))
     return out
+
+
+_YEAR = re.compile(r"\b(?:in|In|by|By|since|until|from|around|about) ((?:1[0-9]|20)[0-9]{2})\b")
+_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)( ?%| percent)?(?![\w.]\w)")
+_NAME = re.compile(r"(?<=\bby )((?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)")
+_VERB_PREP = re.compile(r"^(?P<subject>[^,]{1,40}?) (?P<aux>is|are|was|were) (?P<verb>(?:commonly |mainly |also |often |widely )?"
+                        r"(?:used|found|obtained|separated|produced|made|extracted|named|employed|present|prepared|known)) "
+                        r"(?P<prep>in|for|as|from|by|with|on|after|to) (?P<answer>[a-z][\w-]*(?: [\w-]+){0,5}?)"
+                        r"(?=[,.;:]| and | or | which | to | in | of | with | from | as |$)")
+MAX_CLOZE_SENTENCE_WORDS = 60
+"""Longer sentences (or text without sentence ends) make no cloze question: each question is the whole sentence."""
+_PRONOUN = re.compile(r"^(It|Its|This element|The element)\b")
+_FRAGMENT = re.compile(r"^(?:(?:First|Later|Also|Originally|Independently) [a-z]+ed|[A-Z][a-z]+ed)\b")
+_BY_NAME = re.compile(r"^(?P<subject>.+?) (?:was|were) (?P<verb>(?:first |later |also |independently )?[a-z]+ed) by "
+                      r"(?P<name>(?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)(?P<rest>.*)$")
+_CLOZE_SENTENCE = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)\s+(?=[A-Z(])")
+"""Sentence ends: a period before a capital, not after an initial ("W.H. Wollaston" stays one sentence)."""
+
+
+def _subject(sentence: str, title: str) -> str:
+    """`sentence` with a leading pronoun standing for the passage's subject replaced by `title`, and a fragment that
+    starts with a participle ("Discovered by ...") given `title` as its subject."""
+    if _FRAGMENT.match(sentence):
+        return f"{title} was {sentence[0].lower()}{sentence[1:]}"
+    return _PRONOUN.sub(lambda m: f"{title}'s" if m.group(1) == "Its" else title, sentence, count=1)
+
+
+def _cloze_pairs(sentence: str, title: str, max_answer_words: int) -> list[tuple[str, str]]:
+    """The (question, answer) pairs of one sentence (see the module docstring), answers as they stand in it."""
+    body = _subject(sentence.strip().rstrip(".!?").strip(), title)
+    if not 4 <= len(body.split()) <= MAX_CLOZE_SENTENCE_WORDS:
+        return []
+    out = []
+    m = _VERB_PREP.match(body)
+    if m and m.group("answer").lower() != title.lower():
+        verb = m.group("verb")
+        out.append((f"What {m.group('aux')} {m.group('subject')} {verb} {m.group('prep')}?", m.group("answer")))
+    for y in _YEAR.finditer(body):
+        out.append((body[:y.start(1)] + "what year" + body[y.end(1):] + "?", y.group(1)))
+    years = {y.group(1) for y in _YEAR.finditer(body)}
+    for n in _NUMBER.finditer(body):
+        before, after = body[:n.start()], body[n.end():]
+        if n.group(1) in years or before.rstrip().endswith(":") or before[-1:] in "-*^" or after[:1] in "*^":
+            continue  # "Atomic number: 8" is a field, "Au-195" and "10^7" parts of a name or a number
+        unit = n.group(2) or ""
+        wh = "what percentage" if unit.strip() in ("%", "percent") else "how many" if "." not in n.group(1) else "what value"
+        out.append((body[:n.start()] + wh + body[n.end():] + "?", n.group(1) + unit))
+    by = _BY_NAME.match(body)
+    if by:  # "Oxygen was discovered by Priestley in 1774" -> "Who discovered Oxygen in 1774?"
+        out.append((f"Who {by.group('verb')} {by.group('subject')}{by.group('rest')}?", by.group("name")))
+    else:
+        for nm in _NAME.finditer(body):
+            if nm.group(1).lower() != title.lower():
+                out.append((body[:nm.start()] + "whom" + body[nm.end():] + "?", nm.group(1)))
+    return [(q[0].upper() + q[1:], a) for q, a in out if a and len(a.split()) <= max_answer_words and a not in q]
+
+
+def cloze_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_answer_words: int = 24) -> list[PracticeExample]:
+    """Up to `n` cloze question-answer pairs from `passages`' sentences (see the module docstring), each with its own
+    passage; deterministic for `seed` (every passage's pairs, in a seeded order). Empty when no sentence yields one."""
+    rng = random.Random(seed)
+    order = list(range(len(passages)))
+    rng.shuffle(order)
+    found = []
+    for i in order:  # passages in a seeded order until `n` pairs are found: a large corpus is not read whole
+        p = passages[i]
+        for sentence in _CLOZE_SENTENCE.split(p.text.strip()):
+            for question, answer in _cloze_pairs(sentence, p.title.strip(), max_answer_words):
+                found.append(PracticeExample(question, answer, p))
+        if len(found) >= n:
+            break
+    rng.shuffle(found)
+    return found[:n]
 
 
 _WORD = re.compile(r"\w[\w'-]*")
@@ -263,6 +355,12 @@ def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=N
         return [PracticeExample(e.question, e.answer, e.passage)
                 for e in ReadingPractice(base, names, seed=settings.seed).examples(settings.pool)]
     passages = knowledge_base.all_passages()
+    if settings.source == "cloze":
+        pool = cloze_practice(passages, settings.pool, seed=settings.seed, max_answer_words=settings.max_answer_words)
+        if pool:
+            return pool
+        logger.warning("reading practice (source: cloze): no sentence of the passages yields a cloze question (a year, "
+                       "number, name or 'used in ...' phrase to ask about); using corpus practice instead")
     if settings.source == "questions":
         pool = question_form_practice(passages, pairs, settings.pool, seed=settings.seed,
                                       max_answer_words=settings.max_answer_words)

@@ -76,6 +76,21 @@ def test_pipeline_run_records_answers_with_provenance(tiny_pipeline, tmp_path):
     assert summary["settings"]["options"] == {"max_new_tokens": 3}
 
 
+def test_the_summary_counts_the_reader_prompts_cut_to_the_window(tiny_pipeline, tiny_dpr_question_dir, tiny_bart_dir,
+                                                                 tiny_kb_dir, tmp_path):
+    """summary.json's ``cut_prompts``: every (question, passage) prompt the reader built, and those longer than its
+    window: none at the tiny model's 300 tokens, all of them at 8."""
+    from rag.models.rag.model import RagModel
+
+    kw = dict(ks=(1,), max_new_tokens=2, progress=False)
+    whole = evaluate(tiny_pipeline, FIXTURES / "kilt_nq.jsonl", tmp_path / "a", **kw)["cut_prompts"]
+    narrow = RagPipeline(RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, tiny_kb_dir, n_docs=2,
+                                                  max_context_length=8))
+    cut = evaluate(narrow, FIXTURES / "kilt_nq.jsonl", tmp_path / "b", **kw)["cut_prompts"]
+    assert whole["cut"] == 0 and whole["prompts"] >= 6 and whole["questions"] == 3 and whole["max_context_length"] == [300]
+    assert cut["cut"] == cut["prompts"] == whole["prompts"] and cut["fraction"] == 1.0 and cut["max_context_length"] == [8]
+
+
 def test_a_killed_run_resumes_without_computing_twice(tiny_pipeline, tmp_path, monkeypatch):
     out, asked = tmp_path / "run", []
     real = RagPipeline.generate
