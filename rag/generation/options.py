@@ -44,7 +44,7 @@ class OptionSpec:
     low: Optional[float] = None  # inclusive
     high: Optional[float] = None  # inclusive; the server may lower it (ServeLimits)
     choices: tuple = ()
-    reader: Optional[Literal["seq2seq", "causal"]] = None  # None: every reader
+    method: Optional[Literal["rag", "ralm"]] = None  # the one reader method that takes it; None: every reader
     retrieval: bool = False  # says how to retrieve or mix passages: refused by a generation without retrieval
     cost: bool = True  # `high` bounds what a call costs (a caller may go past it); False: the value's own domain
     name: str = ""  # set by option_specs()
@@ -69,12 +69,12 @@ class GenerationOptions:
     """
 
     n_docs: Optional[int] = _opt(int, "passages to retrieve per question (default: the model's)", low=1, high=100,
-                                 reader="seq2seq", retrieval=True)
+                                 method="rag", retrieval=True)
     num_beams: Optional[int] = _opt(int, "beam width (default: the model's stored setting, else {default})", low=1, high=16)
     marginalization: Optional[str] = _opt(str, "RAG-Sequence (Eq. 1) or RAG-Token (Eq. 2) (default: the model's)",
-                                          choices=("sequence", "token"), reader="seq2seq", retrieval=True)
+                                          choices=("sequence", "token"), method="rag", retrieval=True)
     decoding: Optional[str] = _opt(str, "RAG-Sequence decoding (§2.5; default {default})", choices=("thorough", "fast"),
-                                   reader="seq2seq", retrieval=True)
+                                   method="rag", retrieval=True)
     max_new_tokens: Optional[int] = _opt(int, "most tokens per answer (default: the model's stored setting, else {default})",
                                          low=1, high=256)
     min_new_tokens: Optional[int] = _opt(int, "fewest tokens per answer (default {default})", low=0, high=256)
@@ -89,9 +89,9 @@ class GenerationOptions:
     early_stopping: Optional[Union[bool, str]] = _opt(object, "beam search stops when num_beams answers are done (true), "
                                                               "by a heuristic (false), or never", choices=(True, False, "never"))
     stride: Optional[int] = _opt(int, "causal LM: generated tokens between retrievals (default {default})", low=1, high=256,
-                                 reader="causal", retrieval=True)
+                                 method="ralm", retrieval=True)
     query_length: Optional[int] = _opt(int, "causal LM: the last this-many tokens are the query (default {default})", low=1,
-                                       high=4096, reader="causal", retrieval=True)
+                                       high=4096, method="ralm", retrieval=True)
     retrieval: Optional[str] = _opt(str, "retriever: dense, bm25, or hybrid (both fused: as a RAG model's config says, "
                                          "else by score); default: a RAG model's configured one; a causal LM's bm25 "
                                          "when the knowledge base has a BM25 index, else dense",
@@ -110,10 +110,10 @@ class GenerationOptions:
                                          "probability reaches P (nucleus sampling; default {default}: all tokens)", low=1e-6,
                                   high=1.0,
                                  cost=False)
-    seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, reader="causal")
+    seed: Optional[int] = _opt(int, "causal LM: seed of sampling", low=0, high=2**32 - 1, method="ralm")
     extractive: Optional[bool] = _opt(bool, "answer with a span of a retrieved passage: each answer is a run of whole "
                                             "words from the title or text of the passages read, not starting with a word "
-                                            "of the question (default: the model's, else {default})", reader="seq2seq",
+                                            "of the question (default: the model's, else {default})", method="rag",
                                       retrieval=True)
 
     def __post_init__(self) -> None:
@@ -166,9 +166,9 @@ def _shown(value: Any) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def reader_options(kind: str) -> dict[str, str]:
-    """``{name: flag}`` of the options only the `kind` reader takes ("seq2seq" or "causal")."""
-    return {n: s.flag for n, s in option_specs().items() if s.reader == kind}
+def reader_options(method: str) -> dict[str, str]:
+    """``{name: flag}`` of the options only the `method` reader takes ("rag" or "ralm")."""
+    return {n: s.flag for n, s in option_specs().items() if s.method == method}
 
 
 def retrieval_options() -> dict[str, str]:

@@ -70,17 +70,14 @@ class Reader(Protocol):
     def generate_without_retrieval(self, questions: Sequence[str], **options) -> list[Answer]: ...
 
     def description(self) -> dict:
-        """``method`` (as a server names it), ``generator_kind``, ``extractive``, and ``reader`` (the name older
-        servers gave the reader's options, :data:`OPTIONS_NAMES`)."""
+        """``method`` (as a server names it), ``generator_kind``, ``extractive``, and ``reader``: the reader's
+        method (``rag`` / ``ralm``), which says which of the options in :data:`READER_OPTIONS` it takes."""
 
     def step_rows(self, options: dict) -> int:
         """Rows (passages x beams) one decoding step with `options` runs: what a server bounds."""
 
 
-OPTIONS_NAMES = {"rag": "seq2seq", "ralm": "causal"}
-"""Per method, the name its options have in the schema (``OptionSpec.reader``) and in ``/health``'s ``reader`` field."""
-
-READER_OPTIONS = {method: reader_options(name) for method, name in OPTIONS_NAMES.items()}
+READER_OPTIONS = {method: reader_options(method) for method in ("rag", "ralm")}
 """Per method, the options only it takes: RAG's marginalization over ``n_docs`` passages, In-Context RALM's retrieval."""
 
 RETRIEVAL_OPTIONS = retrieval_options()
@@ -130,7 +127,7 @@ class RagReader:
         config = self.model.config
         stored = dict(config.generation or {})
         return {"method": f"rag-{config.marginalization}", "generator_kind": self.generator_kind,
-                "extractive": bool(stored.get("extractive", False)), "reader": OPTIONS_NAMES[self.method]}
+                "extractive": bool(stored.get("extractive", False)), "reader": self.method}
 
     def step_rows(self, options: dict) -> int:
         """Rows one decoding step with `options` runs: n_docs x num_beams (closed-book: num_beams); unset = stored."""
@@ -315,7 +312,7 @@ class RalmReader:
         ``generator_kind``, ``extractive`` (never)."""
         method = "replug" if self.config.ensemble else "in-context-ralm"
         return {"method": method, "generator_kind": self.generator_kind, "extractive": False,
-                "reader": OPTIONS_NAMES[self.method]}
+                "reader": self.method}
 
     def step_rows(self, options: dict) -> int:
         """Rows one decoding step with `options` runs: ensemble x num_beams (closed-book: num_beams); unset = stored."""

@@ -59,10 +59,10 @@ def test_the_causal_generator_owns_its_caches_and_a_replaced_generator_starts_em
 
 def test_readers_name_their_method_and_generator(gpt2_dir, tiny_kb_dir):
     rag = RagPipeline(causal_model(gpt2_dir, tiny_kb_dir))
-    assert (rag.method, rag.generator_kind, rag.reader.description()["reader"]) == ("rag", "causal", "seq2seq")
+    assert (rag.method, rag.generator_kind, rag.reader.description()["reader"]) == ("rag", "causal", "rag")
     assert not hasattr(rag, "kind") and not hasattr(rag.reader, "kind")  # one name per thing: method, generator_kind
     assert rag.reader.generator is rag.model.lm and not rag.reader.continues_prompts
     model, tok, _ = load_generator(gpt2_dir, kind="causal")
     ralm = RagPipeline(RalmReader(model, tok, tiny_kb_dir))
-    assert (ralm.method, ralm.generator_kind, ralm.reader.description()["reader"]) == ("ralm", "causal", "causal")
+    assert (ralm.method, ralm.generator_kind, ralm.reader.description()["reader"]) == ("ralm", "causal", "ralm")
     assert ralm.reader.generator.tokenizer is tok and ralm.reader.generator.model is model and ralm.reader.continues_prompts

@@ -248,7 +248,7 @@ def test_the_page_leaves_the_model_settings_to_the_model_and_names_its_method(pa
     question = QUESTIONS[0]
     want = httpx.post(f"{url}/generate", json={"questions": [question]}, timeout=120).json()["answers"][0]
     health = httpx.get(f"{url}/health", timeout=60).json()
-    assert (health["method"], health["generator_kind"], health["reader"]) == ("rag-sequence", "seq2seq", "seq2seq")
+    assert (health["method"], health["generator_kind"], health["reader"]) == ("rag-sequence", "seq2seq", "rag")
     sent: list = []
     page.on("request", lambda r: sent.append(r.post_data_json) if r.url.endswith("/generate") else None)
     page.goto(url)

@@ -5,7 +5,7 @@
 
 (function () {
   const $ = (id) => document.getElementById(id);
-  let reader = null; // "seq2seq" | "causal", from /health
+  let reader = null; // the reader's method, "rag" | "ralm", from /health
 
   function el(tag, className, text) {
     const node = document.createElement(tag);
@@ -43,7 +43,7 @@
   const METHODS = { "rag-sequence": "RAG-Sequence", "rag-token": "RAG-Token", "in-context-ralm": "In-Context RALM",
                     "replug": "REPLUG" };
   function describe(h) {
-    if (!h.method) return h.reader === "causal" ? "causal LM (In-Context RALM / REPLUG)" : "RAG";
+    if (!h.method) return h.reader === "ralm" ? "causal LM (In-Context RALM / REPLUG)" : "RAG";
     const method = METHODS[h.method] || h.method;
     return method + (h.extractive ? " (extractive)" : "") + " · " + (h.generator_kind || "?") + " generator";
   }
@@ -58,7 +58,7 @@
       $("model-info").textContent = (h.model || "") + " · " + describe(h);
       if (reader !== h.reader) {
         reader = h.reader;
-        document.body.classList.toggle("causal", reader === "causal");
+        document.body.classList.toggle("ralm", reader === "ralm");
       }
     } catch (e) {
       $("kb-version").textContent = "unavailable (" + e.message + ")";
@@ -80,7 +80,7 @@
   function request(question) {
     const body = { questions: [question], max_new_tokens: number("max-new-tokens"), min_new_tokens: number("min-new-tokens"),
                    num_beams: number("num-beams") };
-    if (reader === "causal") {
+    if (reader === "ralm") {
       body.ensemble = number("ensemble");
     } else {
       body.n_docs = number("n-docs");
