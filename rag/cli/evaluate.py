@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from rag.cli.generate import add_rerank_options, rerank_options
 from rag.cli.index import check_positive
 from rag.cli.options import add_generation_options, generation_options
 from rag.eval.benchmarks import FORMATS
@@ -32,6 +33,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--verify", default="full", choices=["full", "size"], help="checksums checked when opening --kb alone")
     p.add_argument("--device", default=None)
+    add_rerank_options(p)
     add_generation_options(p, skip=("seed",))  # --seed is the run's (below)
     p.add_argument("--compare", nargs=2, default=None, metavar=("RUN_A", "RUN_B"),
                    help="compare two results directories (B - A) instead of evaluating")
@@ -54,7 +56,7 @@ def cmd_evaluate(args) -> int:
     options = {n: v for n, v in generation_options(args).set_options().items() if n != "seed"}
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,
                        limit=args.limit, seed=args.seed, batch_size=args.batch_size, verify=args.verify, device=args.device,
-                       progress=not args.quiet, **options)
+                       progress=not args.quiet, **rerank_options(args), **options)
     if args.json:
         print(to_json(summary))
     else:

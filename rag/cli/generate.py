@@ -32,12 +32,27 @@ def add_parser(sub) -> None:
     p.add_argument("--heatmap-dir", default=None, help="write each RAG-Token answer's per-token document posterior as a PNG here "
                                                              "(answer_NNNN.png, numbered past the files already there: none is replaced)")
     p.add_argument("--batch-size", type=int, default=8)
+    add_rerank_options(p)
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
                    help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
                         "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
                         "($RAG_CACHE/nli/minilm-snli, built by `rag nli prepare`); put --nli after the questions, or name the default model: --nli minilm-snli")
     p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.set_defaults(func=cmd_generate, trailing_positional="queries")  # questions may also follow the options
+
+
+def add_rerank_options(p) -> None:
+    """``--rerank K --reranker DIR``: the rerank stage of `rag generate`, `rag serve` and `rag evaluate`."""
+    p.add_argument("--rerank", type=int, default=None, metavar="K",
+                   help="retrieve K candidates, rescore them with --reranker and read the best (K >= the passages read)")
+    p.add_argument("--reranker", default=None, metavar="DIR",
+                   help="the cross-encoder of --rerank: a sequence-classification model directory, or one "
+                        "`rag fit --config lightning_configs/reranker_demo.yaml` wrote")
+
+
+def rerank_options(args) -> dict:
+    """``rerank=`` / ``reranker=`` for :func:`rag.load`, only those given (a missing partner is refused there)."""
+    return {k: v for k, v in (("rerank", args.rerank), ("reranker", args.reranker)) if v is not None}
 
 
 def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=None) -> None:
@@ -109,7 +124,7 @@ def cmd_generate(args) -> int:
         if not is_causal_lm_checkpoint(args.model):
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
-    pipe = load(args.model, knowledge_base=args.kb, **settings)
+    pipe = load(args.model, knowledge_base=args.kb, **settings, **rerank_options(args))
     number = [0]  # the last heatmap's number
 
     def run(batch: list[str]) -> None:

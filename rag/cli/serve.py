@@ -6,6 +6,8 @@ import logging
 import os
 import sys
 
+from rag.cli.generate import add_rerank_options, rerank_options
+
 logger = logging.getLogger(__name__)
 
 
@@ -70,6 +72,7 @@ def add_parser(sub) -> None:
     p.add_argument("--nli-threshold", type=float, default=0.5,
                    help="default entailment probability of the back-off (a request may send nli_threshold; default 0.5)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the checkpoint loads)")
+    add_rerank_options(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
@@ -126,7 +129,7 @@ def cmd_serve(args) -> int:
 
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
-    pipe = load(args.model, knowledge_base=args.kb, device=args.device)
+    pipe = load(args.model, knowledge_base=args.kb, device=args.device, **rerank_options(args))
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
                      max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
                      api_key=api_key, model_name=name, body_timeout=args.body_timeout or None)

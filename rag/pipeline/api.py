@@ -30,6 +30,7 @@ or :class:`RalmReader` (a frozen causal LM, re-retrieving every ``stride`` gener
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # pragma: no cover
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
 from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
+from rag.knowledge.rerank import rerank_stage
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
 from rag.utils.devices import without_cudnn_attention
 
@@ -212,6 +214,20 @@ def plot_token_posterior(answer: Answer, path: str | os.PathLike, *, max_title: 
     return path
 
 
+def _reranking(load_pipeline):
+    """`load` with ``rerank=K, reranker=DIR`` (``--rerank K --reranker DIR``): every retrieval of the pipeline's reader
+    rescores its top K with that cross-encoder (:mod:`rag.knowledge.rerank`) and reads the best k."""
+    @functools.wraps(load_pipeline)
+    def load(path_or_name, knowledge_base=None, *, device=None, rerank=None, reranker=None, **config_overrides):
+        stage = rerank_stage(rerank, reranker, device=device)  # refused before the model loads
+        pipe = load_pipeline(path_or_name, knowledge_base, device=device, **config_overrides)
+        if stage is not None:  # a RAG model's retrieval scorer, or a causal reader's knowledge-base retrievers
+            getattr(pipe.reader.model, "scoring", pipe.retriever).use_rerank(stage)
+        return pipe
+    return load
+
+
+@_reranking
 def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
     """Load a RAG model, or a causal LM with In-Context RALM, as a :class:`RagPipeline`.
@@ -224,7 +240,8 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     :class:`RalmReader` over `knowledge_base` (required). `knowledge_base` overrides the knowledge base
     the checkpoint references. `config_overrides` replace :class:`~rag.models.rag.config.RagModelConfig`
     fields (e.g. ``n_docs=2``) for every kind of RAG checkpoint, or are :class:`~rag.models.ralm.model.RalmConfig`
-    fields and ``retrieval`` for a causal LM; unknown names raise ConfigError with the valid list.
+    fields and ``retrieval`` for a causal LM; unknown names raise ConfigError with the valid list. ``rerank=K,
+    reranker=DIR`` adds a rerank stage (:func:`_reranking`).
     """
     from rag.models.rag.model import RagModel
 
