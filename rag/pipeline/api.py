@@ -222,7 +222,9 @@ def _reranking(load_pipeline):
         stage = rerank_stage(rerank, reranker, device=device)  # refused before the model loads
         pipe = load_pipeline(path_or_name, knowledge_base, device=device, **config_overrides)
         if stage is not None:  # a RAG model's retrieval scorer, or a causal reader's knowledge-base retrievers
-            getattr(pipe.reader.model, "scoring", pipe.retriever).use_rerank(stage)
+            holder = getattr(pipe.reader.model, "scoring", pipe.retriever)
+            stage.candidates_for(getattr(getattr(holder, "settings", None), "n_docs", 1))  # K >= the passages read
+            holder.use_rerank(stage)
         return pipe
     return load
 

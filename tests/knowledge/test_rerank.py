@@ -91,13 +91,17 @@ def test_knowledge_base_retrievers_rerank_every_kind_after_use_rerank(kb, cross_
     assert isinstance(served.prepare_knowledge_base(kb).retriever("bm25"), RerankingRetriever)  # a swap keeps the stage
 
 
-def test_a_rag_model_reads_the_reranked_passages_with_their_scores_as_prior(kb, cross_encoder, tiny_dpr_question_dir,
-                                                                            tiny_bart_dir, tmp_path):
+@pytest.fixture(scope="module")
+def model_dir(kb, tiny_dpr_question_dir, tiny_bart_dir, tmp_path_factory):
     torch.manual_seed(0)
-    model = RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, n_docs=2)
-    model.save_pretrained(tmp_path / "m")
-    pipe = load(tmp_path / "m", knowledge_base=kb.path, rerank=6, reranker=cross_encoder.name)
-    plain = RagPipeline(RagModel.from_pretrained(tmp_path / "m", knowledge_base=kb.path))
+    out = tmp_path_factory.mktemp("rm") / "m"
+    RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, kb, n_docs=2).save_pretrained(out)
+    return out
+
+
+def test_a_rag_model_reads_the_reranked_passages_with_their_scores_as_prior(kb, cross_encoder, model_dir):
+    pipe = load(model_dir, knowledge_base=kb.path, rerank=6, reranker=cross_encoder.name)
+    plain = RagPipeline(RagModel.from_pretrained(model_dir, knowledge_base=kb.path))
     cands = plain.retrieve(QUESTIONS, k=6)
     [hits] = pipe.retrieve(QUESTIONS[:1], k=2)
     ref = _one_by_one(cross_encoder, QUESTIONS[0], [type("P", (), {"title": p.title, "text": p.text}) for p in cands[0].passages])
@@ -136,6 +140,21 @@ def test_k_above_the_candidates_and_directories_that_are_not_cross_encoders(cros
         rerank_stage(8, str(tmp_path))
     with pytest.raises(ConfigError, match="no such directory"):
         rerank_stage(8, str(tmp_path / "missing"))
+
+
+def test_evaluate_records_the_stage_and_refuses_it_without_a_model(kb, cross_encoder, model_dir, tmp_path):
+    from rag.eval.runner import evaluate
+
+    data = tmp_path / "qa.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "answers": ["x"]}) + "\n" for q in QUESTIONS))
+    evaluate(str(model_dir), str(data), tmp_path / "run", knowledge_base=kb.path, ks=(1, 2), progress=False,
+             rerank=6, reranker=cross_encoder.name, max_new_tokens=2)
+    settings = json.loads((tmp_path / "run" / "settings.json").read_text())
+    assert settings["rerank"] == {"candidates": 6, "reranker": cross_encoder.name}
+    with pytest.raises(ConfigError, match="give --model"):
+        evaluate(None, str(data), tmp_path / "run2", knowledge_base=kb.path, rerank=6, reranker=cross_encoder.name)
+    with pytest.raises(ConfigError, match="give --rerank at least 2"):  # K below the model's n_docs, before any question
+        load(model_dir, knowledge_base=kb.path, rerank=1, reranker=cross_encoder.name)
 
 
 def test_cli_refuses_rerank_without_reranker_before_loading(capsys):
