@@ -192,3 +192,21 @@ def test_distilled_reranker_round_trip_and_damage(tiny_bert_dir, tmp_path):
     adapter.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="SHA-256 does not match"):
         CrossEncoder.load(out)
+
+
+def test_teacher_posterior_is_prior_times_the_readers_likelihood(kb, model_dir):
+    from rag.training.rerank_distill import teacher_posteriors
+
+    model = RagModel.from_pretrained(model_dir, knowledge_base=kb.path, reduce_loss=False).eval()
+    answers = ["argon", "iron"]
+    examples = teacher_posteriors(model, QUESTIONS, answers, 2)
+    retrieved, doc_scores = model.retrieve(QUESTIONS, n_docs=2)
+    log_prior = torch.log_softmax(model.retrieval_logits(doc_scores), -1)
+    for b, ex in enumerate(examples):
+        assert ex.prefix == QUESTIONS[b] and ex.docs == [passage_text(p) for p in retrieved.passages[b]]
+        with torch.no_grad():  # -log p(y | x, z) of each passage alone, through the generator's own loss path
+            nll = torch.stack([model.generator_loss([QUESTIONS[b]], [answers[b]], passages=[p])[0]
+                               for p in retrieved.passages[b]])
+        want = torch.log_softmax(log_prior[b] - nll, -1)
+        assert ex.lm_loglik == pytest.approx(want.tolist(), abs=1e-4)  # float32 sums over a handful of tokens
+        assert sum(math.exp(v) for v in ex.lm_loglik) == pytest.approx(1.0, abs=1e-5)
