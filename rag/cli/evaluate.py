@@ -45,6 +45,7 @@ def add_parser(sub) -> None:
 
 def cmd_evaluate(args) -> int:
     check_positive(args, "batch_size", "limit", "resamples")
+    stage = rerank_options(args)
     if args.compare:
         result = compare_runs(*args.compare, resamples=args.resamples, seed=args.seed)
         print(to_json(result) if args.json else format_comparison(result))
@@ -56,7 +57,7 @@ def cmd_evaluate(args) -> int:
     options = {n: v for n, v in generation_options(args).set_options().items() if n != "seed"}
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,
                        limit=args.limit, seed=args.seed, batch_size=args.batch_size, verify=args.verify, device=args.device,
-                       progress=not args.quiet, **rerank_options(args), **options)
+                       progress=not args.quiet, **stage, **options)
     if args.json:
         print(to_json(summary))
     else:

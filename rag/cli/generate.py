@@ -7,6 +7,7 @@ import textwrap
 
 from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
+from rag.knowledge.rerank_options import check_stage_options
 from rag.utils.errors import ConfigError
 from rag.utils.io import to_json
 from rag.utils.truncation import counting_cut_prompts
@@ -51,7 +52,8 @@ def add_rerank_options(p) -> None:
 
 
 def rerank_options(args) -> dict:
-    """``rerank=`` / ``reranker=`` for :func:`rag.load`, only those given (a missing partner is refused there)."""
+    """``rerank=`` / ``reranker=`` for :func:`rag.load`, only those given; a missing partner is refused now."""
+    check_stage_options(args.rerank, args.reranker)
     return {k: v for k, v in (("rerank", args.rerank), ("reranker", args.reranker)) if v is not None}
 
 
@@ -104,6 +106,7 @@ def cmd_generate(args) -> int:
     from rag.pipeline.api import load
 
     check_positive(args, "batch_size", "doc_max_length", "max_length")
+    stage = rerank_options(args)
     if args.show_passages < 0:
         raise ConfigError(f"--show-passages {args.show_passages}: must be 0 (print no passage) or more")
     options = generation_options(args).set_options()  # only what was given: the rest is the model's stored setting
@@ -124,7 +127,7 @@ def cmd_generate(args) -> int:
         if not is_causal_lm_checkpoint(args.model):
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); --model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
-    pipe = load(args.model, knowledge_base=args.kb, **settings, **rerank_options(args))
+    pipe = load(args.model, knowledge_base=args.kb, **settings, **stage)
     number = [0]  # the last heatmap's number
 
     def run(batch: list[str]) -> None:

@@ -83,6 +83,7 @@ def cmd_serve(args) -> int:
     from rag.serve.limits import ServeLimits
     from rag.utils.errors import ConfigError
 
+    stage = rerank_options(args)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
@@ -129,7 +130,7 @@ def cmd_serve(args) -> int:
 
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
-    pipe = load(args.model, knowledge_base=args.kb, device=args.device, **rerank_options(args))
+    pipe = load(args.model, knowledge_base=args.kb, device=args.device, **stage)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
                      max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
                      api_key=api_key, model_name=name, body_timeout=args.body_timeout or None)

@@ -20,6 +20,7 @@ import torch
 
 from rag.knowledge.encoders import resolve_name_or_path
 from rag.knowledge.passages import Passage
+from rag.knowledge.rerank_options import check_stage_options
 from rag.knowledge.types import Retrieved, Retriever
 from rag.utils.checksums import sha256_file, verify_files
 from rag.utils.errors import ConfigError, IntegrityError
@@ -182,14 +183,8 @@ def rerank_stage(candidates: Optional[int], reranker: Any, *, device=None) -> Op
     Raises:
         ConfigError: one given without the other, K not a positive integer, or a directory :meth:`CrossEncoder.load` refuses.
     """
-    if candidates is None and reranker is None:
+    if not check_stage_options(candidates, reranker):
         return None
-    if reranker is None:
-        raise ConfigError(f"--rerank {candidates} (rerank=) needs the cross-encoder that rescores the candidates: "
-                          "add --reranker DIR (reranker=DIR)")
-    if candidates is None:
-        raise ConfigError("--reranker (reranker=) is used with --rerank K (rerank=K), the candidates it rescores: add --rerank K")
-    check_positive_int(candidates, "rerank (--rerank, candidates rescored)", error=ConfigError)
     encoder = reranker if isinstance(reranker, CrossEncoder) else CrossEncoder.load(reranker, device=device)
     return Rerank(encoder, int(candidates))
 

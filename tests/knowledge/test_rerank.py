@@ -157,10 +157,12 @@ def test_evaluate_records_the_stage_and_refuses_it_without_a_model(kb, cross_enc
         load(model_dir, knowledge_base=kb.path, rerank=1, reranker=cross_encoder.name)
 
 
-def test_cli_refuses_rerank_without_reranker_before_loading(capsys):
-    assert main(["generate", "--rerank", "4", "what is argon?"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "--reranker DIR" in err and len(err.splitlines()) == 1
+@pytest.mark.parametrize("argv", [["generate", "what is argon?"], ["serve", "--no-auth"],
+                                  ["evaluate", "--model", "demo", "--data", "demo:test", "--out", "{tmp}/run"]])
+def test_cli_refuses_rerank_without_reranker_before_loading(argv, capsys, tmp_path):
+    assert main([a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--rerank", "4"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "add --reranker DIR" in errors[0]
 
 
 def test_distilled_reranker_round_trip_and_damage(tiny_bert_dir, tmp_path):
