@@ -212,3 +212,26 @@ def test_teacher_posterior_is_prior_times_the_readers_likelihood(kb, model_dir):
         want = torch.log_softmax(log_prior[b] - nll, -1)
         assert ex.lm_loglik == pytest.approx(want.tolist(), abs=1e-4)  # float32 sums over a handful of tokens
         assert sum(math.exp(v) for v in ex.lm_loglik) == pytest.approx(1.0, abs=1e-5)
+
+
+def test_distillation_trains_under_lightning_and_exports(tiny_bert_dir, tmp_path):
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader
+
+    from rag.training.rerank_distill import RerankDistillModule
+    from rag.training.reranker import RerankExample, collate
+
+    docs = ["Argon\nargon is a noble gas", "Iron\niron is a metal", "Neon\nneon glows"]
+    examples = [RerankExample(q, docs, [math.log(0.8 if i == j else 0.1) for i in range(3)]) for j, q in enumerate(QUESTIONS)]
+    module = RerankDistillModule(base=tiny_bert_dir, lora_r=2, lora_alpha=4, max_length=64, export_dir=str(tmp_path / "out"))
+    trainer = pl.Trainer(max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, default_root_dir=tmp_path)
+    loader = DataLoader(examples, batch_size=2, collate_fn=collate)
+    trainer.fit(module, loader, loader)
+    assert {"val/loss", "val/kl", "val/top1"} <= set(trainer.callback_metrics)
+    assert float(trainer.callback_metrics["val/kl"]) >= -1e-6  # a KL divergence
+    module.net.eval()  # Lightning leaves it in training mode (dropout)
+    with torch.no_grad():
+        got = CrossEncoder.load(tmp_path / "out").pair_texts_logits(QUESTIONS, [docs] * 2)
+        want = module.cross_encoder.pair_texts_logits(QUESTIONS, [docs] * 2)
+    assert torch.allclose(got, want, atol=1e-4)
