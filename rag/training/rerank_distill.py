@@ -219,6 +219,8 @@ class RerankDistillModule(pl.LightningModule):
         h = self.hparams
         with atomic_directory(directory, overwrite=True, replaces=is_distilled_reranker, kind="distilled reranker") as tmp:
             net = self.net
+            if h.lora_r:  # the base by the name the manifest records, not this machine's path
+                net.peft_config["default"].base_model_name_or_path = h.base
             net.save_pretrained(tmp)
             if h.lora_r:  # the classification model's config (peft writes only the adapter's)
                 inner = net.base_model.model

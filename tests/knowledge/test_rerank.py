@@ -235,3 +235,12 @@ def test_distillation_trains_under_lightning_and_exports(tiny_bert_dir, tmp_path
         got = CrossEncoder.load(tmp_path / "out").pair_texts_logits(QUESTIONS, [docs] * 2)
         want = module.cross_encoder.pair_texts_logits(QUESTIONS, [docs] * 2)
     assert torch.allclose(got, want, atol=1e-4)
+
+
+def test_the_shipped_demo_reranker_loads_verified(demo_passages):
+    from rag.demo.model import CHECKPOINTS_DIR
+
+    encoder = CrossEncoder.load(CHECKPOINTS_DIR / "reranker_demo")  # every file's SHA-256 and the base's checked
+    assert encoder.max_length == 128 and not encoder.model.training
+    scores = encoder.score(QUESTIONS, [demo_passages[:3]] * 2)
+    assert scores.shape == (2, 3) and bool(torch.isfinite(scores).all())
