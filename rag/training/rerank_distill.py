@@ -75,7 +75,7 @@ class PosteriorDataModule(pl.LightningDataModule):
         knowledge_base: its knowledge base (None: the model's).
         data: the training questions, any evaluation-set format with gold answers (``demo:train``).
         k: candidates per question (the reranker's K).
-        limit: the first N questions only (None: all).
+        limit: N questions only, drawn at random (`seed`) from the whole set (None: all).
         val_fraction: share held out for validation.
         batch_size: questions per training batch.
         teacher_batch_size: questions per teacher pass.
@@ -104,7 +104,9 @@ class PosteriorDataModule(pl.LightningDataModule):
         examples = [e for e in read_eval_set(h.data) if e.answers]
         if not examples:
             raise ConfigError(f"data.data {h.data}: no question with a gold answer; the posterior needs the answer y")
-        examples = examples[:h.limit] if h.limit else examples
+        order = list(range(len(examples)))  # shuffled before the limit: a file sorted by topic must not give one topic
+        random.Random(h.seed).shuffle(order)
+        examples = [examples[i] for i in order][:h.limit] if h.limit else [examples[i] for i in order]
         pipe = load(h.teacher, knowledge_base=h.knowledge_base)
         if pipe.method != "rag":
             raise ConfigError(f"data.teacher {h.teacher}: reads with {pipe.method}; the posterior p(z|x,y) is a RAG model's "
@@ -114,18 +116,16 @@ class PosteriorDataModule(pl.LightningDataModule):
         key = None
         if h.examples_file:
             digest = hashlib.sha256(json.dumps([qs, ys]).encode("utf-8")).hexdigest()
-            key = {"format": 1, "kind": "posterior", "questions": digest, "teacher": weights_fingerprint(model),
+            key = {"format": 2, "kind": "posterior", "questions": digest, "teacher": weights_fingerprint(model),
                    "knowledge_base": pipe.kb_version, "settings": {"k": h.k, "limit": h.limit, "val_fraction": h.val_fraction,
                                                                    "seed": h.seed}}
             kept = read_examples(h.examples_file, key, h.k)
             if kept is not None:
                 self.train_examples, self.val_examples = kept
                 return
-        order = list(range(len(qs)))
-        random.Random(h.seed).shuffle(order)
         n_val = int(round(h.val_fraction * len(qs)))
-        found = teacher_posteriors(model, [qs[i] for i in order], [ys[i] for i in order], h.k,
-                                   batch_size=h.teacher_batch_size, desc=f"teacher posteriors ({len(qs)} questions)")
+        found = teacher_posteriors(model, qs, ys, h.k, batch_size=h.teacher_batch_size,
+                                   desc=f"teacher posteriors ({len(qs)} questions)")
         self.val_examples, self.train_examples = found[:n_val], found[n_val:]
         logger.info("posterior examples: %d train, %d val (k=%d)", len(self.train_examples), len(self.val_examples), h.k)
         if h.examples_file:
