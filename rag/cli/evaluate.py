@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 
+from rag.cli.generate import add_rerank_options, rerank_options
 from rag.cli.index import check_positive
 from rag.cli.options import add_generation_options, generation_options
 from rag.eval.benchmarks import FORMATS
@@ -34,6 +35,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--verify", default="full", choices=["full", "size"], help="checksums checked when opening --kb alone")
     p.add_argument("--device", default=None)
+    add_rerank_options(p)
     add_generation_options(p, skip=("seed",))  # --seed is the run's (below)
     p.add_argument("--compare", nargs=2, default=None, metavar=("RUN_A", "RUN_B"),
                    help="compare two results directories (B - A) instead of evaluating")
@@ -53,6 +55,7 @@ def add_parser(sub) -> None:
 
 def cmd_evaluate(args) -> int:
     check_positive(args, "batch_size", "limit", "resamples")
+    stage = rerank_options(args)
     if args.compare:
         result = compare_runs(*args.compare, resamples=args.resamples, seed=args.seed)
         print(to_json(result) if args.json else format_comparison(result))
@@ -72,7 +75,7 @@ def cmd_evaluate(args) -> int:
     summary = evaluate(args.model, args.data, args.out, knowledge_base=args.kb, format=args.format, ks=args.k,
                        limit=args.limit, seed=args.seed, batch_size=args.batch_size, verify=args.verify, device=args.device,
                        progress=not args.quiet, faithfulness=args.faithfulness,
-                       faithfulness_threshold=args.faithfulness_threshold, **options)
+                       faithfulness_threshold=args.faithfulness_threshold, **stage, **options)
     if args.json:
         print(to_json(summary))
     else:

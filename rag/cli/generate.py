@@ -8,6 +8,7 @@ import textwrap
 from rag.cli.index import check_positive, read_queries
 from rag.cli.options import add_generation_options, generation_options
 from rag.generators.load import is_causal_lm_checkpoint
+from rag.knowledge.rerank_options import check_stage_options
 from rag.pipeline.api import load, plot_token_posterior
 from rag.retrobust.backoff import resolve_nli
 from rag.retrobust.nli import validate_threshold
@@ -38,6 +39,7 @@ def add_parser(sub) -> None:
                                                              "(answer_NNNN.png, numbered past the files already there: "
                                                              "none is replaced)")
     p.add_argument("--batch-size", type=int, default=8)
+    add_rerank_options(p)
     p.add_argument("--nli", nargs="?", const=True, default=None, metavar="MODEL",
                    help="RetRobust back-off (Yoran et al. 2024, §2.1): also generate without retrieval and keep the retrieval "
                         "answer only if this NLI model says its evidence entails it; no MODEL = the default model "
@@ -45,6 +47,21 @@ def add_parser(sub) -> None:
                         "default model: --nli minilm-snli")
     p.add_argument("--nli-threshold", type=float, default=0.5, help="entailment probability the back-off needs (default 0.5)")
     p.set_defaults(func=cmd_generate, trailing_positional="queries")  # questions may also follow the options
+
+
+def add_rerank_options(p) -> None:
+    """``--rerank K --reranker DIR``: the rerank stage of `rag generate`, `rag serve` and `rag evaluate`."""
+    p.add_argument("--rerank", type=int, default=None, metavar="K",
+                   help="retrieve K candidates, rescore them with --reranker and read the best (K >= the passages read)")
+    p.add_argument("--reranker", default=None, metavar="DIR",
+                   help="the cross-encoder of --rerank: a sequence-classification model directory, or one "
+                        "`rag fit --config lightning_configs/reranker_demo.yaml` wrote")
+
+
+def rerank_options(args) -> dict:
+    """``rerank=`` / ``reranker=`` for :func:`rag.load`, only those given; a missing partner is refused now."""
+    check_stage_options(args.rerank, args.reranker)
+    return {k: v for k, v in (("rerank", args.rerank), ("reranker", args.reranker)) if v is not None}
 
 
 def print_answer(a, *, as_json: bool = False, show_passages: int = 3, heatmap=None) -> None:
@@ -99,6 +116,7 @@ def cmd_generate(args) -> int:
     from pathlib import Path
 
     check_positive(args, "batch_size", "doc_max_length", "max_length")
+    stage = rerank_options(args)
     if args.show_passages < 0:
         raise ConfigError(f"--show-passages {args.show_passages}: must be 0 (print no passage) or more")
     options = generation_options(args).set_options()  # only what was given: the rest is the model's stored setting
@@ -115,7 +133,7 @@ def cmd_generate(args) -> int:
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); "
                               f"--model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
-    pipe = load(args.model, knowledge_base=args.kb, **settings)
+    pipe = load(args.model, knowledge_base=args.kb, **settings, **stage)
     number = [0]  # the last heatmap's number
 
     def run(batch: list[str]) -> None:

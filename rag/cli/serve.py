@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+from rag.cli.generate import add_rerank_options, rerank_options
 from rag.pipeline.api import load
 from rag.retrobust.backoff import resolve_nli
 from rag.retrobust.nli import validate_threshold
@@ -77,11 +78,13 @@ def add_parser(sub) -> None:
     p.add_argument("--nli-threshold", type=float, default=0.5,
                    help="default entailment probability of the back-off (a request may send nli_threshold; default 0.5)")
     p.add_argument("--device", default=None, help="cpu, cuda, ... (default: where the checkpoint loads)")
+    add_rerank_options(p)
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> int:
+    stage = rerank_options(args)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be between 0 and 65535")
     limits = ServeLimits(max_n_docs=args.max_n_docs, max_beams=args.max_beams, max_new_tokens=args.max_new_tokens,
@@ -124,7 +127,7 @@ def cmd_serve(args) -> int:
     if args.nli is not None:
         validate_threshold(args.nli_threshold, "--nli-threshold")
         nli = resolve_nli(args.nli)
-    pipe = load(args.model, knowledge_base=args.kb, device=args.device)
+    pipe = load(args.model, knowledge_base=args.kb, device=args.device, **stage)
     app = create_app(pipe, kb_roots=args.kb_root, admin_token=token, max_concurrency=args.max_concurrency,
                      max_body_bytes=args.max_body_bytes, limits=limits, nli=nli, nli_threshold=args.nli_threshold,
                      api_key=api_key, model_name=name, body_timeout=args.body_timeout or None)

@@ -65,7 +65,8 @@ class EvalResumeError(RagError):
 def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None, *, knowledge_base: Any = None,
              format: str = "auto", ks: Sequence[int] | str = (1, 5, 10, 20), limit: Optional[int] = None, seed: int = 0,
              batch_size: int = 8, verify: str = "full", device: Optional[str] = None, progress: bool = True,
-             faithfulness: Any = None, faithfulness_threshold: float = DEFAULT_THRESHOLD, **options) -> dict:
+             faithfulness: Any = None, faithfulness_threshold: float = DEFAULT_THRESHOLD,
+             rerank: Optional[int] = None, reranker: Optional[str] = None, **options) -> dict:
     """Evaluate `model` (anything :func:`rag.load` takes, or a :class:`RagPipeline`) — or, with ``model=None``, the
     retriever of `knowledge_base` alone (``retrieval="bm25"`` for BM25) — on the evaluation set `data` (any format of
     :func:`rag.eval.benchmarks.read_eval_set`), writing the results directory `out` (see the module docstring).
@@ -73,7 +74,8 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     `ks`: retrieval cut-offs; `limit`: the first N questions; `seed`: seeds torch, numpy and random before each batch;
     `options`: generation options for ``pipeline.generate``. `faithfulness`: an NLI model (directory, ``"minilm-snli"``,
     or a :class:`~rag.eval.faithfulness.FaithfulnessJudge`) judging each answer against its passages at
-    `faithfulness_threshold`. Resumes `out` when it holds an unfinished run with the same settings. Returns the
+    `faithfulness_threshold`. `rerank` / `reranker`: :func:`rag.load`'s rerank stage (recorded in the
+    settings). Resumes `out` when it holds an unfinished run with the same settings. Returns the
     summary (also ``out/summary.json``)."""
     if data is None or out is None:
         raise ConfigError("evaluate needs data= (an evaluation set) and out= (the results directory)")
@@ -90,11 +92,12 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
     _check_out(out)
     examples = read_eval_set(data, format=format)
     examples = examples[:limit] if limit is not None else examples
+    stage = {k: v for k, v in (("rerank", rerank), ("reranker", reranker)) if v is not None}
     judge = None
     if faithfulness is not None:
         judge = (faithfulness if isinstance(faithfulness, FaithfulnessJudge)
                  else FaithfulnessJudge.open(faithfulness, faithfulness_threshold, device=device))
-    system = _System.open(model, knowledge_base, verify=verify, device=device, options=dict(options))
+    system = _System.open(model, knowledge_base, verify=verify, device=device, options=dict(options), load_kw=stage)
     k_max = min(max(ks), system.size) if system.size else max(ks)
     settings = {"rag_version": rag.__version__, "model": system.name, "kb_version": system.kb_version,
                 "data": str(data), "format": format, "questions": len(examples), "data_sha256": _digest(examples),
@@ -102,6 +105,8 @@ def evaluate(model: Any = None, data: Any = None, out: str | os.PathLike = None,
                 "options": {k: v for k, v in sorted(options.items()) if v is not None}}
     if judge is not None:  # named only when set: a directory made without it resumes as before
         settings["faithfulness"] = {"model": judge.name, "threshold": judge.threshold}
+    if stage:
+        settings["rerank"] = {"candidates": rerank, "reranker": os.fspath(reranker)}
     summary_path = out / "summary.json"
     done = _open_run(out, settings)
     if summary_path.is_file() and len(done) == len(examples):
@@ -139,8 +144,12 @@ class _System:
         self.name, self.pipeline, self.retriever, self.kb, self.options = name, pipeline, retriever, kb, options
 
     @classmethod
-    def open(cls, model, knowledge_base, *, verify: str, device, options: dict) -> "_System":
+    def open(cls, model, knowledge_base, *, verify: str, device, options: dict, load_kw: Optional[dict] = None) -> "_System":
         if model is None:
+            if load_kw:
+                raise ConfigError("--rerank / --reranker rerank a model's retrieval: give --model")
+        if load_kw and isinstance(model, RagPipeline):
+            raise ConfigError("rerank= / reranker= are rag.load's: load the pipeline with them, or pass the model's name")
             kb = resolve_knowledge_base(knowledge_base, verify=verify)
             kind = options.pop("retrieval", None) or "dense"
             if options:
@@ -148,7 +157,8 @@ class _System:
                                   "or give --model")
             retriever = retriever_for_kind(kind, kb, build_missing=True)  # BM25 in memory where the KB has none
             return cls(f"retriever:{kind}", None, retriever, kb, {"retrieval": kind})
-        pipe = model if isinstance(model, RagPipeline) else load(model, knowledge_base=knowledge_base, device=device)
+        pipe = model if isinstance(model, RagPipeline) else load(model, knowledge_base=knowledge_base, device=device,
+                                                                 **(load_kw or {}))
         name = os.fspath(model) if isinstance(model, (str, os.PathLike)) else type(pipe.reader).__name__
         kb = getattr(pipe.retriever, "knowledge_base", None)
         return cls(name, pipe, None, kb, options)

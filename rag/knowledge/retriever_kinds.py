@@ -15,6 +15,7 @@ from typing import Optional, Sequence
 
 from rag.knowledge.bm25 import BM25Index, BM25Retriever
 from rag.knowledge.hybrid import HybridRetriever
+from rag.knowledge.rerank import Rerank, RerankingRetriever
 from rag.knowledge.retriever import DenseRetriever, check_compatible, default_query_encoder
 from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError, KnowledgeBaseError
@@ -25,7 +26,7 @@ RETRIEVAL_KINDS = ("bm25", "dense", "hybrid")
 
 
 def retriever_for_kind(kind: str, kb, query_encoder=None, *, settings=None, allow_encoder_change: bool = False,
-                       build_missing: bool = False, **bm25_build):
+                       build_missing: bool = False, rerank: Optional[Rerank] = None, **bm25_build):
     """The one factory of retrievers over the open knowledge base `kb`, by `kind` (``--retrieval``); each reports
     ``kb.served_version`` with every result.
 
@@ -33,11 +34,20 @@ def retriever_for_kind(kind: str, kb, query_encoder=None, *, settings=None, allo
     later swaps, keywords `bm25_build` as :meth:`~rag.knowledge.bm25.BM25Index.build`); ``dense`` its FAISS index with
     `query_encoder` (None: the encoder its manifest names, :func:`~rag.knowledge.retriever.default_query_encoder`;
     dimension checked now); ``hybrid`` both, fused as `settings` (a RagModelConfig; None: the defaults) says.
+    `rerank` (``--rerank K --reranker DIR``): that retriever's top K reranked by the stage's cross-encoder
+    (:class:`~rag.knowledge.rerank.RerankingRetriever`); None: not reranked.
 
     Raises:
         KnowledgeBaseError: BM25 or hybrid over a knowledge base without a BM25 index; a dimension mismatch.
         ConfigError: an unknown `kind`.
     """
+    retriever = _retriever_for_kind(kind, kb, query_encoder, settings=settings, allow_encoder_change=allow_encoder_change,
+                                    build_missing=build_missing, **bm25_build)
+    return retriever if rerank is None else RerankingRetriever(retriever, rerank.cross_encoder, rerank.candidates)
+
+
+def _retriever_for_kind(kind: str, kb, query_encoder, *, settings, allow_encoder_change: bool, build_missing: bool,
+                        **bm25_build):
     if kind == "bm25":
         if kb.bm25 is None and not build_missing:
             raise KnowledgeBaseError(f"--kb {kb.path}: has no BM25 index, which --retrieval bm25 (retrieval='bm25') needs; "
@@ -75,7 +85,7 @@ class ServedRetrievers:
             if kind not in self._built:
                 self._built[kind] = retriever_for_kind(kind, self.knowledge_base,
                                                        self._owner.query_encoder_for(self.knowledge_base)
-                                                       if kind != "bm25" else None)
+                                                       if kind != "bm25" else None, rerank=self._owner.rerank)
             return self._built[kind]
 
 
@@ -90,14 +100,16 @@ class KnowledgeBaseRetrievers:
     Args:
         kb: the open :class:`~rag.knowledge.knowledge_base.KnowledgeBase`.
         default: the kind used when a call names none; None: ``bm25`` when `kb` has a BM25 index, else ``dense``.
+        rerank: the rerank stage every retriever of every kind applies (:meth:`use_rerank`); None: none.
     """
 
-    def __init__(self, kb, default: Optional[str] = None):
+    def __init__(self, kb, default: Optional[str] = None, rerank: Optional[Rerank] = None):
         if default is None:
             default = "bm25" if kb.bm25 is not None else "dense"
         if default not in RETRIEVAL_KINDS:
             raise ConfigError(f"retrieval={default!r} (--retrieval); choose one of {RETRIEVAL_KINDS}")
         self.default = default
+        self.rerank = rerank
         self.query_encoder = None  # loaded on first dense retrieval
         self.space: Optional[str] = None  # the document-encoder fingerprint the query encoder was paired with
         self._encoder_lock = threading.Lock()
@@ -106,6 +118,11 @@ class KnowledgeBaseRetrievers:
             self._served.retriever("bm25")  # a missing BM25 index is an error now, not at the first request
 
     # ------------------------------------------------------------------ state
+    def use_rerank(self, rerank: Optional[Rerank]) -> None:
+        """Rerank every later retrieval with `rerank` (None: stop): the serving version's retrievers are made anew."""
+        self.rerank = rerank
+        self._served = ServedRetrievers(self._served.knowledge_base, self)
+
     def pin(self) -> ServedRetrievers:
         """The version serving now, with its retrievers: read once per call."""
         return self._served
@@ -143,7 +160,7 @@ class KnowledgeBaseRetrievers:
         for kind in sorted(current._built):
             if kind != "bm25":
                 check_compatible(kb, self.query_encoder.dim, self.space, allow_encoder_change=bool(allow_encoder_change))
-            built[kind] = retriever_for_kind(kind, kb, self.query_encoder if kind != "bm25" else None)
+            built[kind] = retriever_for_kind(kind, kb, self.query_encoder if kind != "bm25" else None, rerank=self.rerank)
         return ServedRetrievers(kb, self, built)
 
     def set_knowledge_base(self, kb, *, allow_encoder_change: Optional[bool] = None,

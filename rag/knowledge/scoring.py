@@ -26,6 +26,7 @@ from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.hybrid import HybridRetriever
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.refresh import load_document_encoder
+from rag.knowledge.rerank import Rerank
 from rag.knowledge.retriever import DenseRetriever, check_compatible
 from rag.knowledge.retriever_kinds import RETRIEVAL_KINDS, retriever_for_kind
 from rag.knowledge.types import Retrieved, Retriever
@@ -105,6 +106,7 @@ class RetrievalScorer:
                                            allow_encoder_change=retriever.allow_encoder_change)
                 retriever.space = space
         self.retriever: Retriever = retriever
+        self.rerank: Optional[Rerank] = None  # --rerank K --reranker DIR: the top K rescored, the best k kept (use_rerank)
         self._other_kinds: dict = {}  # retrievers of other kinds asked for per call, over the knowledge base served now
         self.doc_encoder = self._resolve_doc_encoder(doc_encoder)
 
@@ -162,8 +164,24 @@ class RetrievalScorer:
             self._other_kinds[kind] = found
         return found
 
+    def use_rerank(self, rerank: Optional[Rerank]) -> None:
+        """Rerank every later :meth:`score` with `rerank` (None: stop)."""
+        self.rerank = rerank
+
     def score(self, questions: list[str], k: int, *, question_inputs: Optional[dict] = None,
               device: Optional[torch.device] = None, retrieval: Optional[str] = None) -> tuple[Retrieved, torch.Tensor]:
+        """:meth:`scored`, or with :attr:`rerank` the best `k` of its top K by the cross-encoder, whose scores are then
+        the ``(B, k)`` retrieval logits (no gradient into the retriever)."""
+        if self.rerank is None:
+            return self.scored(questions, k, question_inputs=question_inputs, device=device, retrieval=retrieval)
+        kb = self.knowledge_base
+        n = self.rerank.candidates_for(k, len(kb) if kb is not None else None)
+        retrieved, doc_scores = self.scored(questions, n, question_inputs=question_inputs, device=device, retrieval=retrieval)
+        kept = self.rerank.rerank(questions, retrieved, k)
+        return kept, kept.scores.to(device=doc_scores.device, dtype=torch.float32)
+
+    def scored(self, questions: list[str], k: int, *, question_inputs: Optional[dict] = None,
+               device: Optional[torch.device] = None, retrieval: Optional[str] = None) -> tuple[Retrieved, torch.Tensor]:
         """The top-`k` passages of B `questions` and their ``(B, K)`` retrieval logits.
 
         Dense: ``doc_scores = q · doc_embeds`` (gradients into the query encoder when grad mode is on and

@@ -30,6 +30,7 @@ or :class:`RalmReader` (a frozen causal LM, re-retrieving every ``stride`` gener
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -46,6 +47,7 @@ from rag.demo.model import demo_checkpoint_dir, ensure_demo_kb_for_model
 from rag.generation.answers import Answer, PassageProvenance, Retrieval, check_k, retrievals  # noqa: F401  (public names)
 from rag.generation.options import GenerationOptions, option_specs
 from rag.generators.load import is_causal_lm_checkpoint, is_seq2seq_checkpoint
+from rag.knowledge.rerank import rerank_stage
 from rag.models.rag.checkpoint import is_hf_rag_checkpoint, is_lightning_checkpoint
 from rag.models.rag.hf_compat import load_hf_rag
 from rag.models.rag.model import RagModel
@@ -264,6 +266,22 @@ LOADERS = (
 """``rag.load``'s (probe, loader) pairs, tried in order: the first probe that holds for the path loads it."""
 
 
+def _reranking(load_pipeline):
+    """`load` with ``rerank=K, reranker=DIR`` (``--rerank K --reranker DIR``): every retrieval of the pipeline's reader
+    rescores its top K with that cross-encoder (:mod:`rag.knowledge.rerank`) and reads the best k."""
+    @functools.wraps(load_pipeline)
+    def load(path_or_name, knowledge_base=None, *, device=None, rerank=None, reranker=None, **config_overrides):
+        stage = rerank_stage(rerank, reranker, device=device)  # refused before the model loads
+        pipe = load_pipeline(path_or_name, knowledge_base, device=device, **config_overrides)
+        if stage is not None:  # a RAG model's retrieval scorer, or a causal reader's knowledge-base retrievers
+            holder = getattr(pipe.reader.model, "scoring", pipe.retriever)
+            stage.candidates_for(getattr(getattr(holder, "settings", None), "n_docs", 1))  # K >= the passages read
+            holder.use_rerank(stage)
+        return pipe
+    return load
+
+
+@_reranking
 def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | KnowledgeBase | None = None, *,
          device: str | torch.device | None = None, **config_overrides) -> RagPipeline:
     """Load a model directory (any reader's export, :mod:`rag.pipeline.exports`), a causal LM with In-Context RALM, or
@@ -277,7 +295,7 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     overrides the knowledge base the checkpoint references. `config_overrides` replace
     :class:`~rag.models.rag.config.RagModelConfig` fields (e.g. ``n_docs=2``) of a RAG model, or are
     :class:`~rag.models.ralm.model.RalmConfig` fields and ``retrieval`` for a causal LM; unknown names raise ConfigError
-    with the valid list.
+    with the valid list. ``rerank=K, reranker=DIR`` adds a rerank stage (:func:`_reranking`).
     """
     name = str(path_or_name)
     if name in DEMO_NAMES:
