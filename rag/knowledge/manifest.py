@@ -224,10 +224,8 @@ def check_finite(embeddings: np.ndarray, where: Path) -> None:
 
     Vectorised over row blocks of ~64 MiB. A memory-mapped array is read from its file with ordinary reads
     into one reusable buffer, not through the mapping, so the check neither copies the array whole nor maps
-    its pages into this process (that stays :meth:`KnowledgeBase.prewarm`'s choice). Cost: measured 0.05–0.15 s
-    per GB of page-cached float32 (so ~0.2–0.5 s for a 3.3 GB knowledge base, which ``verify="full"`` has just
-    read while hashing); with ``verify="size"`` on a cold cache it reads the file once from disk (seconds per GB
-    on slow disks). ``verify="none"`` skips it.
+    its pages into this process (that stays :meth:`KnowledgeBase.prewarm`'s choice); with ``verify="size"`` on a
+    cold cache it reads the file once from disk. ``verify="none"`` skips it (its cost: docs/benchmarks.md, "Index").
     """
     n, dim = embeddings.shape
     row_bytes = max(1, dim * embeddings.dtype.itemsize)

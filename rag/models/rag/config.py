@@ -46,8 +46,7 @@ class RagModelConfig:
     (:mod:`rag.knowledge.hybrid`). Configs saved before this field existed used ``rrf``."""
     hybrid_bm25_weight: float = 1.0
     """Hybrid score fusion: the weight of the normalised BM25 score, in units of the dense score (1 for a cosine
-    encoder such as MiniLM, chosen with BM25's title weight on the Elements dev, Elements natural dev and FOLDOC
-    validation questions; configs saved before the title weight existed keep their 0.5)."""
+    encoder such as MiniLM; how it was chosen: docs/benchmarks.md, "Hybrid retrieval")."""
     hybrid_rrf_k: int = 60
     """Hybrid rrf fusion: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
     max_context_length: int = 300
