@@ -27,14 +27,13 @@ from typing import Optional, Sequence
 
 import pytorch_lightning as pl
 import torch
-from torch.utils.data import DataLoader
 
 from rag.eval.benchmarks import read_eval_set
 from rag.generation.marginalize import sequence_log_likelihoods, target_logprobs_from_logits
 from rag.knowledge.encoders import resolve_name_or_path, weights_fingerprint
 from rag.knowledge.rerank import MANIFEST, CrossEncoder, base_identity, passage_text
 from rag.pipeline.api import load
-from rag.training.reranker import RerankExample, collate, read_examples, reranker_loss, write_examples
+from rag.training.reranker import ExamplesDataModule, RerankExample, read_examples, reranker_loss, write_examples
 from rag.training.settings import RerankerOptimizer, decay_split, settings_dict
 from rag.utils.checksums import file_checksums
 from rag.utils.errors import ConfigError
@@ -67,7 +66,7 @@ def teacher_posteriors(model, questions: Sequence[str], answers: Sequence[str], 
     return out
 
 
-class PosteriorDataModule(pl.LightningDataModule):
+class PosteriorDataModule(ExamplesDataModule):
     """(question, K candidates, teacher posterior) examples from a frozen RAG model.
 
     Args:
@@ -131,11 +130,6 @@ class PosteriorDataModule(pl.LightningDataModule):
         if h.examples_file:
             write_examples(h.examples_file, key, self.train_examples, self.val_examples)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_examples, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
 
 
 def is_distilled_reranker(path: Path) -> bool:

@@ -197,7 +197,17 @@ def collate(batch: list[RerankExample]) -> dict:
             "lm_loglik": torch.tensor([e.lm_loglik for e in batch], dtype=torch.float32)}
 
 
-class RerankerDataModule(pl.LightningDataModule):
+class ExamplesDataModule(pl.LightningDataModule):
+    """Batches of :class:`RerankExample` from ``train_examples`` / ``val_examples`` (``hparams.batch_size``)."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(self.train_examples, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
+
+
+class RerankerDataModule(ExamplesDataModule):
     """Examples for the predictive reranker, made by the frozen LM (§6.2).
 
     Args:
@@ -281,11 +291,6 @@ class RerankerDataModule(pl.LightningDataModule):
         if h.examples_file:
             write_examples(h.examples_file, key, self.train_examples, self.val_examples)
 
-    def train_dataloader(self) -> DataLoader:
-        return DataLoader(self.train_examples, batch_size=self.hparams.batch_size, shuffle=True, collate_fn=collate)
-
-    def val_dataloader(self) -> DataLoader:
-        return DataLoader(self.val_examples, batch_size=self.hparams.batch_size, collate_fn=collate)
 
 
 def reranker_loss(scores: torch.Tensor, lm_loglik: torch.Tensor, kind: str = "marginal",
