@@ -13,9 +13,10 @@ entry: a held-out term's definition is in the corpus and in no training answer).
 among its neighbours (WordNet, 1,500 pages of 6):
 
     python examples/dictionary_qa.py /usr/share/dictd/wn --entries 9000 --entries-per-page 6 --train 2500 \
-        --held-out 300 --question "What does {term} mean?" --out data/wn_pages Build its knowledge base with
-``rag index build --corpus data/foldoc/corpus.jsonl --encoder minilm --index flat --out data/foldoc/kb``. The
-dictionaries' licences allow this use; the files are built here, never committed.
+        --held-out 300 --question "What does {term} mean?" --out data/wn_pages
+
+Build its knowledge base with ``rag index build --corpus data/foldoc/corpus.jsonl --encoder minilm --index flat --out
+data/foldoc/kb``. The dictionaries' licences allow this use; the files are built here, never committed.
 """
 
 from __future__ import annotations
