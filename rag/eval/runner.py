@@ -145,11 +145,11 @@ class _System:
 
     @classmethod
     def open(cls, model, knowledge_base, *, verify: str, device, options: dict, load_kw: Optional[dict] = None) -> "_System":
+        if load_kw and isinstance(model, RagPipeline):
+            raise ConfigError("rerank= / reranker= are rag.load's: load the pipeline with them, or pass the model's name")
         if model is None:
             if load_kw:
                 raise ConfigError("--rerank / --reranker rerank a model's retrieval: give --model")
-        if load_kw and isinstance(model, RagPipeline):
-            raise ConfigError("rerank= / reranker= are rag.load's: load the pipeline with them, or pass the model's name")
             kb = resolve_knowledge_base(knowledge_base, verify=verify)
             kind = options.pop("retrieval", None) or "dense"
             if options:

@@ -14,8 +14,8 @@ from rag.cli.train import make_cli
 CONFIG_DIR = Path(__file__).resolve().parents[2] / "lightning_configs"
 CONFIGS = sorted(CONFIG_DIR.glob("*.yaml"))
 NLI_CONFIGS = [p for p in CONFIGS if p.name.startswith("nli_")]
-# ralm_*, replug_*: tested in tests/ralm; retrobust_*: tests/training/test_causal_reader.py; nli_*: below
-RAG_CONFIGS = [p for p in CONFIGS if not p.name.startswith(("ralm_", "replug_", "nli_", "retrobust_"))]
+# ralm_*, replug_*: tested in tests/ralm; retrobust_*: tests/training/test_causal_reader.py; nli_*, reranker_*: below
+RAG_CONFIGS = [p for p in CONFIGS if not p.name.startswith(("ralm_", "replug_", "nli_", "retrobust_", "reranker_"))]
 
 
 def test_expected_configs_exist():
@@ -24,6 +24,14 @@ def test_expected_configs_exist():
     for p in CONFIGS:
         first = p.read_text(encoding="utf-8").splitlines()[0]
         assert first.startswith("# Launch:") and f"--config lightning_configs/{p.name}" in first, p.name
+
+
+def test_the_reranker_distillation_config_parses_and_instantiates(tmp_path, monkeypatch):
+    from rag.training.rerank_distill import PosteriorDataModule, RerankDistillModule
+
+    monkeypatch.chdir(tmp_path)
+    cli = make_cli(["--config", str(CONFIG_DIR / "reranker_demo.yaml")], run=False)
+    assert isinstance(cli.model, RerankDistillModule) and isinstance(cli.datamodule, PosteriorDataModule)
 
 
 @pytest.mark.parametrize("path", RAG_CONFIGS, ids=lambda p: p.name)
