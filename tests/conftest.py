@@ -58,6 +58,34 @@ def wordpiece_tokenizer(demo_texts):
     return train_wordpiece_tokenizer(demo_texts, vocab_size=600)
 
 
+NLI_LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}
+
+
+def _planted_nli(tokenizer, path, winner: int, labels=NLI_LABELS) -> str:
+    """A tiny BERT NLI classifier whose bias makes class `winner` ~1 whatever the input."""
+    from rag.generators.tiny import save, tiny_bert_classifier
+
+    model = tiny_bert_classifier(tokenizer, labels, seed=1)
+    with torch.no_grad():
+        model.classifier.weight.zero_()
+        model.classifier.bias.fill_(-10.0)
+        model.classifier.bias[winner] = 10.0
+    return save(model, tokenizer, path)
+
+
+@pytest.fixture(scope="session")
+def planted_nli():
+    """``planted_nli(tokenizer, path, winner, labels=NLI_LABELS) -> path``: a classifier that always says `winner`."""
+    return _planted_nli
+
+
+@pytest.fixture(scope="module")
+def nli_dirs(tmp_path_factory, wordpiece_tokenizer) -> dict:
+    """Two planted NLI models: "yes" always entails, "no" is always neutral."""
+    root = tmp_path_factory.mktemp("nli")
+    return {"yes": _planted_nli(wordpiece_tokenizer, root / "yes", 2), "no": _planted_nli(wordpiece_tokenizer, root / "no", 1)}
+
+
 @pytest.fixture(scope="session")
 def bpe_tokenizer(demo_texts):
     from rag.generators.tiny import train_bpe_tokenizer

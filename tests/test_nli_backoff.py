@@ -24,24 +24,6 @@ PROMPTS = ["The capital of France is", "Oxygen was discovered by"]
 RALM = dict(stride=4, query_length=8, max_length=96, doc_max_length=24)
 
 
-def _planted(tokenizer, path, winner: int, labels=NLI_LABELS) -> str:
-    """A tiny BERT NLI classifier whose bias makes class `winner` ~1 whatever the input."""
-    from rag.generators.tiny import save, tiny_bert_classifier
-
-    model = tiny_bert_classifier(tokenizer, labels, seed=1)
-    with torch.no_grad():
-        model.classifier.weight.zero_()
-        model.classifier.bias.fill_(-10.0)
-        model.classifier.bias[winner] = 10.0
-    return save(model, tokenizer, path)
-
-
-@pytest.fixture(scope="module")
-def nli_dirs(tmp_path_factory, wordpiece_tokenizer) -> dict:
-    root = tmp_path_factory.mktemp("nli")
-    return {"yes": _planted(wordpiece_tokenizer, root / "yes", 2), "no": _planted(wordpiece_tokenizer, root / "no", 1)}
-
-
 @pytest.fixture(scope="module")
 def kb(tmp_path_factory, tiny_dpr_context_dir, tiny_dpr_question_dir, demo_passages):
     from rag.knowledge.encoders import TextEncoder
@@ -208,11 +190,11 @@ def test_multi_step_needs_every_step_entailed(wordpiece_tokenizer, tmp_path):
         check_steps(scorer, [[]])
 
 
-def test_bad_threshold_and_a_model_without_entailment_label(rag_pipe, nli_dirs, wordpiece_tokenizer, tmp_path):
+def test_bad_threshold_and_a_model_without_entailment_label(rag_pipe, nli_dirs, planted_nli, wordpiece_tokenizer, tmp_path):
     for bad in (1.5, -0.1, float("nan"), "x"):
         with pytest.raises(ConfigError, match="nli_threshold"):
             rag_pipe.generate(QUESTIONS, nli=nli_dirs["yes"], nli_threshold=bad, **GEN)
-    nolabel = _planted(wordpiece_tokenizer, tmp_path / "nolabel", 0, {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"})
+    nolabel = planted_nli(wordpiece_tokenizer, tmp_path / "nolabel", 0, {0: "LABEL_0", 1: "LABEL_1", 2: "LABEL_2"})
     with pytest.raises(ConfigError, match="no entailment label"):
         rag_pipe.generate(QUESTIONS, nli=nolabel, **GEN)
     with pytest.raises(ConfigError, match="nli= takes"):

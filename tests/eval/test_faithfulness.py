@@ -21,25 +21,6 @@ from rag.pipeline.api import RagPipeline
 from rag.retrobust.nli import NLIScorer
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "eval"
-NLI_LABELS = {0: "contradiction", 1: "neutral", 2: "entailment"}
-
-
-def _planted(tokenizer, path, winner: int) -> str:
-    """A tiny BERT NLI classifier whose bias makes class `winner` ~1 whatever the input."""
-    from rag.generators.tiny import save, tiny_bert_classifier
-
-    model = tiny_bert_classifier(tokenizer, NLI_LABELS, seed=1)
-    with torch.no_grad():
-        model.classifier.weight.zero_()
-        model.classifier.bias.fill_(-10.0)
-        model.classifier.bias[winner] = 10.0
-    return save(model, tokenizer, path)
-
-
-@pytest.fixture(scope="module")
-def nli_dirs(tmp_path_factory, wordpiece_tokenizer) -> dict:
-    root = tmp_path_factory.mktemp("nli")
-    return {"yes": _planted(wordpiece_tokenizer, root / "yes", 2), "no": _planted(wordpiece_tokenizer, root / "no", 1)}
 
 
 class Lexical:

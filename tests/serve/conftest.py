@@ -10,9 +10,11 @@ from __future__ import annotations
 import contextlib
 
 import pytest
-from serve_support import TOKEN, XSS_TEXT, XSS_TITLE, tagged
+from serve_support import TOKEN, XSS_TEXT, XSS_TITLE, serving, tagged
 
+import rag
 from rag.knowledge.passages import Passage
+from rag.serve.limits import ServeLimits
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +46,13 @@ def serve_layout(tmp_path_factory, demo_passages, tiny_dpr_context_dir, tiny_dpr
     RagModel.from_components(tiny_dpr_question_dir, tiny_bart_dir, root / "kb_a", n_docs=3).save_pretrained(model_dir)
     return {"root": root, "model": str(model_dir), "kbs": kbs,
             "versions": {kbs["kb_a"].version: "A", kbs["kb_b"].version: "B", kbs["kb_xss"].version: "X"}}
+
+
+@pytest.fixture(scope="module")
+def rag_server(serve_layout):
+    """``(base_url, app)`` of a server over the serve layout's RAG model, on a free loopback port, for the module."""
+    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as served:
+        yield served
 
 
 @pytest.fixture()

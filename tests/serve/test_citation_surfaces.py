@@ -24,12 +24,6 @@ QUESTION = "what is the atomic number of iron?"
 PROMPT = "The capital of France is"
 
 
-@pytest.fixture(scope="module")
-def rag_server(serve_layout):
-    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as (url, app):
-        yield url, app
-
-
 def _rebuilt(d: dict) -> Answer:
     """The Answer a JSON answer was written from (its provenance fields; citations are derived, not read)."""
     fields = {k: d[k] for k in Answer.__dataclass_fields__}

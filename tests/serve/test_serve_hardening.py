@@ -16,15 +16,6 @@ QUESTION = "what is the atomic number of iron?"
 BAD = "who \udc00 discovered"  # a lone surrogate: json.dumps writes it as the escape \udc00
 
 
-
-@pytest.fixture(scope="module")
-def rag_server(serve_layout):
-    import rag
-
-    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as served:
-        yield served
-
-
 @pytest.fixture(scope="module")
 def causal_server(serve_layout, tiny_gpt2_dir):
     import rag

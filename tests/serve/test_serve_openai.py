@@ -17,15 +17,6 @@ QUESTION = "what is the atomic number of iron?"
 PROMPT = "The capital of France is"
 
 
-
-@pytest.fixture(scope="module")
-def rag_server(serve_layout):
-    import rag
-
-    with serving(rag.load(serve_layout["model"]), limits=ServeLimits(request_timeout=None)) as (url, app):
-        yield url, app
-
-
 @pytest.fixture(scope="module")
 def causal_server(serve_layout, tiny_gpt2_dir):
     import rag
