@@ -31,7 +31,8 @@ import torch
 from tqdm.auto import tqdm
 
 from rag.knowledge.bm25 import BM25Index
-from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, check_fits, train_sample_size, write_index
+from rag.knowledge.index import IndexSpec, build_index, bytes_per_vector, check_fits, write_index
+from rag.knowledge.ivf_train import train_bytes
 from rag.knowledge.manifest import (
     BM25_DIR,
     EMBEDDINGS,
@@ -130,7 +131,7 @@ def estimate_memory(spec: IndexSpec, n: int, d: int, *, chunk_rows: int = CHUNK_
     idx = index_bytes(spec, n, d)
     if spec.kind == "ivf_pq":
         nlist, _ = check_fits(spec, n, d)
-        train = train_sample_size(n, nlist, spec.pq_nbits) * d * 4 * 2  # the sample and k-means' working copy
+        train = train_bytes(n, d, nlist, spec.pq_nbits)  # the sample, k-means' state, the PQ subsample's residuals
     elif spec.kind == "hnsw_sq8":
         train = min(n, 100_000 + 2 * d) * d * 4
     else:

@@ -37,6 +37,10 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from rag.knowledge.faiss_gpu import build_on_gpu
+from rag.knowledge.ivf_train import MIN_POINTS_PER_LIST as _MIN_POINTS_PER_LIST
+from rag.knowledge.ivf_train import SEED as _SEED
+from rag.knowledge.ivf_train import sample_rows as _sample_rows
+from rag.knowledge.ivf_train import train_ivf_pq, train_sample_size
 from rag.knowledge.vectors import ArrayVectors, Vectors
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 from rag.utils.io import atomic_write_file
@@ -68,10 +72,6 @@ _NULLABLE = ("nlist", "pq_m")
 
 _ADD_CHUNK = 16_384  # rows per faiss add() call (one progress-bar step)
 _TRAIN_SAMPLE_SQ = 100_000  # rows used to train the 8-bit scalar quantiser
-_TRAIN_POINTS_PER_LIST = 50  # rows per IVF list used to train the coarse k-means
-_TRAIN_POINTS_PER_CODE = 40  # rows per PQ centroid used to train each sub-quantiser
-_MIN_POINTS_PER_LIST = 39  # faiss's k-means warns below this many rows per centroid
-_SEED = 1234
 
 
 @dataclass
@@ -252,9 +252,10 @@ def _check_matrix(x: Any, what: str, dim: Optional[int] = None) -> np.ndarray:
 def _auto_nlist(n: int) -> int:
     """round(sqrt(N)) lists, at most N/39 (k-means needs ~39 rows per centroid).
 
-    faiss suggests 4-16·sqrt(N) for GPU-trained indexes, but training the coarse
-    k-means on ~50 rows per list costs ∝ nlist²·D: 4·sqrt(N) lists is 16x the work
-    of sqrt(N), which on a few CPU cores is the practical choice. Recall at a fixed
+    faiss suggests 4-16·sqrt(N) for GPU-trained indexes, but the coarse k-means costs
+    ∝ nlist·sample·D (sample: :func:`~rag.knowledge.ivf_train.coarse_sample_size`) and
+    adding costs ∝ N·nlist·D: 4·sqrt(N) lists is 4-16x the work of sqrt(N), which on a
+    few CPU cores is the practical choice. Recall at a fixed
     nprobe is higher with fewer, larger lists; PQ error, not nprobe, limits it.
     """
     return int(max(1, min(round(np.sqrt(n)), n // _MIN_POINTS_PER_LIST)))
@@ -268,12 +269,6 @@ def _auto_pq_m(d: int) -> int:
 
 def _faiss_metric(spec: IndexSpec) -> int:
     return faiss.METRIC_INNER_PRODUCT if spec.metric == "ip" else faiss.METRIC_L2
-
-
-def _sample_rows(n: int, size: int) -> np.ndarray:
-    if size >= n:
-        return np.arange(n)
-    return np.sort(np.random.default_rng(_SEED).choice(n, size=size, replace=False))
 
 
 def _reserve(index: faiss.Index, n: int) -> None:
@@ -381,21 +376,16 @@ def _build_ivf_pq(src: Vectors, spec: IndexSpec, show: bool, gpu: Optional[bool]
     train = src.take(_sample_rows(n, train_sample_size(n, nlist, spec.pq_nbits)))
     if not src.checked_finite and not np.isfinite(train).all():
         raise RagError("the vectors' training sample contains NaN or inf; fix or drop those rows")
-    if gpu is not False:
+    if gpu is not False:  # faiss's GPU IVF-PQ trains both quantisers on the sample (it subsamples the PQ's itself)
         built = build_on_gpu(index, train, src, required=bool(gpu), add=lambda g: _add_chunks(g, src, "index ivf_pq (GPU)", show))
         if built is not None:
             return built
     with tqdm(total=1, desc=f"train ivf_pq on {len(train):,} vectors", disable=not show, leave=False) as bar:
-        index.train(train)
+        train_ivf_pq(index, train)  # k-means on the sample, the PQ on a subsample's residuals (ivf_train)
         bar.update(1)
     del train
     _add_chunks(index, src, "index ivf_pq", show)
     return index
-
-
-def train_sample_size(n: int, nlist: int, pq_nbits: int) -> int:
-    """Rows an ivf_pq index of `n` vectors trains on: ~50 per list and 40 per PQ centroid, at most `n`."""
-    return min(n, max(_TRAIN_POINTS_PER_LIST * nlist, _TRAIN_POINTS_PER_CODE << pq_nbits))
 
 
 def build_index(

@@ -10,11 +10,13 @@ import numpy as np
 import pytest
 
 import rag.knowledge.index as index_module
+import rag.knowledge.ivf_train as ivf_train
 from rag.cli import main
 from rag.demo import CORPUS_PATH
 from rag.knowledge.build import check_memory, estimate_memory, parse_memory, staging_dir
 from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.index import IndexSpec, build_index, search_index
+from rag.knowledge.ivf_train import pq_sample_size, train_sample_size
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage, load_corpus
 from rag.knowledge.vectors import ArrayVectors, NpyVectors, create_npy, write_rows
@@ -54,6 +56,7 @@ def test_a_file_written_in_chunks_is_byte_identical_to_np_save(vectors_file, tmp
 def test_an_index_built_from_a_file_in_blocks_equals_the_one_shot_build(vectors_file, spec, monkeypatch):
     x, path = vectors_file
     monkeypatch.setattr(index_module, "_TRAIN_SAMPLE_SQ", 5_000)  # so that the quantiser's sample is a part of N
+    monkeypatch.setattr(ivf_train, "COARSE_SAMPLE_FLOOR", 5_000)  # and the coarse k-means' (65,536 > N otherwise)
     spec = IndexSpec.parse(spec)
     q = np.random.default_rng(1).standard_normal((50, D)).astype(np.float32)
     one = ArrayVectors(x)
@@ -168,6 +171,16 @@ def test_memory_estimate_parts():
     check_memory(IndexSpec(kind="ivf_pq"), n, d, pq.peak)
     with pytest.raises(ConfigError, match=r"or use --index ivf_pq \(peak "):
         check_memory(IndexSpec(kind="hnsw"), n, d, pq.peak)
+
+
+def test_ivf_pq_training_estimate_is_constant_in_n_and_covers_the_sample():
+    d, spec = 384, IndexSpec(kind="ivf_pq")
+    train = {n: estimate_memory(spec, n, d).parts["training sample"] for n in (100_000, 300_000, 1_000_000)}
+    assert len(set(train.values())) == 1, train  # the default nlist grows with N; the training memory does not
+    for n in (5_000, 100_000, 1_000_000, 21_000_000):
+        nlist = index_module._auto_nlist(n)
+        held = train_sample_size(n, nlist, 8) * d * 4 + 2 * pq_sample_size(n, 8) * d * 4  # sample, PQ rows + residuals
+        assert estimate_memory(spec, n, d).parts["training sample"] >= held
 
 
 def test_bad_ray_and_worker_options_are_one_line_errors(tmp_path, capsys):

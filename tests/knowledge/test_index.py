@@ -6,8 +6,10 @@ import faiss
 import numpy as np
 import pytest
 
+import rag.knowledge.ivf_train as ivf_train
 from rag.knowledge.index import (
     IndexSpec,
+    _auto_nlist,
     build_index,
     bytes_per_vector,
     faiss_threads,
@@ -15,6 +17,8 @@ from rag.knowledge.index import (
     search_index,
     write_index,
 )
+from rag.knowledge.ivf_train import coarse_sample_size, pq_sample_size, train_ivf_pq, train_sample_size
+from rag.knowledge.vectors import ArrayVectors
 from rag.utils.errors import ConfigError, IntegrityError, KnowledgeBaseError, RagError
 
 
@@ -334,3 +338,68 @@ def test_ivf_with_too_few_probed_vectors_still_returns_k_valid_rows(corpus):
     scores, rows = search_index(index, q, 200, spec)
     assert (rows >= 0).all() and all(len(set(r)) == 200 for r in rows.tolist())
     assert (np.diff(scores, axis=1) <= 1e-5).all()
+
+
+# ----------------------------------------------------------------------------- ivf_pq training in bounded memory
+
+
+def test_ivf_pq_training_sample_is_constant_in_n_until_past_1680_lists():
+    floor = ivf_train.COARSE_SAMPLE_FLOOR
+    at_default = {n: coarse_sample_size(n, _auto_nlist(n)) for n in (70_000, 100_000, 1_000_000, 2_000_000)}
+    assert set(at_default.values()) == {floor}, at_default  # 100k and 1M train on the same rows
+    assert coarse_sample_size(10_000, _auto_nlist(10_000)) == 10_000  # never above n
+    lists = floor // 39  # 1,680: the most lists the floor gives 39 rows each
+    assert coarse_sample_size(10**8, lists) == floor and coarse_sample_size(10**8, lists + 1) == 39 * (lists + 1)
+    assert coarse_sample_size(21_000_000, _auto_nlist(21_000_000)) == 39 * 4583  # then only 39 rows per list
+    assert pq_sample_size(10**6, 8) == 10_240 and pq_sample_size(5000, 8) == 5000
+    assert train_sample_size(10**6, 1000, 8) == floor and train_sample_size(10**6, 1000, 12) == 40 << 12
+
+
+class TakeSpy(ArrayVectors):
+    def __init__(self, x):
+        super().__init__(x)
+        self.taken = []
+
+    def take(self, idx):
+        self.taken.append(len(idx))
+        return super().take(idx)
+
+
+def test_ivf_pq_trains_the_quantizer_on_the_sample_then_the_pq_on_a_subsample(corpus, monkeypatch):
+    x, q = corpus  # 4,000 x 64
+    monkeypatch.setattr(ivf_train, "COARSE_SAMPLE_FLOOR", 2048)  # the rule's floor at this scale: a sample of half
+    seen = []
+    real_train = faiss.IndexIVFPQ.train
+
+    def spy(index, rows):
+        seen.append((len(rows), index.quantizer.ntotal))
+        return real_train(index, rows)
+
+    monkeypatch.setattr(faiss.IndexIVFPQ, "train", spy)
+    spec = IndexSpec.parse("ivf_pq:nlist=16,pq_m=8,pq_nbits=5,nprobe=4")
+    src = TakeSpy(x)
+    index = build_index(src, spec, show_progress=False)
+    assert src.taken == [2048]  # only the coarse sample is read into memory for training
+    assert seen == [(40 << 5, 16)]  # the PQ alone, on 1,280 rows, after the quantizer has its 16 centroids
+    full = faiss.IndexIVFPQ(faiss.IndexFlatIP(64), 64, 16, 8, 5, faiss.METRIC_INNER_PRODUCT)
+    full.cp.seed = full.pq.cp.seed = ivf_train.SEED
+    real_train(full, x)  # the old way: both quantisers on every row
+    full.add(x)
+    truth = exact_top(x, q, 10)
+    got = recall_at(search_index(index, q, 10, spec)[1], truth)
+    ref = recall_at(search_index(full, q, 10, spec)[1], truth)
+    # 5-bit PQ codes limit both (~0.3); a recall over 1,000 hits has a standard error of ~0.015: 0.05 is ~3 of them
+    assert got >= ref - 0.05, (got, ref)
+
+
+def test_separately_trained_quantizer_equals_what_index_train_learns(corpus):
+    x, _ = corpus
+    sample = x[:1500]
+    for metric, flat in ((faiss.METRIC_INNER_PRODUCT, faiss.IndexFlatIP), (faiss.METRIC_L2, faiss.IndexFlatL2)):
+        a, b = (faiss.IndexIVFPQ(flat(64), 64, 24, 8, 4, metric) for _ in range(2))
+        for ix in (a, b):
+            ix.cp.seed = ix.pq.cp.seed = ivf_train.SEED
+        a.train(sample)
+        train_ivf_pq(b, sample)
+        assert b.is_trained and b.quantizer.ntotal == 24
+        np.testing.assert_array_equal(a.quantizer.reconstruct_n(0, 24), b.quantizer.reconstruct_n(0, 24))
