@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from rag.knowledge.build import check_memory, passages_memory
+from rag.knowledge.build import CHUNK_ROWS, check_memory, passages_memory
 from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.index import IndexSpec, check_fits
 from rag.knowledge.knowledge_base import KnowledgeBase
@@ -78,6 +78,7 @@ def build_on_ray(
     index: IndexSpec | str = "hnsw",
     worker_encoder: Optional[Callable[[], TextEncoder]] = None,
     batch_size: int = 64,
+    chunk_rows: int = CHUNK_ROWS,
     device: Optional[str] = None,
     dtype=None,
     query_encoder: Optional[str] = None,
@@ -97,7 +98,8 @@ def build_on_ray(
     load the encoder instead (e.g. ``functools.partial(TextEncoder, path)``); its fingerprint must equal `encoder`'s.
     `address`: a Ray cluster (``host:port``, ``ray://host:port``, ``auto``); None joins or starts a local Ray; one
     that does not answer is a ConfigError naming it, at once. `num_cpus` / `num_gpus`: Ray resources per task.
-    Other arguments as for :meth:`KnowledgeBase.build`. Returns the merged, opened knowledge base.
+    `chunk_rows`: passages a worker encodes and records at a time (what a retried task resumes from). Other
+    arguments as for :meth:`KnowledgeBase.build`. Returns the merged, opened knowledge base.
     """
     passages = list(passages)
     out = Path(out)
@@ -108,6 +110,7 @@ def build_on_ray(
         raise ConfigError(f"--workers {workers}: the corpus has {len(passages)} passages, fewer than {workers} workers (one "
                           f"shard each); use --workers {len(passages)} or fewer")
     check_positive_int(batch_size, "batch_size (--batch-size)", error=ConfigError)
+    check_positive_int(chunk_rows, "chunk_rows", error=ConfigError)
     check_fits(spec, len(passages), encoder.dim)
     check_output_dir(out, overwrite, replaces=is_knowledge_base, kind="knowledge base")
     check_memory(spec, len(passages), encoder.dim, max_memory, chunk_rows=0, passages_bytes=passages_memory(passages))
@@ -118,7 +121,7 @@ def build_on_ray(
     task = ray.remote(_encode_shard).options(max_retries=max_retries, retry_exceptions=False, num_cpus=num_cpus,
                                              num_gpus=num_gpus)
     enc_ref = ray.put(worker_encoder if worker_encoder is not None else encoder)
-    kw = {"batch_size": batch_size, "device": device, "dtype": dtype, "query_encoder": query_encoder}
+    kw = {"batch_size": batch_size, "chunk_rows": chunk_rows, "device": device, "dtype": dtype, "query_encoder": query_encoder}
     dirs, pending = [], {}
     for i in range(workers):
         shard = ShardSpec(i, workers)
