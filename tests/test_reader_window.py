@@ -75,14 +75,16 @@ def test_a_large_knowledge_base_is_measured_on_a_fixed_sample_and_says_so(gpt2_d
     assert "of a random sample of 10 of its 30 passages" in first.summary("kb", "tok")
 
 
-def test_rag_load_warns_once_and_the_cli_prints_one_line(gpt2_dir, kb_dir, tmp_path, capsys):
+def test_rag_load_warns_once_and_rag_generate_says_it_in_its_one_end_of_run_line(gpt2_dir, kb_dir, tmp_path, capsys):
     out = tmp_path / "model"
     RagModel.from_components(None, gpt2_dir, kb_dir, RagModelConfig(n_docs=2, max_context_length=64)).save_pretrained(out)
     with pytest.warns(PassageWindowWarning, match="max_context_length=64"):
         rag.load(out)
+    capsys.readouterr()
     assert main(["generate", "--model", str(out), "Who discovered oxygen?", "--max-new-tokens", "2", "--json"]) == 0
     err = capsys.readouterr().err
-    assert len([ln for ln in err.splitlines() if "PassageWindowWarning" in ln]) == 1, err
+    [line] = [ln for ln in err.splitlines() if "longer than the reader's window" in ln]  # once, in the end-of-run line
+    assert line.startswith("rag generate: ") and len(err.strip().splitlines()) == 1 and "PassageWindowWarning" not in err, err
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         rag.load(out, max_context_length=1024)  # a window that holds them: no word

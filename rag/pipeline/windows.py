@@ -8,16 +8,18 @@ is longer loses its end, whatever is asked. :func:`passage_window` measures, for
 built with ``rag index build --max-passage-tokens N`` for the same prompt layout (its manifest's
 ``build.passage_tokens``, the layout's fingerprint equal) is taken at its word when its longest prompt fits.
 :func:`warn_cut_passages` says so once, in one :class:`PassageWindowWarning` line naming the fraction, the window and
-the fix.
+the fix; inside :func:`held_window_lines` (a command that reports its cut prompts once, at its end) the line is kept for
+that report instead (:func:`end_of_run_line`).
 """
 
 from __future__ import annotations
 
-import math
+import contextlib
 import warnings
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 
@@ -25,10 +27,29 @@ from rag.generation.contexts import ContextTruncationWarning
 from rag.generators.base import QUESTION_TOKENS
 
 __all__ = ["MEASURED_PASSAGES", "PassageWindow", "PassageWindowWarning", "passage_window", "warn_cut_passages",
-           "window_covering"]
+           "held_window_lines", "end_of_run_line"]
 
 MEASURED_PASSAGES = 1024
 """Passages measured at most: a larger knowledge base is measured on a fixed random sample of this many."""
+
+
+_HELD: ContextVar[Optional[list]] = ContextVar("rag_held_window_lines", default=None)
+
+
+@contextlib.contextmanager
+def held_window_lines() -> Iterator[list[str]]:
+    """Inside the block, :func:`warn_cut_passages` appends its line to the yielded list instead of warning."""
+    held: list[str] = []
+    token = _HELD.set(held)
+    try:
+        yield held
+    finally:
+        _HELD.reset(token)
+
+
+def end_of_run_line(summary: Optional[str], held: list[str]) -> Optional[str]:
+    """A command's one end-of-run line: its cut-prompt summary and the held knowledge-base lines, joined by "; "."""
+    return "; ".join(p for p in [summary, *held] if p) or None
 
 
 class PassageWindowWarning(ContextTruncationWarning):
@@ -109,23 +130,18 @@ def _tokenizer_dir(tokenizer) -> str:
 
 def warn_cut_passages(model, *, limit: int = MEASURED_PASSAGES) -> Optional[PassageWindow]:
     """Measure a RAG model's window against its knowledge base (:func:`passage_window`) and, when passages are cut,
-    warn once (:class:`PassageWindowWarning`, one line). Returns the measurement, or None for a model without a
-    knowledge base."""
+    warn once (:class:`PassageWindowWarning`, one line; inside :func:`held_window_lines`, keep the line). Returns the
+    measurement, or None for a model without a knowledge base."""
     kb = getattr(model, "knowledge_base", None)
     if kb is None or not len(kb):
         return None
     found = passage_window(model.lm, model.config, kb, limit=limit)
     where = getattr(kb, "path", None)
     line = found.summary(str(Path(where).resolve()) if where else "in use", _tokenizer_dir(model.lm.tokenizer))
-    if line:
+    held = _HELD.get()
+    if line and held is not None:
+        held.append(line)
+    elif line:
         warnings.warn(line, PassageWindowWarning, stacklevel=2)
     return found
 
-
-def window_covering(lengths, share: float = 0.99, *, multiple: int = 8) -> int:
-    """The smallest window (a multiple of `multiple` tokens) that holds `share` of `lengths` whole."""
-    ordered = sorted(int(x) for x in lengths)
-    if not ordered:
-        return 0
-    need = ordered[max(math.ceil(share * len(ordered)) - 1, 0)]
-    return -(-need // multiple) * multiple
