@@ -6,19 +6,22 @@ from __future__ import annotations
 import json
 import warnings
 
+import numpy as np
 import pytest
 
 import rag
 from rag.cli import main
 from rag.generators.base import QUESTION_TOKENS
+from rag.generators.load import as_generator, load_generator
+from rag.generators.tiny import save, tiny_gpt2
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.passages import Passage
 from rag.models.rag.model import RagModel, RagModelConfig
-from rag.pipeline.windows import PassageWindowWarning, passage_window, warn_cut_passages
+from rag.pipeline.windows import CHARS_PER_TOKEN, PassageWindowWarning, passage_window, warn_cut_passages
 
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, bpe_tokenizer):
-    from rag.generators.tiny import save, tiny_gpt2
-
     return save(tiny_gpt2(bpe_tokenizer, max_positions=512), bpe_tokenizer, tmp_path_factory.mktemp("window_gpt2"))
 
 
@@ -109,3 +112,15 @@ def test_a_knowledge_base_built_for_the_window_is_taken_at_its_manifest(gpt2_dir
     narrow = passage_window(model.lm, RagModelConfig(n_docs=1, max_context_length=80, system_prompt=model.config.system_prompt),
                             model.knowledge_base)  # narrower than the build's window: measured
     assert not narrow.from_manifest and narrow.cut > 0
+
+
+def test_a_whole_document_is_measured_up_to_a_bound(gpt2_dir, tmp_path):
+    huge = Passage("book", "Book", "word " * 200_000)  # a million characters: a corpus read with --words-per-passage 0
+    passages = [huge, Passage("short", "S", "A short one.")]
+    kb = KnowledgeBase.from_embeddings(passages, np.eye(2, 4, dtype=np.float32), {"name": "synthetic", "dim": 4,
+                                       "fingerprint": "synthetic-4"}, tmp_path / "kb", index="flat", show_progress=False)
+    model, tok, _ = load_generator(gpt2_dir)
+    generator, settings = as_generator(model, tok), RagModelConfig(max_context_length=64)
+    found = passage_window(generator, settings, kb)
+    bounded = Passage("book", "Book", huge.text[:CHARS_PER_TOKEN * 64])
+    assert (found.cut, found.measured) == (1, 2) and found.longest == generator.prompt_lengths([bounded], settings)[0] > 64

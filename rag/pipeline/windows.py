@@ -25,12 +25,16 @@ import numpy as np
 
 from rag.generation.contexts import ContextTruncationWarning
 from rag.generators.base import QUESTION_TOKENS
+from rag.knowledge.passages import Passage
 
-__all__ = ["MEASURED_PASSAGES", "PassageWindow", "PassageWindowWarning", "passage_window", "warn_cut_passages",
+__all__ = ["MEASURED_PASSAGES", "CHARS_PER_TOKEN", "PassageWindow", "PassageWindowWarning", "passage_window", "warn_cut_passages",
            "held_window_lines", "end_of_run_line"]
 
 MEASURED_PASSAGES = 1024
 """Passages measured at most: a larger knowledge base is measured on a fixed random sample of this many."""
+CHARS_PER_TOKEN = 32
+"""A passage's text is measured up to this many characters per token of the window: enough to tell that a passage of
+natural text does not fit, and a bound on the time a knowledge base of whole documents takes."""
 
 
 _HELD: ContextVar[Optional[list]] = ContextVar("rag_held_window_lines", default=None)
@@ -110,7 +114,8 @@ def _recorded_fit(kb, fingerprint: str, window: int) -> Optional[int]:
 def passage_window(generator, settings, kb, *, limit: int = MEASURED_PASSAGES, seed: int = 0) -> PassageWindow:
     """How many of `kb`'s passages make an input longer than ``settings.max_context_length`` for `generator` (a
     :class:`~rag.generators.base.Generator`): all passages when there are at most `limit`, else a random sample of
-    `limit` drawn with `seed` (the same rows every time)."""
+    `limit` drawn with `seed` (the same rows every time). Each text is measured up to :data:`CHARS_PER_TOKEN` x the
+    window characters, so ``longest`` is at most what that much text holds."""
     window, n = int(settings.max_context_length), len(kb)
     recorded = _recorded_fit(kb, generator.layout_fingerprint(settings), window)
     if recorded is not None:
@@ -119,6 +124,7 @@ def passage_window(generator, settings, kb, *, limit: int = MEASURED_PASSAGES, s
     lengths: list[int] = []
     for i in range(0, len(rows), 512):
         [passages] = kb.get_passages(rows[i:i + 512].reshape(1, -1))
+        passages = [Passage(p.id, p.title, p.text[:CHARS_PER_TOKEN * window]) for p in passages]
         lengths += generator.prompt_lengths(passages, settings)
     return PassageWindow(window, n, len(lengths), sum(x > window for x in lengths), max(lengths, default=0))
 

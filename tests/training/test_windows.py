@@ -10,7 +10,11 @@ import logging
 import re
 
 import pytest
+import pytorch_lightning as pl
 
+from rag.generators.tiny import save, tiny_gpt2
+from rag.training.data import QADataModule
+from rag.training.modules import RagModule
 from rag.training.windows import DataWindows, measure_training_prompts, quantile_window
 from rag.utils.errors import ConfigError
 
@@ -22,14 +26,10 @@ QA = [("Who discovered oxygen?", "Joseph Priestley"), ("What is the symbol of go
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, bpe_tokenizer):
-    from rag.generators.tiny import save, tiny_gpt2
-
     return save(tiny_gpt2(bpe_tokenizer, max_positions=512), bpe_tokenizer, tmp_path_factory.mktemp("windows_gpt2"))
 
 
 def _module(gpt2_dir, question_dir, kb, window=64, **kw):
-    from rag.training.modules import RagModule
-
     return RagModule(generator=gpt2_dir, question_encoder=question_dir, knowledge_base=kb,
                      rag={"n_docs": 2, "max_context_length": window, "max_target_length": 8, "max_question_length": 16},
                      decoding={"max_new_tokens": 3}, **kw)
@@ -62,10 +62,6 @@ def test_the_up_front_report_names_the_window_that_holds_99_percent(gpt2_dir, ti
 
 def test_auto_windows_are_chosen_from_the_training_data_reported_and_kept(gpt2_dir, tiny_dpr_question_dir, tiny_kb_dir,
                                                                          tmp_path, caplog):
-    import pytorch_lightning as pl
-
-    from rag.training.data import QADataModule
-
     train = tmp_path / "train.jsonl"
     train.write_text("".join(json.dumps({"question": q, "answers": [a]}) + "\n" for q, a in QA))
     module = _module(gpt2_dir, tiny_dpr_question_dir, tiny_kb_dir,
