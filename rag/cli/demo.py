@@ -13,6 +13,7 @@ from rag.generators.demo_lm import demo_lm_needs_conversion, prepare_demo_lm
 from rag.knowledge.retriever_kinds import retriever_for_kind
 from rag.models.rag.config import RagModelConfig
 from rag.pipeline.api import load
+from rag.pipeline.windows import end_of_run_line, held_window_lines
 from rag.utils.files import read_json
 from rag.utils.quiet import stage
 from rag.utils.truncation import counting_cut_prompts
@@ -72,15 +73,17 @@ def cmd_demo(args) -> int:
         with _stage("converting the demo LM from its GGUF file", args):
             prepare_demo_lm(show_progress=verbose)
     with _stage("loading the demo model", args):
-        pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
+        with held_window_lines() as window_lines:  # said once, in the end-of-run line
+            pipe = load(demo_checkpoint_dir(), knowledge_base=kb)
     if not args.json:
         print(f"demo model: {demo_checkpoint_dir()} (see checkpoints/README.md for how it was trained and how well it does)")
     with counting_cut_prompts() as cut:
         answers = pipe.generate(questions)  # the model's stored decoding settings
     for a in answers:
         print_answer(a, as_json=args.json, show_passages=args.k)
-    if cut.summary():
-        print(f"rag demo: {cut.summary()}", file=sys.stderr)
+    line = end_of_run_line(cut.summary(), window_lines)
+    if line:
+        print(f"rag demo: {line}", file=sys.stderr)
     return 0
 
 

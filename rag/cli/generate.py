@@ -10,6 +10,7 @@ from rag.cli.options import add_generation_options, generation_options
 from rag.generators.load import is_causal_lm_checkpoint
 from rag.knowledge.rerank_options import check_stage_options
 from rag.pipeline.api import load, plot_token_posterior
+from rag.pipeline.windows import end_of_run_line, held_window_lines
 from rag.retrobust.backoff import resolve_nli
 from rag.retrobust.nli import validate_threshold
 from rag.utils.errors import ConfigError, OutputExistsError
@@ -133,7 +134,8 @@ def cmd_generate(args) -> int:
             raise ConfigError(f"--max-length / --doc-max-length set the window of a causal LM (In-Context RALM); "
                               f"--model {args.model} "
                               "is not one: drop them, or pass a causal LM directory or 'smollm2'")
-    pipe = load(args.model, knowledge_base=args.kb, **settings, **stage)
+    with held_window_lines() as window_lines:  # said once, in the end-of-run line
+        pipe = load(args.model, knowledge_base=args.kb, **settings, **stage)
     number = [0]  # the last heatmap's number
 
     def run(batch: list[str]) -> None:
@@ -155,6 +157,7 @@ def cmd_generate(args) -> int:
                 batch = []
         if batch:
             run(batch)
-    if cut.summary():
-        print(f"rag generate: {cut.summary()}", file=sys.stderr)
+    line = end_of_run_line(cut.summary(), window_lines)
+    if line:
+        print(f"rag generate: {line}", file=sys.stderr)
     return 0

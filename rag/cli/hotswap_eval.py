@@ -9,6 +9,7 @@ from rag.cli.index import check_positive
 from rag.eval.hotswap_eval import evaluate_hotswap
 from rag.generation.options import option_specs
 from rag.pipeline.api import load
+from rag.pipeline.windows import end_of_run_line, held_window_lines
 from rag.retrobust.backoff import resolve_nli
 from rag.retrobust.nli import validate_threshold
 from rag.utils.devices import check_device
@@ -68,7 +69,8 @@ def cmd_hotswap_eval(args) -> int:
     # Load on the first knowledge base: the checkpoint's own may not exist here (or, for transformers
     # checkpoints, is not recorded at all).
     extra = {"allow_encoder_change": True} if args.allow_encoder_change else {}
-    pipe = load(args.model, knowledge_base=args.kb[0], device=args.device, **extra)
+    with held_window_lines() as window_lines:  # said once, in the end-of-run line
+        pipe = load(args.model, knowledge_base=args.kb[0], device=args.device, **extra)
     with counting_cut_prompts() as cut:  # reported once, over every (knowledge base, question set) cell
         result = evaluate_hotswap(
             pipe, args.kb, args.data, batch_size=args.batch_size, n_docs=args.n_docs, num_beams=args.num_beams,
@@ -77,8 +79,9 @@ def cmd_hotswap_eval(args) -> int:
             kb_labels=args.kb_label, data_labels=args.data_label, show_progress=not args.quiet, nli=nli,
             nli_threshold=args.nli_threshold,
         )
-    if cut.summary():
-        print(f"rag hotswap-eval: {cut.summary()}", file=sys.stderr)
+    line = end_of_run_line(cut.summary(), window_lines)
+    if line:
+        print(f"rag hotswap-eval: {line}", file=sys.stderr)
     if args.plot:
         path = result.plot(args.plot, metric=args.metric)
     if args.json:

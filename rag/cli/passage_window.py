@@ -5,7 +5,9 @@ A prompt is the default reader's layout (its prompt template, system prompt and 
 :func:`rag.generation.prompts.tokenize_prompts` writes it) around the passage's title and text, with room for a question
 of :data:`QUESTION_TOKENS` tokens; a passage whose prompt would be longer is cut into consecutive passages at sentence
 ends (:func:`rag.knowledge.passages.fit_passages`). The manifest's ``build.passage_tokens`` records the tokenizer, the
-window and the longest passage text in tokens, so a reader can check its window against the knowledge base.
+window, the longest passage text and prompt in tokens, and the prompt layout's fingerprint
+(:func:`rag.generators.base.layout_fingerprint`), so a reader of that layout checks its window against the knowledge
+base without measuring it again (:mod:`rag.pipeline.windows`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,9 @@ from typing import Optional, Sequence
 
 from rag.demo import load_demo_corpus
 from rag.demo.model import demo_checkpoint_dir
-from rag.generation.prompts import PromptFormat, tokenize_prompts
+from rag.generation.prompts import PromptFormat
+from rag.generators.base import QUESTION_TOKENS, layout_fingerprint, prompt_lengths
+from rag.generators.causal import prompt_ids
 from rag.generators.demo_lm import demo_lm_dir, demo_lm_needs_conversion, prepare_demo_lm
 from rag.knowledge.passages import Passage, fit_passages, passage_token_lengths
 from rag.models.rag.config import RagModelConfig
@@ -24,10 +28,6 @@ from rag.utils.files import read_json
 
 __all__ = ["QUESTION_TOKENS", "load_tokenizer", "reader_prompt_format", "prompt_overhead", "fit_to_window",
            "reader_window", "demo_reader_window"]
-
-QUESTION_TOKENS = 32
-"""The question length a window keeps room for (the default reader's ``max_question_length``)."""
-
 
 def load_tokenizer(path: Optional[str]):
     """The tokenizer in the directory `path` (None: the default reader's, the demo LM, converted on first use)."""
@@ -55,10 +55,9 @@ def reader_prompt_format() -> PromptFormat:
 def prompt_overhead(tokenizer, fmt: PromptFormat, title: str, question_tokens: int = QUESTION_TOKENS) -> int:
     """Tokens of a reader prompt around a passage titled `title`: the template, title and a question of
     `question_tokens` tokens (everything but the passage's text)."""
-    question = " ".join(["x"] * question_tokens)
-    found = tokenize_prompts(tokenizer, fmt, [question], [[Passage("probe", title, "")]], 1 << 20)
-    bare = len(tokenizer(question, add_special_tokens=False)["input_ids"])
-    return len(found.ids[0]) - bare + question_tokens
+    [n] = prompt_lengths(lambda q, ps: prompt_ids(tokenizer, fmt, q, ps), tokenizer, [Passage("probe", title, "")],
+                         question_tokens)
+    return n
 
 
 def fit_to_window(passages: Sequence[Passage], window: int, tokenizer, tokenizer_name: str,
@@ -96,7 +95,8 @@ def fit_to_window(passages: Sequence[Passage], window: int, tokenizer, tokenizer
     record = {"tokenizer": tokenizer_name, "max_passage_tokens": window, "question_tokens": QUESTION_TOKENS,
               "longest_text": max(lengths, default=0),
               "longest_prompt": max((n + overheads[p.title] for p, n in zip(fitted, lengths)), default=0),
-              "split": len(fitted) - len(passages)}
+              "split": len(fitted) - len(passages),
+              "layout": layout_fingerprint(lambda q, ps: prompt_ids(tokenizer, fmt, q, ps), tokenizer)}
     return fitted, record
 
 

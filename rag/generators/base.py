@@ -15,7 +15,8 @@ picks one. Only this folder knows which family a reader holds: a new family is o
 
 from __future__ import annotations
 
-from typing import Any, Literal, NamedTuple, Optional, Protocol, Sequence
+import hashlib
+from typing import Any, Callable, Literal, NamedTuple, Optional, Protocol, Sequence
 
 from torch import Tensor
 
@@ -23,7 +24,44 @@ from rag.generation.contexts import ContextFormat
 from rag.generation.search import GenerationConfig
 from rag.generation.spans import TokenTexts
 
-__all__ = ["Generator", "GeneratorInputs", "GeneratorBase"]
+__all__ = ["Generator", "GeneratorInputs", "GeneratorBase", "QUESTION_TOKENS", "prompt_lengths", "layout_fingerprint"]
+
+QUESTION_TOKENS = 32
+"""The question length a reader's window keeps room for when passages are measured against it."""
+
+PromptIds = Callable[[str, Sequence], list]
+"""``(question, passages) -> ids``: the whole (uncut) token ids of the question's input with each passage."""
+
+
+class _Probe:
+    def __init__(self, title: str, text: str):
+        self.id, self.title, self.text = "probe", title, text
+
+
+def _probe_question(tokenizer, tokens: int) -> tuple[str, int]:
+    """A question string and its own token count (without special tokens), about `tokens` tokens long."""
+    question = " ".join(["x"] * max(int(tokens), 1))
+    return question, len(tokenizer(question, add_special_tokens=False)["input_ids"])
+
+
+def prompt_lengths(prompt_ids: PromptIds, tokenizer, passages: Sequence, question_tokens: int = QUESTION_TOKENS,
+                   batch: int = 512) -> list[int]:
+    """Per passage, the tokens of a reader input made of it and a question of `question_tokens` tokens, whole (what a
+    window must hold for the passage to be read to its end), measured in batches of `batch` passages."""
+    question, bare = _probe_question(tokenizer, question_tokens)
+    passages = list(passages)
+    out: list[int] = []
+    for i in range(0, len(passages), batch):
+        out += [len(row) - bare + int(question_tokens) for row in prompt_ids(question, passages[i:i + batch])]
+    return out
+
+
+def layout_fingerprint(prompt_ids: PromptIds, tokenizer) -> str:
+    """A short SHA-256 of a probe prompt's token ids: equal for two readers whose prompts are laid out and tokenized
+    alike, so a length measured for one holds for the other."""
+    question, _ = _probe_question(tokenizer, 8)
+    [ids] = prompt_ids(question, [_Probe("Probe title", "A probe passage, 1774: the first sentence. And a second.")])
+    return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 
 class GeneratorInputs(NamedTuple):
@@ -74,6 +112,17 @@ class Generator(Protocol):
 
     def contexts(self, questions: Sequence[str], passages: Optional[Sequence[Sequence]], settings) -> GeneratorInputs:
         """The ``B·K`` inputs of `questions` with their `passages` (B lists of K), or the ``B`` bare questions (None)."""
+
+    def prompt_ids(self, question: str, passages: Sequence, settings) -> list[list[int]]:
+        """The token ids of `question`'s input with each of `passages` (one row per passage), laid out as
+        :meth:`contexts` lays them out but whole: no row is cut to ``settings.max_context_length``."""
+
+    def prompt_lengths(self, passages: Sequence, settings, question_tokens: int = QUESTION_TOKENS) -> list[int]:
+        """Per passage, the tokens of its input with a question of `question_tokens` tokens, whole
+        (:func:`prompt_lengths` over :meth:`prompt_ids`)."""
+
+    def layout_fingerprint(self, settings) -> str:
+        """:func:`layout_fingerprint` of this generator's prompts with `settings`."""
 
     def loss_contexts(self, questions: Sequence[str], passages: Optional[Sequence], settings) -> GeneratorInputs:
         """The ``B`` inputs a generator-only loss reads: each question with its one passage, or alone (None)."""
@@ -135,6 +184,14 @@ class GeneratorBase:
 
     def decoding_config(self, config: GenerationConfig) -> GenerationConfig:
         return config
+
+    def prompt_lengths(self, passages: Sequence, settings, question_tokens: int = QUESTION_TOKENS) -> list[int]:
+        """Per passage, the tokens of its input with a question of `question_tokens` tokens, whole."""
+        return prompt_lengths(lambda q, ps: self.prompt_ids(q, ps, settings), self.tokenizer, passages, question_tokens)
+
+    def layout_fingerprint(self, settings) -> str:
+        """:func:`layout_fingerprint` of this generator's prompts with `settings`."""
+        return layout_fingerprint(lambda q, ps: self.prompt_ids(q, ps, settings), self.tokenizer)
 
     def token_texts(self) -> TokenTexts:
         """The tokenizer's :class:`TokenTexts` (extractive decoding), built on first use."""

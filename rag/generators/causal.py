@@ -34,7 +34,7 @@ from rag.generators.base import GeneratorBase, GeneratorInputs
 from rag.utils.errors import ConfigError
 from rag.utils.truncation import note_cut_prompts
 
-__all__ = ["CausalGenerator", "causal_logits", "doc_text", "PREFIX_CACHE_BYTES"]
+__all__ = ["CausalGenerator", "causal_logits", "doc_text", "prompt_ids", "PREFIX_CACHE_BYTES"]
 
 PREFIX_CACHE_BYTES = 1 << 30
 """How much memory a generator's :class:`PrefixCache` of passage KV caches may hold."""
@@ -47,6 +47,12 @@ class _Probe:
 def doc_text(p) -> str:
     """The text of a passage as In-Context RALM reads it before a text: title, newline, text (as the authors' code)."""
     return f"{p.title}\n{p.text}" if p.title else p.text
+
+
+def prompt_ids(tokenizer, fmt, question: str, passages: Sequence) -> list[list[int]]:
+    """The whole token ids of the prompt of `question` with each of `passages` in the :class:`PromptFormat` `fmt` (what
+    :meth:`CausalGenerator.contexts` tokenizes, uncut)."""
+    return tokenize_prompts(tokenizer, fmt, [question], [list(passages)], 1 << 30).ids
 
 
 def causal_logits(generator, prompt_ids: Tensor, prompt_mask: Tensor, labels: Tensor, n_docs: int) -> Tensor:
@@ -110,6 +116,10 @@ class CausalGenerator(GeneratorBase):
 
     def loss_contexts(self, questions: Sequence[str], passages: Optional[Sequence], settings) -> GeneratorInputs:
         return self.contexts(questions, None if passages is None else [[p] for p in passages], settings)
+
+    def prompt_ids(self, question: str, passages: Sequence, settings) -> list[list[int]]:
+        """The whole prompt of `question` with each passage (:func:`prompt_ids`)."""
+        return prompt_ids(self.tokenizer, settings.prompt_format, question, passages)
 
     def with_bare_rows(self, questions: Sequence[str], inputs, settings) -> tuple[Tensor, Tensor, int]:
         ids, mask, doc_scores = inputs.context_input_ids, inputs.context_attention_mask, inputs.doc_scores

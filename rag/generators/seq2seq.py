@@ -76,6 +76,12 @@ class Seq2SeqGenerator(GeneratorBase):
             note_cut_prompts(n_truncated, len(strings), settings.max_context_length)  # counted where a command asks
         return GeneratorInputs(ids, mask, n_truncated, strings, 0)
 
+    def prompt_ids(self, question: str, passages: Sequence, settings) -> list[list[int]]:
+        """The whole "title / text // question" context of `question` with each passage, special tokens included."""
+        strings = build_contexts([question], [list(passages)], self.context_format(settings))
+        return [list(r) for r in self.tokenizer([str(s) for s in strings], add_special_tokens=True,
+                                                truncation=False)["input_ids"]]
+
     def loss_contexts(self, questions: Sequence[str], passages: Optional[Sequence], settings) -> GeneratorInputs:
         fmt = self.context_format(settings)
         if passages is None:

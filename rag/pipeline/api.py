@@ -53,6 +53,7 @@ from rag.models.rag.hf_compat import load_hf_rag
 from rag.models.rag.model import RagModel
 from rag.pipeline.exports import is_reader_export, load_reader
 from rag.pipeline.readers import READER_OPTIONS, READS, RagReader, RalmReader, Reader  # noqa: F401  (public names)
+from rag.pipeline.windows import warn_cut_passages
 from rag.retrobust.backoff import generate_with_backoff, resolve_nli
 from rag.retrobust.nli import NLIScorer, validate_threshold
 from rag.utils.devices import without_cudnn_attention
@@ -296,6 +297,10 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
     :class:`~rag.models.rag.config.RagModelConfig` fields (e.g. ``n_docs=2``) of a RAG model, or are
     :class:`~rag.models.ralm.model.RalmConfig` fields and ``retrieval`` for a causal LM; unknown names raise ConfigError
     with the valid list. ``rerank=K, reranker=DIR`` adds a rerank stage (:func:`_reranking`).
+
+    A RAG reader's window is measured against its knowledge base once here (:mod:`rag.pipeline.windows`): when some
+    passages do not fit ``max_context_length``, one :class:`~rag.pipeline.windows.PassageWindowWarning` says how many
+    and what to do.
     """
     name = str(path_or_name)
     if name in DEMO_NAMES:
@@ -303,4 +308,7 @@ def load(path_or_name: str | os.PathLike, knowledge_base: str | os.PathLike | Kn
         if knowledge_base is None:
             knowledge_base = ensure_demo_kb_for_model()
     loader = next(loader for probe, loader in LOADERS if probe(path_or_name))
-    return loader(path_or_name, knowledge_base, device, config_overrides)
+    pipe = loader(path_or_name, knowledge_base, device, config_overrides)
+    if isinstance(pipe.reader, RagReader):
+        warn_cut_passages(pipe.reader.model)
+    return pipe

@@ -16,7 +16,7 @@ from rag.knowledge.encoders import TextEncoder
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.manifest import MANIFEST
 from rag.knowledge.passages import load_corpus
-from rag.utils.errors import ConfigError
+from rag.utils.errors import ConfigError, CorpusError
 
 logger = logging.getLogger(__name__)
 
@@ -25,14 +25,15 @@ __all__ = ["ensure_knowledge_base"]
 
 def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *, query_encoder: Optional[str] = None,
                           index: str = "flat", words_per_passage: Optional[int] = 100, show_progress: bool = True,
-                          bm25: bool = False) -> Path:
+                          bm25: bool = False, option: str = "model.build_knowledge_base.corpus") -> Path:
     """Build a knowledge base at `path` from `source` unless one is already there.
 
     `source`: ``"demo"`` (the bundled Elements corpus, one passage per entry) or a
     corpus path for :func:`rag.knowledge.passages.load_corpus`. `encoder` embeds the
     passages (a DPR *context* encoder, or a shared encoder such as ``minilm``);
     `query_encoder` is recorded in the manifest as the encoder queries should use; `bm25` also stores a BM25 index
-    (BM25 and hybrid retrieval need one).
+    (BM25 and hybrid retrieval need one). A corpus that cannot be read (missing, empty) is a :class:`CorpusError` whose
+    one line starts with `option`, the setting that named it.
     Safe against a concurrent build of the same path (the first one wins).
     """
     path = Path(path)
@@ -43,7 +44,10 @@ def ensure_knowledge_base(path: str | os.PathLike, source: str, encoder: str, *,
     if source == "demo":
         passages = load_demo_corpus()
     else:
-        passages = load_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress)
+        try:
+            passages = load_corpus(source, words_per_passage=words_per_passage, show_progress=show_progress)
+        except CorpusError as e:
+            raise CorpusError(f"{option} {source}: {e}") from None
     logger.info("building knowledge base %s from %s (%d passages) with %s", path, source, len(passages), encoder)
     enc = TextEncoder(encoder, role="context")
     try:

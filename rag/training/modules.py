@@ -48,10 +48,11 @@ from rag.training.settings import (
     decay_split,
     settings_dict,
 )
+from rag.training.windows import DataWindows, TrainingPrompts, answer_window, measure_training_prompts, model_positions
 from rag.utils.devices import without_cudnn_attention
 from rag.utils.errors import ConfigError
 from rag.utils.io import atomic_write_text, check_output_dir, to_json
-from rag.utils.truncation import sample_cut_prompts
+from rag.utils.truncation import CutPrompts
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ __all__ = ["RagModule", "generate_answers"]
 # `--model.help` list their fields; never mutated (RagModule stores plain dicts).
 _DEFAULT_RAG, _DEFAULT_TINY, _DEFAULT_WARM = RagModelConfig(), TinyGenerator(), WarmStartGenerator()
 _DEFAULT_OPTIMIZER, _DEFAULT_DECODING, _DEFAULT_EVALUATION = RagOptimizer(), Decoding(), Evaluation()
-_DEFAULT_ACTORS = RetrievalActors()
+_DEFAULT_ACTORS, _DEFAULT_WINDOWS = RetrievalActors(), DataWindows()
 
 
 class RagModule(pl.LightningModule):
@@ -100,6 +101,8 @@ class RagModule(pl.LightningModule):
         closed_book: the closed-book baseline (Table 1; :class:`~rag.training.reader_modes.ClosedBook`).
         export_dir: write the trained model there at the end of ``fit`` (``rag generate --model DIR`` reads it); an
             earlier export there is replaced, any other content refused.
+        windows: ``max_context_length: auto`` / ``max_new_tokens: auto`` choose ``rag.max_context_length`` and
+            ``decoding.max_new_tokens`` from the training data before the first step (:mod:`rag.training.windows`).
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class RagModule(pl.LightningModule):
         retrieval_actors: RetrievalActors = _DEFAULT_ACTORS,
         closed_book: bool = False,
         export_dir: Optional[str] = None,
+        windows: DataWindows = _DEFAULT_WINDOWS,
     ) -> None:
         super().__init__()
         # Hyperparameters are stored as plain dicts/lists so that checkpoints load with
@@ -136,6 +140,7 @@ class RagModule(pl.LightningModule):
         evaluation = settings_dict(evaluation, Evaluation, "evaluation") or {}
         reading_practice = settings_dict(reading_practice, ReadingPracticeSettings, "reading_practice")
         retrieval_actors = settings_dict(retrieval_actors, RetrievalActors, "retrieval_actors") or {}
+        windows = settings_dict(windows, DataWindows, "windows") or {}
         check_tiny_name(generator, "model.generator")
         self.optimizer_settings = RagOptimizer(**optimizer)
         self.decoding = Decoding(**decoding)
@@ -144,6 +149,8 @@ class RagModule(pl.LightningModule):
         if unknown:
             raise ConfigError(f"model.evaluation.generation_metrics: unknown {unknown}; choose from {sorted(GENERATION_METRICS)}")
         self.rag_config = RagModelConfig(**rag)  # validates the RAG options now, at parse time
+        self.windows = DataWindows(**windows)
+        self._chosen_windows: dict = {}  # what model.windows chose (on_fit_start), kept in the checkpoint
         self.practice_settings = as_settings(reading_practice, ReadingPracticeSettings, "reading_practice")
         self.components = RagComponents(
             generator=generator, question_encoder=question_encoder, knowledge_base=knowledge_base, rag=self.rag_config,
@@ -435,9 +442,11 @@ class RagModule(pl.LightningModule):
         checkpoint["state_dict"] = {k.replace(".generator.encoder.inner.", ".generator.encoder."): v
                                     for k, v in checkpoint["state_dict"].items()}
         kb = self.model.knowledge_base if self.model is not None else None
-        checkpoint["rag"] = {"kb_version": getattr(kb, "version", None), "kb_path": str(getattr(kb, "path", ""))}
+        checkpoint["rag"] = {"kb_version": getattr(kb, "version", None), "kb_path": str(getattr(kb, "path", "")),
+                             "windows": dict(self._chosen_windows)}
 
     def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self._use_windows(checkpoint.get("rag", {}).get("windows") or {})  # as the run that saved it chose them
         saved = checkpoint.get("rag", {}).get("kb_version")
         kb = self.model.knowledge_base if self.model is not None else None
         if saved and kb is not None and kb.version != saved:
@@ -460,26 +469,79 @@ class RagModule(pl.LightningModule):
                                            pairs=pairs)
             logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
                         self.practice_settings.per_step)
-        if pairs and self.mode.retrieves and self.trainer.is_global_zero:
-            self._report_cut_prompts_up_front([q for q, _ in pairs])
+        self._fit_windows(pairs)
         export_dir = self.hparams.export_dir
         if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
             check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
                              option="model.export_dir")
 
-    def _report_cut_prompts_up_front(self, questions: list[str]) -> None:
-        """Before the first step: the fraction of reader prompts longer than ``rag.max_context_length``, measured on the
-        retrieval of up to 64 of the training questions (one warning line when any is cut). The random number
-        generators are left as they were (the query encoder's dropout draws from them), so training is unchanged."""
+    def _fit_windows(self, pairs: list) -> None:
+        """Before the first step: the windows ``model.windows`` chooses from the training `pairs` (every rank alike;
+        a checkpoint's choice is kept), then the report of the training prompts the window cuts (rank zero)."""
+        w, zero, retrieves = self.windows, self.trainer.is_global_zero, bool(pairs) and self.mode.retrieves
+        found = None
+        if not self._chosen_windows and pairs and "auto" in (w.max_new_tokens, w.max_context_length):
+            model, chosen = self._require_model(), {}
+            if w.max_new_tokens == "auto":
+                chosen["max_new_tokens"], longest = answer_window(model.generator_tokenizer, [a for _, a in pairs], w.share,
+                                                                  self.rag_config.max_target_length)
+                if zero:
+                    logger.warning("model.windows.max_new_tokens=auto: decoding.max_new_tokens=%d (%g%% of the %d training "
+                                   "answers are at most %d tokens, the longest %d; at most rag.max_target_length=%d)",
+                                   chosen["max_new_tokens"], 100 * w.share, len(pairs), chosen["max_new_tokens"] - 1,
+                                   longest, self.rag_config.max_target_length)
+            if w.max_context_length == "auto" and retrieves:
+                found = self._measure_prompts([q for q, _ in pairs], w.questions)
+                positions = model_positions(model.lm)
+                cap = positions - self.rag_config.max_target_length if positions else None
+                chosen["max_context_length"] = min(found.covering(w.share), cap or 1 << 30)
+                if zero:
+                    logger.warning("model.windows.max_context_length=auto: rag.max_context_length=%d (holds %g%% of %d "
+                                   "reader prompts of %d training questions whole; the longest %d%s)",
+                                   chosen["max_context_length"], 100 * w.share, len(found.lengths), found.questions,
+                                   max(found.lengths, default=0), f"; the generator's positions allow {cap}" if cap else "")
+            self._use_windows(chosen)
+        if retrieves and zero:
+            self._report_cut_prompts_up_front([q for q, _ in pairs], found)
+
+    def _use_windows(self, chosen: dict) -> None:
+        """Read with the windows `chosen` (``max_context_length``, ``max_new_tokens``) from now on."""
+        chosen = {k: int(v) for k, v in chosen.items() if k in ("max_context_length", "max_new_tokens")}
+        self._chosen_windows = chosen
+        if "max_context_length" in chosen:
+            self.rag_config = dataclasses.replace(self.rag_config, max_context_length=chosen["max_context_length"])
+            if self.model is not None:
+                self.model.config = dataclasses.replace(self.model.config, max_context_length=chosen["max_context_length"])
+        if "max_new_tokens" in chosen:
+            self.decoding = dataclasses.replace(self.decoding, max_new_tokens=chosen["max_new_tokens"])
+
+    def _measure_prompts(self, questions: list[str], limit: int = 64) -> TrainingPrompts:
+        """The reader inputs of up to `limit` training questions (:func:`measure_training_prompts`), retrieved in eval
+        mode without gradients; the random number generators are left as they were (the query encoder's dropout draws
+        from them), so training is unchanged."""
         model = self._require_model()
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        was = model.training
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            cut, n = sample_cut_prompts(model.prepare_inputs, questions)
+            model.eval()
+            try:
+                return measure_training_prompts(model, questions, limit=limit)
+            finally:
+                model.train(was)
+
+    def _report_cut_prompts_up_front(self, questions: list[str], found: Optional[TrainingPrompts] = None) -> None:
+        """Before the first step: the fraction of reader prompts longer than ``rag.max_context_length``, measured on the
+        retrieval of up to 64 of the training questions (`found`, else measured now), and the window that would hold
+        99% of them whole: one warning line when any is cut."""
+        found = found or self._measure_prompts(questions)
+        window = self.rag_config.max_context_length
+        cut = CutPrompts(len(found.lengths), sum(n > window for n in found.lengths), {window})
         if cut.cut:
-            logger.warning("train: %s (measured before training on %d of the %d training questions; "
-                           "model.rag.max_context_length sets the window)", cut.summary(), n, len(set(questions)))
+            logger.warning("train: %s (measured before training on %d of the %d training questions; %d tokens hold 99%% "
+                           "of them whole: model.rag.max_context_length sets the window, model.windows.max_context_length: "
+                           "auto chooses it)", cut.summary(), found.questions, found.of, found.covering(0.99))
         else:
-            logger.info("train: no reader prompt is cut (%d prompts of %d training questions)", cut.prompts, n)
+            logger.info("train: no reader prompt is cut (%d prompts of %d training questions)", cut.prompts, found.questions)
 
     def decoding_defaults(self) -> dict:
         """This run's decoding settings (``num_beams``, ``max_new_tokens``, ``length_penalty``, resolved): validation, test

@@ -145,3 +145,26 @@ def test_rag_fit_corpus_only_with_a_knowledge_base_of_no_pair_is_one_line(tmp_pa
                    "--trainer.default_root_dir", str(tmp_path / "run"), "--model.question_encoder", "null"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "give question-answer pairs with --data.train" in err[0], err
+
+
+def test_rag_fit_corpus_only_with_an_empty_knowledge_base_is_one_line(tmp_path, capsys, monkeypatch):
+    kb = _kb([Passage("a", "A", "x")], tmp_path)
+    monkeypatch.setattr(KnowledgeBase, "all_passages", lambda self: [])  # no build writes an empty one: as if it held none
+    capsys.readouterr()
+    status = main(["fit", "--config", str(REPO / "lightning_configs" / "cpu_causal_reader.yaml"), "--model.knowledge_base", kb,
+                   "--trainer.default_root_dir", str(tmp_path / "run"), "--model.question_encoder", "null"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "holds no passage" in err[0] and "rag index build --corpus" in err[0], err
+
+
+def test_rag_fit_building_its_knowledge_base_from_an_empty_corpus_names_the_option(tmp_path, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    build = ["--model.build_knowledge_base.corpus", str(empty), "--model.build_knowledge_base.encoder", "minilm"]
+    status = main(["fit", "--config", str(REPO / "lightning_configs" / "cpu_causal_reader.yaml"), "--model.knowledge_base",
+                   str(tmp_path / "kb"), *build, "--data.train", "null",
+                   "--trainer.default_root_dir", str(tmp_path / "run"), "--model.question_encoder", "null"])
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "error" in ln]
+    assert status == 2 and len(err) == 1, err
+    assert f"model.build_knowledge_base.corpus {empty}: " in err[0] and "contains no documents" in err[0]
+    assert not (tmp_path / "kb").exists()
