@@ -66,8 +66,9 @@ _KIND_KEYS = {
     "flat": ("metric",),
     "hnsw": ("metric", "m", "ef_construction", "ef_search"),
     "hnsw_sq8": ("metric", "m", "ef_construction", "ef_search"),
-    "ivf_pq": ("metric", "nlist", "pq_m", "pq_nbits", "nprobe"),
+    "ivf_pq": ("metric", "nlist", "pq_m", "pq_nbits", "nprobe", "rescore"),
 }
+_RESCORE_DEFAULT = 100
 _NULLABLE = ("nlist", "pq_m")
 
 _ADD_CHUNK = 16_384  # rows per faiss add() call (one progress-bar step)
@@ -101,6 +102,8 @@ class IndexSpec:
     """Bits per PQ sub-quantiser code."""
     nprobe: int = 32
     """IVF lists visited per query."""
+    rescore: int = _RESCORE_DEFAULT
+    """ivf_pq: candidates per query re-ranked by their exact score on the stored vectors (0 = the PQ ranking)."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -119,6 +122,7 @@ class IndexSpec:
             ("ef_search", 1, 1 << 16),
             ("pq_nbits", 1, 16),
             ("nprobe", 1, 1 << 20),
+            ("rescore", 0, 1 << 16),
         ):
             _check_int(name, getattr(self, name), low, high)
         if self.nlist is not None:
@@ -127,8 +131,11 @@ class IndexSpec:
             _check_int("pq_m", self.pq_m, 1, 1 << 16)
 
     def to_dict(self) -> dict:
-        """All fields as a JSON-serialisable dict (the manifest form)."""
-        return dataclasses.asdict(self)
+        """All fields as a JSON-serialisable dict (the manifest form; ``rescore`` only when it is not the default)."""
+        d = dataclasses.asdict(self)
+        if self.rescore == _RESCORE_DEFAULT:  # so that a spec's dict, and a knowledge base's version, predate it
+            del d["rescore"]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "IndexSpec":

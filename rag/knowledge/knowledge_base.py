@@ -42,6 +42,7 @@ from rag.knowledge.manifest import (
 )
 from rag.knowledge.pagecache import PREWARM_CHUNK, PREWARM_PAUSE, RELEASE_CHUNK, MappedPages
 from rag.knowledge.passages import Passage
+from rag.knowledge.rescore import rescore_candidates
 from rag.utils.checksums import Verify
 from rag.utils.errors import ConfigError, CorpusError, KnowledgeBaseError, RagError
 from rag.utils.validate import check_choice, check_number
@@ -363,7 +364,9 @@ class KnowledgeBase:
 
     # ------------------------------------------------------------------ reading
     def search(self, query_embeds: np.ndarray | torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
-        """Top-k search: `(B, D)` query vectors -> scores `(B, k)` float32, rows `(B, k)` int64."""
+        """Top-k search: `(B, D)` query vectors -> scores `(B, k)` float32, rows `(B, k)` int64. An ``ivf_pq`` index's
+        top ``spec.rescore`` candidates are ranked again by their exact score on the stored vectors
+        (:func:`~rag.knowledge.rescore.rescore_candidates`)."""
         if isinstance(query_embeds, torch.Tensor):
             query_embeds = query_embeds.detach().to("cpu", torch.float32).numpy()
         q = np.ascontiguousarray(query_embeds, dtype=np.float32)
@@ -373,14 +376,18 @@ class KnowledgeBase:
                 f"from {self.encoder.get('name')}; use a query encoder of dimension {self.dim}"
             )
         check_number(k, f"k (passages to return; {self.path} holds {len(self)})", integer=True, low=1, high=len(self))
+        k = int(k)
+        spec = self._spec
+        wide = min(len(self), max(k, spec.rescore)) if spec.kind == "ivf_pq" and spec.rescore else k
         pool = self._pool
-        if pool is not None:
-            return pool.search(q, int(k))
+        found = pool.search(q, wide) if pool is not None else None
         with self.in_use():
-            gpu = self._gpu
-            if gpu is not None:
-                return gpu.search(q, int(k))
-            return search_index(self._index, q, int(k), self._spec)
+            if found is None:
+                gpu = self._gpu
+                found = gpu.search(q, wide) if gpu is not None else search_index(self._index, q, wide, spec)
+            if wide == k or q.shape[0] == 0:
+                return found
+            return rescore_candidates(q, found[1], self._embeddings, k, spec.metric)  # the PQ's top `wide`, exactly
 
     def use_search_pool(self, pool) -> None:
         """Answer :meth:`search` through `pool` from now on (a :class:`~rag.knowledge.ray_pool.RayRetrievalPool` over
