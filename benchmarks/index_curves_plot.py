@@ -1,5 +1,6 @@
-"""Plots of ``benchmarks/index_curves.py`` results: build time and peak RSS beyond the index against N per spec
-(log-log, with the fitted power laws), and recall@10 against queries/s of each search-parameter sweep on the real set.
+"""Plots of ``benchmarks/index_curves.py`` results: build time and peak RSS beyond the index against N per spec, one
+line per data kind (real, synthetic) and thread count (log-log, dotted: the power law fitted to that line), and
+recall@10 against queries/s of each search-parameter sweep at the largest real N.
 
     python benchmarks/index_curves_plot.py benchmarks/results/index_curves_*.json --out docs/img/index_curves.png
 """
@@ -32,18 +33,25 @@ def main(argv=None) -> int:
     rows = load(args.results)
     specs = sorted({r["spec"] for r in rows})
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), dpi=80)
-    for spec in specs:
-        rs = sorted((r for r in rows if r["spec"] == spec), key=lambda r: r["n"])
-        n = np.array([r["n"] for r in rs], float)
-        for ax, key, scale in ((axes[0], "build_s", 1.0), (axes[1], "beyond_index", 1 / 2**20)):
-            y = np.array([r.get(key, np.nan) for r in rs], float) * scale
-            ok = np.isfinite(y) & (y > 0)
-            line, = ax.plot(n[ok], y[ok], "o-", label=spec)
-            if ok.sum() >= 2:
-                e, c = np.polyfit(np.log(n[ok]), np.log(y[ok]), 1)
-                xs = np.geomspace(n[ok].min(), n[ok].max(), 20)
-                ax.plot(xs, np.exp(c) * xs**e, ":", color=line.get_color())
-        real = [r for r in rs if r["data"] == "real" and r.get("sweep")]
+    for i, spec in enumerate(specs):
+        series = sorted({(r["data"], r.get("threads", 1)) for r in rows if r["spec"] == spec})
+        for data, threads in series:  # one line (and one power-law fit) per data kind and thread count
+            rs = sorted((r for r in rows if r["spec"] == spec and r["data"] == data and r.get("threads", 1) == threads),
+                        key=lambda r: r["n"])
+            n = np.array([r["n"] for r in rs], float)
+            for ax, key, scale in ((axes[0], "build_s", 1.0), (axes[1], "beyond_index", 1 / 2**20)):
+                y = np.array([np.nan if key == "build_s" and r.get("build_s_valid") is False else r.get(key, np.nan)
+                              for r in rs], float) * scale  # build_s_valid False: wall time of a starved process
+                ok = np.isfinite(y) & (y > 0)
+                if not ok.any():
+                    continue
+                line, = ax.plot(n[ok], y[ok], "o-" if data == "real" else "s--", color=f"C{i % 10}",
+                                label=f"{spec} ({data}, {threads} thr)")
+                if ok.sum() >= 2:
+                    e, c = np.polyfit(np.log(n[ok]), np.log(y[ok]), 1)
+                    xs = np.geomspace(n[ok].min(), n[ok].max(), 20)
+                    ax.plot(xs, np.exp(c) * xs**e, ":", color=line.get_color())
+        real = [r for r in rows if r["spec"] == spec and r["data"] == "real" and r.get("sweep")]
         if real:
             big = max(real, key=lambda r: r["n"])
             for rescore in sorted({s["rescore"] for s in big["sweep"]}):
