@@ -6,15 +6,18 @@ finds from the passage's "Atomic number: 8." Two fusions (``RagModelConfig.hybri
 
 ``score`` (the default): the candidates are the union of the dense and the BM25 top K; each is scored ::
 
-    s(z) = q · d(z) + β · bm25(z) / max_z' bm25(z')          (β = ``hybrid_bm25_weight``, in units of the dense score)
+    s(z) = q · d(z) + β_q · bm25(z) / max_z' bm25(z')
+    β_q = β · ν  when the query holds a numeral (a token with a digit: a number, a code such as 486SX), else β
 
-with both parts computed exactly for every candidate, and the top K by s are returned. The same s is the retrieval
-logit: the document prior is softmax(s / τ), whose dense part carries the gradient into the query encoder (RAG §2.2)
-and whose BM25 part is a per-passage bias without gradient (``Retrieved.prior_bias``). Dividing by the query's best
-BM25 score puts the sparse part in [0, 1] whatever the corpus; β = 1 was chosen with BM25's title weight
-(``bm25.TITLE_WEIGHT``) on three development sets (Elements dev, Elements natural dev, FOLDOC validation questions) for
-a cosine encoder (MiniLM, scores in [-1, 1]): the setting with the best mean recall among those where the fusion is at
-least as good as each retriever alone; ``benchmarks/hybrid_recall.py`` sweeps both.
+(β = ``hybrid_bm25_weight``, in units of the dense score; ν = ``hybrid_numeral_weight``), with both parts computed
+exactly for every candidate, and the top K by s are returned. The same s is the retrieval logit: the document prior is
+softmax(s / τ), whose dense part carries the gradient into the query encoder (RAG §2.2) and whose BM25 part is a
+per-passage bias without gradient (``Retrieved.prior_bias``). Dividing by the query's best BM25 score puts the sparse
+part in [0, β_q] whatever the corpus. ν exists because a word-piece encoder barely tells numerals apart ("Commodore
+1570" and "Commodore 1571" embed alike), so between passages that share a query's words the exact match of its number
+or code must outweigh the dense difference; how β (with BM25's title weight, ``bm25.TITLE_WEIGHT``) and ν were chosen,
+on development questions and on lookups of rare tokens, is in docs/benchmarks.md ("Hybrid retrieval"; the scripts
+``benchmarks/hybrid_recall.py`` and ``benchmarks/rare_token_recall.py``).
 
 ``rrf``: reciprocal rank fusion (Cormack et al. 2009), which needs no score calibration ::
 
@@ -31,6 +34,7 @@ exactly as with dense retrieval.
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Sequence
 
 import numpy as np
@@ -42,13 +46,22 @@ from rag.knowledge.types import Retrieved
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 from rag.utils.validate import check_number, check_positive_int
 
-__all__ = ["RRF_K", "BM25_WEIGHT", "FUSIONS", "reciprocal_rank_fusion", "score_fusion", "HybridRetriever"]
+__all__ = ["RRF_K", "BM25_WEIGHT", "NUMERAL_WEIGHT", "FUSIONS", "has_numeral", "reciprocal_rank_fusion", "score_fusion",
+           "HybridRetriever"]
 
 RRF_K = 60
 """The k of reciprocal rank fusion (Cormack, Clarke and Büttcher 2009)."""
 BM25_WEIGHT = 1.0
 """β of score fusion: the weight of the query-normalised BM25 score, in units of the dense score."""
+NUMERAL_WEIGHT = 4.0
+"""ν of score fusion: the factor on β for a query with a numeral (a token holding a digit: a number, a code)."""
 FUSIONS = ("score", "rrf")
+_DIGIT = re.compile(r"\d")
+
+
+def has_numeral(query: str) -> bool:
+    """True when `query` holds a decimal digit, i.e. one of its BM25 tokens is a number or a code."""
+    return _DIGIT.search(query) is not None
 
 
 def reciprocal_rank_fusion(rankings: Sequence[np.ndarray], k: int, *, rrf_k: int = RRF_K) -> tuple[np.ndarray, np.ndarray]:
@@ -95,9 +108,11 @@ class HybridRetriever:
         fusion: ``score`` (dense score + β · normalised BM25) or ``rrf`` (reciprocal rank fusion).
         rrf_k: the rrf constant.
         bm25_weight: β of score fusion.
+        numeral_weight: ν of score fusion (1: a query with a numeral is fused like any other).
     """
 
-    def __init__(self, dense, bm25, *, fusion: str = "score", rrf_k: int = RRF_K, bm25_weight: float = BM25_WEIGHT):
+    def __init__(self, dense, bm25, *, fusion: str = "score", rrf_k: int = RRF_K, bm25_weight: float = BM25_WEIGHT,
+                 numeral_weight: float = NUMERAL_WEIGHT):
         if dense.knowledge_base is not bm25.knowledge_base:
             raise ConfigError("hybrid retrieval fuses two rankings of one knowledge base; the dense and BM25 retrievers "
                               "serve different ones")
@@ -106,19 +121,23 @@ class HybridRetriever:
         reciprocal_rank_fusion([np.zeros((0, 1), dtype=np.int64)], 1, rrf_k=rrf_k)  # checks rrf_k
         check_number(bm25_weight, "hybrid_bm25_weight (the BM25 part's weight; 1 for a cosine encoder)", low=0.0,
                      error=ConfigError)
+        check_number(numeral_weight, "hybrid_numeral_weight (β's factor for a query with a number or code; 1: none)",
+                     low=0.0, error=ConfigError)
         self.fusion, self.rrf_k, self.bm25_weight = fusion, rrf_k, float(bm25_weight)
+        self.numeral_weight = float(numeral_weight)
         self._pair = (dense, bm25)
 
     @classmethod
     def from_knowledge_base(cls, kb, query_encoder, *, fusion: str = "score", rrf_k: int = RRF_K,
-                            bm25_weight: float = BM25_WEIGHT, allow_encoder_change: bool = False) -> "HybridRetriever":
+                            bm25_weight: float = BM25_WEIGHT, numeral_weight: float = NUMERAL_WEIGHT,
+                            allow_encoder_change: bool = False) -> "HybridRetriever":
         """Over `kb`'s FAISS index (queries embedded by `query_encoder`) and its stored BM25 index."""
         if kb.bm25 is None:
             raise KnowledgeBaseError(f"{kb.path}: has no BM25 index, which hybrid retrieval fuses with the dense ranking; "
                                      "rebuild it with `rag index build --bm25`, or use retrieval dense")
         return cls(DenseRetriever(kb, query_encoder, allow_encoder_change=allow_encoder_change),
                    BM25Retriever(kb.bm25, kb.get_passages, knowledge_base=kb),
-                   fusion=fusion, rrf_k=rrf_k, bm25_weight=bm25_weight)
+                   fusion=fusion, rrf_k=rrf_k, bm25_weight=bm25_weight, numeral_weight=numeral_weight)
 
     @classmethod
     def for_settings(cls, kb, query_encoder, settings=None, *, allow_encoder_change: bool = False) -> "HybridRetriever":
@@ -126,12 +145,14 @@ class HybridRetriever:
         return cls.from_knowledge_base(kb, query_encoder, allow_encoder_change=allow_encoder_change,
                                        fusion=getattr(settings, "hybrid_fusion", "score"),
                                        rrf_k=getattr(settings, "hybrid_rrf_k", RRF_K),
-                                       bm25_weight=getattr(settings, "hybrid_bm25_weight", BM25_WEIGHT))
+                                       bm25_weight=getattr(settings, "hybrid_bm25_weight", BM25_WEIGHT),
+                                       numeral_weight=getattr(settings, "hybrid_numeral_weight", NUMERAL_WEIGHT))
 
     @property
     def options(self) -> dict:
         """The fusion options, as :meth:`from_knowledge_base` takes them."""
-        return {"fusion": self.fusion, "rrf_k": self.rrf_k, "bm25_weight": self.bm25_weight}
+        return {"fusion": self.fusion, "rrf_k": self.rrf_k, "bm25_weight": self.bm25_weight,
+                "numeral_weight": self.numeral_weight}
 
     @property
     def dense(self):
@@ -209,7 +230,8 @@ class HybridRetriever:
         embeds = kb.get_embeddings(torch.from_numpy(np.where(valid, cand, 0))).float()  # (B, 2k, D)
         dense_s = torch.bmm(embeds, q.unsqueeze(-1)).squeeze(-1).numpy()  # (B, 2k) q · d, exact for every candidate
         top_bm25 = np.maximum(bm25_scores[:, :1], 1e-12)  # the query's best BM25 score (0: no known term -> no bias)
-        sparse = self.bm25_weight * np.concatenate([dense_bm25, bm25_scores], axis=1) / top_bm25  # (B, 2k) in [0, β]
+        beta = self.bm25_weight * np.array([[self.numeral_weight if has_numeral(t) else 1.0] for t in queries], dtype=np.float32)
+        sparse = beta * np.concatenate([dense_bm25, bm25_scores], axis=1) / top_bm25  # (B, 2k) in [0, β · factor]
         pick, scores = score_fusion(dense_s, sparse, valid, k)
         pick = np.maximum(pick, 0)
         rows = np.take_along_axis(cand, pick, axis=1)

@@ -7,7 +7,12 @@ import numpy as np
 import pytest
 import torch
 
-from rag.knowledge.hybrid import HybridRetriever, reciprocal_rank_fusion, score_fusion
+from rag.knowledge.encoders import TextEncoder
+from rag.knowledge.hybrid import NUMERAL_WEIGHT, HybridRetriever, has_numeral, reciprocal_rank_fusion, score_fusion
+from rag.knowledge.knowledge_base import KnowledgeBase
+from rag.knowledge.passages import Passage
+from rag.knowledge.retriever import default_query_encoder
+from rag.models.rag.config import RagModelConfig
 from rag.utils.errors import ConfigError, KnowledgeBaseError
 
 
@@ -50,7 +55,8 @@ def test_score_fusion_ranks_candidates_by_the_sum_ties_in_candidate_order_paddin
 
 
 def test_score_fusion_is_the_dense_score_plus_the_normalised_bm25_score_over_both_top_k(kb):
-    """Brute force: every passage in either top-k, scored q · d + β · bm25 / (the query's best bm25); the top k of those."""
+    """Brute force: every passage in either top-k, scored q · d + β_q · bm25 / (the query's best bm25), β_q = β · ν for a
+    query with a numeral; the top k of those."""
     from rag.knowledge.retriever import default_query_encoder
 
     encoder = default_query_encoder(kb)
@@ -63,12 +69,13 @@ def test_score_fusion_is_the_dense_score_plus_the_normalised_bm25_score_over_bot
     all_bm25 = kb.bm25.score_rows(questions, everything)  # (B, N)
     all_dense = (q @ kb.get_embeddings(torch.arange(len(kb))).T).numpy()  # (B, N)
     for b in range(len(questions)):
+        beta = 0.7 * (NUMERAL_WEIGHT if b == 2 else 1.0)  # "atomic number 8" holds a numeral
         cand = set(dense.rows[b].tolist()) | set(bm25.rows[b].tolist())
-        want = {r: all_dense[b, r] + 0.7 * all_bm25[b, r] / all_bm25[b].max() for r in cand}
+        want = {r: all_dense[b, r] + beta * all_bm25[b, r] / all_bm25[b].max() for r in cand}
         best = sorted(want, key=lambda r: -want[r])[:3]
         assert got.rows[b].tolist() == best
         np.testing.assert_allclose(got.scores[b].numpy(), [want[r] for r in best], rtol=1e-5, atol=1e-6)
-        np.testing.assert_allclose(got.prior_bias[b].numpy(), [0.7 * all_bm25[b, r] / all_bm25[b].max() for r in best],
+        np.testing.assert_allclose(got.prior_bias[b].numpy(), [beta * all_bm25[b, r] / all_bm25[b].max() for r in best],
                                    rtol=1e-5, atol=1e-7)
     assert torch.equal(got.doc_embeds, kb.get_embeddings(got.rows))
 
@@ -156,3 +163,50 @@ def test_retrieval_can_be_chosen_per_call_and_follows_a_swap(kb, tiny_dpr_questi
     after = pipe.retrieve(q, k=2, retrieval="hybrid")[0]
     assert after.kb_version != bm25.kb_version
     assert {p.id for p in after.passages} <= {p.id for p in demo_passages[40:60]}
+
+
+def test_an_exact_rare_code_that_bm25_ranks_first_is_not_outweighed_by_a_dense_neighbour(tmp_path, demo_passages,
+                                                                                          tiny_dpr_context_dir):
+    """"Commodore 1571": BM25 ranks its own entry first, a sibling whose text names the 1571 second, by a margin m of
+    the normalised score; the query vector is set so that dense retrieval ranks the sibling first, 2m ahead (a
+    word-piece encoder sees 1570 and 1571 alike). Fused with β alone the sibling wins (2m > β · m); the numeral factor
+    ν > 2 keeps the entry BM25 found at rank 1, and a question without a numeral is fused as before."""
+    entry = Passage("c1571", "Commodore 1571", "A double-sided floppy disk drive for the Commodore 128.")
+    sibling = Passage("c1570", "Commodore 1570", "A single-sided version of the Commodore 1571 floppy disk drive.")
+    KnowledgeBase.build([entry, sibling, *demo_passages[:8]], TextEncoder(tiny_dpr_context_dir), tmp_path / "kb",
+                        index="flat", bm25=True, show_progress=False)
+    kb = KnowledgeBase.open(tmp_path / "kb")
+    encoder = TextEncoder(tiny_dpr_context_dir)
+    question = "Commodore 1571"
+    bm25 = kb.bm25.score_rows([question], np.arange(len(kb))[None])[0]
+    assert bm25.argmax() == 0 and np.argsort(-bm25)[1] == 1  # BM25: the entry, then the sibling
+    margin = float((bm25[0] - bm25[1]) / bm25[0])
+    assert 0 < margin < 0.5
+    e = kb.get_embeddings(torch.arange(len(kb))).double()  # (N, D), N = 10 < D = 32: any N dense scores are reachable
+    target = torch.full((len(kb),), -1.0, dtype=torch.float64)  # the other passages far behind
+    target[0], target[1] = 0.0, 2 * margin  # the sibling first, 2m ahead of the entry
+    q = (torch.linalg.pinv(e) @ target).float()
+    dense_scores = (e.float() @ q).numpy()
+    assert dense_scores.argmax() == 1 and np.isclose(dense_scores[1] - dense_scores[0], 2 * margin, rtol=1e-3)
+    fused = HybridRetriever.from_knowledge_base(kb, encoder)
+    assert fused.numeral_weight == NUMERAL_WEIGHT > 2 and has_numeral(question)
+    assert fused.search([question], q[None], 1).rows[0].tolist() == [0]
+    assert fused.search([question], q[None], 2).rows[0].tolist() == [0, 1]
+    plain = HybridRetriever.from_knowledge_base(kb, encoder, numeral_weight=1.0)
+    assert plain.search([question], q[None], 1).rows[0].tolist() == [1]  # without ν the dense neighbour wins
+    assert not has_numeral("Commodore floppy drive")
+    same = fused.search(["Commodore floppy drive"], q[None], 2)
+    assert same.rows.tolist() == plain.search(["Commodore floppy drive"], q[None], 2).rows.tolist()
+    torch.testing.assert_close(same.scores, plain.search(["Commodore floppy drive"], q[None], 2).scores)
+
+
+def test_the_numeral_factor_is_a_model_setting_and_saved_models_keep_fusing_without_it(kb):
+    assert RagModelConfig().hybrid_numeral_weight == NUMERAL_WEIGHT
+    saved = RagModelConfig(retrieval="hybrid").to_dict()
+    del saved["hybrid_numeral_weight"]  # a config written before the field existed
+    assert RagModelConfig.from_dict(saved).hybrid_numeral_weight == 1.0
+    with pytest.raises(ConfigError, match="hybrid_numeral_weight"):
+        RagModelConfig(hybrid_numeral_weight=-1)
+    settings = RagModelConfig(retrieval="hybrid", hybrid_numeral_weight=2.5)
+    fused = HybridRetriever.for_settings(kb, default_query_encoder(kb), settings)
+    assert fused.options["numeral_weight"] == 2.5

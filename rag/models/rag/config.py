@@ -47,6 +47,10 @@ class RagModelConfig:
     hybrid_bm25_weight: float = 1.0
     """Hybrid score fusion: the weight of the normalised BM25 score, in units of the dense score (1 for a cosine
     encoder such as MiniLM; how it was chosen: docs/benchmarks.md, "Hybrid retrieval")."""
+    hybrid_numeral_weight: float = 4.0
+    """Hybrid score fusion: the factor on hybrid_bm25_weight for a question with a numeral (a number or a code such as
+    486SX), whose exact match a word-piece encoder barely sees (:mod:`rag.knowledge.hybrid`). Configs saved before this
+    field existed fused without it (1)."""
     hybrid_rrf_k: int = 60
     """Hybrid rrf fusion: the constant k of reciprocal rank fusion, score(d) = Σ 1 / (k + rank(d)) over the two rankings."""
     max_context_length: int = 300
@@ -119,6 +123,9 @@ class RagModelConfig:
         check_number(self.hybrid_bm25_weight, "RagModelConfig.hybrid_bm25_weight (1 for a cosine encoder)", low=0.0,
                      error=ConfigError)
         self.hybrid_bm25_weight = float(self.hybrid_bm25_weight)
+        check_number(self.hybrid_numeral_weight, "RagModelConfig.hybrid_numeral_weight (1: numerals not weighed apart)",
+                     low=0.0, error=ConfigError)
+        self.hybrid_numeral_weight = float(self.hybrid_numeral_weight)
         if self.passage_focus not in _FOCUSES:
             raise ConfigError(f"RagModelConfig.passage_focus={self.passage_focus!r}; choose one of {_FOCUSES}")
         if self.truncation not in _TRUNCATIONS:
@@ -185,6 +192,8 @@ class RagModelConfig:
             raise ConfigError(f"{where}: unknown field(s) {unknown}; valid fields are {sorted(known)}")
         if "hybrid_rrf_k" in d and "hybrid_fusion" not in d:  # saved before score fusion existed: trained with rrf
             d = {**d, "hybrid_fusion": "rrf"}
+        if d and "hybrid_numeral_weight" not in d:  # saved before the numeral factor existed: fused without it
+            d = {**d, "hybrid_numeral_weight": 1.0}
         try:
             return cls(**d)
         except ConfigError as e:  # the field's own check, prefixed with the file it came from
