@@ -8,7 +8,7 @@ GPU, and printed with their ratio:
   data; drawn with torch on the GPU for speed), ``--queries`` held-out queries, k = 10.
   ``flat``: :func:`rag.knowledge.index.search_index` on ``--threads`` CPU threads vs :func:`rag.knowledge.gpu.to_gpu`
   (float32, and float16 storage) — queries/s, GPU-vs-CPU top-10 agreement. ``ivf_pq`` (the package's default spec:
-  nlist = sqrt(N), 96 sub-quantisers of 8 dimensions at D = 768, nprobe 32): :func:`~rag.knowledge.index.build_index`
+  nlist = sqrt(N), 96 sub-quantisers of 8 dimensions at D = 768, nprobe 64): :func:`~rag.knowledge.index.build_index`
   with ``gpu=False`` vs ``gpu=True`` (training and adding on the GPU, stored as a CPU index) — build seconds and
   recall@10 against the exact top-10; then search queries/s of the CPU index vs its GPU clone (float16 look-up tables).
   CPU IVF-PQ builds are skipped (and said so) where the projection from the smaller size exceeds the time left.
