@@ -23,6 +23,7 @@ from torch import Tensor
 from rag.generation.contexts import ContextFormat
 from rag.generation.search import GenerationConfig
 from rag.generation.spans import TokenTexts
+from rag.knowledge.passages import Passage
 
 __all__ = ["Generator", "GeneratorInputs", "GeneratorBase", "QUESTION_TOKENS", "prompt_lengths", "layout_fingerprint"]
 
@@ -31,11 +32,6 @@ QUESTION_TOKENS = 32
 
 PromptIds = Callable[[str, Sequence], list]
 """``(question, passages) -> ids``: the whole (uncut) token ids of the question's input with each passage."""
-
-
-class _Probe:
-    def __init__(self, title: str, text: str):
-        self.id, self.title, self.text = "probe", title, text
 
 
 def _probe_question(tokenizer, tokens: int) -> tuple[str, int]:
@@ -60,7 +56,7 @@ def layout_fingerprint(prompt_ids: PromptIds, tokenizer) -> str:
     """A short SHA-256 of a probe prompt's token ids: equal for two readers whose prompts are laid out and tokenized
     alike, so a length measured for one holds for the other."""
     question, _ = _probe_question(tokenizer, 8)
-    [ids] = prompt_ids(question, [_Probe("Probe title", "A probe passage, 1774: the first sentence. And a second.")])
+    [ids] = prompt_ids(question, [Passage("probe", "Probe title", "A probe passage, 1774: the first sentence. And a second.")])
     return hashlib.sha256(",".join(map(str, ids)).encode()).hexdigest()[:16]
 
 

@@ -380,11 +380,11 @@ class KnowledgeBase:
         spec = self._spec
         wide = min(len(self), max(k, spec.rescore)) if spec.kind == "ivf_pq" and spec.rescore else k
         pool = self._pool
-        found = pool.search(q, wide) if pool is not None else None
+        if pool is not None:  # the actors search knowledge bases of this version, which re-rank their own candidates
+            return pool.search(q, k)
         with self.in_use():
-            if found is None:
-                gpu = self._gpu
-                found = gpu.search(q, wide) if gpu is not None else search_index(self._index, q, wide, spec)
+            gpu = self._gpu
+            found = gpu.search(q, wide) if gpu is not None else search_index(self._index, q, wide, spec)
             if wide == k or q.shape[0] == 0:
                 return found
             return rescore_candidates(q, found[1], self._embeddings, k, spec.metric)  # the PQ's top `wide`, exactly
