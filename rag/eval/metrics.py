@@ -63,6 +63,14 @@ def token_f1(prediction: str, gold: Sequence[str]) -> float:
     return best
 
 
+def gold_in_answer(prediction: str, gold: Sequence[str]) -> float:
+    """1.0 if any gold answer, after :func:`normalize_answer`, is a whole-token span of the normalised `prediction`
+    (the "answer contains the gold string" accuracy of free-form QA, e.g. ALCE's ``str_em`` on whole tokens: "1774" is
+    found in "by Priestley in 1774", "17" is not), else 0.0. An empty gold answer matches nothing."""
+    hay = f" {normalize_answer(prediction)} "
+    return float(any(needle and f" {needle} " in hay for needle in (normalize_answer(g) for g in _check_gold(gold))))
+
+
 def _normalize_for_search(text: str) -> str:
     """Lower case, NFD unicode, punctuation as token boundaries: the form in which
     :func:`has_answer` looks for an answer inside a passage."""

@@ -35,7 +35,7 @@ def markdown(summary: dict) -> str:
     lines += ["| metric | value (%) |", "|---|---|"] + [f"| {n} | {_pct(metrics[n])} |" for n in names]
     cats = summary.get("by_category") or {}
     if cats:
-        cols = [n for n in ("em", "f1", "answer_recall@1", "recall@1") if any(n in c for c in cats.values())]
+        cols = [n for n in ("em", "f1", "gold_in_answer", "answer_recall@1", "recall@1") if any(n in c for c in cats.values())]
         lines += ["", "| category | questions | " + " | ".join(cols) + " |", "|---|---|" + "---|" * len(cols)]
         for c, vals in cats.items():
             lines.append(f"| {c} | {vals['questions']} | " + " | ".join(_pct(vals.get(n)) for n in cols) + " |")

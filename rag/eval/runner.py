@@ -41,7 +41,7 @@ import rag
 from rag.demo.kb import resolve_knowledge_base
 from rag.eval.benchmarks import EvalExample, read_eval_set
 from rag.eval.faithfulness import DEFAULT_THRESHOLD, FaithfulnessJudge
-from rag.eval.metrics import exact_match, has_answer, token_f1
+from rag.eval.metrics import exact_match, gold_in_answer, has_answer, token_f1
 from rag.eval.ranking import parse_ks, query_metrics, r_precision, trec_order
 from rag.eval.report import markdown, write_report
 from rag.generation.answers import cited_text, retrievals
@@ -244,6 +244,7 @@ def _record(ex: EvalExample, hit, answer, ks: Sequence[int], verdict=None) -> di
     if answer is not None and ex.answers:
         scores["em"] = exact_match(answer.text, list(ex.answers))
         scores["f1"] = token_f1(answer.text, list(ex.answers))
+        scores["gold_in_answer"] = gold_in_answer(answer.text, list(ex.answers))
     if ex.evidence:
         ordered = sorted(read, key=lambda p: -p.score)  # the pages read, best retrieved first (KILT's guess provenance)
         scores["rprec"] = r_precision([_gold_key(p, ex) for p in ordered], ex.evidence)

@@ -10,6 +10,7 @@ from rag.eval.metrics import (
     RetrievalRecall,
     TokenF1,
     exact_match,
+    gold_in_answer,
     has_answer,
     normalize_answer,
     token_f1,
@@ -75,6 +76,18 @@ def test_metric_classes_accumulate_and_reset():
         assert em.compute().item() == 0.0
     with pytest.raises(RagError, match="2 predictions but 1"):
         em.update(["a", "b"], [["a"]])
+
+
+def test_gold_in_answer_is_a_whole_token_span_of_the_normalised_answer():
+    assert gold_in_answer("It was discovered by Priestley in 1774.", ["1774"]) == 1.0
+    assert gold_in_answer("The Priestley", ["priestley"]) == 1.0  # SQuAD normalisation on both sides
+    assert gold_in_answer("in 1774", ["17"]) == 0.0  # inside a token: no match
+    assert gold_in_answer("high temperature welding", ["welding", "breathing"]) == 1.0  # any gold answer
+    assert gold_in_answer("W.H. Wollaston", ["Priestley"]) == 0.0
+    assert gold_in_answer("anything", ["the"]) == 0.0  # a gold answer that normalises to nothing matches nothing
+    assert gold_in_answer("Cuprum", ["cuprum"]) == exact_match("Cuprum", ["cuprum"]) == 1.0
+    with pytest.raises(RagError):
+        gold_in_answer("x", "x")
 
 
 def test_has_answer_token_boundaries():
