@@ -145,6 +145,9 @@ _VERB_PREP = re.compile(r"^(?P<subject>[^,]{1,40}?) (?P<aux>is|are|was|were) (?P
                         r"(?:used|found|obtained|separated|produced|made|extracted|named|employed|present|prepared|known)) "
                         r"(?P<prep>in|for|as|from|by|with|on|after|to) (?P<answer>[a-z][\w-]*(?: [\w-]+){0,5}?)"
                         r"(?=[,.;:]| and | or | which | to | in | of | with | from | as |$)")
+MAX_PRACTICE_PASSAGE_WORDS = 80
+"""A longer passage is read, for a cloze pair, as the five sentences around the pair's own (its answer always inside a
+reader's window of a few hundred tokens)."""
 MAX_CLOZE_SENTENCE_WORDS = 60
 """Longer sentences (or text without sentence ends) make no cloze question: each question is the whole sentence."""
 _PRONOUN = re.compile(r"^(It|Its|This element|The element)\b")
@@ -153,6 +156,48 @@ _BY_NAME = re.compile(r"^(?P<subject>.+?) (?:was|were) (?P<verb>(?:first |later 
                       r"(?P<name>(?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)(?P<rest>.*)$")
 _CLOZE_SENTENCE = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)\s+(?=[A-Z(])")
 """Sentence ends: a period before a capital, not after an initial ("W.H. Wollaston" stays one sentence)."""
+
+
+_SPAN_TOKEN = re.compile(r"\w[\w'-]*\w|\w|[^\w\s]")
+_SPAN_ANCHORS = frozenset("a an the in of for as with into from by to on than called named is are was were".split())
+_SPAN_STOP = frozenset("""a an the in of for as with into from by to on than at and or but nor not no so if it its this that these
+those which who whom whose what when where why how than then there here all any some such other another each every both
+either neither one ones more most less least much many few very also only even still just about above after again
+against before below between during over under up down out off through until while is are was were be been being has
+have had having do does did can could may might must shall should will would used found made known called named
+discovered isolated obtained produced formed given taken seen said nothing something anything everything ask first
+hence however currently finally later directly thus therefore usually""".split())
+MAX_SPAN_WORDS = 4
+"""The most words of a span answer (a noun phrase or name after a preposition, article or copula)."""
+
+
+def _span_pairs(body: str, title: str) -> list[tuple[str, str]]:
+    """Span cloze of one sentence (`body`, its subject already named): every run of up to :data:`MAX_SPAN_WORDS`
+    content words right after a preposition, article or copula ("used in *thermometers*", "formerly called
+    *wolfram*", "form of *Cobalt-60*") is an answer, and the sentence with the run (and its article) replaced by
+    "what" the question. Runs that are, or hold, the passage's title, or a bare number (the number rule's), are not."""
+    toks = [(m.group(), m.start(), m.end()) for m in _SPAN_TOKEN.finditer(body)]
+    title_words = {w.lower() for w in title.split()}
+    out = []
+    i = 0
+    while i < len(toks):
+        word = toks[i][0].lower()
+        j = i + 1
+        if word in _SPAN_ANCHORS:
+            while j < len(toks) and toks[j][0][0].isalnum() and toks[j][0].lower() not in _SPAN_STOP:
+                j += 1
+        run = toks[i + 1:j]
+        if run and word in ("is", "are", "was", "were") and run[0][0].lower().endswith(("ed", "ly")):
+            run = []  # "was identified", "is generally": a verb or an adverb, not a noun phrase
+        answer = body[run[0][1]:run[-1][2]] if run else ""
+        if (run and len(run) <= MAX_SPAN_WORDS and len(answer) >= 2 and len(run) < len(toks) - 3
+                and not any(t[0].lower() in title_words for t in run)
+                and not all(t[0].replace(".", "").isdigit() for t in run)):
+            start = toks[i][1] if word in ("a", "an", "the") else run[0][1]
+            question = body[:start] + "what" + body[run[-1][2]:]
+            out.append((question + "?", answer))
+        i = max(j, i + 1)
+    return out
 
 
 def _subject(sentence: str, title: str) -> str:
@@ -183,6 +228,7 @@ def _cloze_pairs(sentence: str, title: str, max_answer_words: int) -> list[tuple
         unit = n.group(2) or ""
         wh = "what percentage" if unit.strip() in ("%", "percent") else "how many" if "." not in n.group(1) else "what value"
         out.append((body[:n.start()] + wh + body[n.end():] + "?", n.group(1) + unit))
+    out.extend(_span_pairs(body, title))
     by = _BY_NAME.match(body)
     if by:  # "Oxygen was discovered by Priestley in 1774" -> "Who discovered Oxygen in 1774?"
         out.append((f"Who {by.group('verb')} {by.group('subject')}{by.group('rest')}?", by.group("name")))
@@ -202,9 +248,13 @@ def cloze_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_an
     found = []
     for i in order:  # passages in a seeded order until `n` pairs are found: a large corpus is not read whole
         p = passages[i]
-        for sentence in _CLOZE_SENTENCE.split(p.text.strip()):
-            for question, answer in _cloze_pairs(sentence, p.title.strip(), max_answer_words):
-                found.append(PracticeExample(question, answer, p))
+        sentences = _CLOZE_SENTENCE.split(p.text.strip())
+        long = len(p.text.split()) > MAX_PRACTICE_PASSAGE_WORDS
+        for k, sentence in enumerate(sentences):
+            pairs = _cloze_pairs(sentence, p.title.strip(), max_answer_words)
+            # a long passage is read as the sentences around the asked one, so that a reader's window never cuts the answer
+            read = Passage(p.id, p.title, " ".join(sentences[max(0, k - 2):k + 3])) if pairs and long else p
+            found.extend(PracticeExample(question, answer, read) for question, answer in pairs)
         if len(found) >= n:
             break
     rng.shuffle(found)

@@ -39,6 +39,29 @@ def test_cloze_pairs_ask_about_a_sentences_year_number_name_and_use():
         assert e.answer in e.passage.text and e.answer not in e.question and e.question.endswith("?")
 
 
+def test_span_cloze_asks_for_the_noun_phrase_after_a_preposition_article_or_copula():
+    tungsten = Passage("elements/tungsten", "Tungsten", "White or grey metallic transition element, formerly called "
+                       "wolfram. It is used in lamp filaments. Its most stable isotope is W-184.")
+    pairs = {(e.question, e.answer) for e in cloze_practice([tungsten], 100)}
+    assert ("White or grey metallic transition element, formerly called what?", "wolfram") in pairs
+    assert ("Tungsten's most stable isotope is what?", "W-184") in pairs
+    assert ("Tungsten is used in what?", "lamp filaments") in pairs
+    assert all("tungsten" not in a.lower() and len(a.split()) <= 4 for _, a in pairs)  # never the title
+    # a verb after the copula is no noun phrase to ask for ("was identified" -> no "Barium was what ...?")
+    barium = Passage("b", "Barium", "Barium was identified in 1774 by Karl Scheele.")
+    assert not any(a == "identified" for _, a in ((e.question, e.answer) for e in cloze_practice([barium], 100)))
+
+
+def test_a_long_passage_is_read_as_the_sentences_around_the_asked_one():
+    filler = [f"Filler sentence number {i} says nothing much at all here." for i in range(12)]
+    text = " ".join(filler[:10] + ["It is used in high temperature welding."] + filler[10:])
+    asked = [e for e in cloze_practice([Passage("o", "Oxygen", text)], 100) if e.answer == "high temperature welding"]
+    assert asked  # "What is Oxygen used in?" and "Oxygen is used in what?"
+    for ex in asked:
+        assert ex.passage.id == "o" and "used in high temperature welding" in ex.passage.text
+        assert ex.passage.text.startswith(filler[8]) and ex.passage.text.endswith(filler[11])  # two before, two after
+
+
 def test_cloze_pairs_are_deterministic_and_capped():
     a, b = cloze_practice([OXYGEN, PALLADIUM], 3, seed=1), cloze_practice([OXYGEN, PALLADIUM], 3, seed=1)
     assert a == b and len(a) == 3
