@@ -17,6 +17,7 @@ with an error naming it. `rag fit --print_config` shows every option with its de
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 from pathlib import Path
@@ -235,10 +236,19 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
         argv = nested
         if own:  # it stays the process's command line, as LightningCLI expects
             sys.argv[1:] = nested
+    lightning_log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
+    lightning_log.addFilter(drop_advertisement)
     try:
         make_cli(None if own else argv, run=True)
     finally:
+        lightning_log.removeFilter(drop_advertisement)
         release_run_dirs()  # the run's folder is free for the next run of this process
+
+
+def drop_advertisement(record: logging.LogRecord) -> bool:
+    """False for Lightning's line recommending a cloud logging service (printed by every run without one), so that
+    `rag fit` shows the training's own lines; every other record passes."""
+    return "try installing [litlogger]" not in record.getMessage()
 
 
 def _read_config(path: str) -> Optional[dict]:

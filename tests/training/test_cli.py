@@ -4,6 +4,7 @@ named, and a tiny end-to-end run writes CSV + TensorBoard logs and a resumable c
 from __future__ import annotations
 
 import csv
+import logging
 from pathlib import Path
 
 import pytest
@@ -185,9 +186,12 @@ def test_nested_option_help_shows_the_fields_with_their_docs(argv, shows, tmp_pa
 
 
 @pytest.mark.slow
-def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_dir, tiny_dpr_question_dir, tiny_kb_dir):
+def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, caplog, tiny_bart_dir, tiny_dpr_question_dir,
+                                    tiny_kb_dir):
     """`rag fit` then `rag validate` and a resumed `rag fit`, all via rag.cli.main."""
     from rag.cli import main
+
+    caplog.set_level(logging.INFO, logger="pytorch_lightning")
 
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "run"
@@ -213,6 +217,9 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, tiny_bart_di
     }
     path = _write(tmp_path, cfg)
     assert main(["fit", "--config", path]) == 0
+    shown = [r.getMessage() for r in caplog.records]
+    assert any("GPU available" in m for m in shown)  # Lightning's own lines are shown ...
+    assert not any("litlogger" in m for m in shown)  # ... but not its advertisement of a cloud logging service
     last = run / "ckpt" / "last.ckpt"
     assert last.is_file()
     metrics_files = list((run / "csv").rglob("metrics.csv"))
