@@ -76,3 +76,33 @@ def test_gpu_bench_exits_non_zero_when_a_measurement_fails(monkeypatch, tmp_path
     monkeypatch.setattr(bench, "bench_encode", lambda args, root, gpus: {"cpu_fp32_passages_per_s": 1.0})
     assert bench.main(argv) == 0
     assert "errors" not in json.loads(out.read_text())
+
+
+def test_freeform_readers_base_model_is_the_pipeline_with_its_lora_update_zeroed(monkeypatch):
+    """``base:DIR`` switches the adapter off exactly (every lora_B zero: W + B·A = W), the rest of the model untouched;
+    a model without an adapter is refused rather than reported as its own zero-shot base."""
+    bench = load("freeform_readers")
+
+    class Reader:
+        def __init__(self, names):
+            self.model = torch.nn.Module()
+            for n in names:
+                self.model.register_parameter(n, torch.nn.Parameter(torch.ones(2, 2)))
+
+    class Pipe:
+        def __init__(self, names):
+            self.reader = Reader(names)
+
+    loaded = []
+    monkeypatch.setattr(bench.rag, "load", lambda path, knowledge_base=None: loaded.append(path) or Pipe(["lora_B", "w"]))
+    pipe = bench.open_model("base:some/dir")
+    assert loaded == ["some/dir"]
+    assert pipe.reader.model.lora_B.abs().sum() == 0 and pipe.reader.model.w.sum() == 4
+    assert bench.open_model("some/dir").reader.model.lora_B.sum() == 4  # a plain model is loaded as it is
+    monkeypatch.setattr(bench.rag, "load", lambda path, knowledge_base=None: Pipe(["w"]))
+    try:
+        bench.open_model("base:plain")
+    except SystemExit as e:
+        assert "no LoRA adapter" in str(e)
+    else:
+        raise AssertionError("a model without an adapter was accepted as base:")

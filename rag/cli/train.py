@@ -236,19 +236,29 @@ def run_lightning_cli(argv: Sequence[str]) -> None:
         argv = nested
         if own:  # it stays the process's command line, as LightningCLI expects
             sys.argv[1:] = nested
-    lightning_log = logging.getLogger("pytorch_lightning.utilities.rank_zero")
-    lightning_log.addFilter(drop_advertisement)
+    for name in LIGHTNING_NOISE:
+        logging.getLogger(name).addFilter(drop_lightning_noise)
     try:
         make_cli(None if own else argv, run=True)
     finally:
-        lightning_log.removeFilter(drop_advertisement)
+        for name in LIGHTNING_NOISE:
+            logging.getLogger(name).removeFilter(drop_lightning_noise)
         release_run_dirs()  # the run's folder is free for the next run of this process
 
 
-def drop_advertisement(record: logging.LogRecord) -> bool:
-    """False for Lightning's line recommending a cloud logging service (printed by every run without one), so that
-    `rag fit` shows the training's own lines; every other record passes."""
-    return "try installing [litlogger]" not in record.getMessage()
+LIGHTNING_NOISE = {
+    "pytorch_lightning.utilities.rank_zero": "try installing [litlogger]",  # an advertisement, on every run without it
+    # on every checkpoint save: it says the *saved* file holds optimizer states too, and reads like an unsafe load
+    "pytorch_lightning.trainer.connectors.checkpoint_connector": "`weights_only` was not set, defaulting to `False`",
+}
+"""Lines Lightning logs on every run that say nothing about this run: {logger: a fragment of the line}."""
+
+
+def drop_lightning_noise(record: logging.LogRecord) -> bool:
+    """False for a line of :data:`LIGHTNING_NOISE`, so that `rag fit` shows the training's own lines; every other
+    record passes."""
+    fragment = LIGHTNING_NOISE.get(record.name)
+    return fragment is None or fragment not in record.getMessage()
 
 
 def _read_config(path: str) -> Optional[dict]:

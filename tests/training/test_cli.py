@@ -220,6 +220,7 @@ def test_cli_fit_validate_and_resume(tmp_path, monkeypatch, capsys, caplog, tiny
     shown = [r.getMessage() for r in caplog.records]
     assert any("GPU available" in m for m in shown)  # Lightning's own lines are shown ...
     assert not any("litlogger" in m for m in shown)  # ... but not its advertisement of a cloud logging service
+    assert not any("weights_only" in m for m in shown)  # nor its line on every checkpoint save
     last = run / "ckpt" / "last.ckpt"
     assert last.is_file()
     metrics_files = list((run / "csv").rglob("metrics.csv"))
