@@ -61,6 +61,11 @@ def open_model(spec: str, kb=None):
     return pipe
 
 
+def _slug(text: str) -> str:
+    """`text` as one file name: every run of other characters than letters, digits, ``_.-`` becomes ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,7 +73,7 @@ def main(argv=None) -> int:
     for spec in args.models.split(","):
         pipe = open_model(spec, args.kb)
         for data in args.sets.split(","):
-            out = args.out / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', spec)}__{re.sub(r'[^A-Za-z0-9_.-]+', '_', Path(data).stem)}"
+            out = args.out / f"{_slug(spec)}__{_slug(Path(data).stem)}"
             s = rag.evaluate(pipe, data, out, ks=(1, 3), batch_size=args.batch_size, progress=False)
             table.setdefault(spec, {})[data] = {**{m: round(100 * s["metrics"][m], 1) for m in METRICS if m in s["metrics"]},
                                                 "n": s["questions"],

@@ -161,7 +161,7 @@ _CLOZE_SENTENCE = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)\s+(?=[A-Z(])")
 _SPAN_TOKEN = re.compile(r"\w[\w'-]*\w|\w|[^\w\s]")
 _SPAN_ANCHORS = frozenset("a an the in of for as with into from by to on than called named is are was were".split())
 _SPAN_STOP = frozenset("""a an the in of for as with into from by to on than at and or but nor not no so if it its this that these
-those which who whom whose what when where why how than then there here all any some such other another each every both
+those which who whom whose what when where why how then there here all any some such other another each every both
 either neither one ones more most less least much many few very also only even still just about above after again
 against before below between during over under up down out off through until while is are was were be been being has
 have had having do does did can could may might must shall should will would used found made known called named
