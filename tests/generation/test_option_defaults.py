@@ -80,3 +80,15 @@ def test_resolution_order_and_the_one_check():
         Decoding(num_beams=0)
     with pytest.raises(ConfigError, match="model.decoding.sequence_decoding must be one of"):
         Decoding(sequence_decoding="slow")
+
+
+def test_stored_settings_are_checked_when_the_config_is_made():
+    """A model's stored decoding settings (``rag.generation`` of a recipe, ``rag_config.json`` of an export) fail when
+    the config is made, naming the key, not at the first decoding after a training run's first validation."""
+    assert RagModelConfig(generation={"extractive": True, "num_beams": 17}).generation["num_beams"] == 17
+    with pytest.raises(ConfigError, match=r"RagModelConfig.generation.num_beams=0 must be an integer >= 1"):
+        RagModelConfig(generation={"num_beams": 0})
+    # `--model.rag.generation.extractive true` reaches the mapping as the string 'true': the error says how to write it
+    with pytest.raises(ConfigError, match=r"generation.extractive must be true or false, got the string 'true'; "
+                                          r"write it unquoted .*--model.rag.generation '\{extractive: true\}'"):
+        RagModelConfig(generation={"extractive": "true"})

@@ -6,7 +6,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, Optional
 
-from rag.generation.options import FALLBACK_DEFAULTS, GenerationConfig
+from rag.generation.options import FALLBACK_DEFAULTS, GenerationConfig, check_option, option_specs
 from rag.generation.prompts import DEFAULT_CLOSED_BOOK_TEMPLATE, DEFAULT_PROMPT_TEMPLATE, PromptFormat
 from rag.utils.errors import ConfigError
 from rag.utils.validate import check_bool, check_number, check_positive_int, is_number
@@ -210,11 +210,22 @@ def check_overrides(overrides: dict) -> dict:
 
 
 def check_generation_settings(settings, where: str) -> dict:
-    """`settings` unchanged if it maps GenerationConfig field names to values, else ConfigError naming the bad keys."""
+    """`settings` unchanged if it maps GenerationConfig field names to valid values (each option checked as a call's
+    would be, without the per-call cost bounds), else ConfigError naming the bad key."""
     if not isinstance(settings, dict):
         raise ConfigError(f"{where} must be an object of decoding options, got {type(settings).__name__}")
     known = {f.name for f in dataclasses.fields(GenerationConfig)}
     unknown = sorted(set(settings) - known)
     if unknown:
         raise ConfigError(f"{where}: unknown decoding option(s) {unknown}; valid options are {sorted(known)}")
+    specs = option_specs()
+    for key, value in settings.items():
+        if key not in specs or value is None:
+            continue
+        if isinstance(value, str) and specs[key].type is not str and not specs[key].choices:
+            # jsonargparse keeps `--model.rag.generation.extractive true` a string inside a free-form mapping
+            kind = {bool: "true or false", int: "an integer"}.get(specs[key].type, "a number")
+            raise ConfigError(f"{where}.{key} must be {kind}, got the string {value!r}; write it unquoted (on the rag fit "
+                              f"command line give the mapping whole: --model.rag.generation '{{{key}: {value}}}')")
+        check_option(key, value, f"{where}.{key}={value!r}", per_call=False)
     return settings
