@@ -483,13 +483,13 @@ class RagModule(pl.LightningModule):
         if not self._chosen_windows and pairs and "auto" in (w.max_new_tokens, w.max_context_length):
             model, chosen = self._require_model(), {}
             if w.max_new_tokens == "auto":
-                chosen["max_new_tokens"], longest = answer_window(model.generator_tokenizer, [a for _, a in pairs], w.share,
+                chosen["max_new_tokens"], longest = answer_window(model.generator_tokenizer, [a for _, a in pairs],
                                                                   self.rag_config.max_target_length)
                 if zero:
-                    logger.warning("model.windows.max_new_tokens=auto: decoding.max_new_tokens=%d (%g%% of the %d training "
-                                   "answers are at most %d tokens, the longest %d; at most rag.max_target_length=%d)",
-                                   chosen["max_new_tokens"], 100 * w.share, len(pairs), chosen["max_new_tokens"] - 1,
-                                   longest, self.rag_config.max_target_length)
+                    logger.warning("model.windows.max_new_tokens=auto: decoding.max_new_tokens=%d (the longest of the %d "
+                                   "training answers is %d tokens, and one for the end token; at most "
+                                   "rag.max_target_length=%d)", chosen["max_new_tokens"], len(pairs), longest,
+                                   self.rag_config.max_target_length)
             if w.max_context_length == "auto" and retrieves:
                 found = self._measure_prompts([q for q, _ in pairs], w.questions)
                 positions = model_positions(model.lm)

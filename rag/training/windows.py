@@ -6,7 +6,8 @@ through them) and measures each reader input whole, as the generator lays it out
 (:func:`~rag.utils.truncation.sample_cut_prompts`). With ``model.windows.max_context_length: auto`` the run's
 ``rag.max_context_length`` becomes the window holding ``share`` of those inputs whole (at most the generator's positions
 less ``rag.max_target_length``); with ``model.windows.max_new_tokens: auto`` the decoding's ``max_new_tokens`` becomes
-the ``share`` quantile of the training answers' tokens plus the end token (at most ``rag.max_target_length``). Each is
+the longest training answer's tokens plus the end token (at most ``rag.max_target_length``): decoding stops at the end
+token, so room past an answer costs nothing where the reader stops, and a window short of an answer cuts it. Each is
 reported in one line; the values are kept in the checkpoint, so a resumed run reads as the first did.
 """
 
@@ -31,9 +32,9 @@ class DataWindows:
     max_context_length: Optional[Literal["auto"]] = None
     """``auto``: ``rag.max_context_length`` := the window that holds ``share`` of the training prompts whole."""
     max_new_tokens: Optional[Literal["auto"]] = None
-    """``auto``: ``decoding.max_new_tokens`` := the ``share`` quantile of the training answers' tokens, plus the end."""
+    """``auto``: ``decoding.max_new_tokens`` := the longest training answer's tokens, plus the end."""
     share: float = 0.99
-    """The share of prompts (answers) the chosen window holds whole, in (0, 1]."""
+    """The share of training prompts the chosen ``max_context_length`` holds whole, in (0, 1]."""
     questions: int = 64
     """Distinct training questions retrieved for to measure the prompts."""
 
@@ -93,12 +94,12 @@ def measure_training_prompts(model, questions: Sequence[str], *, limit: int = 64
     return TrainingPrompts(lengths, cut, n, len(set(questions)))
 
 
-def answer_window(tokenizer, answers: Sequence[str], share: float, cap: int) -> tuple[int, int]:
-    """``max_new_tokens`` for `answers`: the `share` quantile of their tokens (no special tokens) plus one for the end
-    token, at most `cap`; and the longest answer's tokens."""
+def answer_window(tokenizer, answers: Sequence[str], cap: int) -> tuple[int, int]:
+    """``max_new_tokens`` for `answers`: the longest one's tokens (no special tokens) plus one for the end token, at most
+    `cap`; and that longest answer's tokens."""
     answers = [a.strip() for a in answers if a and a.strip()]
     if not answers:
         raise ConfigError("model.windows.max_new_tokens=auto needs training answers, and this run has none; set "
                           "model.decoding.max_new_tokens")
-    counts = [len(r) for r in tokenizer(answers, add_special_tokens=False)["input_ids"]]
-    return min(quantile_window(counts, share) + 1, int(cap)), max(counts)
+    longest = max(len(r) for r in tokenizer(answers, add_special_tokens=False)["input_ids"])
+    return min(longest + 1, int(cap)), longest

@@ -15,7 +15,7 @@ import pytorch_lightning as pl
 from rag.generators.tiny import save, tiny_gpt2
 from rag.training.data import QADataModule
 from rag.training.modules import RagModule
-from rag.training.windows import DataWindows, measure_training_prompts, quantile_window
+from rag.training.windows import DataWindows, answer_window, measure_training_prompts, quantile_window
 from rag.utils.errors import ConfigError
 
 QA = [("Who discovered oxygen?", "Joseph Priestley"), ("What is the symbol of gold?", "Au"),
@@ -42,6 +42,18 @@ def test_quantile_window_and_the_settings():
         DataWindows(max_context_length="big")
     with pytest.raises(ConfigError, match="model.windows.share"):
         DataWindows(share=0.0)
+
+
+def test_the_answer_window_holds_the_longest_training_answer(bpe_tokenizer):
+    """Decoding stops at the end token, so the window is the longest answer (plus the end), not a quantile: one long
+    answer among a hundred short ones (an address among cloze numbers) is not cut."""
+    answers = ["26"] * 99 + ["192.168.1.1 on the local network"]
+    longest = len(bpe_tokenizer(answers[-1], add_special_tokens=False)["input_ids"])
+    assert longest > len(bpe_tokenizer("26", add_special_tokens=False)["input_ids"]) + 1
+    assert answer_window(bpe_tokenizer, answers, cap=64) == (longest + 1, longest)
+    assert answer_window(bpe_tokenizer, answers, cap=4) == (4, longest)  # at most rag.max_target_length
+    with pytest.raises(ConfigError, match="needs training answers"):
+        answer_window(bpe_tokenizer, ["", "  "], cap=8)
 
 
 def test_the_up_front_report_names_the_window_that_holds_99_percent(gpt2_dir, tiny_dpr_question_dir, tiny_kb_dir, caplog):
@@ -74,7 +86,7 @@ def test_auto_windows_are_chosen_from_the_training_data_reported_and_kept(gpt2_d
     lines = [r.getMessage() for r in caplog.records if r.name == "rag.training.modules"]
     tok = module.model.generator_tokenizer
     answer_tokens = [len(tok(a, add_special_tokens=False)["input_ids"]) for _, a in QA]
-    assert module.decoding.max_new_tokens == min(max(answer_tokens) + 1, 8)  # 6 answers: 99% is all of them; cap 8
+    assert module.decoding.max_new_tokens == min(max(answer_tokens) + 1, 8)  # the longest answer and its end; cap 8
     window = module.model.config.max_context_length
     assert window == module.rag_config.max_context_length != 64
     found = measure_training_prompts(module.model, [q for q, _ in QA])
