@@ -89,4 +89,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with rag.quiet("freeform_readers"):  # what a rag command shows: no library's bars or warnings
+        raise SystemExit(main())

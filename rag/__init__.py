@@ -12,6 +12,7 @@ Public API (everything else is internal and may change):
 - :class:`~rag.models.rag.model.RagModel`, :class:`~rag.models.rag.model.RagModelConfig`
 - :func:`~rag.pipeline.api.load`, :class:`~rag.pipeline.api.RagPipeline`, :class:`~rag.pipeline.api.Answer`
 - :func:`~rag.eval.runner.evaluate` (`rag evaluate`)
+- :func:`~rag.utils.quiet.quiet`: a block that shows what a `rag` command shows (no third-party bars or warnings)
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _LAZY = {
     "Answer": "rag.pipeline.api",
     "load": "rag.pipeline.api",
     "evaluate": "rag.eval.runner",
+    "quiet": "rag.utils.quiet",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -4,6 +4,7 @@ once by the command instead of a warning per call."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -19,7 +20,7 @@ import tqdm.auto
 
 from rag.cli import main
 from rag.models.rag.model import RagModel, RagModelConfig
-from rag.utils.quiet import one_line_warnings, quiet_libraries, stage
+from rag.utils.quiet import one_line_warnings, quiet, quiet_libraries, stage
 from rag.utils.truncation import counting_cut_prompts
 
 REPO = Path(__file__).resolve().parents[1]
@@ -102,6 +103,27 @@ def test_own_warnings_are_one_line_and_other_packages_warnings_hidden():
         _third_party("warnings.warn('`x` is deprecated', FutureWarning)", "otherlib.models", warnings=warnings)
         _third_party("warnings.warn('library news')", "otherlib.models", warnings=warnings)
     assert err.getvalue() == "rag demo: ContextTruncationWarning: prompts were cut (second line)\n"
+
+
+def test_rag_quiet_is_a_commands_display_for_a_script():
+    """``with rag.quiet():`` around Python API calls: no library bar or warning, rag's own warnings one line each."""
+    import rag
+    from rag.generation.contexts import ContextTruncationWarning
+
+    assert rag.quiet is quiet
+    err, theirs = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), rag.quiet("my-script"):
+        warnings.simplefilter("always")
+        _third_party("for _ in tqdm(range(2), desc='Loading weights', file=f): pass", "somelib.loading",
+                     tqdm=tqdm.auto.tqdm, f=theirs)
+        _third_party("warnings.warn('`x` is deprecated', FutureWarning)", "otherlib.models", warnings=warnings)
+        warnings.warn("prompts were cut", ContextTruncationWarning, stacklevel=1)
+    assert theirs.getvalue() == "" and err.getvalue() == "my-script: ContextTruncationWarning: prompts were cut\n"
+    shown = io.StringIO()
+    with rag.quiet(enabled=False):
+        _third_party("for _ in tqdm(range(2), desc='Loading weights', file=f): pass", "somelib.loading",
+                     tqdm=tqdm.auto.tqdm, f=shown)
+    assert "Loading weights" in shown.getvalue()
 
 
 def test_verbose_keeps_pythons_display_of_every_warning():

@@ -9,8 +9,9 @@
   huggingface_hub, if first imported inside the block, start at verbosity ``error``;
 
 :func:`one_line_warnings` shows a warning of rag's own as one line ``<prefix>: <Category>: <message>`` and hides the
-warnings other packages issue (e.g. a library's FutureWarning about another library's call). :func:`stage` prints one
-line per long step of a command, with the seconds it took.
+warnings other packages issue (e.g. a library's FutureWarning about another library's call). :func:`quiet` is both, as
+every `rag` command runs (``rag.quiet()`` for a script of the Python API). :func:`stage` prints one line per long step
+of a command, with the seconds it took.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import warnings
 from pathlib import Path
 from typing import Iterator, Optional, TextIO
 
-__all__ = ["SHOWN_OWNERS", "quiet_libraries", "one_line_warnings", "is_own_warning", "stage"]
+__all__ = ["SHOWN_OWNERS", "quiet", "quiet_libraries", "one_line_warnings", "is_own_warning", "stage"]
 
 SHOWN_OWNERS = ("rag", "lightning", "pytorch_lightning", "__main__")
 """Top-level packages whose own tqdm bars and log records stay visible inside :func:`quiet_libraries`: rag, the
@@ -122,6 +123,15 @@ def quiet_libraries(enabled: bool = True) -> Iterator[None]:
         yield
         return
     with _own_bars_only(), _other_packages_at_error():
+        yield
+
+
+@contextlib.contextmanager
+def quiet(prefix: str = "rag", enabled: bool = True) -> Iterator[None]:
+    """What a `rag` command shows, for a script of the Python API: within ``with rag.quiet():`` the libraries' bars,
+    log records below ERROR and warnings are not shown, and rag's own warnings are one line each, ``<prefix>:
+    <Category>: <message>``. ``enabled=False`` changes nothing (a script's ``-v``)."""
+    with one_line_warnings(prefix, enabled=enabled), quiet_libraries(enabled):
         yield
 
 
