@@ -18,7 +18,9 @@ from pathlib import Path
 import pytest
 import tqdm.auto
 
+import rag
 from rag.cli import main
+from rag.generation.contexts import ContextTruncationWarning
 from rag.models.rag.model import RagModel, RagModelConfig
 from rag.utils.quiet import one_line_warnings, quiet, quiet_libraries, stage
 from rag.utils.truncation import counting_cut_prompts
@@ -94,8 +96,6 @@ def test_other_packages_log_only_errors_inside_quiet_libraries():
 
 
 def test_own_warnings_are_one_line_and_other_packages_warnings_hidden():
-    from rag.generation.contexts import ContextTruncationWarning
-
     err = io.StringIO()
     with one_line_warnings("rag demo", stream=err):
         warnings.simplefilter("always")
@@ -107,9 +107,6 @@ def test_own_warnings_are_one_line_and_other_packages_warnings_hidden():
 
 def test_rag_quiet_is_a_commands_display_for_a_script():
     """``with rag.quiet():`` around Python API calls: no library bar or warning, rag's own warnings one line each."""
-    import rag
-    from rag.generation.contexts import ContextTruncationWarning
-
     assert rag.quiet is quiet
     err, theirs = io.StringIO(), io.StringIO()
     with contextlib.redirect_stderr(err), rag.quiet("my-script"):
