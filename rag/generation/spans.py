@@ -7,10 +7,14 @@ each search row may only continue a span of its passages' text (title and text):
 word ends (or after the bracket, quote or % closing it), so "144." cannot stop inside "144.24" and "(243)" is whole.
 Words are the tokens of :data:`rag.knowledge.bm25.TOKEN_PATTERN` (a number keeps its decimals).
 
+A hyphenated compound is one word to end at: "Au-198" cannot stop at "Au", nor "greenish-yellow" at "greenish".
+
 Given the question, a span does not start at a word the question holds (case-insensitive): a reader that read "Oxygen
 / ... Discovered in 1774 by Joseph Priestley." must not answer "Who discovered oxygen?" with ``Oxygen``, nor "which
-element has the symbol Y?" with ``Y``. A span may still contain question words after its first. The price: an answer
-that starts with a word of the question (a choice question, "gold or silver?") cannot be given extractively.
+element has the symbol Y?" with ``Y``, unless the word opens a hyphenated compound, which the span then holds whole
+("Which isotope of carbon ...?" -> ``Carbon-14``). A span may still contain question words after its first. The price:
+an answer that starts with a word of the question (a choice question, "gold or silver?") cannot be given
+extractively.
 
 The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
 model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
@@ -40,16 +44,20 @@ def _words(text: str) -> set[str]:
 
 
 def _bounds(text: str, banned: frozenset[str] = frozenset()) -> tuple[str, list[int], set[int]]:
-    """`text`, where a span may start (a word not in `banned`, or a bracket or quote right before one: "(243)") and
-    where it may end (a word's end, or the closing bracket, quote or % right after it)."""
+    """`text`, where a span may start (a word not in `banned`, or the first part of a hyphenated compound, banned or
+    not: "Carbon-14"; or a bracket or quote right before one: "(243)") and where it may end (a word's end, or the
+    closing bracket, quote or % right after it; not inside a hyphenated compound: "Au" of "Au-198")."""
     starts, ends = [], set()
     for m in _WORD.finditer(text):
         s, e = m.span()
-        if m.group().lower() not in banned:
+        joined = text.startswith("-", e) and e + 1 < len(text) and text[e + 1].isalnum()
+        compound_head = joined and (s == 0 or text[s - 1] != "-")
+        if m.group().lower() not in banned or compound_head:
             if s > 0 and text[s - 1] in _OPEN:
                 starts.append(s - 1)
             starts.append(s)
-        ends.add(e)
+        if not joined:
+            ends.add(e)
         if e < len(text) and text[e] in _CLOSE:
             ends.add(e + 1)
     return text, starts, ends

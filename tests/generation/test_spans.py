@@ -95,3 +95,19 @@ def test_an_answer_does_not_start_with_a_word_of_its_question(texts, bpe_tokeniz
     assert takes(ids, question)
     with pytest.raises(ValueError, match="one per context"):
         PassageSpans(texts, [PASSAGE, PASSAGE], ["only one question"])
+
+
+def test_a_hyphenated_compound_is_one_word_to_end_at_and_may_start_with_a_question_word(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    passage = ("Isotopes", "Carbon-14 is used in radioactive dating. Chlorine is a greenish-yellow gas.")
+
+    def takes(answer, question=None):
+        ids = tok(answer, add_special_tokens=False)["input_ids"]
+        return all(allowed_after(texts, ids[:n], [passage], question)[ids[n] if n < len(ids) else eos]
+                   for n in range(len(ids) + 1))
+
+    assert takes("greenish-yellow") and not takes("greenish")  # no stop inside the compound
+    question = "Which isotope of carbon is used to date things?"
+    assert takes("Carbon-14", question)  # a question word may open a compound, held whole
+    assert not takes("Carbon", question)  # but is no answer alone
+    assert not takes("Carbon", None)  # "Carbon" stands only as the head of "Carbon-14" in this passage
