@@ -37,7 +37,7 @@ from rag.training.data import batch_contexts
 from rag.training.distributed import check_same_knowledge_base, knowledge_base_of
 from rag.training.gold_passages import GoldPassages
 from rag.training.reader_modes import ClosedBook, Retrieving, generate_answers
-from rag.training.reading_practice import ReadingPracticeSettings, practice_pool
+from rag.training.reading_practice import ReadingPracticeSettings, fit_to_window, practice_pool
 from rag.training.settings import (
     Decoding,
     Evaluation,
@@ -470,6 +470,8 @@ class RagModule(pl.LightningModule):
             logger.info("reading practice: %d examples (%s), %d per step", len(self._practice), self.practice_settings.source,
                         self.practice_settings.per_step)
         self._fit_windows(pairs)
+        if self._practice:
+            self._fit_practice()
         export_dir = self.hparams.export_dir
         if export_dir and self.trainer.is_global_zero:  # refuse a bad target now, not after the whole run
             check_output_dir(export_dir, True, replaces=lambda p: (p / "rag_config.json").is_file(), kind="RAG model directory",
@@ -503,6 +505,21 @@ class RagModule(pl.LightningModule):
             self._use_windows(chosen)
         if retrieves and zero:
             self._report_cut_prompts_up_front([q for q, _ in pairs], found)
+
+    def _fit_practice(self) -> None:
+        """The reading-practice pool within the run's window (:func:`fit_to_window`): no practice answer is cut from
+        the passage it is read in; one line says how many passages were shortened or examples dropped."""
+        model, window = self._require_model(), self.rag_config.max_context_length
+        size = len(self._practice)
+        self._practice, shortened, dropped = fit_to_window(
+            self._practice, lambda e: len(model.lm.prompt_ids(e.question, [e.passage], model.config)[0]), window)
+        if (shortened or dropped) and self.trainer.is_global_zero:
+            logger.warning("reading practice: %d of %d prompts are longer than rag.max_context_length=%d; %d read as the "
+                           "sentences around their answer that fit, %d dropped (the answer's sentence alone does not fit)",
+                           shortened + dropped, size, window, shortened, dropped)
+        if not self._practice:
+            raise ConfigError(f"reading practice: none of its {size} examples fits rag.max_context_length={window} tokens; "
+                              "raise rag.max_context_length (or set model.windows.max_context_length: auto)")
 
     def _use_windows(self, chosen: dict) -> None:
         """Read with the windows `chosen` (``max_context_length``, ``max_new_tokens``) from now on."""

@@ -29,12 +29,13 @@ the key cut out is a form ("What does {} stand for?") and the text between key a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, Optional, Sequence
+from typing import Callable, Literal, Optional, Sequence
 
 from rag.demo import load_demo_corpus, load_demo_qa
 from rag.demo.reading_practice import ReadingPractice
@@ -43,7 +44,7 @@ from rag.utils.errors import ConfigError
 from rag.utils.validate import check_number
 
 __all__ = ["ReadingPracticeSettings", "PracticeExample", "QuestionForm", "corpus_practice", "cloze_practice",
-           "find_question_forms", "question_form_practice", "practice_pool"]
+           "find_question_forms", "question_form_practice", "fit_to_window", "practice_pool"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +155,10 @@ _PRONOUN = re.compile(r"^(It|Its|This element|The element)\b")
 _FRAGMENT = re.compile(r"^(?:(?:First|Later|Also|Originally|Independently) [a-z]+ed|[A-Z][a-z]+ed)\b")
 _BY_NAME = re.compile(r"^(?P<subject>.+?) (?:was|were) (?P<verb>(?:first |later |also |independently )?[a-z]+ed) by "
                       r"(?P<name>(?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)(?P<rest>.*)$")
+_SUBJECT = re.compile(r"^(?P<subject>[A-Z][\w-]*(?: [\w-]+){0,3}?) (?P<aux>is|are|was|were|has|have) (?P<rest>\w.*)$")
+"""A sentence whose subject is a short noun phrase ("Carbon-14 is commonly used in radioactive dating"): the subject is
+the answer of "What is commonly used in radioactive dating?", the kind of "which isotope / compound / form ...?"
+question whose answer opens the sentence."""
 _CLOZE_SENTENCE = re.compile(r"(?<=[.!?])(?<!\b[A-Z]\.)\s+(?=[A-Z(])")
 """Sentence ends: a period before a capital, not after an initial ("W.H. Wollaston" stays one sentence)."""
 
@@ -200,6 +205,23 @@ def _span_pairs(body: str, title: str) -> list[tuple[str, str]]:
     return out
 
 
+def _subject_pairs(body: str, title: str) -> list[tuple[str, str]]:
+    """Subject cloze of one sentence (`body`): a subject of at most :data:`MAX_SPAN_WORDS` words before its verb
+    ("*Au-198* is used in treating cancer") is the answer of the sentence asked with "what" in its place ("What is
+    used in treating cancer?"); not the passage's title itself, a pronoun or a determiner (those are no answer to
+    read)."""
+    m = _SUBJECT.match(body)
+    if not m:
+        return []
+    subject, rest = m.group("subject"), m.group("rest")
+    words = subject.split()
+    if (len(words) > MAX_SPAN_WORDS or subject.lower() == title.lower() or words[0].lower() in _SPAN_STOP
+            or any(w.lower() in ("which", "that", "who", "whose") for w in words)  # a relative clause: not the subject
+            or subject.lower().startswith(f"{title.lower()}'s") or len(rest.split()) < 3):
+        return []
+    return [(f"What {m.group('aux')} {rest}?", subject)]
+
+
 def _subject(sentence: str, title: str) -> str:
     """`sentence` with a leading pronoun standing for the passage's subject replaced by `title`, and a fragment that
     starts with a participle ("Discovered by ...") given `title` as its subject."""
@@ -229,6 +251,7 @@ def _cloze_pairs(sentence: str, title: str, max_answer_words: int) -> list[tuple
         wh = "what percentage" if unit.strip() in ("%", "percent") else "how many" if "." not in n.group(1) else "what value"
         out.append((body[:n.start()] + wh + body[n.end():] + "?", n.group(1) + unit))
     out.extend(_span_pairs(body, title))
+    out.extend(_subject_pairs(body, title))
     by = _BY_NAME.match(body)
     if by:  # "Oxygen was discovered by Priestley in 1774" -> "Who discovered Oxygen in 1774?"
         out.append((f"Who {by.group('verb')} {by.group('subject')}{by.group('rest')}?", by.group("name")))
@@ -391,6 +414,43 @@ def question_form_practice(passages: Sequence[Passage], pairs: Sequence[tuple[st
         out.append(PracticeExample(form.question(name), answer,
                                    Passage(id=f"practice/{len(out)}", title=p.title, text=text)))
     return out
+
+
+def _excerpt(example: PracticeExample, sentences: Sequence[str], lo: int, hi: int) -> PracticeExample:
+    """`example` read with its passage's sentences ``lo:hi`` alone."""
+    return dataclasses.replace(example, passage=dataclasses.replace(example.passage, text=" ".join(sentences[lo:hi])))
+
+
+def fit_to_window(pool: Sequence[PracticeExample], prompt_length: Callable[[PracticeExample], int],
+                  window: int) -> tuple[list[PracticeExample], int, int]:
+    """`pool` with every example's prompt within `window` tokens and its answer still in its passage.
+
+    A prompt longer than `window` (``prompt_length(example)`` tokens, laid out whole) would lose the end of its
+    passage, and with it, often, the answer: such an example trains the reader to answer what it did not read. Its
+    passage becomes the sentence holding the answer and as many of the sentences around it (after, then before, in
+    turn) as fit; an example whose answer's sentence alone does not fit is dropped. Returns the fitted pool, the
+    number shortened and the number dropped."""
+    out, shortened, dropped = [], 0, 0
+    for e in pool:
+        if prompt_length(e) <= window:
+            out.append(e)
+            continue
+        sentences = _CLOZE_SENTENCE.split(e.passage.text.strip())
+        k = next((i for i, s in enumerate(sentences) if e.answer in s), None)
+        best = _excerpt(e, sentences, k, k + 1) if k is not None else None
+        if best is None or prompt_length(best) > window:
+            dropped += 1
+            continue
+        lo, hi, grow_after = k, k + 1, True
+        while lo > 0 or hi < len(sentences):
+            trial = (lo, hi + 1) if (grow_after and hi < len(sentences)) or lo == 0 else (lo - 1, hi)
+            candidate = _excerpt(e, sentences, *trial)
+            if prompt_length(candidate) > window:
+                break
+            (lo, hi), best, grow_after = trial, candidate, not grow_after
+        out.append(best)
+        shortened += 1
+    return out, shortened, dropped
 
 
 def practice_pool(settings: ReadingPracticeSettings, knowledge_base, tokenizer=None,

@@ -191,3 +191,34 @@ def test_rag_fit_building_its_knowledge_base_from_an_empty_corpus_names_the_opti
     assert status == 2 and len(err) == 1, err
     assert f"model.build_knowledge_base.corpus {empty}: " in err[0] and "contains no documents" in err[0]
     assert not (tmp_path / "kb").exists()
+
+
+def test_subject_cloze_asks_for_the_noun_phrase_a_sentence_opens_with():
+    gold = Passage("elements/gold", "Gold", "Gold is gold colored. Au-198 is used in treating cancer and some other "
+                   "medical conditions. It is the most malleable metal known. La-139 which is stable is common.")
+    pairs = {(e.question, e.answer) for e in cloze_practice([gold], 100)}
+    assert ("What is used in treating cancer and some other medical conditions?", "Au-198") in pairs
+    answers = {a for _, a in pairs}
+    assert "Gold" not in answers and "It" not in answers  # the title itself and a pronoun are no subject to ask for
+    assert not any("which" in a for a in answers)  # a relative clause is cut off no subject
+
+
+def _words_length(e) -> int:
+    return len(e.question.split()) + len(e.passage.text.split())
+
+
+def test_practice_passages_are_fitted_to_the_window_so_no_answer_is_cut():
+    from rag.training.reading_practice import PracticeExample, fit_to_window
+
+    sentences = [f"Sentence {i} says little." for i in range(8)]
+    text = " ".join(sentences[:5] + ["Its answer is welding."] + sentences[5:])
+    long = PracticeExample("What is it?", "welding", Passage("p", "P", text))
+    short = PracticeExample("What is it?", "welding", Passage("q", "Q", "Its answer is welding."))
+    lost = PracticeExample("What is it?", "welding", Passage("r", "R", "A sentence far too long " * 20 + "welding."))
+    fitted, shortened, dropped = fit_to_window([long, short, lost], _words_length, 20)
+    assert (shortened, dropped) == (1, 1) and fitted[1] == short  # what fits is kept as it is
+    cut = fitted[0]
+    assert "Its answer is welding." in cut.passage.text and _words_length(cut) <= 20
+    assert cut.passage.text != text and cut.passage.id == "p"
+    # grown around the answer while it fits: one sentence more (of 4 words) would not
+    assert _words_length(cut) + 4 > 20
