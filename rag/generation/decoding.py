@@ -315,6 +315,18 @@ def _per_doc_terms(token_lp: Tensor, targets: Tensor, log_prior: Tensor, questio
     return summed
 
 
+def _span_held(spans: PassageSpans, cands: Tensor, cand_q: list[int], producers: list[dict], n_docs: int,
+               spec) -> Tensor:
+    """``(C, n_docs)``: whether passage d of candidate c's question holds it as a span, or produced it in its search."""
+    skip = [t for t in (spec.eos, spec.pad) if t is not None]
+    rows = [row[spec.prompt_len:] for row in cands.tolist()]  # the answer, after the search's start tokens
+    held = torch.zeros(len(rows), n_docs, dtype=torch.bool)
+    for c, (q, row) in enumerate(zip(cand_q, rows)):
+        for d in range(n_docs):
+            held[c, d] = d in producers[c] or spans.holds(q * n_docs + d, row, skip)
+    return held.to(cands.device)
+
+
 @torch.no_grad()
 def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
                           config: GenerationConfig = GenerationConfig(),
@@ -359,7 +371,10 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
     (transformers also re-encodes every context once per candidate during rescoring.)
 
     `spans`: extractive decoding, each passage's search only takes spans of that passage
-    (:class:`~rag.generation.spans.PassageSpans`, one entry per context); rescoring is unconstrained.
+    (:class:`~rag.generation.spans.PassageSpans`, one entry per context), and thorough rescoring counts a candidate
+    only under the passages that hold it as a span (and those whose search produced it): the extractive reader gives
+    no probability to an answer its passage does not state, so a name read in a low-prior passage is not credited with
+    the likelihood the model's memory gives it under the passage the question is about.
 
     Returns `GenerationOutput` (`batch * num_return_sequences` rows) with `doc_posteriors` `p(z|x, y)`
     (fast decoding: zero for passages that did not produce `y`).
@@ -415,6 +430,8 @@ def rag_sequence_generate(generator, contexts: Contexts, doc_scores: Tensor,
         token_lp = contexts.teacher_forced(generator, cands, question[:, None] * n_docs + docs, rescore_batch_size,
                                            cross_kv, spec.eos)
         terms = _per_doc_terms(token_lp, cands[:, 1:], cand_prior, question, spec, convention)
+        if spans is not None:  # p(y|x, z) = 0 under a passage whose constrained search cannot give y
+            terms = terms.masked_fill(~_span_held(spans, cands, cand_q, producers, n_docs, spec), -math.inf)
     else:
         own = torch.full((len(cand_q), n_docs), -math.inf, dtype=torch.float32, device=device)
         for c, prod in enumerate(producers):

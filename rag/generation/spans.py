@@ -148,6 +148,17 @@ class PassageSpans:
 
         return allowed
 
+    def holds(self, context: int, ids: Sequence[int], skip: Sequence[int] = ()) -> bool:
+        """Whether the answer `ids` (the tokens in `skip`, e.g. EOS and pad, left out) is a span this context's search
+        could give: it starts where a span may start in one of its texts, continues it exactly and ends where a span
+        may end. A context without passages holds every answer."""
+        texts = self._texts[context]
+        if texts is None:
+            return True
+        answer = self.token_texts.decode([i for i in ids if i not in set(skip)]).strip()
+        return bool(answer) and any(text.startswith(answer, s) and s + len(answer) in ends
+                                    for text, starts, ends in texts for s in starts)
+
     def _next(self, row: list[int], texts) -> tuple[set[int], bool]:
         """Ids that continue a span of `texts` after the generated `row`, and whether the span may end here."""
         tt = self.token_texts

@@ -111,3 +111,14 @@ def test_a_hyphenated_compound_is_one_word_to_end_at_and_may_start_with_a_questi
     assert takes("Carbon-14", question)  # a question word may open a compound, held whole
     assert not takes("Carbon", question)  # but is no answer alone
     assert not takes("Carbon", None)  # "Carbon" stands only as the head of "Carbon-14" in this passage
+
+
+def test_holds_says_whether_an_answer_is_a_span_the_search_could_give(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    spans = PassageSpans(texts, [PASSAGE, None], ["Who discovered tellurium?", "Who discovered tellurium?"])
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert spans.holds(0, ids("Franz Miller") + [eos], skip=[eos])
+    assert not spans.holds(0, ids("Franz Mil"), skip=[eos])  # ends inside a word
+    assert not spans.holds(0, ids("Tellurium"))  # starts with a word of the question
+    assert not spans.holds(0, ids("Priestley"))  # not in the passage
+    assert spans.holds(1, ids("Priestley"))  # a context without passages holds every answer

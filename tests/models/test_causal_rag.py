@@ -302,6 +302,9 @@ def test_extractive_answers_are_word_spans_of_the_passages_read(gpt2_dir, kb_dir
     assert not all(is_span(a.text, a.passages) for a in free)  # the random LM writes text no passage holds
     spans = pipe.generate(QUESTIONS, extractive=True, **opts)
     assert all(a.text and is_span(a.text, a.passages) for a in spans), [a.text for a in spans]
+    if (marginalization, decoding) == ("sequence", "thorough"):  # p(y|x, z) = 0 where z does not state y
+        held = [(p.posterior, is_span(a.text, [p])) for a in spans for p in a.passages]
+        assert all(post == 0.0 for post, ok in held if not ok) and any(post > 0 for post, ok in held if ok)
     # and none starts with a word of its own question
     first = [re.findall(TOKEN_PATTERN, a.text)[0].lower() for a in spans]
     assert not any(w in {x.lower() for x in re.findall(TOKEN_PATTERN, q)} for w, q in zip(first, QUESTIONS)), first
