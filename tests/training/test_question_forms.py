@@ -127,7 +127,8 @@ def test_rag_module_builds_the_pool_from_the_training_pairs(make_module, make_da
     module = make_module(reading_practice={"source": "questions", "per_step": 1, "pool": 10})
     data = make_data()
     pl.Trainer(max_steps=1, limit_val_batches=0, **trainer_kw).fit(module, datamodule=data)
-    assert seen["pairs"] and seen["pairs"][0][0].endswith("?") and len(module._practice) == 10
+    # the pool of 10, less the examples whose answer the model's window cannot hold (fit_to_window)
+    assert seen["pairs"] and seen["pairs"][0][0].endswith("?") and 0 < len(module._practice) <= 10
 
 
 @pytest.mark.parametrize("source", ["corpus", "questions", "elements"])
