@@ -27,7 +27,7 @@ from typing import Optional, Sequence
 
 import rag
 from rag.utils.errors import RagError
-from rag.utils.quiet import one_line_warnings, quiet_libraries
+from rag.utils.quiet import quiet
 from rag.utils.truncation import counting_cut_prompts
 
 LIGHTNING_COMMANDS = ("fit", "validate", "test", "predict")
@@ -163,8 +163,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 # the training loop's bar stays; the libraries' bars, logs and warnings only with -v. Cut reader prompts
                 # are counted, not warned per step: RagModule reports them before training and once per epoch
-                with one_line_warnings(f"rag {rest[0]}", enabled=not verbose), quiet_libraries(not verbose), \
-                        counting_cut_prompts():
+                with quiet(f"rag {rest[0]}", enabled=not verbose), counting_cut_prompts():
                     run_lightning_cli(rest)
             except Exception as e:  # jsonargparse wraps a class's own error in its ValueError: the user's is the cause
                 cause = user_error_in(e)
@@ -212,7 +211,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     command = " ".join(c for c in (args.command, getattr(args, "index_command", None)) if c)
     # rag's warnings one line each, without the source line they were issued from; other packages' warnings, progress
     # bars and log records only with -v (which shows everything as Python and the libraries would)
-    with one_line_warnings(f"rag {command}", enabled=not args.verbose), quiet_libraries(not args.verbose):
+    with quiet(f"rag {command}", enabled=not args.verbose):
         if not args.verbose:
             # A model's own max_context_length shortening its passages (keeping the question) is how it was configured,
             # not news on every run; -v shows it. Questions that are themselves cut still warn.

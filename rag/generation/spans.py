@@ -155,7 +155,8 @@ class PassageSpans:
         texts = self._texts[context]
         if texts is None:
             return True
-        answer = self.token_texts.decode([i for i in ids if i not in set(skip)]).strip()
+        skip = set(skip)
+        answer = self.token_texts.decode([i for i in ids if i not in skip]).strip()
         return bool(answer) and any(text.startswith(answer, s) and s + len(answer) in ends
                                     for text, starts, ends in texts for s in starts)
 

@@ -16,7 +16,7 @@ from rag.cli.train import asks_corpus_only, corpus_only, make_cli
 from rag.knowledge.knowledge_base import KnowledgeBase
 from rag.knowledge.passages import Passage
 from rag.training.data import QADataModule
-from rag.training.reading_practice import ReadingPracticeSettings, cloze_practice
+from rag.training.reading_practice import PracticeExample, ReadingPracticeSettings, cloze_practice, fit_to_window
 from rag.utils.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -208,8 +208,6 @@ def _words_length(e) -> int:
 
 
 def test_practice_passages_are_fitted_to_the_window_so_no_answer_is_cut():
-    from rag.training.reading_practice import PracticeExample, fit_to_window
-
     sentences = [f"Sentence {i} says little." for i in range(8)]
     text = " ".join(sentences[:5] + ["Its answer is welding."] + sentences[5:])
     long = PracticeExample("What is it?", "welding", Passage("p", "P", text))
