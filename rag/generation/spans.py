@@ -16,10 +16,15 @@ element has the symbol Y?" with ``Y``, unless the word opens a hyphenated compou
 an answer that starts with a word of the question (a choice question, "gold or silver?") cannot be given
 extractively.
 
+A span is produced in the tokens the tokenizer gives its text (with or without the space before it: the targets a
+reader is trained on), never in another split of the same characters: a search that took ``f`` + ``lame-proofing``
+for ``flame-proofing`` would score the answer by a tokenization the model never learnt to write (log p -16 where the
+tokenizer's own gives -2.4), and greedy search would spend its one answer on it.
+
 The constraint is a mask over the vocabulary (:attr:`rag.generation.search.SearchSpec.allowed`): scores are the
-model's own log-probabilities, unrenormalised, as for every other constraint of the search. Matching is on text, so
-it holds for any tokenizer whose tokens decode to text; a character split over several byte tokens (rare non-ASCII
-characters) cannot be produced, and an answer stops before it.
+model's own log-probabilities, unrenormalised, as for every other constraint of the search. Where a span may start
+and end is found on the text, so it holds for any tokenizer whose tokens decode to text; a character split over
+several byte tokens (rare non-ASCII characters) cannot be produced, and an answer stops before it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from __future__ import annotations
 import re
 from typing import Callable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -63,6 +69,11 @@ def _bounds(text: str, banned: frozenset[str] = frozenset()) -> tuple[str, list[
     return text, starts, ends
 
 
+SPAN_CHARS = 256
+"""A span is followed for this many characters of its text (then to the next space), far more than an answer's
+``max_new_tokens`` take: where one runs on past it the answer ends there."""
+
+
 class TokenTexts:
     """Every vocabulary id's text as it reads inside a sequence (with its leading space, if any), and the reverse map.
 
@@ -86,6 +97,7 @@ class TokenTexts:
             if text.startswith(head) and len(text) > len(head) and "\ufffd" not in text:
                 self.by_text.setdefault(text[len(head):], []).append(i)
         self.max_len = max(map(len, self.by_text), default=1)
+        self.text_of = {i: text for text, ids in self.by_text.items() for i in ids}
 
     def decode(self, ids: Sequence[int]) -> str:
         # as read, with no "clean-up" of spaces before punctuation, so that the text matches the token texts above
@@ -121,6 +133,7 @@ class PassageSpans:
                 continue
             banned = frozenset(_words(questions[c])) if questions is not None else frozenset()
             self._texts.append([_bounds(t, banned) for t in texts])
+        self._runs: dict[int, dict[int, list[tuple[int, int, tuple[int, ...]]]]] = {}  # per context, built when read
 
     def __len__(self) -> int:
         return len(self._texts)
@@ -128,9 +141,8 @@ class PassageSpans:
     def constraint(self, contexts_of_row: Sequence[Sequence[int]], eos: int) -> Callable[[Tensor, int], Optional[Tensor]]:
         """The :attr:`SearchSpec.allowed` function of a search whose row `r` reads contexts ``contexts_of_row[r]``
         (RAG-Sequence: its own passage; RAG-Token: the question's K passages)."""
-        # per row, once: the texts it reads, or None when one of its contexts read no passage (nothing to take spans from)
-        groups = [None if any(self._texts[c] is None for c in cs) else [t for c in cs for t in self._texts[c]]
-                  for cs in contexts_of_row]
+        # per row, once: whether one of its contexts read no passage (nothing to take spans from)
+        groups = [None if any(self._texts[c] is None for c in cs) else cs for cs in contexts_of_row]
 
         def allowed(generated: Tensor, vocab: int) -> Optional[Tensor]:
             mask = torch.zeros(generated.shape[0], vocab, dtype=torch.bool)
@@ -139,7 +151,7 @@ class PassageSpans:
                 if texts is None or eos in row:  # nothing to take spans from, or finished
                     mask[r] = True
                     continue
-                ok, can_end = self._next(row, texts)
+                ok, can_end = self._next(row, contexts_of_row[r])
                 if ok:
                     mask[r, [i for i in ok if i < vocab]] = True
                 if can_end or not ok:  # an answer with no continuation left ends rather than taking a banned token
@@ -160,23 +172,66 @@ class PassageSpans:
         return bool(answer) and any(text.startswith(answer, s) and s + len(answer) in ends
                                     for text, starts, ends in texts for s in starts)
 
-    def _next(self, row: list[int], texts) -> tuple[set[int], bool]:
-        """Ids that continue a span of `texts` after the generated `row`, and whether the span may end here."""
-        tt = self.token_texts
-        done = tt.decode(row).lstrip() if row else ""
+    def _token_runs(self, context: int) -> dict[int, list[tuple[int, int, tuple[int, ...]]]]:
+        """The context's spans as the tokenizer writes them, keyed by their first id as ``(text index, start, ids)``:
+        for every start of each text, the ids of the text from there (:data:`SPAN_CHARS` characters, to the next
+        space), with and without a space before it; and where the tokenizer joins a word's end to what follows
+        (``(243).`` may read ``(243`` + ``).``), the ids of the span up to that end, tokenized alone."""
+        if context not in self._runs:
+            texts = self._texts[context]
+            pieces = [(t, s, text[s:] if text.find(" ", s + SPAN_CHARS) < 0 else text[s:text.find(" ", s + SPAN_CHARS)])
+                      for t, (text, starts, _) in enumerate(texts) for s in starts]
+            found = self._tokenize(pieces)
+            ends_inside = []  # (t, s, the span to a word end that no token of its run ends at)
+            for (t, s, piece), (_, bounds) in zip(pieces, found[::2]):
+                ends_inside += [(t, s, piece[:e - s]) for e in sorted(texts[t][2]) if s < e <= s + len(piece) and e not in bounds]
+            runs: dict[int, list[tuple[int, int, tuple[int, ...]]]] = {}
+            seen = set()
+            for (t, s, _), (ids, _) in zip([x for x in pieces + ends_inside for _ in (0, 1)],
+                                           found + self._tokenize(ends_inside)):
+                if ids and (t, s, ids) not in seen:
+                    seen.add((t, s, ids))
+                    runs.setdefault(ids[0], []).append((t, s, ids))
+            self._runs[context] = runs
+        return self._runs[context]
+
+    def _tokenize(self, pieces: Sequence[tuple[int, int, str]]) -> list[tuple[tuple[int, ...], set[int]]]:
+        """Each piece's ids without and then with a space before it (up to a special token: a passage's "<|im_end|>" ends
+        it), with the text positions where those ids end (a piece at start `s`: `s` + characters decoded)."""
+        if not pieces:
+            return []
+        tokenizer = self.token_texts.tokenizer
+        special = set(tokenizer.all_special_ids)
+        texts = [pre + piece for _, _, piece in pieces for pre in ("", " ")]
+        ids_of = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        out = []
+        for k, ids in enumerate(ids_of):
+            cut = next((n for n, i in enumerate(ids) if i in special), len(ids))
+            ids = tuple(ids[:cut])
+            s, texts_of = pieces[k // 2][1], [self.token_texts.text_of.get(i) for i in ids]
+            if None in texts_of:  # a token that is part of a character: decode every prefix
+                bounds = {s + len(self.token_texts.decode(ids[:n]).lstrip()) for n in range(1, len(ids) + 1)}
+            else:  # the tokens' texts add up (less the space before the first)
+                lead = len(texts_of[0]) - len(texts_of[0].lstrip()) if texts_of else 0
+                bounds = set((s - lead + np.cumsum([len(x) for x in texts_of])).tolist())
+            out.append((ids, bounds))
+        return out
+
+    def _next(self, row: list[int], contexts: Sequence[int]) -> tuple[set[int], bool]:
+        """Ids that continue a span of the `contexts`' texts, in the tokenizer's own ids, after the generated `row`, and
+        whether the span may end here (where a word ends in the text)."""
         ok: set[int] = set()
         can_end = False
-        for text, starts, ends in texts:
-            for s in starts:
-                if not text.startswith(done, s):
-                    continue
-                e = s + len(done)
-                rest = text[e:e + tt.max_len]
-                if done:
-                    can_end |= e in ends
-                    ok |= tt.continuing(rest)
-                else:  # the first token: its text without leading spaces starts at a word
-                    for j in range(1, len(rest) + 1):
-                        for key in (rest[:j], " " + rest[:j]):
-                            ok.update(tt.by_text.get(key, ()))
+        done = len(self.token_texts.decode(row).lstrip()) if row else 0
+        n = len(row)
+        for c in contexts:
+            runs = self._token_runs(c)
+            if not row:
+                ok.update(runs)
+                continue
+            for t, s, ids in runs.get(row[0], ()):
+                if len(ids) >= n and list(ids[:n]) == row:
+                    can_end |= s + done in self._texts[c][t][2]
+                    if len(ids) > n:
+                        ok.add(ids[n])
         return ok, can_end

@@ -122,3 +122,22 @@ def test_holds_says_whether_an_answer_is_a_span_the_search_could_give(texts, bpe
     assert not spans.holds(0, ids("Tellurium"))  # starts with a word of the question
     assert not spans.holds(0, ids("Priestley"))  # not in the passage
     assert spans.holds(1, ids("Priestley"))  # a context without passages holds every answer
+
+
+def test_a_span_is_written_in_the_tokenizers_own_tokens(texts, bpe_tokenizer):
+    tok, eos = bpe_tokenizer, bpe_tokenizer.eos_token_id
+    for answer in ("Franz Miller", " Franz Miller"):  # with or without the space before it: both are training targets
+        ids = tok(answer, add_special_tokens=False)["input_ids"]
+        assert all(allowed_after(texts, ids[:n])[ids[n] if n < len(ids) else eos] for n in range(len(ids) + 1)), answer
+    # the same characters in another split: "Franz" one letter at a time
+    letters = [texts.by_text[c][0] for c in "Franz"]
+    assert letters != tok("Franz", add_special_tokens=False)["input_ids"]
+    assert not all(allowed_after(texts, letters[:n])[letters[n]] for n in range(len(letters)))
+
+
+def test_a_special_token_in_a_passage_is_never_part_of_an_answer(texts, bpe_tokenizer):
+    tok = bpe_tokenizer
+    passage = ("Notes", "Made by Franz <mask> Miller.")
+    mask_id = tok.convert_tokens_to_ids("<mask>")
+    ids = tok("Franz", add_special_tokens=False)["input_ids"]
+    assert not allowed_after(texts, ids, [passage])[mask_id]
