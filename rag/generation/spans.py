@@ -30,9 +30,9 @@ several byte tokens (rare non-ASCII characters) cannot be produced, and an answe
 from __future__ import annotations
 
 import re
+from itertools import accumulate
 from typing import Callable, Optional, Sequence
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -74,6 +74,12 @@ SPAN_CHARS = 256
 ``max_new_tokens`` take: where one runs on past it the answer ends there."""
 
 
+def _piece(text: str, s: int) -> str:
+    """`text` from `s`: :data:`SPAN_CHARS` characters, then to the next space (or the end)."""
+    cut = text.find(" ", s + SPAN_CHARS)
+    return text[s:] if cut < 0 else text[s:cut]
+
+
 class TokenTexts:
     """Every vocabulary id's text as it reads inside a sequence (with its leading space, if any), and the reverse map.
 
@@ -96,19 +102,11 @@ class TokenTexts:
             text = tokenizer.decode([anchor, i], clean_up_tokenization_spaces=False)
             if text.startswith(head) and len(text) > len(head) and "\ufffd" not in text:
                 self.by_text.setdefault(text[len(head):], []).append(i)
-        self.max_len = max(map(len, self.by_text), default=1)
         self.text_of = {i: text for text, ids in self.by_text.items() for i in ids}
 
     def decode(self, ids: Sequence[int]) -> str:
         # as read, with no "clean-up" of spaces before punctuation, so that the text matches the token texts above
         return self.tokenizer.decode(list(ids), clean_up_tokenization_spaces=False)
-
-    def continuing(self, text: str) -> set[int]:
-        """Ids whose text is a prefix of `text` (non-empty)."""
-        found: set[int] = set()
-        for j in range(1, min(len(text), self.max_len) + 1):
-            found.update(self.by_text.get(text[:j], ()))
-        return found
 
 
 class PassageSpans:
@@ -179,8 +177,7 @@ class PassageSpans:
         (``(243).`` may read ``(243`` + ``).``), the ids of the span up to that end, tokenized alone."""
         if context not in self._runs:
             texts = self._texts[context]
-            pieces = [(t, s, text[s:] if text.find(" ", s + SPAN_CHARS) < 0 else text[s:text.find(" ", s + SPAN_CHARS)])
-                      for t, (text, starts, _) in enumerate(texts) for s in starts]
+            pieces = [(t, s, _piece(text, s)) for t, (text, starts, _) in enumerate(texts) for s in starts]
             found = self._tokenize(pieces)
             ends_inside = []  # (t, s, the span to a word end that no token of its run ends at)
             for (t, s, piece), (_, bounds) in zip(pieces, found[::2]):
@@ -213,7 +210,7 @@ class PassageSpans:
                 bounds = {s + len(self.token_texts.decode(ids[:n]).lstrip()) for n in range(1, len(ids) + 1)}
             else:  # the tokens' texts add up (less the space before the first)
                 lead = len(texts_of[0]) - len(texts_of[0].lstrip()) if texts_of else 0
-                bounds = set((s - lead + np.cumsum([len(x) for x in texts_of])).tolist())
+                bounds = {s - lead + n for n in accumulate(map(len, texts_of))}
             out.append((ids, bounds))
         return out
 
