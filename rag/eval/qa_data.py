@@ -16,7 +16,8 @@ Accepted sources (one per split):
   one question per line and ``X.target`` the answer on the same line. Give the
   ``.source`` path, or ``data_dir`` holding ``{train,val,test}.{source,target}``.
 * ``demo:train`` / ``demo:dev`` / ``demo:test``: the bundled Elements QA splits; ``demo:natural`` and
-  ``demo:natural_dev``: naturally phrased evaluation questions over the same corpus (test and development).
+  ``demo:natural_dev``: naturally phrased evaluation questions over the same corpus (test and development);
+  ``demo:freeform`` and ``demo:freeform_dev``: questions of kinds no training question asks (test and development).
 
 Training uses one ``(question, answer)`` pair per gold answer, as the RAG paper
 does for multi-answer datasets (Lewis et al. 2020, App. B); evaluation keeps one

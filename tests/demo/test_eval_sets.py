@@ -35,10 +35,18 @@ def test_the_development_set_is_what_its_builder_makes():
     assert build() == load_demo_qa("natural_dev")
 
 
-def test_the_freeform_set_asks_what_no_training_question_asks():
-    freeform = load_demo_qa("freeform")
-    assert len(freeform) >= 60
+@pytest.mark.parametrize("name,least", [("freeform", 60), ("freeform_dev", 40)])
+def test_the_freeform_sets_ask_what_no_training_question_asks(name, least):
+    freeform = load_demo_qa(name)
+    assert len(freeform) >= least
     trained_kinds = {r.get("type") for split in ("train", "dev", "test") for r in load_demo_qa(split)}
     assert not trained_kinds & {r["type"] for r in freeform}
-    asked = {r["question"].lower() for name in ("train", "dev", "test", "natural", "natural_dev") for r in load_demo_qa(name)}
+    others = [n for n in ("train", "dev", "test", "natural", "natural_dev", "freeform", "freeform_dev") if n != name]
+    asked = {r["question"].lower() for n in others for r in load_demo_qa(n)}
     assert not asked & {r["question"].lower() for r in freeform}
+
+
+def test_the_freeform_development_set_asks_about_other_elements_in_the_same_kinds():
+    test, dev = load_demo_qa("freeform"), load_demo_qa("freeform_dev")
+    assert not {r["element"] for r in test} & {r["element"] for r in dev}
+    assert {r["type"] for r in dev} <= {r["type"] for r in test}
