@@ -140,8 +140,14 @@ def corpus_practice(passages: Sequence[Passage], n: int, *, seed: int = 0, max_a
 
 
 _YEAR = re.compile(r"\b(?:in|In|by|By|since|until|from|around|about) ((?:1[0-9]|20)[0-9]{2})\b")
-_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)( ?%| percent)?(?![\w.]\w)")
-_NAME = re.compile(r"(?<=\bby )((?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)")
+_NUMBER = re.compile(r"(?<![\w.])(\d+(?:\.\d+)?)( ?%| percent)?(?![\w.]\w)(?![^\W\d_])")
+"""A number standing alone, with its percent sign: not one glued to letters ("157K", "1.39x10^10", "288Uup": a unit, a
+power or a name's part, no answer to ask "how many" of)."""
+_PERSON = (r"(?:(?:[A-Z]\.)+ ?[A-Z][A-Za-z'-]*[a-z]\b|[A-Z][A-Za-z'-]*[a-z]\b)"
+           r"(?: (?:and |de |von |van )?(?:(?:[A-Z]\.)+ ?)?[A-Z][A-Za-z'-]*[a-z]\b)*")
+"""A person's name, whole: initials and a surname ("W.H. Wollaston"), or names with middle initials and particles
+("Martin H. Klaproth", "Carl F. Auer von Welsbach", "Edwin M. McMillan", "Albert Ghiorso and Glenn T. Seaborg")."""
+_NAME = re.compile(rf"(?<=\bby )({_PERSON})")
 _VERB_PREP = re.compile(r"^(?P<subject>[^,]{1,40}?) (?P<aux>is|are|was|were) (?P<verb>(?:commonly |mainly |also |often |widely )?"
                         r"(?:used|found|obtained|separated|produced|made|extracted|named|employed|present|prepared|known)) "
                         r"(?P<prep>in|for|as|from|by|with|on|after|to) (?P<answer>[a-z][\w-]*(?: [\w-]+){0,5}?)"
@@ -154,7 +160,7 @@ MAX_CLOZE_SENTENCE_WORDS = 60
 _PRONOUN = re.compile(r"^(It|Its|This element|The element)\b")
 _FRAGMENT = re.compile(r"^(?:(?:First|Later|Also|Originally|Independently) [a-z]+ed|[A-Z][a-z]+ed)\b")
 _BY_NAME = re.compile(r"^(?P<subject>.+?) (?:was|were) (?P<verb>(?:first |later |also |independently )?[a-z]+ed) by "
-                      r"(?P<name>(?:[A-Z]\.)+ ?[A-Z][a-z]+|[A-Z][a-z]+(?: (?:and |de |von |van )?[A-Z][a-z]+)*)(?P<rest>.*)$")
+                      rf"(?P<name>{_PERSON})(?P<rest>.*)$")
 _SUBJECT = re.compile(r"^(?P<subject>[A-Z][\w-]*(?: [\w-]+){0,3}?) (?P<aux>is|are|was|were|has|have) (?P<rest>\w.*)$")
 """A sentence whose subject is a short noun phrase ("Carbon-14 is commonly used in radioactive dating"): the subject is
 the answer of "What is commonly used in radioactive dating?", the kind of "which isotope / compound / form ...?"
@@ -194,6 +200,8 @@ def _span_pairs(body: str, title: str) -> list[tuple[str, str]]:
         run = toks[i + 1:j]
         if run and word in ("is", "are", "was", "were") and run[0][0].lower().endswith(("ed", "ly")):
             run = []  # "was identified", "is generally": a verb or an adverb, not a noun phrase
+        if run and len(run[-1][0]) == 1 and run[-1][0].isupper() and j < len(toks) and toks[j][0] == ".":
+            run = []  # "by Edwin M. McMillan": a name cut at an initial (the name rule asks for it whole)
         answer = body[run[0][1]:run[-1][2]] if run else ""
         if (run and len(run) <= MAX_SPAN_WORDS and len(answer) >= 2 and len(run) < len(toks) - 3
                 and not any(t[0].lower() in title_words for t in run)

@@ -39,6 +39,17 @@ def test_cloze_pairs_ask_about_a_sentences_year_number_name_and_use():
         assert e.answer in e.passage.text and e.answer not in e.question and e.question.endswith("?")
 
 
+def test_a_name_with_middle_initials_is_asked_whole_and_a_number_glued_to_a_unit_is_not_asked():
+    uranium = Passage("u", "Uranium", "Discovered by Martin H. Klaproth in 1789. First produced by Edwin M. McMillan and "
+                      "P.H. Abelson in 1940. It melts at 1405K. It has 17 isotopes.")
+    pairs = {(e.question, e.answer) for e in cloze_practice([uranium], 100)}
+    assert ("Who discovered Uranium in 1789?", "Martin H. Klaproth") in pairs
+    assert ("Who first produced Uranium in 1940?", "Edwin M. McMillan and P.H. Abelson") in pairs
+    assert ("Uranium has how many isotopes?", "17") in pairs
+    answers = {a for _, a in pairs}
+    assert not answers & {"Martin", "Edwin", "1405", "140"}  # never a first name alone, nor "how many" of "1405K"
+
+
 def test_span_cloze_asks_for_the_noun_phrase_after_a_preposition_article_or_copula():
     tungsten = Passage("elements/tungsten", "Tungsten", "White or grey metallic transition element, formerly called "
                        "wolfram. It is used in lamp filaments. Its most stable isotope is W-184.")
