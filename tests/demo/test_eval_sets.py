@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from rag.demo import EVAL_SETS, load_demo_corpus, load_demo_qa, qa_path
+from rag.demo import EVAL_SETS, SPLITS, load_demo_corpus, load_demo_qa, qa_path
 from rag.eval.metrics import normalize_answer
 
 
@@ -39,9 +39,9 @@ def test_the_development_set_is_what_its_builder_makes():
 def test_the_freeform_sets_ask_what_no_training_question_asks(name, least):
     freeform = load_demo_qa(name)
     assert len(freeform) >= least
-    trained_kinds = {r.get("type") for split in ("train", "dev", "test") for r in load_demo_qa(split)}
+    trained_kinds = {r.get("type") for split in SPLITS for r in load_demo_qa(split)}
     assert not trained_kinds & {r["type"] for r in freeform}
-    others = [n for n in ("train", "dev", "test", "natural", "natural_dev", "freeform", "freeform_dev") if n != name]
+    others = [n for n in (*SPLITS, *EVAL_SETS) if n != name]
     asked = {r["question"].lower() for n in others for r in load_demo_qa(n)}
     assert not asked & {r["question"].lower() for r in freeform}
 
