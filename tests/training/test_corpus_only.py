@@ -231,3 +231,35 @@ def test_practice_passages_are_fitted_to_the_window_so_no_answer_is_cut():
     assert cut.passage.text != text and cut.passage.id == "p"
     # grown around the answer while it fits: one sentence more (of 4 words) would not
     assert _words_length(cut) + 4 > 20
+
+
+def test_a_definition_and_a_sentence_without_its_subject_are_asked_about_the_title():
+    selenium = Passage("elements/selenium", "Selenium", "Symbol: Se. Atomic number: 34. Blue-grey metalloid element, "
+                       "belongs to group 16 of the periodic table. Multiple allotropic forms exist. Chemically resembles "
+                       "sulphur. Forms a number of complexes.")
+    pairs = {(e.question, e.answer) for e in cloze_practice([selenium], 100)}
+    assert ("What is Selenium?", "Blue-grey metalloid element") in pairs  # the first sentence that is not a field
+    assert ("What kind of element is Selenium?", "Blue-grey metalloid") in pairs
+    assert ("What does Selenium chemically resemble?", "sulphur") in pairs  # the unsaid subject named, asked with "does"
+    assert ("What does Selenium belong to group 16 of?", "periodic table") in pairs  # the clause after the definition
+    # "forms a number of complexes": the head of "a number of" is no object to ask for
+    assert not any(q.startswith("What does Selenium form") and a == "number" for q, a in pairs)
+    assert not any(q.startswith("What kind of exist") or a == "Multiple allotropic forms exist" for q, a in pairs)
+    # only the passage's first sentence is its definition: a noun phrase later on is not asked "What is Selenium?"
+    later = Passage("x", "Xenon", "It is a noble gas. Colourless heavy gas.")
+    assert "Colourless heavy gas" not in {a for _, a in cloze_practice([later], 100)}
+
+
+def test_questions_asked_in_place_are_also_asked_wh_word_first():
+    tungsten = Passage("elements/tungsten", "Tungsten", "It is used in lamp filaments. It has many isotopes. It reaches "
+                       "the stratosphere.")
+    pairs = {(e.question, e.answer) for e in cloze_practice([tungsten], 100)}
+    assert {("Tungsten is used in what?", "lamp filaments"), ("What is Tungsten used in?", "lamp filaments")} <= pairs
+    assert ("What does Tungsten reach?", "stratosphere") in pairs  # the verb's base form after "does"
+    gold = {(e.question, e.answer) for e in cloze_practice([Passage("g", "Gold", "It has been proposed as a catalyst.")], 9)}
+    assert ("What has Gold been proposed as?", "catalyst") in gold  # "has been": an auxiliary, not "What does Gold have"
+    # a plural noun opening a sentence is no verb: "Examples include ..." is not asked as "What does X example?"
+    lists = cloze_practice([Passage("c", "container", "Examples include arrays, lists and stacks.")], 9)
+    assert not any(e.question.startswith("What does") for e in lists)
+    for e in cloze_practice([tungsten], 100):
+        assert e.answer in e.passage.text and e.answer not in e.question and e.question.endswith("?")
