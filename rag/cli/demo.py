@@ -25,8 +25,8 @@ DEFAULT_ANSWERS = {  # the examples `rag demo` answers, and their answers as the
     "what is the chemical symbol of mercury?": "Hg",
     "what is the atomic number of lead?": "82",
     "which element has the symbol Cm?": "Curium",
-    # of no trained kind: the prior splits between the Copper and Cuprum passages, the posterior goes to the one that
-    # states it (provenance: the answer is that passage's title)
+    # of no trained kind: the prior splits between the Copper and Cuprum passages, the
+    # posterior goes to the one the answer is read from (provenance: "Known by the Romans as 'cuprum.'" of Copper)
     "What did the Romans call copper?": "Cuprum",
 }
 DEFAULT_QUESTIONS = list(DEFAULT_ANSWERS)
