@@ -109,16 +109,17 @@ by another transformers release is the same base, so they are no part of its ide
 
 
 def _identity_files(root: Path, files: dict) -> dict:
-    """`files` (``{name: {"sha256", "bytes"}}`` of the base directory `root`) as the base's identity: a JSON object's
-    entry is the SHA-256 and size of its canonical form without :data:`_WRITER_KEYS` (its file's own SHA-256 kept as
-    ``file_sha256``); every other file's, its bytes'."""
+    """`files` (``{name: {"sha256", "bytes"}}`` of the base directory `root`) as the base's identity: the entry of a JSON
+    object holding a :data:`_WRITER_KEYS` key is the SHA-256 and size of its canonical form without them (its file's own
+    SHA-256 kept as ``file_sha256``); every other file's, its bytes' (the weights are not read again)."""
     out = {}
     for name, entry in files.items():
         out[name] = dict(entry)
         if not name.endswith(".json"):
             continue
         try:
-            data = json.loads((root / name).read_bytes())
+            raw = (root / name).read_bytes()
+            data = json.loads(raw) if any(k.encode() in raw for k in _WRITER_KEYS) else None
         except (OSError, ValueError):
             continue  # missing or not JSON: its bytes' checksum stands, and loading says what is wrong
         if isinstance(data, dict):
