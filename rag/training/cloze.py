@@ -166,21 +166,22 @@ def _definition_pairs(sentence: str, title: str) -> list[tuple[str, str]]:
     """The definition of a passage (its first sentence, when a noun phrase without a verb: "Blue-white metallic
     element", "Attractive greyish-white metal"), asked as "What is TITLE?" -> the noun phrase, and "What kind of HEAD is
     TITLE?" -> the words before its head noun (dictionaries, glossaries and data sheets open with such a phrase)."""
-    words = [w.strip(",;") for w in sentence.rstrip(".!?").split()]
+    tokens = sentence.rstrip(".!?").split()
+    words = [w.strip(",;") for w in tokens]
     if not words or not sentence[:1].isupper() or any(w.lower() in _AUX for w in words) or _FRAGMENT.match(sentence):
         return []
     phrase = []
-    for w in words:
+    for w, token in zip(words, tokens):
         if w.lower() in _SPAN_STOP or not re.fullmatch(r"[A-Za-z][\w'-]*", w) or w.lower().endswith(("ing", "ed")):
             break
         phrase.append(w)
-        if sentence.split()[len(phrase) - 1].endswith(","):
+        if token.endswith(","):
             break
     if not 2 <= len(phrase) <= MAX_SPAN_WORDS or any(w.lower() in title.lower().split() for w in phrase):
         return []
     following = words[len(phrase)].lower() if len(phrase) < len(words) else ""
     if (following and following not in _SPAN_STOP and not following.endswith(("ing", "ed"))
-            and not sentence.split()[len(phrase) - 1].endswith(",")):
+            and not tokens[len(phrase) - 1].endswith(",")):
         return []  # the phrase runs on into a word it does not name (a verb: "Multiple allotropic forms exist")
     answer = " ".join(phrase)
     return [(f"What is {title}?", answer), (f"What kind of {phrase[-1].lower()} is {title}?", " ".join(phrase[:-1]))]
